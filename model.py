@@ -1,0 +1,342 @@
+"""The Llama 3 family, computed exactly as Hugging Face `transformers`' `LlamaForCausalLM` computes it.
+
+Read top to bottom: config and presets, Hugging Face config.json in and out, RoPE (with the llama3
+frequency scaling), attention (FlashAttention-2 where it applies, PyTorch SDPA elsewhere), the
+decoder block, the model. Module and parameter names are Hugging Face's minus the leading "model."
+(`layers.3.self_attn.q_proj.weight` here is `model.layers.3.self_attn.q_proj.weight` there), so
+import and export are a rename, never a permutation: HF's q/k layout already suits its `rotate_half`
+RoPE, and that is the RoPE used here.
+
+Nothing in this file knows about sharding. `train.py` calls the three pieces the forward is made of
+(`embed`, each block, `head_loss`) with its gather/free logic around each; `Llama.forward` strings the
+same pieces together for one process, which is what the tests compare against Hugging Face.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # FlashAttention-2: CUDA only, optional. Everything works without it through SDPA.
+    from flash_attn import flash_attn_func
+except ImportError:
+    flash_attn_func = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Config and presets
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 512
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    head_dim: int = 0              # 0 means dim // n_heads
+    ffn_dim: int = 768
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # llama3 frequency scaling: {factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings}; None for plain RoPE.
+    rope_scaling: dict | None = None
+    max_seq_len: int = 8192
+    tie_embeddings: bool = False
+    bos_id: int = 1
+    eos_id: int = 2
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            self.head_dim = self.dim // self.n_heads
+
+
+def check_model_config(cfg: ModelConfig) -> list[str]:
+    """Shape problems as messages (empty when fine): heads must divide the width, KV heads the heads."""
+    errors = []
+    if min(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim) < 1:
+        errors.append("model: vocab_size, dim, n_layers, n_heads, n_kv_heads and ffn_dim must all be >= 1")
+    elif cfg.n_heads % cfg.n_kv_heads:
+        errors.append(f"model: n_kv_heads={cfg.n_kv_heads} must divide n_heads={cfg.n_heads}")
+    elif cfg.dim % cfg.n_heads:
+        errors.append(f"model: n_heads={cfg.n_heads} must divide dim={cfg.dim}")
+    if cfg.head_dim % 2:
+        errors.append(f"model: head_dim={cfg.head_dim} must be even for RoPE")
+    return errors
+
+
+LLAMA3_ROPE_SCALING_32 = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=8192)
+LLAMA3_ROPE_SCALING_8 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=8192)
+
+
+def tiny() -> ModelConfig:
+    """~3.4M parameters: trains on a laptop CPU in minutes. Vocabulary fits the built-in byte sample."""
+    return ModelConfig(vocab_size=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
+                       rope_theta=10000.0, max_seq_len=1024, bos_id=256, eos_id=257)
+
+
+def llama3_2_1b() -> ModelConfig:
+    return ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
+                       ffn_dim=8192, rope_scaling=dict(LLAMA3_ROPE_SCALING_32), max_seq_len=131072,
+                       tie_embeddings=True, bos_id=128000, eos_id=128001)
+
+
+def llama3_2_3b() -> ModelConfig:
+    return ModelConfig(vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, head_dim=128,
+                       ffn_dim=8192, rope_scaling=dict(LLAMA3_ROPE_SCALING_32), max_seq_len=131072,
+                       tie_embeddings=True, bos_id=128000, eos_id=128001)
+
+
+def llama3_8b() -> ModelConfig:
+    return ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                       max_seq_len=8192, bos_id=128000, eos_id=128001)
+
+
+def llama3_1_8b() -> ModelConfig:
+    cfg = llama3_8b()
+    cfg.rope_scaling, cfg.max_seq_len = dict(LLAMA3_ROPE_SCALING_8), 131072
+    return cfg
+
+
+def llama3_70b() -> ModelConfig:
+    return ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                       max_seq_len=8192, bos_id=128000, eos_id=128001)
+
+
+def llama3_1_70b() -> ModelConfig:
+    cfg = llama3_70b()
+    cfg.rope_scaling, cfg.max_seq_len = dict(LLAMA3_ROPE_SCALING_8), 131072
+    return cfg
+
+
+PRESETS = {
+    "tiny": tiny,
+    "llama3.2-1b": llama3_2_1b,
+    "llama3.2-3b": llama3_2_3b,
+    "llama3-8b": llama3_8b,
+    "llama3.1-8b": llama3_1_8b,
+    "llama3-70b": llama3_70b,
+    "llama3.1-70b": llama3_1_70b,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face config.json, both forms seen in the wild
+# ----------------------------------------------------------------------------------------------
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """Published Llama 3.x form (`rope_theta` + `rope_scaling`) or the newer `rope_parameters` form."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"config.json: rope type {rope_type!r} is not supported (only default and llama3)")
+    scaling = None
+    if rope_type == "llama3":
+        scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                         "original_max_position_embeddings")}
+    eos = hf.get("eos_token_id", 2)
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim") or 0, ffn_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta), rope_scaling=scaling, max_seq_len=hf.get("max_position_embeddings", 8192),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bos_id=hf.get("bos_token_id", 1),
+        eos_id=eos[0] if isinstance(eos, list) else eos, init_std=hf.get("initializer_range", 0.02))
+
+
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """The published Llama 3.x form, which every transformers version reads."""
+    rope_scaling = None
+    if cfg.rope_scaling:
+        rope_scaling = dict(cfg.rope_scaling, rope_type="llama3")
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_dim, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling, "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "initializer_range": cfg.init_std, "pretraining_tp": 1, "use_cache": True,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE
+# ----------------------------------------------------------------------------------------------
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama 3.1's scaling: long wavelengths are slowed by `factor`, short ones
+    kept, and the band between interpolated smoothly."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if not cfg.rope_scaling:
+        return inv_freq
+    s = cfg.rope_scaling
+    old_len = s["original_max_position_embeddings"]
+    low_freq_wavelen = old_len / s["low_freq_factor"]
+    high_freq_wavelen = old_len / s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s["factor"], inv_freq)
+    smooth = (old_len / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+    smoothed = (1 - smooth) * scaled / s["factor"] + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
+    """cos and sin of shape (B, T, head_dim) in `dtype`, computed in fp32 from integer positions (B, T).
+    Recomputed each forward: it is tiny next to a block, and a cached buffer would be one more tensor to
+    shard or replicate."""
+    inv_freq = rope_inv_freq(cfg).to(positions.device)
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x: (B, T, H, D); cos, sin: (B, T, D)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + rotate_half(x) * sin
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+# ----------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Statistics in fp32 whatever the compute dtype, then back: this is what HF does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def attention(q, k, v):
+    """Causal grouped-query attention. q: (B, T, H, D); k, v: (B, T, KV, D). Returns (B, T, H, D)."""
+    if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        return flash_attn_func(q, k, v, causal=True)  # handles GQA itself, (B, T, H, D) layout
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))   # SDPA wants (B, H, T, D)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.o_proj(attention(q, k, v).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        # Tied (Llama 3.2 1B/3B): the head reuses embed_tokens.weight and has no weight of its own.
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    # The three pieces of the forward. train.py calls them one at a time, gathering each piece's
+    # parameters just before and freeing them just after.
+    def embed(self, tokens):
+        return self.embed_tokens(tokens)
+
+    def head_weight(self):
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, h):
+        return F.linear(self.norm(h), self.head_weight())
+
+    def head_loss(self, h, targets):
+        """Summed cross-entropy over targets != -100, in fp32 (HF upcasts logits before the loss).
+        Summed, not averaged: the trainer divides by the token count of the whole global batch."""
+        logits = self.logits(h).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=-100, reduction="sum")
+
+    def forward(self, tokens, positions=None):
+        """Logits for (B, T) tokens, all in one process: the unsharded reference path."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        h = self.embed(tokens)
+        cos, sin = rope_cos_sin(self.cfg, positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.logits(h)
+
+
+def init_weights_(module: nn.Module, std: float, generator: torch.Generator):
+    """HF's initialisation: normal(0, std) for linear and embedding weights, ones for norms.
+    Applied to one sharding unit at a time, on its full shape, from that unit's own generator: the
+    weights are then the same whatever the world size."""
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)
+            elif isinstance(m, (nn.Linear, nn.Embedding)):
+                m.weight.normal_(0.0, std, generator=generator)
+
+
+def count_params(cfg: ModelConfig) -> dict:
+    """Parameter counts from the shapes alone (no model needed): total and embedding."""
+    d, hd = cfg.dim, cfg.head_dim
+    attn = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
+    block = attn + 3 * d * cfg.ffn_dim + 2 * d
+    embedding = cfg.vocab_size * d
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
+    return {"total": embedding + cfg.n_layers * block + d + head, "embedding": embedding}
+

@@ -1,0 +1,64 @@
+"""Helpers shared by the tests: small configs, Hugging Face reference models, running train.py."""
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import model as M  # noqa: E402
+
+
+def small_config(**overrides) -> M.ModelConfig:
+    """A model small enough for CPU tests that still exercises GQA, several blocks and RoPE."""
+    base = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, norm_eps=1e-5,
+                rope_theta=10000.0, max_seq_len=64, bos_id=1, eos_id=2)
+    base.update(overrides)
+    return M.ModelConfig(**base)
+
+
+def hf_model(cfg: M.ModelConfig, seed: int = 0, hf_config: dict | None = None):
+    """A transformers LlamaForCausalLM with random weights, in float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    hf_cfg = LlamaConfig(**(hf_config or M.config_to_hf(cfg, torch.float32)))
+    hf_cfg._attn_implementation = "eager"
+    ref = LlamaForCausalLM(hf_cfg).float().eval()
+    with torch.no_grad():  # norms start at ones; make them random so a wrong norm weight shows
+        for name, p in ref.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return ref
+
+
+def ours_from_hf(cfg: M.ModelConfig, ref) -> M.Llama:
+    ours = M.Llama(cfg).float()
+    state = {k.removeprefix("model."): v for k, v in ref.state_dict().items()}
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    ours.load_state_dict(state, strict=True)
+    return ours
+
+
+def save_hf(ref, path: str):
+    ref.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def run_train(args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 600, check=True):
+    """Runs train.py under torchrun (gloo, CPU) and returns the CompletedProcess."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(ROOT, "train.py"), *args]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_metrics(out_dir: str) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]

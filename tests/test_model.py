@@ -1,0 +1,61 @@
+"""Model parity: our Llama computes the same logits as transformers' LlamaForCausalLM (fp32, <= 1e-5)."""
+import pytest
+import torch
+from common import M, hf_model, ours_from_hf, small_config
+
+SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("scaling", [None, SCALING])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_logits_match_hf(tied, scaling, kv_heads):
+    cfg = small_config(tie_embeddings=tied, rope_scaling=scaling, n_kv_heads=kv_heads)
+    ref = hf_model(cfg)
+    ours = ours_from_hf(cfg, ref)
+    tokens = torch.randint(0, cfg.vocab_size, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(tokens).logits
+        got = ours(tokens)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _published_form(cfg):
+    d = M.config_to_hf(cfg, torch.float32)
+    assert "rope_parameters" not in d and d["rope_scaling"]["rope_type"] == "llama3"
+    return d
+
+
+def _rope_parameters_form(cfg):
+    d = M.config_to_hf(cfg, torch.float32)
+    d["rope_parameters"] = dict(d.pop("rope_scaling"), rope_theta=d.pop("rope_theta"))
+    return d
+
+
+@pytest.mark.parametrize("make_form", [_published_form, _rope_parameters_form])
+def test_both_config_json_forms(make_form):
+    cfg = small_config(rope_scaling=SCALING, rope_theta=50000.0)
+    hf_dict = make_form(cfg)
+    parsed = M.config_from_hf(hf_dict)
+    assert parsed == cfg
+    ref = hf_model(parsed, hf_config=hf_dict)
+    ours = ours_from_hf(parsed, ref)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 48), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), ref(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_presets_have_published_sizes():
+    total = {name: M.count_params(f())["total"] for name, f in M.PRESETS.items()}
+    assert round(total["llama3-8b"] / 1e9, 2) == 8.03
+    assert round(total["llama3-70b"] / 1e9, 2) == 70.55
+    assert round(total["llama3.2-1b"] / 1e9, 2) == 1.24
+    assert round(total["llama3.2-3b"] / 1e9, 2) == 3.21
+    cfg = M.tiny()
+    assert M.count_params(cfg)["total"] == sum(p.numel() for p in M.Llama(cfg).parameters())
+
+
+def test_bad_shapes_are_reported():
+    assert "n_kv_heads=3 must divide n_heads=4" in M.check_model_config(small_config(n_kv_heads=3))[0]
+    assert "n_heads=5 must divide dim=32" in M.check_model_config(small_config(n_heads=5, n_kv_heads=1))[0]
