@@ -319,18 +319,6 @@ class Llama(nn.Module):
         return self.logits(h)
 
 
-def init_weights_(module: nn.Module, std: float, generator: torch.Generator):
-    """HF's initialisation: normal(0, std) for linear and embedding weights, ones for norms.
-    Applied to one sharding unit at a time, on its full shape, from that unit's own generator: the
-    weights are then the same whatever the world size."""
-    with torch.no_grad():
-        for m in module.modules():
-            if isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
-            elif isinstance(m, (nn.Linear, nn.Embedding)):
-                m.weight.normal_(0.0, std, generator=generator)
-
-
 def count_params(cfg: ModelConfig) -> dict:
     """Parameter counts from the shapes alone (no model needed): total and embedding."""
     d, hd = cfg.dim, cfg.head_dim

@@ -1,0 +1,672 @@
+"""Full-parameter Llama fine-tuning with a hand-written FSDP full shard (ZeRO-3).
+
+Read top to bottom; the sections follow the data:
+  1. config      one dataclass; the command line is generated from its fields
+  2. processes   torch.distributed set-up (NCCL on GPUs, gloo on CPU, also W=1 without torchrun)
+  3. shard       each sharding unit's parameters as one flat fp32 tensor split W ways
+  4. init        materialise one unit at a time: seeded init, or sliced reads of a Hugging Face folder
+  5. step        gather -> compute -> free, forward and backward; reduce-scatter; AdamW on the slices
+  6. export      a Hugging Face folder written one unit at a time
+  7. loop        data, logging (tokens/s/GPU, MFU, memory, ETA), the training loop
+
+Launch recipes (the flags are in TrainConfig below; `python train.py --help` lists them):
+
+  one process, CPU or one GPU:
+      python train.py --model tiny --steps 100
+  one node, 8 GPUs:
+      torchrun --standalone --nproc_per_node 8 train.py --model llama3-8b --init_from /models/Llama-3-8B ...
+  two nodes x 8 GPUs (run on each node, NODE_RANK 0 and 1):
+      torchrun --nnodes 2 --nproc_per_node 8 --node_rank $NODE_RANK --rdzv_backend c10d \\
+          --rdzv_endpoint $MASTER_ADDR:29500 train.py --init_from /models/Llama-3-70B-Instruct ...
+  SLURM (one task per node; launch.sh reads SLURM_* and calls torchrun):
+      srun --nodes 2 --ntasks-per-node 1 ./launch.sh --init_from /models/Llama-3-70B-Instruct ...
+"""
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import data as D
+import model as M
+
+
+# ================================================================================================
+# 1. Config
+# ================================================================================================
+
+def opt(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    model: str = opt("tiny", f"preset: {', '.join(M.PRESETS)} (ignored with --init_from)")
+    init_from: str = opt("", "Hugging Face Llama folder (config.json + *.safetensors) to start from")
+    data: str = opt("sample", "token file (.npy, 1-D) or 'sample' for the built-in byte-level sample")
+    seq_len: int = opt(256, "tokens per training sequence")
+    batch_size: int = opt(16, "global batch in sequences = world size x micro_batch_size x accumulation")
+    micro_batch_size: int = opt(4, "sequences per rank per forward/backward")
+    steps: int = opt(200, "optimizer steps")
+    lr: float = opt(1e-3, "peak learning rate")
+    warmup_steps: int = opt(20, "linear warmup steps")
+    schedule: str = opt("cosine", "after warmup: 'cosine' (to 10%% of --lr at --steps) or 'constant'")
+    weight_decay: float = opt(0.1, "decoupled AdamW weight decay, on matrices only (not norms)")
+    grad_clip: float = opt(1.0, "clip the global gradient L2 norm to this; 0 disables")
+    dtype: str = opt("bfloat16", "compute dtype, 'bfloat16' or 'float32' (master weights and optimizer "
+                                 "state are always fp32)")
+    reduce_dtype: str = opt("float32", "dtype of the gradient reduce-scatter, 'float32' or 'bfloat16'")
+    ac: str = opt("selective", "activation checkpointing per block: 'none', 'full' or 'selective'")
+    prefetch: bool = opt(True, "all-gather the next unit while the current one computes")
+    seed: int = opt(0, "seed for the initial weights and the data order")
+    out_dir: str = opt("out", "folder for metrics.jsonl (and checkpoints)")
+    export_hf: str = opt("", "at the end, write a Hugging Face folder here")
+    export_shard_gb: float = opt(5.0, "largest safetensors file of --export_hf, in GB")
+    log_every: int = opt(1, "print a line every N steps (metrics.jsonl gets every step)")
+    device: str = opt("auto", "'auto' (CUDA when available), 'cuda' or 'cpu'")
+
+
+def parse_args(argv=None) -> TrainConfig:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in fields(TrainConfig):
+        kind = type(f.default)
+        if kind is bool:  # --prefetch false / --prefetch true
+            kind = lambda s: {"true": True, "1": True, "false": False, "0": False}[s.lower()]  # noqa: E731
+        parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=f.metadata["help"])
+    return TrainConfig(**vars(parser.parse_args(argv)))
+
+
+def check_config(cfg: TrainConfig, world: int) -> list[str]:
+    """Every problem with the flags, as one line each, found before any process group exists."""
+    errors = []
+    choices = dict(schedule=("cosine", "constant"), dtype=("bfloat16", "float32"),
+                   reduce_dtype=("float32", "bfloat16"), ac=("none", "full", "selective"),
+                   device=("auto", "cuda", "cpu"))
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            errors.append(f"--{name}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+    for name in ("seq_len", "batch_size", "micro_batch_size", "steps", "log_every"):
+        if getattr(cfg, name) < 1:
+            errors.append(f"--{name}: must be >= 1, got {getattr(cfg, name)}")
+    if cfg.batch_size >= 1 and cfg.micro_batch_size >= 1 and cfg.batch_size % (world * cfg.micro_batch_size):
+        errors.append(f"--batch_size: {cfg.batch_size} is not a multiple of world size x --micro_batch_size "
+                      f"= {world} x {cfg.micro_batch_size} = {world * cfg.micro_batch_size}")
+    if cfg.lr <= 0 or cfg.warmup_steps < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0:
+        errors.append("--lr must be > 0 and --warmup_steps, --weight_decay, --grad_clip >= 0")
+    if not cfg.init_from and cfg.model not in M.PRESETS:
+        errors.append(f"--model: unknown preset {cfg.model!r}; known: {', '.join(M.PRESETS)}")
+    if cfg.init_from and not os.path.isfile(os.path.join(cfg.init_from, "config.json")):
+        errors.append(f"--init_from: {os.path.join(cfg.init_from, 'config.json')} does not exist")
+    if cfg.data != "sample" and not os.path.isfile(cfg.data):
+        errors.append(f"--data: {cfg.data} does not exist")
+    if cfg.export_hf and os.path.isdir(cfg.export_hf) and os.listdir(cfg.export_hf):
+        errors.append(f"--export_hf: {cfg.export_hf} exists and is not empty; remove it or choose another")
+    return errors
+
+
+def model_config(cfg: TrainConfig) -> M.ModelConfig:
+    if cfg.init_from:
+        with open(os.path.join(cfg.init_from, "config.json")) as f:
+            return M.config_from_hf(json.load(f))
+    return M.PRESETS[cfg.model]()
+
+
+# ================================================================================================
+# 2. Processes
+# ================================================================================================
+
+def init_processes(cfg: TrainConfig):
+    """Returns (rank, world, device). Under torchrun RANK/WORLD_SIZE are set; plain `python train.py`
+    gets a one-process group, so the code below never special-cases W = 1."""
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    backend = "nccl" if use_cuda else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+# torch 2.13 renames the two collectives ZeRO-3 is made of; accept both names.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ================================================================================================
+# 3. Shard: one flat fp32 tensor per unit, split W ways
+# ================================================================================================
+#
+# Sharding units: the embedding, each decoder block, and the head (final norm + lm_head). A block is
+# the natural unit: it is the piece of compute a gathered buffer is alive for, and all blocks have
+# the same size, so the buffers in flight are bounded by two blocks. The embedding and the head are
+# separate units because they are the two largest tensors (128K x 8192 each for 70B) and are used at
+# opposite ends of the step. With tied embeddings the head has only the norm and borrows the
+# embedding unit's weight, which the head's backward gathers again.
+#
+# Per parameter, persistent and split W ways: fp32 master + AdamW m + v + fp32 gradient = 16 B / W.
+# Transient: the compute-dtype gathered buffer of the unit(s) running and the one being prefetched.
+
+class Unit:
+    """A sharding unit: its parameters' places in a flat buffer, this rank's slices, and the gathered
+    buffer whose views the modules use while the unit runs."""
+
+    def __init__(self, name, model, param_names, rank, world, device, compute_dtype, reduce_dtype):
+        self.name, self.rank, self.world = name, rank, world
+        self.slots = []  # (module, attribute, full name, shape, offset in the flat buffer)
+        offset = 0
+        for full_name in param_names:
+            module_path, _, attr = full_name.rpartition(".")
+            module = model.get_submodule(module_path)
+            shape = tuple(getattr(module, attr).shape)
+            self.slots.append((module, attr, full_name, shape, offset))
+            offset += math.prod(shape)
+            # The module keeps no parameter of its own: between uses the attribute is a view of a
+            # freed buffer, so nothing of the full model survives outside the gathered unit.
+            delattr(module, attr)
+        self.numel = offset
+        # Pad to a multiple of W: all_gather_into_tensor / reduce_scatter_tensor need equal slices.
+        # The padding is never viewed by a module, so its gradient is exactly zero and it stays zero.
+        self.padded_numel = -(-offset // world) * world
+        self.shard_numel = self.padded_numel // world
+        self.shard_start = rank * self.shard_numel  # this rank's slice of the flat buffer
+
+        f32 = dict(dtype=torch.float32, device=device)
+        self.master_shard = torch.zeros(self.shard_numel, **f32)
+        self.exp_avg = torch.zeros(self.shard_numel, **f32)
+        self.exp_avg_sq = torch.zeros(self.shard_numel, **f32)
+        self.grad_shard = torch.zeros(self.shard_numel, **f32)
+        self.reduce_dtype = reduce_dtype
+        # Weight decay goes on matrices only (norm weights are 1-D): slices of this rank's shard.
+        self.decay_ranges = []
+        for _, _, _, shape, off in self.slots:
+            lo, hi = max(off, self.shard_start), min(off + math.prod(shape), self.shard_start + self.shard_numel)
+            if len(shape) >= 2 and lo < hi:
+                self.decay_ranges.append((lo - self.shard_start, hi - self.shard_start))
+
+        # The gathered buffer: a leaf tensor of the full padded size in the compute dtype, whose storage
+        # is allocated only while the unit is gathered (storage resized to 0 in between, tensor
+        # metadata kept). Autograd accumulates the unit's whole gradient into gathered.grad, one flat
+        # tensor, and the hook below fires once that gradient is complete.
+        self.gathered = torch.empty(self.padded_numel, dtype=compute_dtype, device=device, requires_grad=True)
+        self._storage_bytes = self.gathered.untyped_storage().nbytes()
+        self.gathered.untyped_storage().resize_(0)
+        self.gathered.register_post_accumulate_grad_hook(self._reduce_scatter_grad)
+        self._gather_work = None     # in-flight all-gather
+        self._send = None            # its input, kept alive until it completes
+        self.pending_reduce = []     # in-flight reduce-scatters: (work, output)
+
+    # -- gather / free ---------------------------------------------------------------------------
+    def is_gathered(self) -> bool:
+        return self.gathered.untyped_storage().nbytes() > 0
+
+    def start_gather(self):
+        """Launches the all-gather of this unit into its buffer; returns at once (async)."""
+        if self.is_gathered():
+            return
+        self.gathered.untyped_storage().resize_(self._storage_bytes)
+        self._send = self.master_shard.to(self.gathered.dtype)  # bf16 over the wire: half the bytes
+        # `.data` writes into the same storage without bumping autograd's version counter: the views
+        # saved for backward are then valid again once the buffer is refilled before the unit's backward.
+        self._gather_work = all_gather_flat(self.gathered.data, self._send, async_op=True)
+
+    def wait_gather(self):
+        if not self.is_gathered():
+            self.start_gather()
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work, self._send = None, None
+
+    def free(self):
+        """Releases the gathered buffer. Tensors autograd saved still point at its storage; backward
+        refills that same storage before it reads them."""
+        assert self._gather_work is None, f"{self.name}: freed while its all-gather is in flight"
+        self.gathered.untyped_storage().resize_(0)
+
+    def set_views(self):
+        """Points each module attribute at its piece of the gathered buffer. Called in forward with
+        autograd on, so gradients flow from every use back into `gathered.grad`."""
+        for module, attr, _, shape, offset in self.slots:
+            setattr(module, attr, self.gathered[offset:offset + math.prod(shape)].view(shape))
+
+    # -- gradients ---------------------------------------------------------------------------------
+    def _reduce_scatter_grad(self, gathered):
+        """Autograd hook: this micro-batch's gradient of the whole unit is in gathered.grad. Sum it over
+        ranks into each rank's slice (reduce-scatter), asynchronously, and drop the full gradient.
+        In fp32 by default: summing W bf16 gradients in bf16 would round away small contributions."""
+        grad = gathered.grad.to(self.reduce_dtype)
+        gathered.grad = None
+        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=grad.device)
+        self.pending_reduce.append((reduce_scatter_flat(out, grad, op=dist.ReduceOp.SUM, async_op=True), out, grad))
+
+    def finish_reduce(self):
+        for work, out, _ in self.pending_reduce:
+            work.wait()
+            self.grad_shard.add_(out)  # accumulation over micro-batches, always fp32
+        self.pending_reduce.clear()
+
+    def persistent_bytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.master_shard, self.exp_avg, self.exp_avg_sq, self.grad_shard))
+
+
+def build_units(model: M.Llama, rank, world, device, compute_dtype, reduce_dtype) -> list[Unit]:
+    """embed, layers.0 .. layers.{L-1}, head -- in the order they run."""
+    names = [n for n, _ in model.named_parameters()]
+    groups = [("embed", ["embed_tokens.weight"])]
+    groups += [(f"layers.{i}", [n for n in names if n.startswith(f"layers.{i}.")]) for i in range(len(model.layers))]
+    groups += [("head", [n for n in names if n.startswith(("norm.", "lm_head."))])]
+    return [Unit(g, model, p, rank, world, device, compute_dtype, reduce_dtype) for g, p in groups]
+
+
+# ================================================================================================
+# 4. Init: one unit at a time, never the whole model
+# ================================================================================================
+
+def init_unit_random(unit: Unit, index: int, seed: int, std: float):
+    """HF's init (normal(0, std) matrices, ones for norms) on the unit's full shape from the unit's own
+    generator, then keep this rank's slice: the same weights for every W."""
+    gen = torch.Generator(device=unit.master_shard.device).manual_seed(seed * 100003 + index)
+    full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=unit.master_shard.device)
+    for _, _, _, shape, offset in unit.slots:
+        piece = full[offset:offset + math.prod(shape)]
+        piece.fill_(1.0) if len(shape) == 1 else piece.normal_(0.0, std, generator=gen)
+    unit.master_shard.copy_(full[unit.shard_start:unit.shard_start + unit.shard_numel])
+
+
+def hf_file_of_tensors(folder: str) -> dict:
+    """{HF tensor name: safetensors file} from the index, or from the single model.safetensors."""
+    from safetensors import safe_open
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(folder, "model.safetensors")
+    if not os.path.isfile(single):
+        raise FileNotFoundError(f"--init_from: neither model.safetensors nor model.safetensors.index.json in {folder}")
+    with safe_open(single, framework="pt") as f:
+        return {k: single for k in f.keys()}
+
+
+def hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def load_unit_from_hf(unit: Unit, files: dict, open_files: dict):
+    """Reads only this rank's slice of each parameter (safetensors reads slices without loading the
+    tensor): at most one extra row on each side of the slice is read, then cut away."""
+    from safetensors import safe_open
+    lo_shard, hi_shard = unit.shard_start, unit.shard_start + unit.shard_numel
+    for _, _, name, shape, offset in unit.slots:
+        lo, hi = max(offset, lo_shard), min(offset + math.prod(shape), hi_shard)
+        if lo >= hi:
+            continue
+        key = hf_name(name)
+        if key not in files:
+            raise KeyError(f"--init_from: tensor {key} is missing from the checkpoint")
+        if files[key] not in open_files:
+            open_files[files[key]] = safe_open(files[key], framework="pt")
+        tensor_slice = open_files[files[key]].get_slice(key)
+        if tuple(tensor_slice.get_shape()) != shape:
+            raise ValueError(f"--init_from: {key} in {files[key]} has shape {tuple(tensor_slice.get_shape())}, "
+                             f"config.json implies {shape}")
+        a, b = lo - offset, hi - offset  # flat range within this parameter
+        row = math.prod(shape[1:])       # elements per row (1 for a 1-D norm weight)
+        r0, r1 = a // row, -(-b // row)
+        rows = tensor_slice[r0:r1].reshape(-1)
+        unit.master_shard[lo - lo_shard:hi - lo_shard] = rows[a - r0 * row:b - r0 * row].float()
+
+
+# ================================================================================================
+# 5. Step: the sharded forward/backward and AdamW on the slices
+# ================================================================================================
+
+class BackwardBoundary(torch.autograd.Function):
+    """Identity between two stages. Its backward runs when the gradient w.r.t. this stage's output is
+    complete, i.e. just after the next stage's backward and just before this stage's backward: the
+    moment to free the next stage's buffers, gather this stage's, and prefetch the previous one's."""
+
+    @staticmethod
+    def forward(ctx, x, on_backward):
+        ctx.on_backward = on_backward
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.on_backward()
+        return grad, None
+
+
+# Selective checkpointing: keep what is expensive to recompute (the matmuls' and attention's outputs),
+# recompute what is cheap and memory-hungry (norms, RoPE, SiLU * up, residual adds, casts).
+SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
+for _name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+    if hasattr(torch.ops.aten, _name):
+        SAVED_OPS.add(getattr(torch.ops.aten, _name).default)
+if hasattr(torch.ops, "flash_attn") and hasattr(torch.ops.flash_attn, "_flash_attn_forward"):
+    SAVED_OPS.add(torch.ops.flash_attn._flash_attn_forward.default)
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def run_block(block, ac: str, x, cos, sin):
+    if ac == "none":
+        return block(x, cos, sin)
+    if ac == "full":  # save only the block's input; recompute the whole block in backward
+        return checkpoint(block, x, cos, sin, use_reentrant=False)
+    return checkpoint(block, x, cos, sin, use_reentrant=False,
+                      context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+
+
+def make_stages(model: M.Llama, units: list[Unit], ac: str):
+    """The forward as a list of (function, units it needs in forward, units it needs in backward).
+    The embedding's backward only needs the token ids, so it is not gathered again for backward."""
+    embed, blocks, head = units[0], units[1:-1], units[-1]
+    head_units = [head, embed] if model.cfg.tie_embeddings else [head]
+    stages = [(lambda x, ctx: model.embed(x), [embed], [])]
+    for i, unit in enumerate(blocks):
+        stages.append((lambda x, ctx, i=i: run_block(model.layers[i], ac, x, ctx["cos"], ctx["sin"]), [unit], [unit]))
+    stages.append((lambda x, ctx: model.head_loss(x, ctx["targets"]) / ctx["n_tokens"], head_units, head_units))
+    return stages
+
+
+def _on_backward(stages, k, prefetch):
+    """Backward has finished stage k + 1 and is about to run stage k."""
+    if k + 1 < len(stages):
+        for unit in stages[k + 1][2]:
+            unit.free()
+    for unit in stages[k][2]:
+        unit.wait_gather()
+    if prefetch and k > 0:
+        for unit in stages[k - 1][2]:
+            unit.start_gather()
+
+
+def sharded_loss(stages, tokens, ctx, prefetch: bool):
+    """Forward through all stages, each gathered just before it runs and freed right after, and each
+    wrapped so that its backward gathers it again. Returns this rank's loss (already divided by the
+    global token count). The last stage stays gathered: its backward starts right away."""
+    x = tokens
+    for k, (run, fwd_units, _) in enumerate(stages):
+        for unit in fwd_units:
+            unit.wait_gather()
+            unit.set_views()
+        if prefetch and k + 1 < len(stages):  # the next unit's all-gather overlaps this unit's compute
+            for unit in stages[k + 1][1]:
+                unit.start_gather()
+        x = run(x, ctx)
+        if k + 1 < len(stages):
+            for unit in fwd_units:
+                unit.free()
+        x = BackwardBoundary.apply(x, partial(_on_backward, stages, k, prefetch))
+    return x
+
+
+def global_grad_norm(units: list[Unit]) -> torch.Tensor:
+    """L2 norm over all ranks' slices: local sum of squares, one all-reduce of one scalar. The padding's
+    gradient is exactly zero, so it adds nothing."""
+    sq = torch.stack([u.grad_shard.pow(2).sum() for u in units]).sum()
+    dist.all_reduce(sq)
+    return sq.sqrt()
+
+
+def adamw_step(units: list[Unit], cfg: TrainConfig, lr: float, step: int, grad_scale: float):
+    """torch.optim.AdamW's update, term for term, on this rank's slices (step is 1-based)."""
+    beta1, beta2, eps = 0.9, 0.95, 1e-8
+    bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
+    for u in units:
+        grad = u.grad_shard.mul_(grad_scale) if grad_scale != 1.0 else u.grad_shard
+        for lo, hi in u.decay_ranges:  # decoupled decay, before the Adam update, as torch does
+            u.master_shard[lo:hi].mul_(1 - lr * cfg.weight_decay)
+        u.exp_avg.lerp_(grad, 1 - beta1)
+        u.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (u.exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+        u.master_shard.addcdiv_(u.exp_avg, denom, value=-lr / bias_correction1)
+        u.grad_shard.zero_()
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup to --lr, then cosine to 10% of --lr at --steps (or constant). step is 1-based."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    min_lr = 0.1 * cfg.lr
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def train_step(cfg, units, stages, windows, step, rank, world, device, mcfg):
+    """One optimizer step (0-based `step`): accumulate over micro-batches, clip, AdamW.
+    Returns (loss, grad_norm) as floats."""
+    accum = cfg.batch_size // (world * cfg.micro_batch_size)
+    batches = [windows.micro_batch(step, j, rank, world, cfg.micro_batch_size, cfg.batch_size) for j in range(accum)]
+    # The loss is the mean over every target token of the global batch, so each rank divides its summed
+    # loss by the global count -- not by the number of micro-batches, which would make results depend on W.
+    n_tokens = torch.tensor(float(sum(int((t != -100).sum()) for _, t in batches)), device=device)
+    dist.all_reduce(n_tokens)
+    loss_sum = torch.zeros((), device=device)
+    for inputs, targets in batches:
+        tokens = torch.from_numpy(inputs).to(device)
+        positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+        cos, sin = M.rope_cos_sin(mcfg, positions, units[0].gathered.dtype)
+        ctx = dict(cos=cos, sin=sin, targets=torch.from_numpy(targets).to(device), n_tokens=n_tokens)
+        loss = sharded_loss(stages, tokens, ctx, cfg.prefetch)
+        loss.backward()
+        for u in units:
+            u.finish_reduce()
+        loss_sum += loss.detach().float()
+    dist.all_reduce(loss_sum)
+    grad_norm = global_grad_norm(units)
+    scale = 1.0
+    if cfg.grad_clip > 0:  # as torch.nn.utils.clip_grad_norm_: multiply by min(1, clip / (norm + 1e-6))
+        scale = min(1.0, cfg.grad_clip / (grad_norm.item() + 1e-6))
+    adamw_step(units, cfg, lr_at(cfg, step + 1), step + 1, scale)
+    return loss_sum.item(), grad_norm.item()
+
+
+# ================================================================================================
+# 6. Export: a Hugging Face folder, one unit at a time
+# ================================================================================================
+
+def gather_full_unit(unit: Unit) -> torch.Tensor:
+    """The whole unit in fp32 on every rank (transient: one unit)."""
+    full = torch.empty(unit.padded_numel, dtype=torch.float32, device=unit.master_shard.device)
+    all_gather_flat(full, unit.master_shard)
+    return full
+
+
+def export_hf(units: list[Unit], mcfg: M.ModelConfig, out: str, dtype: torch.dtype, shard_gb: float, rank: int):
+    """config.json + model*.safetensors (+ index when sharded), loadable by from_pretrained. Units are
+    grouped into files of at most `shard_gb`; rank 0 holds at most one file's tensors at a time."""
+    from safetensors.torch import save_file
+    max_bytes = int(shard_gb * 1e9)
+    bytes_per = torch.tensor([], dtype=dtype).element_size()
+    files, size = [[]], 0
+    for unit in units:  # plan the files first so each can be named "-0000i-of-0000n"
+        if files[-1] and size + unit.numel * bytes_per > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(unit)
+        size += unit.numel * bytes_per
+    tmp = out.rstrip("/") + ".partial"
+    if rank == 0:
+        os.makedirs(tmp, exist_ok=True)
+    weight_map, total_bytes = {}, 0
+    for i, file_units in enumerate(files):
+        fname = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        tensors = {}
+        for unit in file_units:
+            full = gather_full_unit(unit)
+            if rank == 0:
+                for _, _, name, shape, offset in unit.slots:
+                    tensors[hf_name(name)] = full[offset:offset + math.prod(shape)].view(shape).to(dtype).cpu().clone()
+            del full
+        if rank == 0:
+            save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in tensors})
+            total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+    if rank == 0:
+        if len(files) > 1:
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(M.config_to_hf(mcfg, dtype), f, indent=2)
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump({"bos_token_id": mcfg.bos_id, "eos_token_id": mcfg.eos_id}, f, indent=2)
+        if os.path.isdir(out):
+            os.rmdir(out)  # checked empty before training started
+        os.replace(tmp, out)  # the folder appears complete or not at all
+    dist.barrier()
+
+
+# ================================================================================================
+# 7. Loop: data, metrics, training
+# ================================================================================================
+
+# Dense BF16 peak FLOP/s by device name (no sparsity). Checked in order; None means unknown (CPU).
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
+                   ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 125e12)]
+
+
+def peak_flops(device: torch.device):
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def flops_per_token(mcfg: M.ModelConfig, seq_len: int) -> float:
+    """6 * (N - embedding) + 12 * L * d * T: weights' matmuls forward and backward, plus attention's
+    QK^T and AV, causal mask not discounted (the PaLM / torchtitan convention)."""
+    counts = M.count_params(mcfg)
+    return 6 * (counts["total"] - counts["embedding"]) + 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
+
+
+def peak_mem_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def fmt_time(seconds: float) -> str:
+    seconds = int(seconds)
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def log_step(cfg, metrics: dict, f):
+    f.write(json.dumps(metrics) + "\n")
+    f.flush()
+    s = metrics["step"]
+    if s % cfg.log_every == 0 or s == cfg.steps:
+        mfu = "n/a" if metrics["mfu"] is None else f"{100 * metrics['mfu']:.1f}%"
+        print(f"step {s}/{cfg.steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
+              f"grad_norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | "
+              f"mfu {mfu} | mem {metrics['mem_gb']:.2f} GB | elapsed {fmt_time(metrics['elapsed_s'])} | "
+              f"eta {fmt_time(metrics['eta_s'])}", flush=True)
+
+
+def fail(message: str):
+    """One line, on every rank, and a non-zero exit: never a traceback wall or a hang."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def setup(cfg: TrainConfig):
+    """Everything before the first step: checks, processes, the model on meta, shards, init, data."""
+    world_env = int(os.environ.get("WORLD_SIZE", 1))
+    errors = check_config(cfg, world_env)
+    mcfg = None
+    if not errors:
+        try:
+            mcfg = model_config(cfg)
+        except (KeyError, ValueError, json.JSONDecodeError) as e:
+            errors.append(f"--init_from: cannot read config.json: {e}")
+    if mcfg is not None:
+        errors += M.check_model_config(mcfg)
+    if errors:
+        fail("; ".join(errors))
+
+    tokens = D.sample_tokens() if cfg.data == "sample" else D.load_tokens(cfg.data)
+    D.check_vocab(tokens, mcfg.vocab_size, cfg.data)
+    windows = D.TokenWindows(tokens, cfg.seq_len, cfg.seed, cfg.data)
+
+    rank, world, device = init_processes(cfg)
+    compute_dtype = getattr(torch, cfg.dtype)
+    with torch.device("meta"):  # shapes only: construction allocates nothing
+        model = M.Llama(mcfg)
+    units = build_units(model, rank, world, device, compute_dtype, getattr(torch, cfg.reduce_dtype))
+    if cfg.init_from:
+        files, open_files = hf_file_of_tensors(cfg.init_from), {}
+        for unit in units:
+            load_unit_from_hf(unit, files, open_files)
+        open_files.clear()
+    else:
+        for i, unit in enumerate(units):
+            init_unit_random(unit, i, cfg.seed, mcfg.init_std)
+    return mcfg, model, units, windows, rank, world, device
+
+
+def main(argv=None):
+    cfg = parse_args(argv)
+    try:
+        mcfg, model, units, windows, rank, world, device = setup(cfg)
+    except (D.DataError, KeyError, ValueError, FileNotFoundError) as e:
+        fail(str(e).strip("'\""))
+    stages = make_stages(model, units, cfg.ac)
+    counts = M.count_params(mcfg)
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    peak = peak_flops(device)
+    if rank == 0:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        state_gib = sum(u.persistent_bytes() for u in units) / 2**30
+        print(f"model {mcfg.n_layers}L d={mcfg.dim} {counts['total'] / 1e6:.1f}M params | world {world} on "
+              f"{device.type} | {len(units)} units | persistent state {state_gib:.3f} GiB/rank | "
+              f"batch {cfg.batch_size} x {cfg.seq_len} = {tokens_per_step:,} tokens/step | "
+              f"accumulation {cfg.batch_size // (world * cfg.micro_batch_size)} | ac {cfg.ac} | {cfg.dtype}",
+              flush=True)
+    metrics_file = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") if rank == 0 else None
+    start = time.perf_counter()
+    for step in range(cfg.steps):
+        t0 = time.perf_counter()
+        loss, grad_norm = train_step(cfg, units, stages, windows, step, rank, world, device, mcfg)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        elapsed = time.perf_counter() - start
+        if rank == 0:
+            tokens_per_sec_per_gpu = tokens_per_step / dt / world
+            log_step(cfg, dict(
+                step=step + 1, loss=loss, lr=lr_at(cfg, step + 1), grad_norm=grad_norm,
+                tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
+                mfu=None if peak is None else tokens_per_sec_per_gpu * flops_per_token(mcfg, cfg.seq_len) / peak,
+                mem_gb=peak_mem_bytes(device) / 1e9, step_time_s=dt, elapsed_s=elapsed,
+                eta_s=elapsed / (step + 1) * (cfg.steps - step - 1)), metrics_file)
+    if cfg.export_hf:
+        export_hf(units, mcfg, cfg.export_hf, getattr(torch, cfg.dtype), cfg.export_shard_gb, rank)
+        if rank == 0:
+            print(f"exported a Hugging Face folder to {cfg.export_hf}", flush=True)
+    if metrics_file:
+        metrics_file.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
