@@ -57,7 +57,7 @@ class TrainConfig:
     seq_len: int = opt(256, "tokens per training sequence")
     batch_size: int = opt(16, "global batch in sequences = world size x micro_batch_size x accumulation")
     micro_batch_size: int = opt(4, "sequences per rank per forward/backward")
-    steps: int = opt(200, "optimizer steps")
+    steps: int = opt(200, "optimizer steps (0: no training, e.g. to convert --init_from to --export_hf)")
     lr: float = opt(1e-3, "peak learning rate")
     warmup_steps: int = opt(20, "linear warmup steps")
     schedule: str = opt("cosine", "after warmup: 'cosine' (to 10%% of --lr at --steps) or 'constant'")
@@ -95,10 +95,13 @@ def check_config(cfg: TrainConfig, world: int) -> list[str]:
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             errors.append(f"--{name}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
-    for name in ("seq_len", "batch_size", "micro_batch_size", "steps", "log_every"):
+    for name in ("seq_len", "batch_size", "micro_batch_size", "log_every"):
         if getattr(cfg, name) < 1:
             errors.append(f"--{name}: must be >= 1, got {getattr(cfg, name)}")
-    if cfg.batch_size >= 1 and cfg.micro_batch_size >= 1 and cfg.batch_size % (world * cfg.micro_batch_size):
+    if cfg.steps < 0:
+        errors.append(f"--steps: must be >= 0 (0 only converts --init_from to --export_hf), got {cfg.steps}")
+    trains = cfg.steps > 0  # --steps 0 converts a checkpoint: no batch, no data
+    if trains and cfg.batch_size >= 1 and cfg.micro_batch_size >= 1 and cfg.batch_size % (world * cfg.micro_batch_size):
         errors.append(f"--batch_size: {cfg.batch_size} is not a multiple of world size x --micro_batch_size "
                       f"= {world} x {cfg.micro_batch_size} = {world * cfg.micro_batch_size}")
     if cfg.lr <= 0 or cfg.warmup_steps < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0:
@@ -107,7 +110,7 @@ def check_config(cfg: TrainConfig, world: int) -> list[str]:
         errors.append(f"--model: unknown preset {cfg.model!r}; known: {', '.join(M.PRESETS)}")
     if cfg.init_from and not os.path.isfile(os.path.join(cfg.init_from, "config.json")):
         errors.append(f"--init_from: {os.path.join(cfg.init_from, 'config.json')} does not exist")
-    if cfg.data != "sample" and not os.path.isfile(cfg.data):
+    if trains and cfg.data != "sample" and not os.path.isfile(cfg.data):
         errors.append(f"--data: {cfg.data} does not exist")
     if cfg.export_hf and os.path.isdir(cfg.export_hf) and os.listdir(cfg.export_hf):
         errors.append(f"--export_hf: {cfg.export_hf} exists and is not empty; remove it or choose another")
@@ -452,9 +455,9 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def train_step(cfg, units, stages, windows, step, rank, world, device, mcfg):
-    """One optimizer step (0-based `step`): accumulate over micro-batches, clip, AdamW.
-    Returns (loss, grad_norm) as floats."""
+def forward_backward(cfg, units, stages, windows, step, rank, world, device, mcfg) -> torch.Tensor:
+    """All micro-batches of optimizer step `step` (0-based): gradients summed into each unit's
+    grad_shard. Returns the global batch's mean loss (identical on every rank)."""
     accum = cfg.batch_size // (world * cfg.micro_batch_size)
     batches = [windows.micro_batch(step, j, rank, world, cfg.micro_batch_size, cfg.batch_size) for j in range(accum)]
     # The loss is the mean over every target token of the global batch, so each rank divides its summed
@@ -473,12 +476,18 @@ def train_step(cfg, units, stages, windows, step, rank, world, device, mcfg):
             u.finish_reduce()
         loss_sum += loss.detach().float()
     dist.all_reduce(loss_sum)
+    return loss_sum
+
+
+def train_step(cfg, units, stages, windows, step, rank, world, device, mcfg):
+    """One optimizer step (0-based `step`): accumulate, clip, AdamW. Returns (loss, grad_norm) floats."""
+    loss = forward_backward(cfg, units, stages, windows, step, rank, world, device, mcfg)
     grad_norm = global_grad_norm(units)
     scale = 1.0
     if cfg.grad_clip > 0:  # as torch.nn.utils.clip_grad_norm_: multiply by min(1, clip / (norm + 1e-6))
         scale = min(1.0, cfg.grad_clip / (grad_norm.item() + 1e-6))
     adamw_step(units, cfg, lr_at(cfg, step + 1), step + 1, scale)
-    return loss_sum.item(), grad_norm.item()
+    return loss.item(), grad_norm.item()
 
 
 # ================================================================================================
@@ -604,9 +613,11 @@ def setup(cfg: TrainConfig):
     if errors:
         fail("; ".join(errors))
 
-    tokens = D.sample_tokens() if cfg.data == "sample" else D.load_tokens(cfg.data)
-    D.check_vocab(tokens, mcfg.vocab_size, cfg.data)
-    windows = D.TokenWindows(tokens, cfg.seq_len, cfg.seed, cfg.data)
+    windows = None
+    if cfg.steps > 0:
+        tokens = D.sample_tokens() if cfg.data == "sample" else D.load_tokens(cfg.data)
+        D.check_vocab(tokens, mcfg.vocab_size, cfg.data)
+        windows = D.TokenWindows(tokens, cfg.seq_len, cfg.seed, cfg.data)
 
     rank, world, device = init_processes(cfg)
     compute_dtype = getattr(torch, cfg.dtype)

@@ -1,0 +1,74 @@
+"""Run under torchrun by the tests: checks that need the trainer's internals, one JSON file per rank.
+
+    torchrun --nproc_per_node W tests/dist_worker.py MODE OUT_DIR [train.py flags...]
+MODE is `memory` (what each rank holds during and after a step) or `ac` (gradients under each --ac).
+"""
+import gc
+import json
+import os
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train as T  # noqa: E402
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage reachable by the garbage collector."""
+    seen, total = set(), 0
+    warnings.simplefilter("ignore", FutureWarning)  # isinstance() pokes deprecated torch attributes
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
+            storage = obj.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+def memory(cfg, mcfg, model, units, windows, rank, world, device):
+    most_gathered = [0]
+    original_start = T.Unit.start_gather
+
+    def counting_start(self):
+        original_start(self)
+        most_gathered[0] = max(most_gathered[0], sum(u.is_gathered() for u in units))
+    T.Unit.start_gather = counting_start
+    stages = T.make_stages(model, units, cfg.ac)
+    for step in range(2):
+        T.train_step(cfg, units, stages, windows, step, rank, world, device, mcfg)
+    gc.collect()
+    return dict(
+        persistent_bytes=sum(u.persistent_bytes() for u in units),
+        padded_numel=sum(u.padded_numel for u in units), numel=sum(u.numel for u in units),
+        shard_numel=[u.shard_numel for u in units],
+        gathered_after_step=[u.name for u in units if u.is_gathered() or u.gathered.grad is not None],
+        module_tensor_bytes=sum(t.untyped_storage().nbytes() for t in list(model.parameters()) + list(model.buffers())),
+        live_tensor_bytes=live_tensor_bytes(), most_gathered_at_once=most_gathered[0],
+        largest_unit_numel=max(u.padded_numel for u in units))
+
+
+def ac(cfg, mcfg, model, units, windows, rank, world, device):
+    grads = {}
+    for mode in ("none", "full", "selective"):
+        stages = T.make_stages(model, units, mode)
+        loss = T.forward_backward(cfg, units, stages, windows, 0, rank, world, device, mcfg)
+        grads[mode] = ([u.grad_shard.clone() for u in units], loss.item())
+        for u in units:
+            u.grad_shard.zero_()
+    base = grads["none"][0]
+    return {mode: dict(loss=loss, grad_sq=sum(g.double().pow(2).sum().item() for g in gs),
+                       max_abs_diff=max((g - b).abs().max().item() for g, b in zip(gs, base)))
+            for mode, (gs, loss) in grads.items()}
+
+
+if __name__ == "__main__":
+    mode, out_dir, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
+    cfg = T.parse_args(flags)
+    mcfg, model, units, windows, rank, world, device = T.setup(cfg)
+    result = {"memory": memory, "ac": ac}[mode](cfg, mcfg, model, units, windows, rank, world, device)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    torch.distributed.destroy_process_group()
