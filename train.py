@@ -167,7 +167,7 @@ class Unit:
     """A sharding unit: its parameters' places in a flat buffer, this rank's slices, and the gathered
     buffer whose views the modules use while the unit runs."""
 
-    def __init__(self, name, model, param_names, rank, world, device, compute_dtype, reduce_dtype):
+    def __init__(self, name, model, param_names, rank, world, device, compute_dtype, reduce_dtype, reduces_in_flight):
         self.name, self.rank, self.world = name, rank, world
         self.slots = []  # (module, attribute, full name, shape, offset in the flat buffer)
         offset = 0
@@ -210,7 +210,7 @@ class Unit:
         self.gathered.register_post_accumulate_grad_hook(self._reduce_scatter_grad)
         self._gather_work = None     # in-flight all-gather
         self._send = None            # its input, kept alive until it completes
-        self.pending_reduce = []     # in-flight reduce-scatters: (work, output)
+        self.reduces_in_flight = reduces_in_flight  # shared by all units, see _reduce_scatter_grad
 
     # -- gather / free ---------------------------------------------------------------------------
     def is_gathered(self) -> bool:
@@ -248,22 +248,32 @@ class Unit:
     # -- gradients ---------------------------------------------------------------------------------
     def _reduce_scatter_grad(self, gathered):
         """Autograd hook: this micro-batch's gradient of the whole unit is in gathered.grad. Sum it over
-        ranks into each rank's slice (reduce-scatter), asynchronously, and drop the full gradient.
-        In fp32 by default: summing W bf16 gradients in bf16 would round away small contributions."""
+        ranks into each rank's slice (reduce-scatter) and drop the full gradient. In fp32 by default:
+        summing W bf16 gradients in bf16 would round away small contributions.
+        Asynchronous, so the previous unit's backward overlaps it, but at most MAX_REDUCES_IN_FLIGHT at a
+        time: each holds a full-unit gradient, and an unbounded queue would hold the whole model's."""
         grad = gathered.grad.to(self.reduce_dtype)
         gathered.grad = None
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=grad.device)
-        self.pending_reduce.append((reduce_scatter_flat(out, grad, op=dist.ReduceOp.SUM, async_op=True), out, grad))
-
-    def finish_reduce(self):
-        for work, out, _ in self.pending_reduce:
-            work.wait()
-            self.grad_shard.add_(out)  # accumulation over micro-batches, always fp32
-        self.pending_reduce.clear()
+        work = reduce_scatter_flat(out, grad, op=dist.ReduceOp.SUM, async_op=True)
+        self.reduces_in_flight.append((self, work, out, grad))
+        finish_reduces(self.reduces_in_flight, keep=MAX_REDUCES_IN_FLIGHT)
 
     def persistent_bytes(self) -> int:
         return sum(t.numel() * t.element_size()
                    for t in (self.master_shard, self.exp_avg, self.exp_avg_sq, self.grad_shard))
+
+
+MAX_REDUCES_IN_FLIGHT = 1
+
+
+def finish_reduces(reduces_in_flight: list, keep: int = 0):
+    """Waits for the oldest reduce-scatters until `keep` remain; adds each result into its unit's slice
+    (accumulation over micro-batches, always fp32) and lets its full-unit gradient go."""
+    while len(reduces_in_flight) > keep:
+        unit, work, out, _ = reduces_in_flight.pop(0)
+        work.wait()
+        unit.grad_shard.add_(out)
 
 
 def build_units(model: M.Llama, rank, world, device, compute_dtype, reduce_dtype) -> list[Unit]:
@@ -272,7 +282,8 @@ def build_units(model: M.Llama, rank, world, device, compute_dtype, reduce_dtype
     groups = [("embed", ["embed_tokens.weight"])]
     groups += [(f"layers.{i}", [n for n in names if n.startswith(f"layers.{i}.")]) for i in range(len(model.layers))]
     groups += [("head", [n for n in names if n.startswith(("norm.", "lm_head."))])]
-    return [Unit(g, model, p, rank, world, device, compute_dtype, reduce_dtype) for g, p in groups]
+    reduces_in_flight = []
+    return [Unit(g, model, p, rank, world, device, compute_dtype, reduce_dtype, reduces_in_flight) for g, p in groups]
 
 
 # ================================================================================================
@@ -472,8 +483,7 @@ def forward_backward(cfg, units, stages, windows, step, rank, world, device, mcf
         ctx = dict(cos=cos, sin=sin, targets=torch.from_numpy(targets).to(device), n_tokens=n_tokens)
         loss = sharded_loss(stages, tokens, ctx, cfg.prefetch)
         loss.backward()
-        for u in units:
-            u.finish_reduce()
+        finish_reduces(units[0].reduces_in_flight)
         loss_sum += loss.detach().float()
     dist.all_reduce(loss_sum)
     return loss_sum

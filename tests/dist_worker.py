@@ -36,6 +36,13 @@ def memory(cfg, mcfg, model, units, windows, rank, world, device):
         original_start(self)
         most_gathered[0] = max(most_gathered[0], sum(u.is_gathered() for u in units))
     T.Unit.start_gather = counting_start
+    most_reduces = [0]
+    original_finish = T.finish_reduces
+
+    def counting_finish(reduces_in_flight, keep=0):
+        most_reduces[0] = max(most_reduces[0], len(reduces_in_flight))
+        original_finish(reduces_in_flight, keep)
+    T.finish_reduces = counting_finish
     stages = T.make_stages(model, units, cfg.ac)
     for step in range(2):
         T.train_step(cfg, units, stages, windows, step, rank, world, device, mcfg)
@@ -47,6 +54,7 @@ def memory(cfg, mcfg, model, units, windows, rank, world, device):
         gathered_after_step=[u.name for u in units if u.is_gathered() or u.gathered.grad is not None],
         module_tensor_bytes=sum(t.untyped_storage().nbytes() for t in list(model.parameters()) + list(model.buffers())),
         live_tensor_bytes=live_tensor_bytes(), most_gathered_at_once=most_gathered[0],
+        most_reduces_in_flight=most_reduces[0], n_units=len(units),
         largest_unit_numel=max(u.padded_numel for u in units))
 
 

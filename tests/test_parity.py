@@ -20,7 +20,7 @@ ARGS = dict(seq_len=SEQ, batch_size=BATCH, steps=STEPS, lr=1e-2, warmup_steps=2,
 def reference_run(init_dir, data_path):
     """The oracle: one process, whole global batch at once, HF model, torch AdamW."""
     from transformers import AutoModelForCausalLM
-    ref = AutoModelForCausalLM.from_pretrained(init_dir, torch_dtype=torch.float32, attn_implementation="eager")
+    ref = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32, attn_implementation="eager")
     params = dict(ref.named_parameters())
     decay = [p for p in params.values() if p.ndim >= 2]
     no_decay = [p for p in params.values() if p.ndim < 2]
@@ -67,7 +67,7 @@ def check_against_reference(out, reference):
         assert math.isclose(m["grad_norm"], norm, rel_tol=1e-4), (m["step"], m["grad_norm"], norm)
     assert max(ref_norms) > CLIP, "the test must exercise clipping"
     from transformers import AutoModelForCausalLM
-    exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"), torch_dtype=torch.float32)
+    exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"), dtype=torch.float32)
     state = exported.state_dict()
     assert set(state) == set(ref_state)
     for name, ref_w in ref_state.items():
