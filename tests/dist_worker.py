@@ -1,7 +1,8 @@
 """Run under torchrun by the tests: checks that need the trainer's internals, one JSON file per rank.
 
     torchrun --nproc_per_node W tests/dist_worker.py MODE OUT_DIR [train.py flags...]
-MODE is `memory` (what each rank holds during and after a step) or `ac` (gradients under each --ac).
+MODE is `memory` (what each rank holds during and after a step), `ac` (gradients under each --ac) or
+`load` (how much of the checkpoint each rank reads).
 """
 import gc
 import json
@@ -72,11 +73,54 @@ def ac(cfg, mcfg, model, units, windows, rank, world, device):
             for mode, (gs, loss) in grads.items()}
 
 
-if __name__ == "__main__":
-    mode, out_dir, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
+def load(flags):
+    """Counts the elements each rank reads from the safetensors files during --init_from."""
+    import safetensors
+    read = [0]
+    real_open = safetensors.safe_open
+
+    class CountingSlice:
+        def __init__(self, s):
+            self.s = s
+
+        def get_shape(self):
+            return self.s.get_shape()
+
+        def __getitem__(self, index):
+            out = self.s[index]
+            read[0] += out.numel()
+            return out
+
+    class CountingFile:
+        def __init__(self, *a, **k):
+            self.f = real_open(*a, **k)
+
+        def get_slice(self, name):
+            return CountingSlice(self.f.get_slice(name))
+
+        def keys(self):
+            return self.f.keys()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+    safetensors.safe_open = CountingFile
     cfg = T.parse_args(flags)
     mcfg, model, units, windows, rank, world, device = T.setup(cfg)
-    result = {"memory": memory, "ac": ac}[mode](cfg, mcfg, model, units, windows, rank, world, device)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    return dict(elements_read=read[0], shard_elements=sum(u.shard_numel for u in units),
+                model_elements=sum(u.numel for u in units), rank=rank, world=world)
+
+
+if __name__ == "__main__":
+    mode, out_dir, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if mode == "load":
+        result = load(flags)
+    else:
+        cfg = T.parse_args(flags)
+        mcfg, model, units, windows, rank, world, device = T.setup(cfg)
+        result = {"memory": memory, "ac": ac}[mode](cfg, mcfg, model, units, windows, rank, world, device)
+    with open(os.path.join(out_dir, f"rank{torch.distributed.get_rank()}.json"), "w") as f:
         json.dump(result, f)
     torch.distributed.destroy_process_group()

@@ -59,3 +59,21 @@ def test_presets_have_published_sizes():
 def test_bad_shapes_are_reported():
     assert "n_kv_heads=3 must divide n_heads=4" in M.check_model_config(small_config(n_kv_heads=3))[0]
     assert "n_heads=5 must divide dim=32" in M.check_model_config(small_config(n_heads=5, n_kv_heads=1))[0]
+
+
+def test_readme_lists_every_flag():
+    import os
+    import train as T
+    from dataclasses import fields
+    readme = open(os.path.join(os.path.dirname(T.__file__), "README.md")).read()
+    missing = [f.name for f in fields(T.TrainConfig) if f"`--{f.name}`" not in readme]
+    assert not missing, missing
+
+
+def test_lr_schedule_warms_up_then_cosines_to_ten_percent():
+    import train as T
+    cfg = T.TrainConfig(lr=1.0, warmup_steps=10, steps=110, schedule="cosine")
+    assert T.lr_at(cfg, 1) == 0.1 and T.lr_at(cfg, 10) == 1.0
+    assert abs(T.lr_at(cfg, 60) - 0.55) < 1e-12 and abs(T.lr_at(cfg, 110) - 0.1) < 1e-12
+    assert all(T.lr_at(cfg, s) > T.lr_at(cfg, s + 1) for s in range(10, 110))
+    assert T.lr_at(T.TrainConfig(lr=2.0, warmup_steps=0, schedule="constant"), 50) == 2.0

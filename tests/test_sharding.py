@@ -86,6 +86,19 @@ def test_hf_round_trip_is_identical(tmp_path, dtype, world, sharded):
         assert torch.equal(got[name], expected[name]), name
 
 
+def test_each_rank_reads_only_its_slice_of_the_checkpoint(tmp_path):
+    """Sliced reads: rank r reads its 1/W of every tensor plus at most two partial rows per tensor, so
+    no rank ever reads the whole model (the property that lets 70B load on 16 GPUs)."""
+    cfg = small_config(dim=64, n_layers=3, ffn_dim=96, vocab_size=256)
+    save_hf(hf_model(cfg), str(tmp_path / "init"))
+    results = run_worker("load", tmp_path, 4, [f"--init_from={tmp_path / 'init'}", "--steps=0"])
+    n_tensors = 2 + 9 * cfg.n_layers + 1
+    for r in results:
+        assert r["elements_read"] >= r["shard_elements"] - 4 * 8  # all of its slice (minus padding)
+        assert r["elements_read"] <= r["shard_elements"] + 2 * n_tensors * cfg.ffn_dim
+        assert r["elements_read"] < r["model_elements"] / 3
+
+
 def test_initial_weights_and_batches_do_not_depend_on_world_size(tmp_path):
     """Seeded per-unit init on the full shape, and a batch order fixed by the seed: W=1 and W=3 export the
     same initial model and log the same first loss."""
