@@ -108,7 +108,7 @@ def load(flags):
             return False
     safetensors.safe_open = CountingFile
     cfg = T.parse_args(flags)
-    mcfg, model, units, windows, rank, world, device = T.setup(cfg)
+    mcfg, model, units, windows, rank, world, device, _ = T.setup(cfg)
     return dict(elements_read=read[0], shard_elements=sum(u.shard_numel for u in units),
                 model_elements=sum(u.numel for u in units), rank=rank, world=world)
 
@@ -119,7 +119,7 @@ if __name__ == "__main__":
         result = load(flags)
     else:
         cfg = T.parse_args(flags)
-        mcfg, model, units, windows, rank, world, device = T.setup(cfg)
+        mcfg, model, units, windows, rank, world, device, _ = T.setup(cfg)
         result = {"memory": memory, "ac": ac}[mode](cfg, mcfg, model, units, windows, rank, world, device)
     with open(os.path.join(out_dir, f"rank{torch.distributed.get_rank()}.json"), "w") as f:
         json.dump(result, f)

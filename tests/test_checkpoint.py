@@ -1,0 +1,228 @@
+"""Checkpoints: atomic saves, bit-exact resume after kill -9, resume at another W, damage, full disk,
+SIGTERM, retention, consolidation to a Hugging Face folder. Multi-process gloo on CPU."""
+import json
+import os
+import pickle
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from common import ROOT, hf_model, read_metrics, run_train, save_hf, small_config
+
+BASE = ["--seq_len=16", "--batch_size=12", "--micro_batch_size=1", "--dtype=float32", "--steps=6",
+        "--lr=3e-3", "--warmup_steps=2", "--seed=1"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    cfg = small_config()
+    init = save_hf(hf_model(cfg, seed=2), str(root / "init"))
+    other = save_hf(hf_model(small_config(n_layers=3)), str(root / "other"))
+    rng = np.random.default_rng(0)
+    data = str(root / "tok.npy")
+    np.save(data, (np.cumsum(rng.integers(1, 4, 4000)) % cfg.vocab_size).astype(np.uint16))
+    return dict(init=init, other=other, data=data)
+
+
+def args(files, out, *extra):
+    return BASE + [f"--init_from={files['init']}", f"--data={files['data']}", f"--out_dir={out}", *extra]
+
+
+@pytest.fixture(scope="module")
+def baseline(files, tmp_path_factory):
+    """An uninterrupted 6-step run at W=2: the losses and final weights every resume must reproduce."""
+    out = tmp_path_factory.mktemp("baseline")
+    run_train(args(files, out, f"--export_hf={out / 'hf'}"), nproc=2)
+    return read_metrics(out), out
+
+
+def ckpts(out):
+    root = os.path.join(out, "checkpoints")
+    return sorted(n for n in os.listdir(root) if n.startswith("step_"))
+
+
+def latest(out):
+    return open(os.path.join(out, "checkpoints", "latest")).read().strip()
+
+
+def exported(path):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def same_losses(got, expected, rel=0.0):
+    assert [m["step"] for m in got] == [m["step"] for m in expected]
+    for g, e in zip(got, expected):
+        assert abs(g["loss"] - e["loss"]) <= rel * abs(e["loss"]), (g["step"], g["loss"], e["loss"])
+        assert abs(g["grad_norm"] - e["grad_norm"]) <= max(rel, 0) * 10 * abs(e["grad_norm"]), g["step"]
+
+
+def test_kill9_mid_step_then_resume_is_bit_for_bit(files, baseline, tmp_path):
+    expected, base_out = baseline
+    cmd = args(files, tmp_path, "--ckpt_every=2", f"--export_hf={tmp_path / 'hf'}")
+    proc = run_train(cmd, nproc=2, env={"ZERO3_FAULT": "kill_mid_step:5"}, check=False)
+    assert proc.returncode != 0 and latest(tmp_path) == "step_00000004"
+    proc = run_train(cmd, nproc=2)  # the same command again: resumes by itself
+    assert "resumed from" in proc.stdout and "at step 4" in proc.stdout
+    same_losses(read_metrics(tmp_path), expected)  # metrics.jsonl holds steps 1..6 once each, exactly equal
+    a, b = exported(tmp_path / "hf"), exported(base_out / "hf")
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_kill9_during_a_save_leaves_the_previous_checkpoint(files, baseline, tmp_path):
+    expected, _ = baseline
+    cmd = args(files, tmp_path, "--ckpt_every=2")
+    proc = run_train(cmd, nproc=2, env={"ZERO3_FAULT": "kill_in_save:4:1"}, check=False)
+    assert proc.returncode != 0
+    assert latest(tmp_path) == "step_00000002" and ckpts(tmp_path) == ["step_00000002"]
+    assert not os.path.exists(tmp_path / "checkpoints" / ".tmp-step_00000004" / "manifest.json")
+    run_train(cmd, nproc=2)
+    same_losses(read_metrics(tmp_path), expected)
+
+
+@pytest.mark.parametrize("first,second", [(4, 2), (2, 3)])
+def test_resume_at_another_world_size(files, baseline, tmp_path, first, second):
+    expected, _ = baseline
+    cmd = args(files, tmp_path, "--ckpt_every=3")
+    assert run_train(cmd, nproc=first, env={"ZERO3_FAULT": "kill_mid_step:4"}, check=False).returncode != 0
+    assert latest(tmp_path) == "step_00000003"
+    proc = run_train(cmd, nproc=second)
+    assert "at step 3" in proc.stdout
+    same_losses(read_metrics(tmp_path), expected, rel=1e-5)  # another reduction order: float32 noise only
+
+
+@pytest.fixture
+def three_checkpoints(files, tmp_path):
+    cmd = args(files, tmp_path, "--ckpt_every=2")
+    run_train(cmd, nproc=2)
+    assert ckpts(tmp_path) == ["step_00000002", "step_00000004", "step_00000006"]
+    return cmd, tmp_path / "checkpoints" / "step_00000006"
+
+
+def flip_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+DAMAGE = {
+    "flipped byte": (lambda d: flip_byte(d / "rank00001-of-00002.safetensors"), "does not match its SHA-256"),
+    "truncated": (lambda d: os.truncate(d / "rank00000-of-00002.safetensors", 1000), "(truncated?)"),
+    "missing rank file": (lambda d: os.remove(d / "rank00001-of-00002.safetensors"), "rank00001-of-00002.safetensors is missing"),
+    "no manifest": (lambda d: os.remove(d / "manifest.json"), "no manifest.json (an unfinished save)"),
+}
+
+
+@pytest.mark.parametrize("kind", list(DAMAGE))
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(three_checkpoints, kind):
+    cmd, newest = three_checkpoints
+    damage, message = DAMAGE[kind]
+    damage(newest)
+    proc = run_train(cmd + ["--steps=7"], nproc=2)
+    assert f"checkpoint {newest}" in proc.stderr and message in proc.stderr, proc.stderr[-3000:]
+    assert "trying the previous checkpoint" in proc.stderr and "at step 4" in proc.stdout
+    out = newest.parent.parent
+    assert latest(out) == "step_00000007" and read_metrics(out)[-1]["step"] == 7
+
+
+def test_checkpoint_of_another_model_is_refused(files, three_checkpoints):
+    cmd, newest = three_checkpoints
+    proc = run_train([a for a in cmd if not a.startswith("--init_from")] + [f"--init_from={files['other']}"],
+                     nproc=2, check=False)
+    assert proc.returncode != 0
+    assert f"checkpoint {newest}: saved for another model (differs in n_layers)" in proc.stderr
+    assert "error: no intact checkpoint in" in proc.stderr
+
+
+class Planted:
+    def __reduce__(self):
+        return (open, (os.environ["PLANTED_MARKER"], "w"))
+
+
+def test_planted_pickle_is_never_unpickled(three_checkpoints, tmp_path):
+    cmd, newest = three_checkpoints
+    marker = tmp_path / "pickle_ran"
+    os.environ["PLANTED_MARKER"] = str(marker)
+    for name in ("optimizer.pt", "rank00000-of-00002.pt", "pytorch_model.bin", "state.pkl"):
+        with open(newest / name, "wb") as f:
+            pickle.dump(Planted(), f)
+    with open(tmp_path / "check", "wb") as f:  # the payload works when unpickled
+        pickle.dump(Planted(), f)
+    pickle.load(open(tmp_path / "check", "rb"))
+    assert marker.exists()
+    marker.unlink()
+    proc = run_train(cmd + ["--steps=7"], nproc=2, env={"PLANTED_MARKER": str(marker)})
+    assert "at step 6" in proc.stdout and not marker.exists()
+
+
+def test_full_disk_keeps_latest_and_says_so(files, tmp_path):
+    cmd = args(files, tmp_path, "--ckpt_every=2")
+    run_train([a for a in cmd if a != "--steps=6"] + ["--steps=2"], nproc=2)
+    assert latest(tmp_path) == "step_00000002"
+
+    def small_disk():  # files may not grow past 100 KB: a checkpoint file is ~190 KB
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+    full = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            os.path.join(ROOT, "train.py"), *cmd]
+    proc = subprocess.run(full, capture_output=True, text=True, timeout=300, preexec_fn=small_disk,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0
+    assert f"error: checkpoint {tmp_path / 'checkpoints' / 'step_00000004'} was not saved" in proc.stderr
+    assert "File too large" in proc.stderr
+    assert latest(tmp_path) == "step_00000002" and ckpts(tmp_path) == ["step_00000002"]
+    assert not os.path.exists(tmp_path / "checkpoints" / ".tmp-step_00000004")
+
+
+def test_sigterm_on_one_rank_saves_and_exits_zero(files, baseline, tmp_path):
+    expected, _ = baseline
+    cmd = args(files, tmp_path)
+    full = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            os.path.join(ROOT, "train.py"), *cmd]
+    env = dict(os.environ, OMP_NUM_THREADS="1", ZERO3_FAULT="slow:0.5")
+    proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (tmp_path / "metrics.jsonl").exists():
+        time.sleep(0.2)
+    while time.time() < deadline and len(open(tmp_path / "metrics.jsonl").readlines()) < 2:
+        time.sleep(0.2)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2
+    os.kill(int(workers[-1]), signal.SIGTERM)  # one rank only: the all-reduce must stop both
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    stopped = int(stdout.split("stopping at step ")[1].split()[0])
+    assert 2 <= stopped < 6 and latest(tmp_path) == f"step_{stopped:08d}"
+    run_train(cmd, nproc=2)
+    same_losses(read_metrics(tmp_path), expected)
+
+
+def test_retention_and_consolidation(files, baseline, tmp_path):
+    expected, base_out = baseline
+    run_train(args(files, tmp_path, "--ckpt_every=1", "--keep_ckpts=2"), nproc=2)
+    assert ckpts(tmp_path) == ["step_00000005", "step_00000006"]
+    # Any checkpoint to a Hugging Face folder, here at W=1: the same weights as the run's own export.
+    run_train([f"--from_ckpt={tmp_path / 'checkpoints' / 'step_00000006'}", f"--export_hf={tmp_path / 'hf'}",
+               "--dtype=float32", f"--out_dir={tmp_path / 'convert'}"], nproc=1)
+    a, b = exported(tmp_path / "hf"), exported(base_out / "hf")
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    with open(tmp_path / "hf" / "config.json") as f:
+        assert json.load(f)["num_hidden_layers"] == 2
+
+
+def test_resume_never_refuses_a_used_folder(files, baseline, tmp_path):
+    _, base_out = baseline
+    proc = run_train(args(files, base_out, "--resume=never"), nproc=2, check=False)
+    assert proc.returncode != 0 and "--resume auto continues from it, --overwrite true deletes them" in proc.stderr
+    out = tmp_path / "fresh"
+    run_train(args(files, out, "--steps=2"), nproc=2)
+    run_train(args(files, out, "--steps=2", "--resume=never", "--overwrite=true"), nproc=2)
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
