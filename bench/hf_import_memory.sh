@@ -22,6 +22,13 @@ model.save_pretrained(sys.argv[1], max_shard_size="400MB")
 PY
 fi
 python3 -c "import numpy as np; np.save('$WORK/tokens.npy', np.random.default_rng(0).integers(0, 32000, 100000).astype(np.uint16))"
+for W in 1 4; do  # --steps 0: only the import (each rank reads its slices), no step
+  rm -rf "$WORK/imp$W"
+  OMP_NUM_THREADS=1 /usr/bin/time -v python3 -m torch.distributed.run --standalone --nproc_per_node $W train.py \
+    --init_from "$WORK/hf" --steps 0 --dtype float32 --out_dir "$WORK/imp$W" >"$WORK/implog$W" 2>&1
+  rss_kib=$(awk '/Maximum resident set size/ {print $6}' "$WORK/implog$W")
+  echo "W=$W  import only (--steps 0): largest process peak RSS $(python3 -c "print(f'{$rss_kib * 1024 / 2**30:.2f}')") GiB"
+done
 for W in 1 4; do
   rm -rf "$WORK/out$W"
   OMP_NUM_THREADS=1 /usr/bin/time -v python3 -m torch.distributed.run --standalone --nproc_per_node $W train.py \

@@ -28,8 +28,11 @@ CASES = [
 def test_bad_flags(tmp_path, flags, message):
     proc = run_train(flags + [f"--out_dir={tmp_path}"], nproc=2, check=False, timeout=120)
     assert proc.returncode != 0
+    # Each rank checks the flags itself before any collective; torchrun stops the other rank as soon as
+    # one exits, so one or two ranks get to print -- the same single line.
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 2 and all(message in line for line in lines), proc.stderr[-3000:]
+    assert 1 <= len(lines) <= 2 and all(message in line for line in lines), proc.stderr[-3000:]
+    assert 'train.py", line' not in proc.stderr  # no traceback out of the trainer, only the line
 
 
 def test_token_beyond_vocabulary(tmp_path, tokens):
