@@ -23,6 +23,7 @@ Launch recipes (the flags are in TrainConfig below; `python train.py --help` lis
 """
 
 import argparse
+import datetime
 import hashlib
 import json
 import math
@@ -78,6 +79,9 @@ class TrainConfig:
     resume: str = opt("auto", "'auto': continue from the newest intact checkpoint in --out_dir; 'never'")
     overwrite: bool = opt(False, "with --resume never: delete --out_dir's checkpoints and metrics first")
     from_ckpt: str = opt("", "a checkpoint folder to load instead of training (use with --export_hf)")
+    max_skipped_steps: int = opt(0, "steps with a non-finite loss or gradient norm to skip before stopping")
+    timeout_min: float = opt(10.0, "a collective waiting longer than this (a dead or hung rank) ends the run")
+    gpu_hour_usd: float = opt(0.0, "price of one GPU-hour: the step line and metrics.jsonl add dollars")
     export_hf: str = opt("", "at the end, write a Hugging Face folder here")
     export_shard_gb: float = opt(5.0, "largest safetensors file of --export_hf, in GB")
     log_every: int = opt(1, "print a line every N steps (metrics.jsonl gets every step)")
@@ -120,6 +124,8 @@ def check_config(cfg: TrainConfig, world: int) -> list[str]:
         errors.append(f"--init_from: {os.path.join(cfg.init_from, 'config.json')} does not exist")
     if trains and cfg.data != "sample" and not os.path.isfile(cfg.data):
         errors.append(f"--data: {cfg.data} does not exist")
+    if cfg.max_skipped_steps < 0 or cfg.timeout_min <= 0 or cfg.gpu_hour_usd < 0:
+        errors.append("--max_skipped_steps and --gpu_hour_usd must be >= 0, --timeout_min > 0")
     if cfg.keep_ckpts < 2 or cfg.ckpt_every < 0:
         errors.append(f"--keep_ckpts must be >= 2 and --ckpt_every >= 0, got {cfg.keep_ckpts}, {cfg.ckpt_every}")
     if cfg.from_ckpt and not os.path.isfile(os.path.join(cfg.from_ckpt, "manifest.json")):
@@ -158,10 +164,14 @@ def init_processes(cfg: TrainConfig):
     if use_cuda:
         torch.cuda.set_device(device)
     backend = "nccl" if use_cuda else "gloo"
+    # A rank that dies or hangs must not leave the others waiting forever: every collective times out
+    # after --timeout_min, and NCCL's async error handling turns that into an exit, not a stuck process.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    timeout = datetime.timedelta(minutes=cfg.timeout_min)
     if "RANK" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -487,9 +497,10 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def forward_backward(cfg, units, stages, windows, step, rank, world, device, mcfg) -> torch.Tensor:
+def forward_backward(cfg, units, stages, windows, step, rank, world, device, mcfg):
     """All micro-batches of optimizer step `step` (0-based): gradients summed into each unit's
-    grad_shard. Returns the global batch's mean loss (identical on every rank)."""
+    grad_shard. Returns the global batch's mean loss (identical on every rank) and whether this rank's
+    own part of it was finite."""
     accum = cfg.batch_size // (world * cfg.micro_batch_size)
     batches = [windows.micro_batch(step, j, rank, world, cfg.micro_batch_size, cfg.batch_size) for j in range(accum)]
     # The loss is the mean over every target token of the global batch, so each rank divides its summed
@@ -503,18 +514,36 @@ def forward_backward(cfg, units, stages, windows, step, rank, world, device, mcf
         cos, sin = M.rope_cos_sin(mcfg, positions, units[0].gathered.dtype)
         ctx = dict(cos=cos, sin=sin, targets=torch.from_numpy(targets).to(device), n_tokens=n_tokens)
         loss = sharded_loss(stages, tokens, ctx, cfg.prefetch)
+        if fault_planned("nan", step + 1, rank):  # as an overflow would: NaN loss and gradients
+            loss = loss * float("nan")
         loss.backward()
         finish_reduces(units[0].reduces_in_flight)
         inject_fault("kill_mid_step", step + 1, rank)
         loss_sum += loss.detach().float()
+    local_finite = bool(torch.isfinite(loss_sum))
     dist.all_reduce(loss_sum)
-    return loss_sum
+    return loss_sum, local_finite
+
+
+class NonFiniteStep(Exception):
+    pass
 
 
 def train_step(cfg, units, stages, windows, step, rank, world, device, mcfg):
-    """One optimizer step (0-based `step`): accumulate, clip, AdamW. Returns (loss, grad_norm) floats."""
-    loss = forward_backward(cfg, units, stages, windows, step, rank, world, device, mcfg)
+    """One optimizer step (0-based `step`): accumulate, clip, AdamW. Returns (loss, grad_norm) floats.
+    A non-finite loss or gradient norm (both already summed over ranks, so every rank sees the same
+    value and takes the same branch) skips the update: the weights and AdamW state stay as they were."""
+    loss, local_finite = forward_backward(cfg, units, stages, windows, step, rank, world, device, mcfg)
     grad_norm = global_grad_norm(units)
+    if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
+        for u in units:
+            u.grad_shard.zero_()
+        finite_by_rank = [None] * world
+        dist.all_gather_object(finite_by_rank, local_finite)
+        bad = [r for r, ok in enumerate(finite_by_rank) if not ok]
+        where = f" (from rank {', '.join(map(str, bad))})" if bad else ""
+        raise NonFiniteStep(f"step {step + 1}: loss {loss.item()}, grad_norm {grad_norm.item()}{where}; "
+                            f"the optimizer step was skipped")
     scale = 1.0
     if cfg.grad_clip > 0:  # as torch.nn.utils.clip_grad_norm_: multiply by min(1, clip / (norm + 1e-6))
         scale = min(1.0, cfg.grad_clip / (grad_norm.item() + 1e-6))
@@ -742,14 +771,26 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: boo
                           f"--resume never --overwrite true starts over")
 
 
-def inject_fault(where: str, step: int, rank: int):
-    """Fault injection for the tests: ZERO3_FAULT=kill_mid_step:5 kills every rank with SIGKILL in the
-    middle of step 5 (kill_mid_step:5:1 only rank 1); kill_in_save:4 during the save of step 4;
-    ZERO3_FAULT=slow:0.5 makes every step half a second slower (time to send a signal)."""
+def fault_planned(kind: str, step: int, rank: int) -> bool:
+    """Fault injection for the tests, from ZERO3_FAULT=KIND:STEP[:RANK] (every rank when RANK is left out):
+    kill_mid_step (SIGKILL in the middle of the step), kill_in_save (during that step's save), nan (this
+    rank's loss becomes NaN). With ZERO3_FAULT_ONCE=FILE a fault fires once: FILE records that it did,
+    so a restarted job runs clean. ZERO3_FAULT=slow:0.5 makes every step half a second slower."""
     spec = os.environ.get("ZERO3_FAULT", "").split(":")
-    if spec[0] == "slow" and where == "kill_mid_step":
+    if spec[0] == "slow" and kind == "kill_mid_step":
         time.sleep(float(spec[1]))
-    if spec[0] == where and int(spec[1]) == step and (len(spec) < 3 or int(spec[2]) == rank):
+    if spec[0] != kind or int(spec[1]) != step or (len(spec) > 2 and int(spec[2]) != rank):
+        return False
+    once = os.environ.get("ZERO3_FAULT_ONCE")
+    if once:
+        if os.path.exists(once):
+            return False
+        open(once, "w").close()
+    return True
+
+
+def inject_fault(kind: str, step: int, rank: int):
+    if fault_planned(kind, step, rank):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -849,10 +890,14 @@ def log_step(cfg, metrics: dict, f):
     s = metrics["step"]
     if s % cfg.log_every == 0 or s == cfg.steps:
         mfu = "n/a" if metrics["mfu"] is None else f"{100 * metrics['mfu']:.1f}%"
-        print(f"step {s}/{cfg.steps} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.2e} | "
-              f"grad_norm {metrics['grad_norm']:.3f} | {metrics['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | "
+        loss = "skipped" if metrics["loss"] is None else f"{metrics['loss']:.4f}"
+        grad_norm = "skipped" if metrics["grad_norm"] is None else f"{metrics['grad_norm']:.3f}"
+        print(f"step {s}/{cfg.steps} | loss {loss} | lr {metrics['lr']:.2e} | "
+              f"grad_norm {grad_norm} | {metrics['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | "
               f"mfu {mfu} | mem {metrics['mem_gb']:.2f} GB | elapsed {fmt_time(metrics['elapsed_s'])} | "
-              f"eta {fmt_time(metrics['eta_s'])}", flush=True)
+              f"eta {fmt_time(metrics['eta_s'])}" +
+              (f" | ${metrics['cost_usd']:,.2f} of ${metrics['projected_cost_usd']:,.2f}" if "cost_usd" in metrics else ""),
+              flush=True)
 
 
 def fail(message: str):
@@ -920,7 +965,8 @@ def open_metrics(cfg, start_step: int):
     with open(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)
-    return open(path, "a")
+    elapsed_before = json.loads(kept[-1])["elapsed_s"] if kept else 0.0  # time spent before a restart
+    return open(path, "a"), elapsed_before
 
 
 def main(argv=None):
@@ -945,31 +991,49 @@ def main(argv=None):
         if start_step:
             print(f"resumed from {os.path.join(cfg.out_dir, 'checkpoints', f'step_{start_step:08d}')} "
                   f"at step {start_step}", flush=True)
-    metrics_file = open_metrics(cfg, start_step) if rank == 0 and steps else None
+    metrics_file, elapsed_before = open_metrics(cfg, start_step) if rank == 0 and steps else (None, 0.0)
 
     # Preemption (SLURM sends SIGTERM, Ctrl-C sends SIGINT): note it, and at the next step boundary all
     # ranks agree through an all-reduce, save, and exit 0. A signal seen by one rank stops every rank.
     stop_requested = torch.zeros((), device=device)
+    def on_signal(sig, _frame):
+        if stop_requested.item():  # a second signal: stop now, without the save
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+        stop_requested.fill_(1.0)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop_requested.fill_(1.0))
+        signal.signal(sig, on_signal)
 
-    start, stopped = time.perf_counter(), False
+    start, stopped, skipped = time.perf_counter(), False, 0
     for step in range(start_step, steps):
         t0 = time.perf_counter()
-        loss, grad_norm = train_step(cfg, units, stages, windows, step, rank, world, device, mcfg)
+        done = step + 1
+        try:
+            loss, grad_norm = train_step(cfg, units, stages, windows, step, rank, world, device, mcfg)
+        except NonFiniteStep as e:
+            skipped += 1
+            if skipped > cfg.max_skipped_steps:
+                fail(f"{e}; stopping after {skipped} such step(s) (--max_skipped_steps {cfg.max_skipped_steps}); "
+                     f"nothing from this step was saved")
+            if rank == 0:
+                print(f"warning: {e} ({skipped} of at most {cfg.max_skipped_steps})", file=sys.stderr, flush=True)
+            loss = grad_norm = None  # null in metrics.jsonl
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
-        elapsed = time.perf_counter() - start
-        done = step + 1
+        elapsed = elapsed_before + time.perf_counter() - start
         if rank == 0:
             tokens_per_sec_per_gpu = tokens_per_step / dt / world
-            log_step(cfg, dict(
+            eta = (time.perf_counter() - start) / (done - start_step) * (steps - done)
+            metrics = dict(
                 step=done, loss=loss, lr=lr_at(cfg, done), grad_norm=grad_norm,
                 tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
                 mfu=None if peak is None else tokens_per_sec_per_gpu * flops_per_token(mcfg, cfg.seq_len) / peak,
-                mem_gb=peak_mem_bytes(device) / 1e9, step_time_s=dt, elapsed_s=elapsed,
-                eta_s=elapsed / (done - start_step) * (steps - done)), metrics_file)
+                mem_gb=peak_mem_bytes(device) / 1e9, step_time_s=dt, elapsed_s=elapsed, eta_s=eta)
+            if cfg.gpu_hour_usd:  # GPU-hours so far (all restarts, downtime excluded) and at the end
+                metrics["cost_usd"] = elapsed / 3600 * world * cfg.gpu_hour_usd
+                metrics["projected_cost_usd"] = (elapsed + eta) / 3600 * world * cfg.gpu_hour_usd
+            log_step(cfg, metrics, metrics_file)
         stop = stop_requested.clone()
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         if stop.item() or done == steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0):

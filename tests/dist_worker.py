@@ -63,7 +63,7 @@ def ac(cfg, mcfg, model, units, windows, rank, world, device):
     grads = {}
     for mode in ("none", "full", "selective"):
         stages = T.make_stages(model, units, mode)
-        loss = T.forward_backward(cfg, units, stages, windows, 0, rank, world, device, mcfg)
+        loss, _ = T.forward_backward(cfg, units, stages, windows, 0, rank, world, device, mcfg)
         grads[mode] = ([u.grad_shard.clone() for u in units], loss.item())
         for u in units:
             u.grad_shard.zero_()

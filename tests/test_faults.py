@@ -1,0 +1,63 @@
+"""Faults end cleanly: a NaN on one rank stops (or, if allowed, skips) the step on every rank; a rank
+killed with SIGKILL ends the job quickly and torchrun's restart resumes it from the checkpoint."""
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from common import ROOT, hf_model, read_metrics, run_train, save_hf, small_config
+
+BASE = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=float32", "--steps=6", "--lr=3e-3",
+        "--warmup_steps=2", "--seed=4", "--timeout_min=1"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    cfg = small_config()
+    init = save_hf(hf_model(cfg, seed=3), str(root / "init"))
+    data = str(root / "tok.npy")
+    np.save(data, (np.arange(3000) * 5 % cfg.vocab_size).astype(np.uint16))
+    return [f"--init_from={init}", f"--data={data}"]
+
+
+def test_nan_on_one_rank_stops_every_rank_naming_the_step(files, tmp_path):
+    proc = run_train(BASE + files + [f"--out_dir={tmp_path}"], nproc=2, env={"ZERO3_FAULT": "nan:3:1"}, check=False)
+    assert proc.returncode != 0
+    assert "error: step 3: loss nan, grad_norm nan (from rank 1); the optimizer step was skipped" in proc.stderr
+    assert "nothing from this step was saved" in proc.stderr
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
+    assert not os.path.exists(tmp_path / "checkpoints")  # the bad state is never checkpointed
+
+
+def test_nan_step_is_skipped_when_allowed(files, tmp_path):
+    clean = tmp_path / "clean"
+    run_train(BASE + files + [f"--out_dir={clean}"], nproc=2)
+    proc = run_train(BASE + files + [f"--out_dir={tmp_path / 'nan'}", "--max_skipped_steps=1"], nproc=2,
+                     env={"ZERO3_FAULT": "nan:3:0"})
+    assert "warning: step 3: loss nan" in proc.stderr
+    got, ref = read_metrics(tmp_path / "nan"), read_metrics(clean)
+    assert got[2]["loss"] is None and got[2]["grad_norm"] is None
+    assert [m["loss"] for m in got[:2]] == [m["loss"] for m in ref[:2]]
+    # Step 3's update was skipped, so step 4 sees other weights than in the clean run -- but it trains on.
+    assert got[3]["loss"] != ref[3]["loss"] and all(m["loss"] is not None for m in got[3:])
+
+
+def test_killed_rank_ends_the_job_and_the_restart_resumes(files, tmp_path):
+    cmd = BASE + files + [f"--out_dir={tmp_path / 'run'}", "--ckpt_every=2"]
+    ref_out = tmp_path / "ref"
+    run_train(BASE + files + [f"--out_dir={ref_out}"], nproc=2)
+    t0 = time.time()
+    proc = run_train(cmd, nproc=2, env={"ZERO3_FAULT": "kill_mid_step:3:1"}, check=False)
+    assert proc.returncode != 0 and time.time() - t0 < 60  # the survivor did not wait out a hang
+    # launch.sh starts the job again after a crash, and it resumes with no human.
+    once = tmp_path / "fired"
+    env = dict(os.environ, NPROC_PER_NODE="2", MAX_RESTARTS="1", PYTHON=sys.executable, OMP_NUM_THREADS="1",
+               ZERO3_FAULT="kill_mid_step:5:0", ZERO3_FAULT_ONCE=str(once))
+    proc = subprocess.run([os.path.join(ROOT, "launch.sh"), *cmd], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert once.exists() and "launch.sh: torchrun exited with 1; restart 1 of 1" in proc.stderr
+    assert "at step 4" in proc.stdout
+    assert [m["loss"] for m in read_metrics(tmp_path / "run")] == [m["loss"] for m in read_metrics(ref_out)]
