@@ -132,6 +132,13 @@ def check_config(cfg: TrainConfig, world: int) -> list[str]:
         errors.append(f"--from_ckpt: {os.path.join(cfg.from_ckpt, 'manifest.json')} does not exist")
     if cfg.from_ckpt and not cfg.export_hf:
         errors.append("--from_ckpt: give --export_hf DIR too (a checkpoint is loaded to be exported)")
+    try:  # writable now, not after a day of training
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        probe = os.path.join(cfg.out_dir, f".write-test-{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        errors.append(f"--out_dir: {cfg.out_dir} is not writable ({e.strerror})")
     used = [n for n in ("checkpoints", "metrics.jsonl") if os.path.exists(os.path.join(cfg.out_dir, n))]
     if trains and cfg.resume == "never" and used and not cfg.overwrite:
         errors.append(f"--out_dir: {cfg.out_dir} already holds {' and '.join(used)}; --resume auto continues "

@@ -21,12 +21,17 @@ CASES = [
     (["--ac=some"], "--ac: 'some' is not one of none, full, selective"),
     (["--dtype=float16"], "--dtype: 'float16' is not one of bfloat16, float32"),
     (["--seq_len=0"], "--seq_len: must be >= 1"),
+    (["--out_dir=/proc/version/out"], "--out_dir: /proc/version/out is not writable"),
+    (["--keep_ckpts=1"], "--keep_ckpts must be >= 2"),
+    (["--resume=maybe"], "--resume: 'maybe' is not one of auto, never"),
+    (["--from_ckpt=/nonexistent"], "--from_ckpt: /nonexistent/manifest.json does not exist"),
 ]
 
 
 @pytest.mark.parametrize("flags,message", CASES, ids=[c[0][0].split("=")[0] for c in CASES])
 def test_bad_flags(tmp_path, flags, message):
-    proc = run_train(flags + [f"--out_dir={tmp_path}"], nproc=2, check=False, timeout=120)
+    out = [] if any(f.startswith("--out_dir") for f in flags) else [f"--out_dir={tmp_path}"]
+    proc = run_train(flags + out, nproc=2, check=False, timeout=120)
     assert proc.returncode != 0
     # Each rank checks the flags itself before any collective; torchrun stops the other rank as soon as
     # one exits, so one or two ranks get to print -- the same single line.
