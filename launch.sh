@@ -6,7 +6,8 @@
 #   NNODES=2 MASTER_ADDR=node0 ./launch.sh --init_from /models/Llama-3-70B-Instruct ...
 #                                        run the same command on every node (c10d rendezvous on MASTER_ADDR)
 #   srun --nodes 2 --ntasks-per-node 1 ./launch.sh ...
-#                                        under SLURM: NNODES and MASTER_ADDR come from the job
+#                                        under SLURM: NNODES and MASTER_ADDR come from the job (launch.sbatch)
+#   ./launch.sh --check                  all-reduce bus bandwidth across the same ranks (bench/comm_check.py)
 # Overridable: NPROC_PER_NODE, NNODES, MASTER_ADDR, MASTER_PORT (29500), RDZV_ID, MAX_RESTARTS (3), PYTHON.
 #
 # Restarts: when a rank crashes, torchrun stops the others and exits non-zero; this script then starts
@@ -45,6 +46,9 @@ else
 fi
 
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+if [ "${1:-}" = "--check" ]; then
+  exec "$PYTHON" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc_per_node "$NPROC_PER_NODE" bench/comm_check.py
+fi
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 for attempt in $(seq 0 "$MAX_RESTARTS"); do
   status=0

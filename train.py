@@ -82,6 +82,8 @@ class TrainConfig:
     max_skipped_steps: int = opt(0, "steps with a non-finite loss or gradient norm to skip before stopping")
     timeout_min: float = opt(10.0, "a collective waiting longer than this (a dead or hung rank) ends the run")
     gpu_hour_usd: float = opt(0.0, "price of one GPU-hour: the step line and metrics.jsonl add dollars")
+    tensorboard: bool = opt(False, "also log to OUT_DIR/tensorboard (needs the tensorboard package)")
+    plot: str = opt("", "only plot: write DIR/metrics.png from DIR/metrics.jsonl (needs matplotlib)")
     export_hf: str = opt("", "at the end, write a Hugging Face folder here")
     export_shard_gb: float = opt(5.0, "largest safetensors file of --export_hf, in GB")
     log_every: int = opt(1, "print a line every N steps (metrics.jsonl gets every step)")
@@ -976,8 +978,56 @@ def open_metrics(cfg, start_step: int):
     return open(path, "a"), elapsed_before
 
 
+def plot_metrics(out_dir: str) -> str:
+    """Loss (and eval loss), LR, tokens/s/GPU, MFU and memory against the step, as one PNG."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        fail("--plot needs matplotlib: pip install matplotlib")
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        fail(f"--plot: {path} does not exist")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    panels = [("loss", ["loss", "eval_loss"]), ("learning rate", ["lr"]),
+              ("tokens/s/GPU", ["tokens_per_sec_per_gpu"]), ("MFU", ["mfu"]), ("peak memory (GB)", ["mem_gb"])]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels)), sharex=True)
+    for ax, (title, keys) in zip(axes, panels):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if points:
+                ax.plot(*zip(*points), label=key, marker="." if len(points) < 50 else None)
+            elif key == keys[0]:
+                ax.text(0.5, 0.5, "not recorded (MFU needs a GPU with a known peak)" if key == "mfu"
+                        else "not recorded", ha="center", va="center", transform=ax.transAxes)
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend()
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    png = os.path.join(out_dir, "metrics.png")
+    fig.savefig(png, dpi=100)
+    return png
+
+
+def open_tensorboard(cfg):
+    if not cfg.tensorboard:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        fail("--tensorboard needs the tensorboard package: pip install tensorboard")
+    return SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
+
+
 def main(argv=None):
     cfg = parse_args(argv)
+    if cfg.plot:
+        print(f"wrote {plot_metrics(cfg.plot)}")
+        return
     try:
         mcfg, model, units, windows, rank, world, device, start_step = setup(cfg)
     except (D.DataError, KeyError, ValueError, FileNotFoundError, CheckpointError) as e:
@@ -999,6 +1049,7 @@ def main(argv=None):
             print(f"resumed from {os.path.join(cfg.out_dir, 'checkpoints', f'step_{start_step:08d}')} "
                   f"at step {start_step}", flush=True)
     metrics_file, elapsed_before = open_metrics(cfg, start_step) if rank == 0 and steps else (None, 0.0)
+    tensorboard = open_tensorboard(cfg) if rank == 0 else None
 
     # Preemption (SLURM sends SIGTERM, Ctrl-C sends SIGINT): note it, and at the next step boundary all
     # ranks agree through an all-reduce, save, and exit 0. A signal seen by one rank stops every rank.
@@ -1041,6 +1092,9 @@ def main(argv=None):
                 metrics["cost_usd"] = elapsed / 3600 * world * cfg.gpu_hour_usd
                 metrics["projected_cost_usd"] = (elapsed + eta) / 3600 * world * cfg.gpu_hour_usd
             log_step(cfg, metrics, metrics_file)
+            for key, value in metrics.items() if tensorboard else ():
+                if key != "step" and value is not None:
+                    tensorboard.add_scalar(key, value, done)
         stop = stop_requested.clone()
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         if stop.item() or done == steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
@@ -1061,6 +1115,8 @@ def main(argv=None):
             print(f"exported a Hugging Face folder to {cfg.export_hf}", flush=True)
     if metrics_file:
         metrics_file.close()
+    if tensorboard:
+        tensorboard.close()
     dist.destroy_process_group()
 
 
