@@ -528,6 +528,8 @@ def forward_backward(cfg, units, stages, windows, step, rank, world, device, mcf
         loss.backward()
         finish_reduces(units[0].reduces_in_flight)
         inject_fault("kill_mid_step", step + 1, rank)
+        if fault_planned("hang", step + 1, rank):
+            time.sleep(3600)  # a stuck rank: its peers' next collective must time out
         loss_sum += loss.detach().float()
     local_finite = bool(torch.isfinite(loss_sum))
     dist.all_reduce(loss_sum)
@@ -783,7 +785,7 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: boo
 def fault_planned(kind: str, step: int, rank: int) -> bool:
     """Fault injection for the tests, from ZERO3_FAULT=KIND:STEP[:RANK] (every rank when RANK is left out):
     kill_mid_step (SIGKILL in the middle of the step), kill_in_save (during that step's save), nan (this
-    rank's loss becomes NaN). With ZERO3_FAULT_ONCE=FILE a fault fires once: FILE records that it did,
+    rank's loss becomes NaN), hang (this rank sleeps for an hour mid-step). With ZERO3_FAULT_ONCE=FILE a fault fires once: FILE records that it did,
     so a restarted job runs clean. ZERO3_FAULT=slow:0.5 makes every step half a second slower."""
     spec = os.environ.get("ZERO3_FAULT", "").split(":")
     if spec[0] == "slow" and kind == "kill_mid_step":

@@ -61,3 +61,13 @@ def test_killed_rank_ends_the_job_and_the_restart_resumes(files, tmp_path):
     assert once.exists() and "launch.sh: torchrun exited with 1; restart 1 of 1" in proc.stderr
     assert "at step 4" in proc.stdout
     assert [m["loss"] for m in read_metrics(tmp_path / "run")] == [m["loss"] for m in read_metrics(ref_out)]
+
+
+def test_hung_rank_ends_the_job_within_the_timeout(files, tmp_path):
+    t0 = time.time()
+    proc = run_train(BASE + files + [f"--out_dir={tmp_path}", "--timeout_min=0.1"], nproc=2,
+                     env={"ZERO3_FAULT": "hang:3:1"}, check=False, timeout=300)
+    seconds = time.time() - t0
+    assert proc.returncode != 0
+    assert seconds < 90, seconds  # 6 s collective timeout, then torchrun stops the stuck rank
+    assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-2000:]
