@@ -208,7 +208,7 @@ class Unit:
     buffer whose views the modules use while the unit runs."""
 
     def __init__(self, name, model, param_names, rank, world, device, compute_dtype, reduce_dtype, reduces_in_flight):
-        self.name, self.rank, self.world = name, rank, world
+        self.name = name
         self.slots = []  # (module, attribute, full name, shape, offset in the flat buffer)
         offset = 0
         for full_name in param_names:
@@ -620,10 +620,11 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
-def write_json_atomic(path: str, obj):
+def write_atomic(path: str, text: str):
+    """Write beside, fsync, rename over: a reader sees the old file or the new one, never half of one."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -666,15 +667,11 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, windows):
                     errors.append(f"{r['file']} has the wrong size on disk")
             if not errors:
                 files = {r["file"]: {"sha256": r["sha256"], "bytes": r["bytes"]} for r in results}
-                write_json_atomic(os.path.join(tmp, "manifest.json"),
-                                  checkpoint_manifest(cfg, mcfg, units, step, world, windows, files))
+                manifest = checkpoint_manifest(cfg, mcfg, units, step, world, windows, files)
+                write_atomic(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1))
                 shutil.rmtree(final, ignore_errors=True)  # a re-save of a step (after a fallback)
                 os.replace(tmp, final)
-                with open(os.path.join(root, "latest.tmp"), "w") as f:
-                    f.write(name + "\n")
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+                write_atomic(os.path.join(root, "latest"), name + "\n")
                 for old in list_checkpoints(root)[cfg.keep_ckpts:]:  # retention, oldest beyond K
                     shutil.rmtree(old)
         except OSError as e:
