@@ -38,7 +38,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import data as D

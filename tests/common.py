@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,6 +42,14 @@ def ours_from_hf(cfg: M.ModelConfig, ref) -> M.Llama:
         state.pop("lm_head.weight", None)
     ours.load_state_dict(state, strict=True)
     return ours
+
+
+def learnable_tokens(path: str, vocab_size: int, n: int = 4000, seed: int = 0) -> str:
+    """A .npy token file a small model learns quickly (a walk through the vocabulary with random steps
+    of 1-3), so a few steps move the loss enough for comparisons to mean something."""
+    rng = np.random.default_rng(seed)
+    np.save(path, (np.cumsum(rng.integers(1, 4, size=n)) % vocab_size).astype(np.uint16))
+    return path
 
 
 def save_hf(ref, path: str):

@@ -9,10 +9,9 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 import torch
-from common import ROOT, hf_model, read_metrics, run_train, save_hf, small_config
+from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
 
 BASE = ["--seq_len=16", "--batch_size=12", "--micro_batch_size=1", "--dtype=float32", "--steps=6",
         "--lr=3e-3", "--warmup_steps=2", "--seed=1"]
@@ -24,9 +23,7 @@ def files(tmp_path_factory):
     cfg = small_config()
     init = save_hf(hf_model(cfg, seed=2), str(root / "init"))
     other = save_hf(hf_model(small_config(n_layers=3)), str(root / "other"))
-    rng = np.random.default_rng(0)
-    data = str(root / "tok.npy")
-    np.save(data, (np.cumsum(rng.integers(1, 4, 4000)) % cfg.vocab_size).astype(np.uint16))
+    data = learnable_tokens(str(root / "tok.npy"), cfg.vocab_size)
     return dict(init=init, other=other, data=data)
 
 

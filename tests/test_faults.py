@@ -5,9 +5,8 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
-from common import ROOT, hf_model, read_metrics, run_train, save_hf, small_config
+from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
 
 BASE = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=float32", "--steps=6", "--lr=3e-3",
         "--warmup_steps=2", "--seed=4", "--timeout_min=1"]
@@ -18,8 +17,7 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     cfg = small_config()
     init = save_hf(hf_model(cfg, seed=3), str(root / "init"))
-    data = str(root / "tok.npy")
-    np.save(data, (np.arange(3000) * 5 % cfg.vocab_size).astype(np.uint16))
+    data = learnable_tokens(str(root / "tok.npy"), cfg.vocab_size, n=3000)
     return [f"--init_from={init}", f"--data={data}"]
 
 

@@ -4,10 +4,9 @@ grad norm within 1e-4, final weights within 1e-4 relative per tensor."""
 import math
 import os
 
-import numpy as np
 import pytest
 import torch
-from common import M, hf_model, read_metrics, run_train, save_hf, small_config
+from common import hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
 
 import data as D
 import train as T
@@ -52,11 +51,7 @@ def setup(request, tmp_path_factory):
     cfg = small_config(tie_embeddings=tied, rope_scaling=dict(factor=8.0, low_freq_factor=1.0,
                        high_freq_factor=4.0, original_max_position_embeddings=8))
     init_dir = save_hf(hf_model(cfg, seed=5), str(root / "init"))
-    # Learnable text (a cycle through the vocabulary with random gaps), so the loss moves a lot in 4 steps.
-    rng = np.random.default_rng(0)
-    tokens = (np.cumsum(rng.integers(1, 4, size=3000)) % cfg.vocab_size).astype(np.uint16)
-    data_path = str(root / "tokens.npy")
-    np.save(data_path, tokens)
+    data_path = learnable_tokens(str(root / "tokens.npy"), cfg.vocab_size, n=3000)
     return root, init_dir, data_path, reference_run(init_dir, data_path)
 
 
