@@ -1,105 +1,574 @@
-"""Training data: token files, the window order, and a small built-in sample.
+"""Training data: tokenize and pack corpora, read them back in a resumable order, and a built-in sample.
 
-`--data FILE.npy` is a 1-D array of token ids (any integer dtype), documents separated by the model's
-EOS id. Training windows are `seq_len + 1` consecutive tokens (inputs and targets shifted by one),
-starting every `seq_len` tokens. The order is a seeded permutation of all windows, drawn anew each
-epoch, and the stream of windows wraps around epochs, so any file with at least `seq_len + 1` tokens
-trains for any number of steps.
+Commands:
 
-Global batch k is windows k*B .. k*B + B - 1 of that stream whatever the world size W and micro-batch
-size m; rank r takes, in accumulation step j, the m windows starting at k*B + (j*W + r)*m. The order is
-therefore a function of (seed, data, step) alone, which is what makes a resume exact: the loader's
-whole state is the step number.
+    python data.py train-tokenizer --input a.txt b.jsonl --vocab_size 32000 --out tok.model
+    python data.py prepare --input corpus/*.jsonl --tokenizer /models/Llama-3-70B-Instruct --out data/ --workers 16
+    python data.py sample --out out/sample        # the built-in English + French corpus, tokenizer, shards
 
-    python data.py sample --out sample.npy    # writes the built-in sample (byte tokens) as .npy
+Inputs: `.txt` (one document per file), `.jsonl` with `{"text": ...}` (one document per line), or chat
+`.jsonl` with `{"messages": [{"role": ..., "content": ...}, ...]}`. A chat is rendered with the
+tokenizer's chat template when it has one, else in the Llama 3 header format
+`<|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|>`; only the assistant's content and its
+`<|eot_id|>` are trained on. Every document is stored as BOS + tokens + EOS (the tokenizer's own ids).
+
+A prepared folder: `tokens-00000.npy` ... (1-D uint16 when the vocabulary fits, else uint32; read with
+`np.load(mmap_mode="r")`), `mask-00000.npy` beside them for chat data (1 = this token is a training
+target), and `meta.json`, written last: a folder without it is an unfinished prepare and is refused.
+A `.npy` file of token ids (documents separated by the model's EOS) also trains.
+
+Order: windows of `seq_len + 1` tokens starting every `seq_len` tokens, across document and shard
+boundaries; a seeded permutation of all windows, drawn anew each epoch. Global batch k is the B windows
+at stream positions P .. P + B - 1 (P = k * B when B never changed) whatever the world size W and the
+micro-batch size m: rank r reads, in accumulation step j, only the m windows at P + (j*W + r)*m. The
+loader's whole state is P, which each checkpoint stores.
 """
 
 import argparse
 import ast
+import collections
+import fcntl
+import gettext
+import glob
+import hashlib
+import itertools
+import json
+import multiprocessing
 import os
 import sys
 import sysconfig
+import time
 
 import numpy as np
 
-# Byte-level tokens for the built-in sample: ids 0..255 are bytes, then BOS and EOS. The `tiny`
-# preset (vocabulary 512) uses the same ids.
-SAMPLE_BOS, SAMPLE_EOS = 256, 257
+META_FORMAT = "llama-zero3-tokens/1"
+CHAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 
 
 class DataError(ValueError):
-    """Bad data: the message names the file and what is wrong."""
+    """Bad data: the message names the flag or file (and line) and what is wrong."""
 
 
-def load_tokens(path: str) -> np.ndarray:
-    if not os.path.isfile(path):
-        raise DataError(f"--data: {path} does not exist")
+# ----------------------------------------------------------------------------------------------
+# Tokenizers: a sentencepiece .model, or a Hugging Face folder / tokenizer.json (Llama 3)
+# ----------------------------------------------------------------------------------------------
+
+class Tokenizer:
+    """The few things prepare needs from either kind of tokenizer."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if path.endswith(".model") and os.path.isfile(path):
+            import sentencepiece as spm
+            self.kind, self.sp = "sentencepiece", spm.SentencePieceProcessor(model_file=path)
+            self.vocab_size, self.bos_id, self.eos_id = self.sp.get_piece_size(), self.sp.bos_id(), self.sp.eos_id()
+            self.chat_template, self.id_files = None, [path]
+        else:
+            folder = path if os.path.isdir(path) else os.path.dirname(path)
+            if not (os.path.isfile(os.path.join(folder, "tokenizer.json")) and
+                    (os.path.isdir(path) or path.endswith("tokenizer.json"))):
+                raise DataError(f"--tokenizer: {path} is not a sentencepiece .model, a tokenizer.json, "
+                                f"or a folder holding one")
+            from transformers import AutoTokenizer
+            self.kind, self.hf = "huggingface", AutoTokenizer.from_pretrained(folder)
+            self.vocab_size, self.bos_id, self.eos_id = len(self.hf), self.hf.bos_token_id, self.hf.eos_token_id
+            self.chat_template = getattr(self.hf, "chat_template", None)
+            self.id_files = [os.path.join(folder, "tokenizer.json")]  # the ids; the chat template aside
+        if self.bos_id is None or self.eos_id is None or self.bos_id < 0 or self.eos_id < 0:
+            raise DataError(f"--tokenizer: {path} defines no BOS or EOS token")
+        with open(self.id_files[0], "rb") as f:  # the tokenizer's identity, recorded in meta.json
+            self.sha256 = hashlib.sha256(f.read()).hexdigest()
+
+    def encode(self, texts: list, specials: bool) -> list:
+        """Token ids of each text, no BOS/EOS. `specials=False` reads a literal "<|eot_id|>" in a document
+        as text, so a document can never forge a control token; chat markup is encoded with True."""
+        if self.kind == "sentencepiece":
+            return self.sp.encode(texts, num_threads=1)
+        return self.hf(texts, add_special_tokens=False, split_special_tokens=not specials)["input_ids"]
+
+    def decode(self, ids) -> str:
+        return self.sp.decode(list(ids)) if self.kind == "sentencepiece" else self.hf.decode(list(ids))
+
+    def chat_segments(self, messages: list) -> list:
+        """(text, is_target) pieces of one conversation, in order."""
+        if not self.chat_template:  # the Llama 3 header format
+            out = []
+            for m in messages:
+                out.append((f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n", False))
+                out.append((m["content"] + "<|eot_id|>", m["role"] == "assistant"))
+            return out
+        # A template: render growing prefixes; message i's text is what it adds to the rendering.
+        out, before = [], ""
+        for i, m in enumerate(messages):
+            text = self.hf.apply_chat_template(messages[:i + 1], tokenize=False)
+            if not text.startswith(before):
+                raise DataError(f"--tokenizer: {self.path}: its chat template renders a conversation's "
+                                f"prefix differently from the whole; assistant spans cannot be masked")
+            piece, before = text[len(before):], text
+            if i == 0 and self.hf.bos_token and piece.startswith(self.hf.bos_token):
+                piece = piece[len(self.hf.bos_token):]  # prepare adds BOS itself
+            at = piece.find(m["content"]) if m["role"] == "assistant" and m["content"] else -1
+            if at < 0:
+                out.append((piece, m["role"] == "assistant"))
+            else:  # the template's header is context; the content and what closes it are targets
+                out += [(piece[:at], False), (piece[at:], True)]
+        return out
+
+
+def train_tokenizer(inputs: list, vocab_size: int, out: str):
+    """A sentencepiece BPE model. Byte fallback: any UTF-8 (accents, symbols) encodes without <unk>;
+    identity normalization and no dummy prefix: decode(encode(text)) == text, also piece by piece;
+    the Llama 3 chat markers are single pieces."""
+    import sentencepiece as spm
+    if not out.endswith(".model"):
+        raise DataError(f"--out: {out} must end in .model")
+    def lines():  # sentencepiece drops "sentences" over 4 KB: feed it lines, not whole documents
+        for _, doc in parse_records(read_records(inputs, collections.Counter()), False, collections.Counter()):
+            texts = [doc["text"]] if "text" in doc else [m["content"] for m in doc["messages"]]
+            for text in texts:
+                yield from (line for line in text.split("\n") if line.strip())
+    prefix = out[:-len(".model")] + ".tmp"  # the model records its prefix: no pid, so re-runs are identical
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=lines(), model_prefix=prefix, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        user_defined_symbols=list(CHAT_TOKENS), normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=False, split_digits=True, num_threads=1, minloglevel=2)
+    os.replace(prefix + ".model", out)
+    os.remove(prefix + ".vocab")
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading inputs: documents in input order, one at a time, bad ones named by file and line
+# ----------------------------------------------------------------------------------------------
+
+def parse_record(raw: bytes, where: str, is_txt: bool) -> dict:
+    """{"text": str} or {"messages": [...]} from one .jsonl line (or a whole .txt file)."""
     try:
-        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-    except ValueError as e:
-        raise DataError(f"--data: {path} is not a .npy array ({e})") from None
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise DataError(f"--data: {path} must be a 1-D integer array, got shape {tokens.shape} {tokens.dtype}")
-    return tokens
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not valid UTF-8 (byte {e.start})") from None
+    if is_txt:
+        record = {"text": line}
+    else:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+    if isinstance(record, dict) and isinstance(record.get("text"), str):
+        if not record["text"].strip():
+            raise DataError(f"{where}: empty document")
+        return {"text": record["text"]}
+    messages = record.get("messages") if isinstance(record, dict) else None
+    if not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise DataError(f"{where}: expected {{\"text\": str}} or {{\"messages\": [{{\"role\": str, \"content\": str}}, ...]}}")
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        raise DataError(f"{where}: a chat with no assistant content trains nothing")
+    return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
 
 
-def check_vocab(tokens: np.ndarray, vocab_size: int, name: str, chunk: int = 1 << 24):
-    """A token id outside [0, vocab_size) would index past the embedding: refuse before training.
-    Scans in chunks so a memory-mapped file is never read whole into memory."""
-    for start in range(0, len(tokens), chunk):
-        part = tokens[start:start + chunk]
-        lo, hi = int(part.min()), int(part.max())
-        if lo < 0 or hi >= vocab_size:
-            bad = hi if hi >= vocab_size else lo
-            pos = start + int(np.argmax(part == bad))
-            raise DataError(f"--data: {name} has token id {bad} at position {pos}, outside the model's "
-                            f"vocabulary [0, {vocab_size})")
+def read_records(inputs: list, counts: collections.Counter):
+    """(path, line number, raw bytes) of every document in input order: a .jsonl line, or a whole .txt
+    file (line 0). Streams, and does not parse: the workers do, so the reader is never the bottleneck."""
+    for path in inputs:
+        if not os.path.isfile(path):
+            raise DataError(f"--input: {path} does not exist")
+        if not path.endswith((".txt", ".jsonl")):
+            raise DataError(f"--input: {path}: expected a .txt or .jsonl file")
+    for path in inputs:
+        with open(path, "rb") as f:
+            if path.endswith(".txt"):
+                raw = f.read()
+                counts["bytes_read"] += len(raw)
+                yield path, 0, raw
+                continue
+            for n, line in enumerate(f, 1):
+                counts["bytes_read"] += len(line)
+                if line.strip():
+                    yield path, n, line
+
+
+def parse_records(records, skip_bad: bool, counts: collections.Counter):
+    """(where, document) from raw records; a bad one raises (naming file:line) or, with skip_bad, is counted."""
+    for path, n, raw in records:
+        where = f"{path}:{n}" if n else path
+        try:
+            yield where, parse_record(raw, where, is_txt=not n)
+        except DataError:
+            if not skip_bad:
+                raise
+            counts["skipped_bad"] += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# prepare: tokenize in worker processes, write shards in input order
+# ----------------------------------------------------------------------------------------------
+
+_worker_tokenizer = None
+
+
+def _init_worker(tokenizer_path: str):
+    global _worker_tokenizer
+    _worker_tokenizer = Tokenizer(tokenizer_path)
+
+
+def encode_batch(records: list, with_mask: bool, skip_bad: bool, tok: Tokenizer | None = None):
+    """Parse and tokenize a batch of raw records (a worker's job): BOS + ids + EOS per document,
+    concatenated, and the mask (uint8) when with_mask. A plain-text document's tokens are all targets
+    (as without a mask); a chat's are its assistant pieces. Returns (tokens, mask or None, kept, skipped)."""
+    tok = tok or _worker_tokenizer
+    counts = collections.Counter()
+    wheres, docs = zip(*parse_records(records, skip_bad, counts)) if records else ((), ())
+    pieces = []  # (document index, text, is_target, parse special tokens)
+    for i, doc in enumerate(docs):
+        if "text" in doc:
+            pieces.append((i, doc["text"], True, False))
+        elif not with_mask:
+            raise DataError(f"{wheres[i]}: a chat, but the first record of every input is plain text, so no "
+                            f"loss mask is being written; give chats their own .jsonl file")
+        else:
+            pieces += [(i, text, target, True) for text, target in tok.chat_segments(doc["messages"])]
+    ids = [None] * len(pieces)
+    for specials in (False, True):  # one batched encode call per kind
+        chosen = [k for k, p in enumerate(pieces) if p[3] == specials]
+        if chosen:
+            for k, piece_ids in zip(chosen, tok.encode([pieces[k][1] for k in chosen], specials)):
+                ids[k] = piece_ids
+    # Vectorized from here: one flat array of every piece's ids, then BOS before and EOS after each document.
+    lengths = np.array([len(x) for x in ids], dtype=np.int64)
+    body = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.uint32, count=int(lengths.sum()))
+    piece_doc = np.array([p[0] for p in pieces], dtype=np.int64)
+    piece_target = np.repeat(np.array([p[2] for p in pieces], dtype=np.uint8), lengths)
+    body_doc = np.repeat(piece_doc, lengths)  # the document each token belongs to
+    bad = np.unique(body_doc[(body == tok.eos_id) | (body == tok.bos_id)])  # would cut a document in two
+    if len(bad) and not skip_bad:
+        raise DataError(f"{wheres[bad[0]]}: the document encodes to the tokenizer's BOS or EOS id")
+    keep = ~np.isin(body_doc, bad)
+    body, body_doc, piece_target = body[keep], body_doc[keep], piece_target[keep]
+    kept_docs = np.setdiff1d(np.arange(len(docs)), bad)
+    doc_len = np.bincount(body_doc, minlength=len(docs))[kept_docs] + 2
+    ends = np.cumsum(doc_len)
+    tokens = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.uint32)
+    inner = np.ones(len(tokens), dtype=bool)
+    inner[ends - doc_len], inner[ends - 1] = False, False
+    tokens[ends - doc_len], tokens[ends - 1], tokens[inner] = tok.bos_id, tok.eos_id, body
+    mask = None
+    if with_mask:
+        is_text = np.array(["text" in docs[i] for i in kept_docs], dtype=np.uint8)
+        mask = np.empty(len(tokens), dtype=np.uint8)
+        mask[ends - doc_len], mask[ends - 1], mask[inner] = is_text, is_text, piece_target
+    return tokens, mask, len(kept_docs), len(bad) + counts["skipped_bad"]
+
+
+def is_chat_input(path: str) -> bool:
+    """Whether a .jsonl file holds chats, from its first record (chat files need a loss mask)."""
+    if not path.endswith(".jsonl"):
+        return False
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except (ValueError, UnicodeDecodeError):
+                    return False  # the workers report it with its line number
+                return isinstance(record, dict) and "messages" in record
+    return False
+
+
+def batches_of(records, max_records: int = 256, max_bytes: int = 1 << 20):
+    """Records grouped for the workers: big enough to amortize the hand-off, small enough to stream."""
+    batch, size = [], 0
+    for record in records:
+        batch.append(record)
+        size += len(record[2])
+        if len(batch) >= max_records or size >= max_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def save_npy_atomic(path: str, array: np.ndarray):
+    """A shard appears under its name only once complete (write elsewhere, fsync, rename)."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class ShardWriter:
+    """Cuts the token stream into shards of exactly `shard_tokens` (the last one shorter)."""
+
+    def __init__(self, out: str, dtype, shard_tokens: int, with_mask: bool):
+        self.out, self.dtype, self.shard_tokens, self.with_mask = out, dtype, shard_tokens, with_mask
+        self.tokens, self.masks, self.n_buffered, self.shards = [], [], 0, []
+
+    def add(self, tokens: np.ndarray, mask):
+        self.tokens.append(tokens.astype(self.dtype))
+        self.masks.append(mask)
+        self.n_buffered += len(tokens)
+        while self.n_buffered >= self.shard_tokens:
+            self.write(self.shard_tokens)
+
+    def write(self, n: int):
+        tokens = np.concatenate(self.tokens)
+        mask = np.concatenate(self.masks) if self.with_mask else None
+        name = f"tokens-{len(self.shards):05d}.npy"
+        save_npy_atomic(os.path.join(self.out, name), tokens[:n])
+        record = dict(tokens=name, mask=None, n_tokens=int(n), max_token_id=int(tokens[:n].max()))
+        if self.with_mask:
+            record["mask"] = name.replace("tokens-", "mask-")
+            save_npy_atomic(os.path.join(self.out, record["mask"]), mask[:n])
+            self.masks = [mask[n:]]
+        self.tokens, self.n_buffered = [tokens[n:]], len(tokens) - n
+        self.shards.append(record)
+
+    def close(self):
+        if self.n_buffered:
+            self.write(self.n_buffered)
+
+
+def show_progress(counts, total_bytes: int, t0: float, state: dict, final: bool = False):
+    """One status line on stderr: redrawn in place on a terminal, every 10 s in a log file."""
+    now = time.perf_counter()
+    every = 0.5 if sys.stderr.isatty() else 10.0
+    if not final and now - state.get("last", t0) < every:
+        return
+    state["last"] = now
+    pct = 100 * counts["bytes_read"] / max(total_bytes, 1)
+    line = (f"prepare: {counts['documents']:,} documents | {counts['tokens']:,} tokens | "
+            f"{counts['tokens'] / max(now - t0, 1e-9):,.0f} tokens/s | {pct:.0f}% of input read")
+    end = "\n" if final or not sys.stderr.isatty() else ""
+    print(("\r" if sys.stderr.isatty() else "") + line, end=end, file=sys.stderr, flush=True)
+
+
+def prepare(inputs: list, tokenizer: str, out: str, workers: int = 1, skip_bad: bool = False,
+            overwrite: bool = False, shard_tokens: int = 100_000_000, quiet: bool = False) -> dict:
+    """Tokenizes `inputs` into shards under `out`; returns meta.json's content. The result depends only
+    on the inputs and the tokenizer: results are written in input order whatever `workers` is."""
+    tok = Tokenizer(tokenizer)
+    for path in inputs:
+        if not os.path.isfile(path):
+            raise DataError(f"--input: {path} does not exist")
+    if workers < 1 or shard_tokens < 1:
+        raise DataError("--workers and --shard_tokens must be >= 1")
+    if os.path.isdir(out) and os.listdir(out):
+        if not overwrite:
+            raise DataError(f"--out: {out} is not empty; --overwrite true replaces a prepared folder")
+        if os.path.exists(os.path.join(out, "meta.json")):
+            os.remove(os.path.join(out, "meta.json"))  # first: from here on the folder is incomplete
+        for name in os.listdir(out):
+            if name.startswith(("tokens-", "mask-")) and name.endswith((".npy", ".tmp")):
+                os.remove(os.path.join(out, name))
+    os.makedirs(out, exist_ok=True)
+    with_mask = any(is_chat_input(p) for p in inputs)
+    dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
+    writer = ShardWriter(out, dtype, shard_tokens, with_mask)
+    counts, state, t0 = collections.Counter(), {}, time.perf_counter()
+    total_bytes = sum(os.path.getsize(p) for p in inputs)
+    batches = batches_of(read_records(inputs, counts))
+    if workers == 1:
+        results, pool = (encode_batch(b, with_mask, skip_bad, tok) for b in batches), None
+    else:  # fork: workers start in milliseconds; each loads its own tokenizer
+        pool = multiprocessing.get_context("fork").Pool(workers, _init_worker, (tokenizer,))
+        results = ordered_results(pool, batches, with_mask, skip_bad, max_in_flight=2 * workers)
+    try:
+        for tokens, mask, kept, skipped in results:
+            writer.add(tokens, mask)
+            counts["documents"] += kept
+            counts["skipped_bad"] += skipped
+            counts["tokens"] += len(tokens)
+            counts["target_tokens"] += int(mask.sum()) if mask is not None else len(tokens)
+            if not quiet:
+                show_progress(counts, total_bytes, t0, state)
+    finally:
+        if pool is not None:
+            pool.terminate()
+    if counts["documents"] == 0:
+        raise DataError(f"--input: no documents in {', '.join(inputs)}")
+    writer.close()
+    meta = dict(format=META_FORMAT, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id,
+                dtype=np.dtype(dtype).name, documents=counts["documents"], tokens=counts["tokens"],
+                target_tokens=counts["target_tokens"], skipped_bad=counts["skipped_bad"],
+                convention="each document is BOS + tokens + EOS; a new document starts after each EOS",
+                tokenizer=dict(path=tokenizer, kind=tok.kind, sha256=tok.sha256),
+                inputs=list(inputs), shards=writer.shards)
+    tmp = os.path.join(out, "meta.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(out, "meta.json"))  # last: its presence means the folder is complete
+    if not quiet:
+        show_progress(counts, total_bytes, t0, state, final=True)
+    return meta
+
+
+def ordered_results(pool, batches, with_mask: bool, skip_bad: bool, max_in_flight: int):
+    """Results in submission order, with at most `max_in_flight` batches queued: Pool.imap would read
+    the whole corpus ahead into its task queue."""
+    in_flight = collections.deque()
+    for batch in batches:
+        in_flight.append(pool.apply_async(encode_batch, (batch, with_mask, skip_bad)))
+        if len(in_flight) >= max_in_flight:
+            yield in_flight.popleft().get()
+    while in_flight:
+        yield in_flight.popleft().get()
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading for training: a prepared folder or one .npy file, as one long token sequence
+# ----------------------------------------------------------------------------------------------
+
+class TokenData:
+    """Token shards (and loss masks) read as one sequence; memory-mapped, so only what is sliced is read."""
+
+    def __init__(self, path: str, flag: str = "--data"):
+        self.path, self.meta = path, None
+        if os.path.isdir(path):
+            meta_path = os.path.join(path, "meta.json")
+            if not os.path.isfile(meta_path):
+                raise DataError(f"{flag}: {path} has no meta.json: not a prepared folder, or its prepare "
+                                f"did not finish (run data.py prepare again)")
+            with open(meta_path) as f:
+                self.meta = json.load(f)
+            if self.meta.get("format") != META_FORMAT:
+                raise DataError(f"{flag}: {meta_path} has format {self.meta.get('format')!r}, not {META_FORMAT}")
+            self.shards = []
+            for record in self.meta["shards"]:
+                tokens = self._open(os.path.join(path, record["tokens"]), flag)
+                mask = self._open(os.path.join(path, record["mask"]), flag) if record["mask"] else None
+                if len(tokens) != record["n_tokens"] or (mask is not None and len(mask) != len(tokens)):
+                    raise DataError(f"{flag}: {os.path.join(path, record['tokens'])} has {len(tokens)} tokens, "
+                                    f"meta.json says {record['n_tokens']}")
+                self.shards.append((tokens, mask))
+        else:
+            self.shards = [(self._open(path, flag), None)]
+        self.has_mask = self.shards[0][1] is not None
+        self.starts = np.cumsum([0] + [len(t) for t, _ in self.shards])
+        self.eos_id = self.meta["eos_id"] if self.meta else None
+
+    @staticmethod
+    def _open(path: str, flag: str) -> np.ndarray:
+        if not os.path.isfile(path):
+            raise DataError(f"{flag}: {path} does not exist")
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as e:
+            raise DataError(f"{flag}: {path} is not a .npy array ({e})") from None
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.integer):
+            raise DataError(f"{flag}: {path} must be a 1-D integer array, got shape {array.shape} {array.dtype}")
+        return array
+
+    def __len__(self):
+        return int(self.starts[-1])
+
+    def read(self, start: int, n: int):
+        """Tokens [start, start + n) as int64, and their mask (None without one), across shards."""
+        tokens, masks, end = [], [], start + n
+        k = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < end:
+            lo, hi = start - self.starts[k], min(end, self.starts[k + 1]) - self.starts[k]
+            shard_tokens, shard_mask = self.shards[k]
+            tokens.append(np.asarray(shard_tokens[lo:hi], dtype=np.int64))
+            if shard_mask is not None:
+                masks.append(np.asarray(shard_mask[lo:hi]))
+            start, k = self.starts[k] + hi, k + 1
+        return np.concatenate(tokens), (np.concatenate(masks) if masks else None)
+
+    def check_vocab(self, vocab_size: int, flag: str = "--data", chunk: int = 1 << 24):
+        """A token id outside [0, vocab_size) would index past the embedding: refuse before training.
+        A prepared folder records each shard's largest id; a bare .npy is scanned in chunks."""
+        if self.meta:
+            if self.meta["vocab_size"] != vocab_size:
+                raise DataError(f"{flag}: {self.path} was tokenized with a {self.meta['vocab_size']:,}-token "
+                                f"vocabulary; the model's has {vocab_size:,}")
+            return
+        tokens = self.shards[0][0]
+        for start in range(0, len(tokens), chunk):
+            part = tokens[start:start + chunk]
+            lo, hi = int(part.min()), int(part.max())
+            if lo < 0 or hi >= vocab_size:
+                bad = hi if hi >= vocab_size else lo
+                pos = start + int(np.argmax(part == bad))
+                raise DataError(f"{flag}: {self.path} has token id {bad} at position {pos}, outside the "
+                                f"model's vocabulary [0, {vocab_size})")
 
 
 class TokenWindows:
-    """Windows of `seq_len + 1` tokens in a seeded, per-epoch order (see the module docstring)."""
+    """Windows of `seq_len + 1` tokens in a seeded, per-epoch order (see the module docstring).
+    shuffle=False reads them in file order (evaluation: the same batches every time)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, name: str = "data"):
-        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
-        self.n_windows = (len(tokens) - 1) // seq_len
+    def __init__(self, data: TokenData, seq_len: int, seed: int, shuffle: bool = True, flag: str = "--data"):
+        self.data, self.seq_len, self.seed, self.shuffle = data, seq_len, seed, shuffle
+        self.n_windows = (len(data) - 1) // seq_len
         if self.n_windows < 1:
-            raise DataError(f"--data: {name} has {len(tokens)} tokens; at least seq_len + 1 = {seq_len + 1} "
-                            f"are needed")
+            raise DataError(f"{flag}: {data.path} has {len(data)} tokens; at least seq_len + 1 = "
+                            f"{seq_len + 1} are needed")
         self._epoch, self._perm = -1, None
 
-    def _permutation(self, epoch: int) -> np.ndarray:
+    def _window_start(self, position: int) -> int:
+        epoch, pos = divmod(position, self.n_windows)
+        if not self.shuffle:
+            return pos * self.seq_len
         if epoch != self._epoch:  # one permutation in memory at a time: 8 bytes a window
             self._epoch = epoch
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-        return self._perm
+        return int(self._perm[pos]) * self.seq_len
 
-    def window(self, stream_index: int) -> np.ndarray:
-        """The window at position `stream_index` of the endless, epoch-by-epoch shuffled stream."""
-        epoch, pos = divmod(stream_index, self.n_windows)
-        start = int(self._permutation(epoch)[pos]) * self.seq_len
-        return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+    def micro_batch(self, position: int, accum_index: int, rank: int, world: int, micro: int):
+        """(inputs, targets) int64 arrays (micro, seq_len) for the global batch that starts at stream
+        position `position`. Targets the mask excludes (prompts of a chat) are -100."""
+        first = position + (accum_index * world + rank) * micro
+        rows = [self.data.read(self._window_start(first + i), self.seq_len + 1) for i in range(micro)]
+        tokens = np.stack([t for t, _ in rows])
+        inputs, targets = tokens[:, :-1], tokens[:, 1:].copy()
+        if self.data.has_mask:
+            targets[np.stack([m for _, m in rows])[:, 1:] == 0] = -100
+        return inputs, targets
 
-    def micro_batch(self, step: int, accum_index: int, rank: int, world: int, micro: int, batch: int):
-        """(inputs, targets) as int64 arrays (micro, seq_len) for optimizer step `step` (0-based)."""
-        first = step * batch + (accum_index * world + rank) * micro
-        rows = np.stack([self.window(first + i) for i in range(micro)])
-        return rows[:, :-1], rows[:, 1:]
+    def state(self, position: int) -> dict:
+        """The loader's state after `position` windows: what a checkpoint stores."""
+        return dict(position=position, n_windows=self.n_windows, seq_len=self.seq_len, seed=self.seed,
+                    tokens=len(self.data))
+
+    def check_state(self, state: dict) -> int:
+        """The position to continue from, if `state` was saved by a loader over the same windows."""
+        for key in ("n_windows", "seq_len", "seed", "tokens"):
+            if state[key] != self.state(0)[key]:
+                raise DataError(f"--data: the checkpoint's data had {key} {state[key]}, this run's has "
+                                f"{self.state(0)[key]}: the order would not continue where it stopped")
+        return state["position"]
 
 
 # ----------------------------------------------------------------------------------------------
-# The built-in sample: text already on every machine with Python, tokenized as bytes
+# The built-in sample: English and French text already on the machine, no network
 # ----------------------------------------------------------------------------------------------
 
-def sample_documents(max_bytes: int = 2_000_000):
-    """Docstrings of the Python standard library, read with `ast` (nothing is imported or run), in a
-    fixed order: the same documents on every machine with the same Python."""
-    stdlib = sysconfig.get_paths()["stdlib"]
-    total = 0
+def message_catalogs(locale_dir: str = "/usr/share/locale/fr/LC_MESSAGES"):
+    """(English, French) message pairs from the system's French gettext catalogs (coreutils, grep, apt,
+    ...: help texts and error messages), in a fixed order."""
+    for path in sorted(glob.glob(os.path.join(locale_dir, "*.mo"))):
+        try:
+            with open(path, "rb") as f:
+                catalog = gettext.GNUTranslations(f)._catalog
+        except (OSError, ValueError, UnicodeDecodeError):  # unreadable or not a catalog: skip it
+            continue
+        for msgid in sorted(catalog, key=str):
+            english, french = (msgid[0] if isinstance(msgid, tuple) else msgid), catalog[msgid]
+            if english.strip() and french.strip() and english != french:
+                yield english.strip(), french.strip()
+
+
+def python_docstrings(max_chars: int = 2_000_000):
+    """English: docstrings of the Python standard library, read with `ast` (nothing is imported)."""
+    stdlib, total = sysconfig.get_paths()["stdlib"], 0
     for dirpath, dirnames, filenames in os.walk(stdlib):
         dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "site-packages", "idlelib"))
-        for fname in sorted(filenames):
-            if not fname.endswith(".py"):
-                continue
+        for fname in sorted(f for f in filenames if f.endswith(".py")):
             try:
                 with open(os.path.join(dirpath, fname), encoding="utf-8") as f:
                     tree = ast.parse(f.read())
@@ -111,28 +580,91 @@ def sample_documents(max_bytes: int = 2_000_000):
                     if doc and len(doc) > 200:
                         yield doc
                         total += len(doc)
-                        if total >= max_bytes:
+                        if total >= max_chars:
                             return
 
 
-def sample_tokens(max_bytes: int = 2_000_000) -> np.ndarray:
-    """BOS + UTF-8 bytes + EOS for each sample document, as one uint16 array."""
-    parts = []
-    for doc in sample_documents(max_bytes):
-        parts.append(np.array([SAMPLE_BOS, *doc.encode("utf-8"), SAMPLE_EOS], dtype=np.uint16))
-    return np.concatenate(parts)
+def write_sample_corpus(folder: str, doc_chars: int = 2000):
+    """text.jsonl (English and French documents), chat.jsonl (translation requests answered in French),
+    and the held-out eval_text.jsonl (every 50th document)."""
+    os.makedirs(folder, exist_ok=True)
+    pairs = list(message_catalogs())
+    if not pairs:
+        print("warning: no French message catalogs under /usr/share/locale/fr; the sample is English only",
+              file=sys.stderr)
+    docs, en, fr = [], [], []
+    for english, french in pairs:  # consecutive messages of one catalog make a document
+        en.append(english)
+        fr.append(french)
+        if sum(map(len, fr)) >= doc_chars:
+            docs += ["\n\n".join(en), "\n\n".join(fr)]
+            en, fr = [], []
+    docs += list(python_docstrings())
+    with open(os.path.join(folder, "text.jsonl"), "w") as train, open(os.path.join(folder, "eval_text.jsonl"), "w") as held_out:
+        for i, doc in enumerate(docs):
+            (held_out if i % 50 == 49 else train).write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+    with open(os.path.join(folder, "chat.jsonl"), "w") as f:
+        for english, french in pairs[::20]:
+            if 40 <= len(english) <= 400:
+                messages = [{"role": "system", "content": "You translate software messages into French."},
+                            {"role": "user", "content": f"Translate into French:\n\n{english}"},
+                            {"role": "assistant", "content": french}]
+                f.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
 
+
+def build_sample(folder: str, vocab_size: int = 4096, quiet: bool = True) -> str:
+    """The sample corpus, its tokenizer and its prepared train/ and eval/ folders under `folder`, built
+    once: every later run (and every other rank, which waits on the lock) finds them there."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not all(os.path.isfile(os.path.join(folder, d, "meta.json")) for d in ("train", "eval")):
+            write_sample_corpus(folder)
+            text, tokenizer = os.path.join(folder, "text.jsonl"), os.path.join(folder, "tokenizer.model")
+            train_tokenizer([text], vocab_size, tokenizer)
+            prepare([text], tokenizer, os.path.join(folder, "train"), overwrite=True, quiet=quiet)
+            prepare([os.path.join(folder, "eval_text.jsonl")], tokenizer, os.path.join(folder, "eval"),
+                    overwrite=True, quiet=quiet)
+    return folder
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("sample", help="write the built-in sample as a .npy token file")
+    p = sub.add_parser("train-tokenizer", help="train a sentencepiece BPE tokenizer (byte fallback)")
+    p.add_argument("--input", nargs="+", required=True)
+    p.add_argument("--vocab_size", type=int, required=True)
+    p.add_argument("--out", required=True, help="PATH.model")
+    p = sub.add_parser("prepare", help="tokenize and pack into .npy shards + meta.json")
+    p.add_argument("--input", nargs="+", required=True)
+    p.add_argument("--tokenizer", required=True, help="a sentencepiece .model, a tokenizer.json, or an HF folder")
     p.add_argument("--out", required=True)
-    p.add_argument("--max_bytes", type=int, default=2_000_000)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--skip_bad", action="store_true", help="skip and count bad documents instead of stopping")
+    p.add_argument("--overwrite", action="store_true", help="replace the prepared folder at --out")
+    p.add_argument("--shard_tokens", type=int, default=100_000_000)
+    p = sub.add_parser("sample", help="build the built-in English + French sample (corpus, tokenizer, shards)")
+    p.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    tokens = sample_tokens(args.max_bytes)
-    np.save(args.out, tokens)
-    print(f"wrote {len(tokens):,} tokens to {args.out}", file=sys.stderr)
+    try:
+        if args.command == "train-tokenizer":
+            train_tokenizer(args.input, args.vocab_size, args.out)
+            print(f"wrote {args.out} ({args.vocab_size:,} pieces)", file=sys.stderr)
+        elif args.command == "prepare":
+            meta = prepare(args.input, args.tokenizer, args.out, args.workers, args.skip_bad, args.overwrite,
+                           args.shard_tokens)
+            print(f"wrote {len(meta['shards'])} shard(s) to {args.out}: {meta['documents']:,} documents, "
+                  f"{meta['tokens']:,} tokens, {meta['skipped_bad']:,} bad documents skipped", file=sys.stderr)
+        else:
+            build_sample(args.out, quiet=False)
+            print(f"built the sample in {args.out}", file=sys.stderr)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

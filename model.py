@@ -17,12 +17,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 try:  # FlashAttention-2: CUDA only, optional. Everything works without it through SDPA.
-    from flash_attn import flash_attn_func
+    from flash_attn import flash_attn_func, flash_attn_varlen_func
 except ImportError:
-    flash_attn_func = None
+    flash_attn_func = flash_attn_varlen_func = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,12 +230,44 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def attention(q, k, v):
-    """Causal grouped-query attention. q: (B, T, H, D); k, v: (B, T, KV, D). Returns (B, T, H, D)."""
+def uses_flash(device: torch.device, dtype: torch.dtype) -> bool:
+    return flash_attn_func is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
+def document_layout(starts: torch.Tensor, flash: bool) -> dict:
+    """Packed documents: `starts` (B, T) is True where a document begins (always at t = 0). Returns RoPE
+    positions restarting at 0 in each document, and what attention needs to stay inside a document:
+    for flash_attn_varlen_func the documents' boundaries in the flattened B*T tokens (cu_seqlens), for
+    SDPA a block-diagonal causal mask (B, 1, T, T)."""
+    B, T = starts.shape
+    t = torch.arange(T, device=starts.device).expand(B, T)
+    positions = t - torch.where(starts, t, 0).cummax(dim=1).values
+    if flash:
+        begins = starts.flatten().nonzero().flatten()
+        cu_seqlens = torch.cat([begins, begins.new_tensor([B * T])]).to(torch.int32)
+        return dict(positions=positions, cu_seqlens=cu_seqlens, max_seqlen=int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+    doc = starts.cumsum(dim=1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=starts.device).tril()
+    return dict(positions=positions, mask=((doc[:, :, None] == doc[:, None, :]) & causal)[:, None])
+
+
+def attention(q, k, v, layout=None):
+    """Causal grouped-query attention. q: (B, T, H, D); k, v: (B, T, KV, D). Returns (B, T, H, D).
+    With a `layout` (document_layout), no token attends to another document."""
+    B, T, H, D = q.shape
     if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        return flash_attn_func(q, k, v, causal=True)  # handles GQA itself, (B, T, H, D) layout
+        if layout is None:
+            return flash_attn_func(q, k, v, causal=True)  # handles GQA itself, (B, T, H, D) layout
+        cu, n = layout["cu_seqlens"], layout["max_seqlen"]  # each document is its own sequence
+        out = flash_attn_varlen_func(q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D),
+                                     cu, cu, n, n, causal=True)
+        return out.view(B, T, H, D)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))   # SDPA wants (B, H, T, D)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    gqa = k.shape[1] != q.shape[1]
+    if layout is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout["mask"], enable_gqa=gqa)
     return out.transpose(1, 2)
 
 
@@ -247,13 +280,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, layout=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.o_proj(attention(q, k, v).reshape(B, T, -1))
+        return self.o_proj(attention(q, k, v, layout).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -275,8 +308,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, layout=None):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, layout)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -301,21 +334,31 @@ class Llama(nn.Module):
     def logits(self, h):
         return F.linear(self.norm(h), self.head_weight())
 
-    def head_loss(self, h, targets):
+    def head_loss(self, h, targets, chunk: int = 0):
         """Summed cross-entropy over targets != -100, in fp32 (HF upcasts logits before the loss).
-        Summed, not averaged: the trainer divides by the token count of the whole global batch."""
-        logits = self.logits(h).float()
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1),
-                               ignore_index=-100, reduction="sum")
+        Summed, not averaged: the trainer divides by the token count of the whole global batch.
+        With `chunk`, `chunk` tokens at a time, each chunk checkpointed: its fp32 logits (chunk x vocab)
+        are dropped after its forward and recomputed in backward, so the whole (tokens x vocab) fp32
+        logits -- 4 GiB for 8192 tokens of Llama 3's 128K vocabulary -- never exist at once."""
+        h, targets = self.norm(h).flatten(0, -2), targets.reshape(-1)
+        if not chunk or chunk >= len(targets):
+            return self._summed_ce(h, targets)
+        return sum(torch.utils.checkpoint.checkpoint(self._summed_ce, h[i:i + chunk], targets[i:i + chunk],
+                                                     use_reentrant=False) for i in range(0, len(targets), chunk))
 
-    def forward(self, tokens, positions=None):
-        """Logits for (B, T) tokens, all in one process: the unsharded reference path."""
-        if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    def _summed_ce(self, h_normed, targets):
+        logits = F.linear(h_normed, self.head_weight()).float()
+        return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+
+    def forward(self, tokens, doc_starts=None):
+        """Logits for (B, T) tokens, all in one process: the unsharded reference path. With `doc_starts`
+        (B, T) bool, packed documents do not see each other (see document_layout)."""
+        layout = None if doc_starts is None else document_layout(doc_starts, uses_flash(tokens.device, self.embed_tokens.weight.dtype))
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens) if layout is None else layout["positions"]
         h = self.embed(tokens)
         cos, sin = rope_cos_sin(self.cfg, positions, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, layout)
         return self.logits(h)
 
 

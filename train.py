@@ -33,6 +33,7 @@ import shutil
 import signal
 import sys
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 
@@ -56,7 +57,13 @@ def opt(default, help):
 class TrainConfig:
     model: str = opt("tiny", f"preset: {', '.join(M.PRESETS)} (ignored with --init_from)")
     init_from: str = opt("", "Hugging Face Llama folder (config.json + *.safetensors) to start from")
-    data: str = opt("sample", "token file (.npy, 1-D) or 'sample' for the built-in byte-level sample")
+    data: str = opt("sample", "a folder from data.py prepare, a 1-D .npy token file, or 'sample' (the built-in "
+                              "English + French corpus and tokenizer, built once under OUT_DIR/sample)")
+    doc_mask: bool = opt(True, "packed documents do not attend to each other and RoPE restarts in each")
+    eval_data: str = opt("auto", "held-out data like --data; 'auto': the sample's held-out part with --data "
+                                 "sample, else none")
+    eval_every: int = opt(50, "evaluate every N steps and at the end (0: never)")
+    eval_batches: int = opt(4, "global batches of --eval_data per evaluation (the same ones every time)")
     seq_len: int = opt(256, "tokens per training sequence")
     batch_size: int = opt(16, "global batch in sequences = world size x micro_batch_size x accumulation")
     micro_batch_size: int = opt(4, "sequences per rank per forward/backward")
@@ -70,6 +77,9 @@ class TrainConfig:
                                  "state are always fp32)")
     reduce_dtype: str = opt("float32", "dtype of the gradient reduce-scatter, 'float32' or 'bfloat16'")
     ac: str = opt("selective", "activation checkpointing per block: 'none', 'full' or 'selective'")
+    offload_activations: bool = opt(False, "with --ac full: keep each block's input in pinned CPU memory until "
+                                           "backward, instead of on the GPU")
+    ce_chunk: int = opt(1024, "tokens per cross-entropy chunk: fp32 logits exist for this many tokens at a time")
     prefetch: bool = opt(True, "all-gather the next unit while the current one computes")
     seed: int = opt(0, "seed for the initial weights and the data order")
     out_dir: str = opt("out", "folder for metrics.jsonl and checkpoints/")
@@ -87,14 +97,24 @@ class TrainConfig:
     export_shard_gb: float = opt(5.0, "largest safetensors file of --export_hf, in GB")
     log_every: int = opt(1, "print a line every N steps (metrics.jsonl gets every step)")
     device: str = opt("auto", "'auto' (CUDA when available), 'cuda' or 'cpu'")
+    # The planner (plan.py): memory, speed and cost per GPU predicted from the flags above, no GPU needed.
+    plan: bool = opt(False, "only predict memory by part, fit, step time, tokens/s/GPU, MFU, hours, cost")
+    nnodes: int = opt(1, "--plan: nodes")
+    nproc_per_node: int = opt(8, "--plan: GPUs per node")
+    gpu: str = opt("h100", "--plan: GPU type (see plan.py GPUS)")
+    train_tokens: float = opt(0.0, "--plan: tokens to train on, for hours and cost (0: one epoch of nothing)")
+    plan_json: str = opt("", "--plan: also write the prediction as JSON here")
 
 
 def parse_args(argv=None) -> TrainConfig:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(TrainConfig):
         kind = type(f.default)
-        if kind is bool:  # --prefetch false / --prefetch true
+        if kind is bool:  # --prefetch false / --prefetch true / --plan (alone: true)
             kind = lambda s: {"true": True, "1": True, "false": False, "0": False}[s.lower()]  # noqa: E731
+            parser.add_argument(f"--{f.name}", type=kind, nargs="?", const=True, default=f.default,
+                                help=f.metadata["help"])
+            continue
         parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=f.metadata["help"])
     return TrainConfig(**vars(parser.parse_args(argv)))
 
@@ -123,8 +143,16 @@ def check_config(cfg: TrainConfig, world: int) -> list[str]:
         errors.append(f"--model: unknown preset {cfg.model!r}; known: {', '.join(M.PRESETS)}")
     if cfg.init_from and not os.path.isfile(os.path.join(cfg.init_from, "config.json")):
         errors.append(f"--init_from: {os.path.join(cfg.init_from, 'config.json')} does not exist")
-    if trains and cfg.data != "sample" and not os.path.isfile(cfg.data):
-        errors.append(f"--data: {cfg.data} does not exist")
+    for name in ("data", "eval_data"):
+        path = getattr(cfg, name)
+        if trains and path not in ("sample", "auto", "") and not os.path.exists(path):
+            errors.append(f"--{name}: {path} does not exist")
+    if cfg.eval_data == "sample" and cfg.data != "sample":
+        errors.append("--eval_data: 'sample' evaluates the built-in sample's tokens; use it with --data sample")
+    if cfg.offload_activations and cfg.ac != "full":
+        errors.append(f"--offload_activations: offloads what --ac full keeps (each block's input); got --ac {cfg.ac}")
+    if cfg.eval_every < 0 or cfg.eval_batches < 1 or cfg.ce_chunk < 0:
+        errors.append("--eval_every and --ce_chunk must be >= 0, --eval_batches >= 1")
     if cfg.max_skipped_steps < 0 or cfg.timeout_min <= 0 or cfg.gpu_hour_usd < 0:
         errors.append("--max_skipped_steps and --gpu_hour_usd must be >= 0, --timeout_min > 0")
     if cfg.keep_ckpts < 2 or cfg.ckpt_every < 0:
@@ -280,9 +308,13 @@ class Unit:
 
     def set_views(self):
         """Points each module attribute at its piece of the gathered buffer. Called in forward with
-        autograd on, so gradients flow from every use back into `gathered.grad`."""
-        for module, attr, _, shape, offset in self.slots:
-            setattr(module, attr, self.gathered[offset:offset + math.prod(shape)].view(shape))
+        autograd on, so gradients flow from every use back into `gathered.grad`. One split, not a slice
+        per parameter: a slice's backward pads its gradient with zeros to the whole unit, so a unit of
+        n parameters would briefly hold ~3 units of gradient; split's backward concatenates once (2)."""
+        sizes = [math.prod(shape) for _, _, _, shape, _ in self.slots]
+        pieces = torch.split(self.gathered, sizes + [self.padded_numel - self.numel])
+        for (module, attr, _, shape, _), piece in zip(self.slots, pieces):
+            setattr(module, attr, piece.view(shape))
 
     # -- gradients ---------------------------------------------------------------------------------
     def _reduce_scatter_grad(self, gathered):
@@ -418,24 +450,51 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def run_block(block, ac: str, x, cos, sin):
+class OffloadedCheckpoint(torch.autograd.Function):
+    """--ac full with --offload_activations: like full checkpointing, but the block's input waits for
+    backward in pinned CPU memory, so a 70B model's 80 block inputs (128 MiB each at seq 8192) leave
+    the GPU. Forward runs without a graph; backward copies the input back, recomputes the block with
+    autograd on and backpropagates through it (the gradients reach the unit's buffer as usual)."""
+
+    @staticmethod
+    def forward(ctx, x, run):
+        ctx.run, ctx.device = run, x.device
+        pin = x.is_cuda  # pinned memory makes the copies asynchronous; it needs CUDA
+        ctx.x_cpu = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=pin).copy_(x, non_blocking=pin)
+        with torch.no_grad():
+            return run(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x = ctx.x_cpu.to(ctx.device, non_blocking=True).requires_grad_()
+        ctx.x_cpu = None
+        with torch.enable_grad():
+            out = ctx.run(x)
+        torch.autograd.backward(out, grad_out)
+        return x.grad, None
+
+
+def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False):
+    if offload:
+        return OffloadedCheckpoint.apply(x, lambda h: block(h, cos, sin, layout))
     if ac == "none":
-        return block(x, cos, sin)
+        return block(x, cos, sin, layout)
     if ac == "full":  # save only the block's input; recompute the whole block in backward
-        return checkpoint(block, x, cos, sin, use_reentrant=False)
-    return checkpoint(block, x, cos, sin, use_reentrant=False,
+        return checkpoint(block, x, cos, sin, layout, use_reentrant=False)
+    return checkpoint(block, x, cos, sin, layout, use_reentrant=False,
                       context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
 
 
-def make_stages(model: M.Llama, units: list[Unit], ac: str):
+def make_stages(model: M.Llama, units: list[Unit], ac: str, ce_chunk: int, offload: bool = False):
     """The forward as a list of (function, units it needs in forward, units it needs in backward).
     The embedding's backward only needs the token ids, so it is not gathered again for backward."""
     embed, blocks, head = units[0], units[1:-1], units[-1]
     head_units = [head, embed] if model.cfg.tie_embeddings else [head]
     stages = [(lambda x, ctx: model.embed(x), [embed], [])]
     for i, unit in enumerate(blocks):
-        stages.append((lambda x, ctx, i=i: run_block(model.layers[i], ac, x, ctx["cos"], ctx["sin"]), [unit], [unit]))
-    stages.append((lambda x, ctx: model.head_loss(x, ctx["targets"]) / ctx["n_tokens"], head_units, head_units))
+        stages.append((lambda x, ctx, i=i: run_block(model.layers[i], ac, x, ctx["cos"], ctx["sin"], ctx["layout"], offload),
+                       [unit], [unit]))
+    stages.append((lambda x, ctx: model.head_loss(x, ctx["targets"], ce_chunk) / ctx["n_tokens"], head_units, head_units))
     return stages
 
 
@@ -505,23 +564,37 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def forward_backward(cfg, units, stages, windows, step, rank, world, device, mcfg):
+def batch_context(cfg, mcfg, windows, inputs, targets, device, dtype, n_tokens) -> dict:
+    """What every stage of one micro-batch needs besides its input: RoPE's cos/sin at each token's
+    position, the document layout (a new document starts after each EOS), the targets."""
+    tokens = torch.from_numpy(inputs).to(device)
+    eos_id = windows.data.eos_id if windows.data.eos_id is not None else mcfg.eos_id
+    layout = None
+    if cfg.doc_mask:
+        starts = torch.ones_like(tokens, dtype=torch.bool)
+        starts[:, 1:] = tokens[:, :-1] == eos_id
+        if starts[:, 1:].any():  # one document per row: plain causal attention is the same and faster
+            layout = M.document_layout(starts, M.uses_flash(device, dtype))
+    positions = layout["positions"] if layout else torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+    cos, sin = M.rope_cos_sin(mcfg, positions, dtype)
+    return dict(tokens=tokens, cos=cos, sin=sin, layout=layout, targets=torch.from_numpy(targets).to(device),
+                n_tokens=n_tokens)
+
+
+def forward_backward(cfg, units, stages, windows, step, position, rank, world, device, mcfg):
     """All micro-batches of optimizer step `step` (0-based): gradients summed into each unit's
     grad_shard. Returns the global batch's mean loss (identical on every rank) and whether this rank's
     own part of it was finite."""
     accum = cfg.batch_size // (world * cfg.micro_batch_size)
-    batches = [windows.micro_batch(step, j, rank, world, cfg.micro_batch_size, cfg.batch_size) for j in range(accum)]
+    batches = [windows.micro_batch(position, j, rank, world, cfg.micro_batch_size) for j in range(accum)]
     # The loss is the mean over every target token of the global batch, so each rank divides its summed
     # loss by the global count -- not by the number of micro-batches, which would make results depend on W.
     n_tokens = torch.tensor(float(sum(int((t != -100).sum()) for _, t in batches)), device=device)
     dist.all_reduce(n_tokens)
     loss_sum = torch.zeros((), device=device)
     for inputs, targets in batches:
-        tokens = torch.from_numpy(inputs).to(device)
-        positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
-        cos, sin = M.rope_cos_sin(mcfg, positions, units[0].gathered.dtype)
-        ctx = dict(cos=cos, sin=sin, targets=torch.from_numpy(targets).to(device), n_tokens=n_tokens)
-        loss = sharded_loss(stages, tokens, ctx, cfg.prefetch)
+        ctx = batch_context(cfg, mcfg, windows, inputs, targets, device, units[0].gathered.dtype, n_tokens)
+        loss = sharded_loss(stages, ctx["tokens"], ctx, cfg.prefetch)
         if fault_planned("nan", step + 1, rank):  # as an overflow would: NaN loss and gradients
             loss = loss * float("nan")
         loss.backward()
@@ -539,11 +612,11 @@ class NonFiniteStep(Exception):
     pass
 
 
-def train_step(cfg, units, stages, windows, step, rank, world, device, mcfg):
+def train_step(cfg, units, stages, windows, step, position, rank, world, device, mcfg):
     """One optimizer step (0-based `step`): accumulate, clip, AdamW. Returns (loss, grad_norm) floats.
     A non-finite loss or gradient norm (both already summed over ranks, so every rank sees the same
     value and takes the same branch) skips the update: the weights and AdamW state stay as they were."""
-    loss, local_finite = forward_backward(cfg, units, stages, windows, step, rank, world, device, mcfg)
+    loss, local_finite = forward_backward(cfg, units, stages, windows, step, position, rank, world, device, mcfg)
     grad_norm = global_grad_norm(units)
     if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
         for u in units:
@@ -561,6 +634,25 @@ def train_step(cfg, units, stages, windows, step, rank, world, device, mcfg):
     return loss.item(), grad_norm.item()
 
 
+def evaluate(cfg, units, stages, eval_windows, rank, world, device, mcfg) -> float:
+    """Mean loss over the first --eval_batches global batches of the held-out data, in file order (the
+    same tokens every time): the same gathers as training's forward, no backward."""
+    loss_sum, n_tokens = torch.zeros((), device=device), torch.zeros((), device=device)
+    accum = cfg.batch_size // (world * cfg.micro_batch_size)
+    with torch.no_grad():
+        for i in range(cfg.eval_batches):
+            for j in range(accum):
+                inputs, targets = eval_windows.micro_batch(i * cfg.batch_size, j, rank, world, cfg.micro_batch_size)
+                ctx = batch_context(cfg, mcfg, eval_windows, inputs, targets, device, units[0].gathered.dtype, 1.0)
+                loss_sum += sharded_loss(stages, ctx["tokens"], ctx, cfg.prefetch).float()
+                for unit in stages[-1][1]:  # training keeps the head gathered for its backward; no backward here
+                    unit.free()
+                n_tokens += (ctx["targets"] != -100).sum()
+    dist.all_reduce(loss_sum)
+    dist.all_reduce(n_tokens)
+    return (loss_sum / n_tokens).item()
+
+
 # ================================================================================================
 # 6. Checkpoints: each rank writes its slices; rank 0 commits atomically; resume re-slices for any W
 # ================================================================================================
@@ -576,7 +668,7 @@ def train_step(cfg, units, stages, windows, step, rank, world, device, mcfg):
 # to keep: the step number is the data loader's whole state.
 
 CKPT_FORMAT = "llama-zero3-checkpoint/1"
-RESUME_MUST_MATCH = ("seq_len", "batch_size", "seed")  # the data order depends on these
+RESUME_MUST_MATCH = ("seq_len", "seed")  # the windows and their order depend on these
 
 
 class CheckpointError(Exception):
@@ -629,14 +721,14 @@ def write_atomic(path: str, text: str):
     os.replace(tmp, path)
 
 
-def checkpoint_manifest(cfg, mcfg, units, step, world, windows, files) -> dict:
+def checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files) -> dict:
     return {"format": CKPT_FORMAT, "step": step, "world_size": world, "model": asdict(mcfg),
             "train": asdict(cfg), "files": files,
             "units": {u.name: {"numel": u.numel, "shard_numel": u.shard_numel} for u in units},
-            "data": {"windows_consumed": step * cfg.batch_size, "n_windows": windows.n_windows if windows else None}}
+            "data": data_state}
 
 
-def save_checkpoint(cfg, mcfg, units, step, rank, world, windows):
+def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
     """Every rank writes its file into a temporary folder; rank 0 checks that every rank succeeded and
     every file has its size, writes the manifest, renames the folder to its final name and points
     `latest` at it. A failure anywhere leaves `latest` and the older checkpoints untouched."""
@@ -666,7 +758,7 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, windows):
                     errors.append(f"{r['file']} has the wrong size on disk")
             if not errors:
                 files = {r["file"]: {"sha256": r["sha256"], "bytes": r["bytes"]} for r in results}
-                manifest = checkpoint_manifest(cfg, mcfg, units, step, world, windows, files)
+                manifest = checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files)
                 write_atomic(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1))
                 shutil.rmtree(final, ignore_errors=True)  # a re-save of a step (after a fallback)
                 os.replace(tmp, final)
@@ -711,9 +803,11 @@ def check_manifest(path: str, cfg, mcfg, windows) -> dict:
             if manifest["train"][key] != getattr(cfg, key):
                 raise CheckpointError(f"checkpoint {path}: saved with --{key} {manifest['train'][key]}, "
                                       f"this run has {getattr(cfg, key)} (the data order would change)")
-        if windows is not None and manifest["data"]["n_windows"] not in (None, windows.n_windows):
-            raise CheckpointError(f"checkpoint {path}: its data had {manifest['data']['n_windows']} windows, "
-                                  f"--data has {windows.n_windows}")
+        if windows is not None and manifest["data"] is not None:
+            try:
+                windows.check_state(manifest["data"])
+            except D.DataError as e:
+                raise CheckpointError(f"checkpoint {path}: {e}") from None
     return manifest
 
 
@@ -751,8 +845,8 @@ def load_checkpoint(path: str, manifest: dict, units: list[Unit]):
                     getattr(unit, kind)[a - unit.shard_start:b - unit.shard_start] = piece.to(unit.master_shard.device)
 
 
-def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: bool) -> int:
-    """Loads the newest intact checkpoint among `candidates`; returns its step. All ranks agree on each
+def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: bool) -> tuple[int, int]:
+    """Loads the newest intact checkpoint among `candidates`; returns its step and data position. All ranks agree on each
     candidate (a damaged file seen by one rank rejects it for all), and with `fallback` an unusable
     checkpoint is reported and the previous one tried."""
     for path in candidates:
@@ -766,7 +860,8 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: boo
         dist.all_gather_object(errors, error)
         errors = sorted({e for e in errors if e})
         if not errors:
-            return manifest["step"]
+            data = manifest["data"] or {"position": 0}  # a conversion run (--steps 0) saved no data state
+            return manifest["step"], data["position"]
         if rank == 0:
             for e in errors:
                 print(f"warning: {e}", file=sys.stderr, flush=True)
@@ -895,7 +990,7 @@ def log_step(cfg, metrics: dict, f):
     f.write(json.dumps(metrics) + "\n")
     f.flush()
     s = metrics["step"]
-    if s % cfg.log_every == 0 or s == cfg.steps:
+    if s % cfg.log_every == 0 or s == cfg.steps or "eval_loss" in metrics:
         mfu = "n/a" if metrics["mfu"] is None else f"{100 * metrics['mfu']:.1f}%"
         loss = "skipped" if metrics["loss"] is None else f"{metrics['loss']:.4f}"
         grad_norm = "skipped" if metrics["grad_norm"] is None else f"{metrics['grad_norm']:.3f}"
@@ -903,7 +998,8 @@ def log_step(cfg, metrics: dict, f):
               f"grad_norm {grad_norm} | {metrics['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | "
               f"mfu {mfu} | mem {metrics['mem_gb']:.2f} GB | elapsed {fmt_time(metrics['elapsed_s'])} | "
               f"eta {fmt_time(metrics['eta_s'])}" +
-              (f" | ${metrics['cost_usd']:,.2f} of ${metrics['projected_cost_usd']:,.2f}" if "cost_usd" in metrics else ""),
+              (f" | ${metrics['cost_usd']:,.2f} of ${metrics['projected_cost_usd']:,.2f}" if "cost_usd" in metrics else "") +
+              (f" | eval_loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""),
               flush=True)
 
 
@@ -929,11 +1025,9 @@ def setup(cfg: TrainConfig):
     if errors:
         fail("; ".join(errors))
 
-    windows = None
+    windows = eval_windows = None
     if cfg.steps > 0 and not cfg.from_ckpt:
-        tokens = D.sample_tokens() if cfg.data == "sample" else D.load_tokens(cfg.data)
-        D.check_vocab(tokens, mcfg.vocab_size, cfg.data)
-        windows = D.TokenWindows(tokens, cfg.seq_len, cfg.seed, cfg.data)
+        mcfg, windows, eval_windows = open_data(cfg, mcfg)
 
     rank, world, device = init_processes(cfg)
     compute_dtype = getattr(torch, cfg.dtype)
@@ -948,9 +1042,9 @@ def setup(cfg: TrainConfig):
     dist.barrier()
     # A checkpoint wins over --init_from: re-running the same command continues the run.
     candidates = [cfg.from_ckpt] if cfg.from_ckpt else list_checkpoints(ckpt_root) if cfg.resume == "auto" else []
-    start_step = 0
+    start_step = start_position = 0
     if candidates:
-        start_step = resume(cfg, mcfg, units, windows, rank, candidates, fallback=not cfg.from_ckpt)
+        start_step, start_position = resume(cfg, mcfg, units, windows, rank, candidates, fallback=not cfg.from_ckpt)
     elif cfg.init_from:
         files, open_files = hf_file_of_tensors(cfg.init_from), {}
         for unit in units:
@@ -959,7 +1053,40 @@ def setup(cfg: TrainConfig):
     else:
         for i, unit in enumerate(units):
             init_unit_random(unit, i, cfg.seed, mcfg.init_std)
-    return mcfg, model, units, windows, rank, world, device, start_step
+    return mcfg, model, units, windows, eval_windows, rank, world, device, start_step, start_position
+
+
+def open_data(cfg: TrainConfig, mcfg: M.ModelConfig):
+    """The training windows and the held-out ones (or None). A preset takes its vocabulary and BOS/EOS
+    ids from the prepared data's tokenizer; a model from --init_from must match it."""
+    data_path, eval_path = cfg.data, None if cfg.eval_data in ("auto", "") else cfg.eval_data
+    if cfg.data == "sample":
+        folder = os.path.join(cfg.out_dir, "sample")
+        if not os.path.isfile(os.path.join(folder, "eval", "meta.json")) and os.environ.get("RANK", "0") == "0":
+            print(f"building the built-in sample (corpus, tokenizer, shards) in {folder}", flush=True)
+        D.build_sample(folder)
+        data_path = os.path.join(folder, "train")
+        if cfg.eval_data in ("auto", "sample"):
+            eval_path = os.path.join(folder, "eval")
+    data = D.TokenData(data_path, "--data")
+    if data.meta and not cfg.init_from:
+        mcfg = dataclasses.replace(mcfg, vocab_size=data.meta["vocab_size"], bos_id=data.meta["bos_id"],
+                                   eos_id=data.meta["eos_id"])
+    if data.meta and cfg.init_from and data.meta["tokenizer"]["kind"] == "huggingface":
+        model_tokenizer = os.path.join(cfg.init_from, "tokenizer.json")
+        if os.path.isfile(model_tokenizer) and D.Tokenizer(cfg.init_from).sha256 != data.meta["tokenizer"]["sha256"]:
+            raise D.DataError(f"--data: {data_path} was tokenized with {data.meta['tokenizer']['path']}, whose "
+                              f"tokenizer.json differs from {model_tokenizer}")
+    data.check_vocab(mcfg.vocab_size, "--data")
+    windows = D.TokenWindows(data, cfg.seq_len, cfg.seed, flag="--data")
+    eval_windows = None
+    if eval_path and cfg.eval_every:
+        eval_data = D.TokenData(eval_path, "--eval_data")
+        if data.meta and eval_data.meta and eval_data.meta["tokenizer"]["sha256"] != data.meta["tokenizer"]["sha256"]:
+            raise D.DataError(f"--eval_data: {eval_path} was tokenized with another tokenizer than --data {data_path}")
+        eval_data.check_vocab(mcfg.vocab_size, "--eval_data")
+        eval_windows = D.TokenWindows(eval_data, cfg.seq_len, cfg.seed, shuffle=False, flag="--eval_data")
+    return mcfg, windows, eval_windows
 
 
 def open_metrics(cfg, start_step: int):
@@ -1026,11 +1153,15 @@ def main(argv=None):
     if cfg.plot:
         print(f"wrote {plot_metrics(cfg.plot)}")
         return
+    if cfg.plan:
+        import plan
+        plan.main(cfg)
+        return
     try:
-        mcfg, model, units, windows, rank, world, device, start_step = setup(cfg)
+        mcfg, model, units, windows, eval_windows, rank, world, device, start_step, position = setup(cfg)
     except (D.DataError, KeyError, ValueError, FileNotFoundError, CheckpointError) as e:
         fail(str(e).strip("'\""))
-    stages = make_stages(model, units, cfg.ac)
+    stages = make_stages(model, units, cfg.ac, cfg.ce_chunk, cfg.offload_activations)
     counts = M.count_params(mcfg)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     peak = peak_flops(device)
@@ -1065,7 +1196,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         done = step + 1
         try:
-            loss, grad_norm = train_step(cfg, units, stages, windows, step, rank, world, device, mcfg)
+            loss, grad_norm = train_step(cfg, units, stages, windows, step, position, rank, world, device, mcfg)
         except NonFiniteStep as e:
             skipped += 1
             if skipped > cfg.max_skipped_steps:
@@ -1074,9 +1205,13 @@ def main(argv=None):
             if rank == 0:
                 print(f"warning: {e} ({skipped} of at most {cfg.max_skipped_steps})", file=sys.stderr, flush=True)
             loss = grad_norm = None  # null in metrics.jsonl
+        position += cfg.batch_size  # windows consumed: the data loader's state
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
+        eval_loss = None
+        if eval_windows is not None and (done % cfg.eval_every == 0 or done == steps):
+            eval_loss = evaluate(cfg, units, stages, eval_windows, rank, world, device, mcfg)
         elapsed = elapsed_before + time.perf_counter() - start
         if rank == 0:
             tokens_per_sec_per_gpu = tokens_per_step / dt / world
@@ -1086,6 +1221,8 @@ def main(argv=None):
                 tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
                 mfu=None if peak is None else tokens_per_sec_per_gpu * flops_per_token(mcfg, cfg.seq_len) / peak,
                 mem_gb=peak_mem_bytes(device) / 1e9, step_time_s=dt, elapsed_s=elapsed, eta_s=eta)
+            if eval_loss is not None:
+                metrics["eval_loss"] = eval_loss
             if cfg.gpu_hour_usd:  # GPU-hours so far (all restarts, downtime excluded) and at the end
                 metrics["cost_usd"] = elapsed / 3600 * world * cfg.gpu_hour_usd
                 metrics["projected_cost_usd"] = (elapsed + eta) / 3600 * world * cfg.gpu_hour_usd
@@ -1097,7 +1234,7 @@ def main(argv=None):
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         if stop.item() or done == steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
             try:
-                path = save_checkpoint(cfg, mcfg, units, done, rank, world, windows)
+                path = save_checkpoint(cfg, mcfg, units, done, rank, world, windows.state(position) if windows else None)
             except CheckpointError as e:
                 fail(str(e))
             if rank == 0:

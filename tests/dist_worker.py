@@ -44,9 +44,9 @@ def memory(cfg, mcfg, model, units, windows, rank, world, device):
         most_reduces[0] = max(most_reduces[0], len(reduces_in_flight))
         original_finish(reduces_in_flight, keep)
     T.finish_reduces = counting_finish
-    stages = T.make_stages(model, units, cfg.ac)
+    stages = T.make_stages(model, units, cfg.ac, cfg.ce_chunk)
     for step in range(2):
-        T.train_step(cfg, units, stages, windows, step, rank, world, device, mcfg)
+        T.train_step(cfg, units, stages, windows, step, step * cfg.batch_size, rank, world, device, mcfg)
     gc.collect()
     return dict(
         persistent_bytes=sum(u.persistent_bytes() for u in units),
@@ -61,9 +61,9 @@ def memory(cfg, mcfg, model, units, windows, rank, world, device):
 
 def ac(cfg, mcfg, model, units, windows, rank, world, device):
     grads = {}
-    for mode in ("none", "full", "selective"):
-        stages = T.make_stages(model, units, mode)
-        loss, _ = T.forward_backward(cfg, units, stages, windows, 0, rank, world, device, mcfg)
+    for mode in ("none", "full", "selective", "offload"):
+        stages = T.make_stages(model, units, mode.replace("offload", "full"), cfg.ce_chunk, offload=mode == "offload")
+        loss, _ = T.forward_backward(cfg, units, stages, windows, 0, 0, rank, world, device, mcfg)
         grads[mode] = ([u.grad_shard.clone() for u in units], loss.item())
         for u in units:
             u.grad_shard.zero_()
@@ -108,7 +108,7 @@ def load(flags):
             return False
     safetensors.safe_open = CountingFile
     cfg = T.parse_args(flags)
-    mcfg, model, units, windows, rank, world, device, _ = T.setup(cfg)
+    mcfg, model, units, windows, _, rank, world, device, _, _ = T.setup(cfg)
     return dict(elements_read=read[0], shard_elements=sum(u.shard_numel for u in units),
                 model_elements=sum(u.numel for u in units), rank=rank, world=world)
 
@@ -119,7 +119,7 @@ if __name__ == "__main__":
         result = load(flags)
     else:
         cfg = T.parse_args(flags)
-        mcfg, model, units, windows, rank, world, device, _ = T.setup(cfg)
+        mcfg, model, units, windows, _, rank, world, device, _, _ = T.setup(cfg)
         result = {"memory": memory, "ac": ac}[mode](cfg, mcfg, model, units, windows, rank, world, device)
     with open(os.path.join(out_dir, f"rank{torch.distributed.get_rank()}.json"), "w") as f:
         json.dump(result, f)

@@ -1,6 +1,7 @@
 """Training parity: train.py at W = 1, 2, 3, 4 (fp32, gloo) against one process of transformers'
 LlamaForCausalLM + torch.optim.AdamW on the same batches: per-step loss within 1e-5 relative, logged
-grad norm within 1e-4, final weights within 1e-4 relative per tensor."""
+grad norm within 1e-4, final weights within 1e-4 relative per tensor. The data packs several documents
+into some rows; the oracle runs each document alone, which is what --doc_mask (the default) promises."""
 import math
 import os
 
@@ -16,8 +17,15 @@ ARGS = dict(seq_len=SEQ, batch_size=BATCH, steps=STEPS, lr=1e-2, warmup_steps=2,
             weight_decay=0.1, grad_clip=CLIP, dtype="float32", seed=3)
 
 
-def reference_run(init_dir, data_path):
-    """The oracle: one process, whole global batch at once, HF model, torch AdamW."""
+def split_at_eos(row: torch.Tensor, eos_id: int) -> list:
+    """The documents of one packed row: a new one starts after each EOS."""
+    cuts = [0] + [t + 1 for t in range(len(row) - 1) if row[t] == eos_id] + [len(row)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+def reference_run(init_dir, data_path, doc_mask: bool):
+    """The oracle: one process, whole global batch at once, HF model, torch AdamW. With doc_mask, each
+    packed document runs through HF alone (its own positions from 0, nothing else to attend to)."""
     from transformers import AutoModelForCausalLM
     ref = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32, attn_implementation="eager")
     params = dict(ref.named_parameters())
@@ -26,14 +34,18 @@ def reference_run(init_dir, data_path):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": ARGS["weight_decay"]},
                              {"params": no_decay, "weight_decay": 0.0}], lr=ARGS["lr"], betas=(0.9, 0.95), eps=1e-8)
     cfg = T.TrainConfig(**ARGS)
-    windows = D.TokenWindows(D.load_tokens(data_path), SEQ, ARGS["seed"])
-    losses, norms = [], []
+    windows = D.TokenWindows(D.TokenData(data_path), SEQ, ARGS["seed"])
+    losses, norms, n_split = [], [], 0
     for step in range(STEPS):
-        inputs, targets = windows.micro_batch(step, 0, 0, 1, BATCH, BATCH)
-        logits = ref(torch.from_numpy(inputs)).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                                 torch.from_numpy(targets).reshape(-1), reduction="sum")
-        loss = loss / targets.size
+        inputs, targets = (torch.from_numpy(a) for a in windows.micro_batch(step * BATCH, 0, 0, 1, BATCH))
+        loss = 0.0
+        for row in range(BATCH):
+            docs = split_at_eos(inputs[row], ref.config.eos_token_id) if doc_mask else [(0, SEQ)]
+            n_split += len(docs) > 1
+            for a, b in docs:
+                logits = ref(inputs[row:row + 1, a:b]).logits[0]
+                loss = loss + torch.nn.functional.cross_entropy(logits.float(), targets[row, a:b], reduction="sum")
+        loss = loss / targets.numel()
         opt.zero_grad()
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item())
@@ -41,6 +53,7 @@ def reference_run(init_dir, data_path):
             group["lr"] = T.lr_at(cfg, step + 1)
         opt.step()
         losses.append(loss.item())
+    assert not doc_mask or n_split >= 4, "the data must pack several documents into some rows"
     return losses, norms, {k: v.detach().clone() for k, v in ref.state_dict().items()}
 
 
@@ -52,7 +65,7 @@ def setup(request, tmp_path_factory):
                        high_freq_factor=4.0, original_max_position_embeddings=8))
     init_dir = save_hf(hf_model(cfg, seed=5), str(root / "init"))
     data_path = learnable_tokens(str(root / "tokens.npy"), cfg.vocab_size, n=3000)
-    return root, init_dir, data_path, reference_run(init_dir, data_path)
+    return root, init_dir, data_path, reference_run(init_dir, data_path, doc_mask=True)
 
 
 def check_against_reference(out, reference):
@@ -80,6 +93,28 @@ def test_training_matches_hf(setup, world, micro):
     run_train(args + [f"--init_from={init_dir}", f"--data={data_path}", f"--micro_batch_size={micro}",
                       f"--out_dir={out}", f"--export_hf={out}/hf", "--ac=none"], nproc=world)
     check_against_reference(out, reference)
+
+
+@pytest.mark.parametrize("flags", [["--ce_chunk=5"], ["--ac=selective", "--ce_chunk=7", "--prefetch=false"]],
+                         ids=["chunked-ce", "selective-noprefetch"])
+def test_training_matches_hf_with_options(setup, flags):
+    """Cross-entropy in chunks that do not divide the micro-batch, checkpointing, no prefetch: same math."""
+    root, init_dir, data_path, reference = setup
+    out = str(root / f"opt-{flags[-1]}")
+    args = [f"--{k}={v}" for k, v in ARGS.items()]
+    run_train(args + [f"--init_from={init_dir}", f"--data={data_path}", "--micro_batch_size=2",
+                      f"--out_dir={out}", f"--export_hf={out}/hf", *flags], nproc=2)
+    check_against_reference(out, reference)
+
+
+def test_without_doc_mask_matches_hf_on_whole_rows(setup):
+    """--doc_mask false: each row is one sequence, as transformers sees it without document boundaries."""
+    root, init_dir, data_path, _ = setup
+    out = str(root / "nodocmask")
+    args = [f"--{k}={v}" for k, v in ARGS.items()]
+    run_train(args + [f"--init_from={init_dir}", f"--data={data_path}", "--micro_batch_size=3", "--doc_mask=false",
+                      f"--out_dir={out}", f"--export_hf={out}/hf", "--ac=none"], nproc=2)
+    check_against_reference(out, reference_run(init_dir, data_path, doc_mask=False))
 
 
 @pytest.mark.parametrize("reduce_dtype", ["float32", "bfloat16"])

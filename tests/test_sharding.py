@@ -56,7 +56,7 @@ def test_activation_checkpointing_modes_give_the_same_gradients(tmp_path, dtype)
                                              f"--dtype={dtype}"])
     for r in results:
         assert r["none"]["grad_sq"] > 0
-        for mode in ("full", "selective"):
+        for mode in ("full", "selective", "offload"):  # offload: --ac full --offload_activations true
             assert r[mode]["loss"] == r["none"]["loss"]
             assert r[mode]["max_abs_diff"] == 0.0, (mode, r[mode])
 
