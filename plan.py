@@ -1,0 +1,353 @@
+"""The planner: memory per GPU, fit, step time, tokens/s/GPU, MFU, hours and dollars, from the flags alone.
+
+    python train.py --plan true --model llama3-70b --nnodes 2 --nproc_per_node 8 --gpu h100 --seq_len 8192 \\
+        --batch_size 64 --micro_batch_size 1 --ac full --offload_activations true --train_tokens 15e9 \\
+        --gpu_hour_usd 2.00 [--plan_json plan.json]
+
+Everything printed is a prediction. The memory model follows this trainer's design (train.py sections 3
+and 5): which buffers exist at the three moments memory peaks in a micro-batch. The time model is FLOPs /
+(peak x an efficiency derived from published runs), against the bytes the collectives move. Every
+constant is in GPUS or ASSUMPTIONS, with where it comes from; `plan()` returns them all.
+"""
+
+import json
+
+import model as M
+import train as T
+
+GIB = 2**30
+COMPUTE_BYTES = 2                                 # bf16: gathered weights, their gradients, activations
+REDUCE_BYTES = {"bfloat16": 2, "float32": 4}      # by --reduce_dtype
+
+# Bandwidths are achievable per-GPU bus bandwidths for large messages, below the nominal link rate.
+GPUS = {
+    "h100": dict(device_name="NVIDIA H100 80GB HBM3", memory_mib=81559, family="h100",
+                 hbm_gbps=3350, nvlink_gbps=360, ib_gbps=40, pcie_gbps=40),
+    "h100-pcie": dict(device_name="NVIDIA H100 PCIe", memory_mib=81559, family="h100",
+                      hbm_gbps=2000, nvlink_gbps=40, ib_gbps=40, pcie_gbps=40),
+    "h200": dict(device_name="NVIDIA H200", memory_mib=143771, family="h100",
+                 hbm_gbps=4800, nvlink_gbps=360, ib_gbps=40, pcie_gbps=40),
+    "a100": dict(device_name="NVIDIA A100-SXM4-80GB", memory_mib=81920, family="a100",
+                 hbm_gbps=2039, nvlink_gbps=230, ib_gbps=20, pcie_gbps=20),
+    "a100-40gb": dict(device_name="NVIDIA A100-SXM4-40GB", memory_mib=40960, family="a100",
+                      hbm_gbps=1555, nvlink_gbps=230, ib_gbps=20, pcie_gbps=20),
+}
+
+ASSUMPTIONS = {
+    "memory_mib": "total memory as nvidia-smi reports it (H100 SXM 81,559 MiB, H200 143,771 MiB); check yours",
+    "nvlink_gbps": "NVLink: H100/H200 SXM 450 GB/s per direction nominal, ~360 achievable (nccl-tests busbw); "
+                   "A100 300 nominal, ~230; H100 PCIe has no NVLink switch: PCIe Gen5, ~40",
+    "ib_gbps": "one NIC per GPU: NDR 400 Gb/s = 50 GB/s nominal, 40 assumed (H100/H200); HDR 200 Gb/s = 25, "
+               "20 assumed (A100). A ring spanning nodes runs at its slowest link, so nnodes > 1 uses this",
+    "pcie_gbps": "pinned host<->GPU copies for --offload_activations: Gen5 ~40 GB/s, Gen4 ~20 (assumption)",
+    "hbm_gbps": "HBM bandwidth (datasheet)",
+    "cuda_context_and_nccl_gib": (1.0, "assumption: CUDA context ~0.5 GiB + NCCL buffers ~0.5 GiB, outside "
+                                       "torch.cuda.max_memory_allocated"),
+    "fragmentation": (0.10, "assumption: allocator slack of 10% on everything but the persistent state"),
+    "gradient_accumulation": "a unit's backward holds up to max(2, 3 - its last parameter's share) unit-sized "
+                             "compute-dtype gradients (see grad_peak_numel): 2.73 for a Llama-3-70B block",
+    "selective_recompute_time": (0.03, "selective AC recomputes only elementwise ops: +3% step time (assumption)"),
+    "attention_efficiency": ({"h100": 0.35, "a100": 0.50}, "FlashAttention-2 forward+backward: ~35% of peak on "
+                             "H100 (FlashAttention-3 paper), 50-73% on A100 (FlashAttention-2 paper)"),
+    "overlap": "--prefetch true: a micro-batch takes max(compute, collectives, offload copies) plus the "
+               "embedding's all-gather and reduce-scatter, which nothing overlaps; --prefetch false: the sum",
+    "adamw": "memory-bound: 32 B per parameter of the slice (read + write fp32 master, m, v, gradient) at 80% of HBM",
+    "mfu_convention": "MFU = tokens/s x train.flops_per_token (6(N-emb) + 12 L H Dh T) / peak; recompute, the "
+                      "tied head's matmul and the chunked cross-entropy's recomputed logits are executed FLOPs "
+                      "that cost time but are not counted in MFU",
+}
+
+# ----------------------------------------------------------------------------------------------
+# Memory
+# ----------------------------------------------------------------------------------------------
+
+def unit_numels(mcfg: M.ModelConfig) -> list[int]:
+    """Parameters of each sharding unit in train.build_units' order: embedding, blocks, head."""
+    counts = M.count_params(mcfg)
+    embedding = counts["embedding"]
+    head = mcfg.dim + (0 if mcfg.tie_embeddings else embedding)  # final norm (+ lm_head)
+    block = (counts["total"] - embedding - head) // mcfg.n_layers
+    return [embedding] + [block] * mcfg.n_layers + [head]
+
+
+def padded(numel: int, world: int) -> int:
+    return -(-numel // world) * world
+
+
+def grad_peak_numel(unit_numel: int, last_param_numel: int) -> int:
+    """Most compute-dtype gradient elements alive during one unit's backward. The parameters are the
+    pieces of one torch.split of `gathered` (Unit.set_views): their gradients (1 unit together) are
+    concatenated once by split's backward (1 more), which becomes gathered.grad: 2 units."""
+    return 2 * unit_numel
+
+
+def block_activation_bytes_per_token(mcfg: M.ModelConfig) -> dict:
+    """Bytes per token one block keeps for backward under each policy (bf16, FlashAttention-2), counted
+    from model.py: what each op's autograd node saves, shared tensors counted once."""
+    d, h, kv, dh, f = mcfg.dim, mcfg.n_heads, mcfg.n_kv_heads, mcfg.head_dim, mcfg.ffn_dim
+    norm = 4 * d + 2 * d + 4        # RMSNorm: x.float() (fp32, saved by pow), normalized bf16, rsqrt (fp32)
+    none = (2 * norm + 2 * d + 2 * d  # both norms, and their outputs (the q/k/v and gate/up matmul inputs)
+            + 2 * h * dh + 4 * kv * dh + 2 * h * dh + 4 * h  # attention: q, k (after RoPE), v; out, lse
+            + 4 * 2 * f)             # silu input (gate), silu(gate), up, down_proj input
+    matmul_outputs = 2 * (h * dh + 2 * kv * dh + d + 2 * f + d)  # q, k, v, o, gate, up, down
+    selective = 2 * d + matmul_outputs + 2 * h * dh + 4 * h      # + block input, attention out + lse
+    reused = 2 * 2 * f + 2 * kv * dh + 2 * h * dh + 4 * h  # kept by selective and in `none`: not recomputed
+    return dict(none=none, selective=selective, full=2 * d, selective_reused=reused)
+
+
+def saved_activation_bytes(mcfg: M.ModelConfig, cfg, blocks: int) -> float:
+    """What `blocks` blocks keep for backward on the GPU; offloaded, only ~2 blocks' are in transit."""
+    kept = block_activation_bytes_per_token(mcfg)[cfg.ac]
+    blocks_on_gpu = min(blocks, 2) if cfg.offload_activations else blocks
+    return cfg.micro_batch_size * cfg.seq_len * blocks_on_gpu * kept
+
+
+def recompute_bytes(mcfg: M.ModelConfig, cfg) -> float:
+    """A block at the start of its backward: what its recompute brings back (and the first activation
+    gradients, of silu(gate) and up, 2 x F wide)."""
+    per_token = block_activation_bytes_per_token(mcfg)
+    recompute = {"none": 0, "full": per_token["none"],
+                 "selective": per_token["none"] - per_token["selective_reused"]}[cfg.ac]
+    return cfg.micro_batch_size * cfg.seq_len * (recompute + 2 * 2 * mcfg.ffn_dim)
+
+
+def logits_bytes(mcfg: M.ModelConfig, cfg) -> float:
+    """One cross-entropy chunk in the head's backward: fp32 logits, their gradient, the bf16 logits."""
+    tokens = cfg.micro_batch_size * cfg.seq_len
+    chunk = min(cfg.ce_chunk, tokens) if cfg.ce_chunk else tokens
+    return chunk * mcfg.vocab_size * (4 + 4 + 2)
+
+
+def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int) -> dict:
+    """Bytes per GPU by part at the three moments memory peaks in a micro-batch: the head's backward
+    (logits, every block's saved activations), the last block's backward once its recompute is done,
+    and at its end, when its gradient is summed (the recomputed tensors are gone by then)."""
+    numels = unit_numels(mcfg)
+    emb, block, head = (padded(n, world) for n in (numels[0], numels[1], numels[-1]))
+    cbytes, rbytes = COMPUTE_BYTES, REDUCE_BYTES[cfg.reduce_dtype]
+    tied, layers, tokens = mcfg.tie_embeddings, mcfg.n_layers, cfg.micro_batch_size * cfg.seq_len
+    prefetched = block if cfg.prefetch else 0  # the previous unit's all-gather, started as this one runs
+    in_flight = max(head, block)  # the head's gradient is reduced while the last block runs backward
+    reduce_buffers = rbytes * in_flight  # Unit._reduce_scatter_grad: the whole gradient in --reduce_dtype
+    waiting = emb * tied  # tied: the head's part of the embedding gradient waits for the embedding's
+
+    def phase(gathered, gradients, reduce, activations, logits=0.0):
+        dynamic = dict(gathered_weights=cbytes * gathered, gradients=cbytes * gradients,
+                       reduce_buffers=reduce, activations=activations, logits=logits)
+        return dict(state=16 * sum(padded(n, world) for n in numels) / world,
+                    context_and_nccl=ASSUMPTIONS["cuda_context_and_nccl_gib"][0] * GIB, **dynamic,
+                    fragmentation=ASSUMPTIONS["fragmentation"][0] * sum(dynamic.values()))
+
+    head_grads = 2 * emb + 2 * head if tied else grad_peak_numel(head, head - mcfg.dim)
+    head_saved = tokens * (4 + 2 + 2) * mcfg.dim  # final norm: fp32 input, normalized, output
+    return {
+        "head backward": phase(head + waiting + prefetched, head_grads, 0,
+                               saved_activation_bytes(mcfg, cfg, layers) + head_saved, logits_bytes(mcfg, cfg)),
+        "block recompute": phase(block + prefetched, mcfg.dim * mcfg.ffn_dim + waiting, reduce_buffers,
+                                 saved_activation_bytes(mcfg, cfg, layers) + recompute_bytes(mcfg, cfg)),
+        "block gradient sum": phase(block + prefetched, grad_peak_numel(block, mcfg.dim * mcfg.ffn_dim) + waiting,
+                                    reduce_buffers,  # its own saved tensors are gone; its input's gradient is not
+                                    saved_activation_bytes(mcfg, cfg, layers - 1) + tokens * 2 * mcfg.dim),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Time
+# ----------------------------------------------------------------------------------------------
+
+def executed_flops(mcfg: M.ModelConfig, seq_len: int, ac: str, chunked_ce: bool) -> tuple[float, float]:
+    """(matmul, attention) FLOPs per token actually computed: the MFU count plus recompute."""
+    counts = M.count_params(mcfg)
+    block_numel = unit_numels(mcfg)[1]
+    attention = 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
+    matmul = T.flops_per_token(mcfg, seq_len) - attention
+    if mcfg.tie_embeddings:  # the head's matmul reads the embedding, which 6(N - emb) leaves out
+        matmul += 6 * counts["embedding"]
+    if chunked_ce:  # each cross-entropy chunk recomputes its logits in backward
+        matmul += 2 * counts["embedding"]
+    if ac == "full":  # one more forward of every block
+        matmul += 2 * mcfg.n_layers * block_numel
+        attention += attention / 3
+    return matmul, attention
+
+
+def peak_flops(gpu: dict) -> float:
+    return next(flops for key, flops in T.PEAK_BF16_FLOPS if key in gpu["device_name"])
+
+
+# Published runs the matmul efficiency is derived from: (GPU family, model dim, tokens/s/GPU, matmul and
+# attention FLOPs executed per token (recompute included), time factor, source). Both H100 runs are
+# FSDP full shard with 16,384 tokens per micro-batch; they also differ in power cap, HBM and software,
+# and we interpolate between them in the model dim only. A measurement of this trainer replaces them.
+def published_anchors() -> list:
+    llama8b, llama70b = M.PRESETS["llama3.1-8b"](), M.PRESETS["llama3-70b"]()
+    sel = 1 + ASSUMPTIONS["selective_recompute_time"][0]
+    mpt70b_mm = 6 * 64.86e9 + 2 * 12 * 8192**2 * 80  # 6N (tied head included) + one more forward of the blocks
+    mpt70b_attn = (12 + 4) * 80 * 8192 * 2048
+    return [
+        ("h100", 4096, 5762, *executed_flops(llama8b, 8192, "selective", False), sel,
+         "torchtitan docs/performance.md: Llama 3.1 8B, 8 H100 (500 W, 96 GB HBM2e), FSDP2, selective AC, "
+         "seq 8192, local batch 2, no torch.compile: 5,762 tok/s/GPU (33.7% MFU by train.flops_per_token)"),
+        ("h100", 8192, 1039, mpt70b_mm, mpt70b_attn, 1.0,
+         "llm-foundry scripts/train/benchmarking: MPT-70B, 64 H100 80GB, FULL_SHARD, full AC, seq 2048, "
+         "micro-batch 8: 1,039 tok/s/GPU, 42.57% MFU"),
+        ("a100", 4096, 2973, *executed_flops(llama8b, 8192, "selective", False), sel,
+         "torchtitan docs/performance.md: Llama 3 8B, 64 A100 80GB, FSDP2, selective op AC, batch 1: 2,973"),
+        ("a100", 8192, 331, *executed_flops(llama70b, 8192, "full", False), 1.0,
+         "torchtitan docs/performance.md: Llama 3 70B, 64 A100 80GB, FSDP2, full AC, batch 1: 331"),
+    ]
+
+
+def matmul_efficiency(family: str, dim: int) -> float:
+    """Fraction of peak the matmuls reach: solved from each anchor (its attention at attention_efficiency,
+    the rest is matmul), then linear in the model dim between the two anchors, constant outside them."""
+    attn_eff = ASSUMPTIONS["attention_efficiency"][0][family]
+    points = []
+    for fam, d, tok_s, mm, attn, factor, _ in published_anchors():
+        if fam == family:
+            peak = peak_flops(GPUS[fam])
+            matmul_s = 1 / tok_s / factor - attn / (attn_eff * peak)
+            points.append((d, mm / (matmul_s * peak)))
+    (d0, e0), (d1, e1) = sorted(points)
+    return e0 + (e1 - e0) * (min(max(dim, d0), d1) - d0) / (d1 - d0)
+
+
+def collective_bytes_per_micro_step(mcfg: M.ModelConfig, cfg, world: int) -> tuple[float, float]:
+    """(all-gather, reduce-scatter) bytes of the full buffers, one forward + backward. Blocks are gathered
+    twice; the head stays gathered across the turn; the embedding's backward needs no weights (the tied
+    head gathers it once more instead). Every unit's gradient is reduce-scattered once."""
+    numels = [padded(n, world) for n in unit_numels(mcfg)]
+    emb, blocks, head = numels[0], numels[1:-1], numels[-1]
+    gathers = emb * (2 if mcfg.tie_embeddings else 1) + 2 * sum(blocks) + head
+    return COMPUTE_BYTES * gathers, REDUCE_BYTES[cfg.reduce_dtype] * sum(numels)
+
+
+def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
+    """Seconds per optimizer step: per micro-batch, compute against the collectives (and the offload
+    copies), overlapped with --prefetch true, one after the other without; then AdamW."""
+    peak = peak_flops(gpu)
+    tokens = cfg.micro_batch_size * cfg.seq_len
+    matmul, attention = executed_flops(mcfg, cfg.seq_len, cfg.ac, 0 < cfg.ce_chunk < tokens)
+    attn_eff = ASSUMPTIONS["attention_efficiency"][0][gpu["family"]]
+    compute_s = tokens * (matmul / matmul_efficiency(gpu["family"], mcfg.dim) + attention / attn_eff) / peak
+    if cfg.ac == "selective":
+        compute_s *= 1 + ASSUMPTIONS["selective_recompute_time"][0]
+    bandwidth = 1e9 * (gpu["ib_gbps"] if cfg.nnodes > 1 else gpu["nvlink_gbps"])
+    ring = (world - 1) / world  # each GPU sends and receives (W-1)/W of the full buffer
+    comm_s = ring * sum(collective_bytes_per_micro_step(mcfg, cfg, world)) / bandwidth
+    offload_bytes = tokens * mcfg.n_layers * block_activation_bytes_per_token(mcfg)[cfg.ac]
+    offload_s = 2 * offload_bytes / (1e9 * gpu["pcie_gbps"]) if cfg.offload_activations else 0.0
+    # Nothing computes during the embedding's first all-gather nor after its reduce-scatter.
+    embedding_bytes = padded(unit_numels(mcfg)[0], world) * (COMPUTE_BYTES + REDUCE_BYTES[cfg.reduce_dtype])
+    exposed_s = ring * embedding_bytes / bandwidth
+    if cfg.prefetch:
+        micro_s = max(compute_s, comm_s, offload_s) + exposed_s
+    else:
+        micro_s = compute_s + comm_s + offload_s
+    optimizer_s = 32 * sum(padded(n, world) for n in unit_numels(mcfg)) / world / (0.8e9 * gpu["hbm_gbps"])
+    micro_steps = cfg.batch_size // (world * cfg.micro_batch_size)
+    return dict(step_time_s=micro_steps * micro_s + optimizer_s, compute_s=micro_steps * compute_s,
+                comm_s=micro_steps * comm_s, offload_s=micro_steps * offload_s,
+                exposed_s=micro_steps * exposed_s if cfg.prefetch else 0.0, optimizer_s=optimizer_s,
+                micro_steps=micro_steps, bandwidth_gbps=bandwidth / 1e9)
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan, the checks, the table
+# ----------------------------------------------------------------------------------------------
+
+def plan(mcfg: M.ModelConfig, cfg) -> dict:
+    """The whole prediction for one configuration, as plain numbers (what --plan_json writes)."""
+    gpu, world = GPUS[cfg.gpu], cfg.nnodes * cfg.nproc_per_node
+    phases = memory_by_phase(mcfg, cfg, world)
+    peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
+    peak_gib = sum(phases[peak_phase].values()) / GIB
+    usable_gib = gpu["memory_mib"] / 1024
+    time = step_time(mcfg, cfg, gpu, world)
+    tokens_per_sec_per_gpu = cfg.batch_size * cfg.seq_len / time["step_time_s"] / world
+    hours = cfg.train_tokens / (tokens_per_sec_per_gpu * world) / 3600
+    family = gpu["family"]
+    assumptions = dict(ASSUMPTIONS, gpu=dict(gpu, peak_bf16_flops=peak_flops(gpu)),
+                       matmul_efficiency=(matmul_efficiency(family, mcfg.dim),
+                                          "solved from these anchors, linear in the model dim between them"),
+                       anchors=[a[-1] for a in published_anchors() if a[0] == family])
+    return dict(
+        model=cfg.init_from or cfg.model, params=M.count_params(mcfg)["total"], world=world, gpu=cfg.gpu,
+        state_gib_per_gpu=phases[peak_phase]["state"] / GIB, peak_gib_per_gpu=peak_gib, peak_phase=peak_phase,
+        usable_gib=usable_gib, fits=peak_gib <= usable_gib,
+        memory_gib={k: v / GIB for k, v in phases[peak_phase].items()},
+        memory_by_phase_gib={p: {k: v / GIB for k, v in parts.items()} for p, parts in phases.items()},
+        **time, tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
+        mfu=tokens_per_sec_per_gpu * T.flops_per_token(mcfg, cfg.seq_len) / peak_flops(gpu),
+        hours=hours, cost_usd=hours * world * cfg.gpu_hour_usd, assumptions=assumptions)
+
+
+def check(cfg) -> list[str]:
+    """The flags the planner reads, one message each."""
+    errors = []
+    if cfg.gpu not in GPUS:
+        errors.append(f"--gpu: {cfg.gpu!r} is not one of {', '.join(GPUS)}")
+    if cfg.dtype != "bfloat16":
+        errors.append(f"--dtype: the planner models bfloat16 compute only, got {cfg.dtype!r}")
+    choices = dict(reduce_dtype=("float32", "bfloat16"), ac=("none", "full", "selective"))
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            errors.append(f"--{name}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+    for name in ("nnodes", "nproc_per_node", "seq_len", "batch_size", "micro_batch_size"):
+        if getattr(cfg, name) < 1:
+            errors.append(f"--{name}: must be >= 1, got {getattr(cfg, name)}")
+    world = cfg.nnodes * cfg.nproc_per_node
+    if not errors and cfg.batch_size % (world * cfg.micro_batch_size):
+        errors.append(f"--batch_size: {cfg.batch_size} is not a multiple of world size x --micro_batch_size "
+                      f"= {world} x {cfg.micro_batch_size} = {world * cfg.micro_batch_size}")
+    for name in ("train_tokens", "gpu_hour_usd", "ce_chunk"):
+        if getattr(cfg, name) < 0:
+            errors.append(f"--{name}: must be >= 0, got {getattr(cfg, name)}")
+    if not cfg.init_from and cfg.model not in M.PRESETS:
+        errors.append(f"--model: unknown preset {cfg.model!r}; known: {', '.join(M.PRESETS)}")
+    return errors
+
+
+def table(p: dict, cfg) -> str:
+    """The plan as the lines --plan prints."""
+    phases = p["memory_by_phase_gib"]
+    names = list(phases)
+    lines = [f"{p['model']}: {p['params'] / 1e9:.2f}B params | {cfg.nnodes} x {cfg.nproc_per_node} {cfg.gpu} "
+             f"(W={p['world']}) | seq {cfg.seq_len} x micro {cfg.micro_batch_size}, batch {cfg.batch_size} "
+             f"({p['micro_steps']} accumulation) | ac {cfg.ac}{' + offload' if cfg.offload_activations else ''} | "
+             f"reduce {cfg.reduce_dtype} | prefetch {'on' if cfg.prefetch else 'off'} | ce_chunk {cfg.ce_chunk}",
+             "", f"{'memory per GPU, GiB (predicted)':34}" + "".join(f"{n:>19}" for n in names)]
+    for part in phases[names[0]]:
+        lines.append(f"  {part:32}" + "".join(f"{phases[n][part]:19.2f}" for n in names))
+    lines.append(f"  {'total':32}" + "".join(f"{sum(phases[n].values()):19.2f}" for n in names))
+    verdict = "fits" if p["fits"] else "DOES NOT FIT"
+    lines += [f"peak {p['peak_gib_per_gpu']:.2f} GiB ({p['peak_phase']}) of {p['usable_gib']:.2f} GiB: {verdict}",
+              "",
+              f"step (predicted): compute {p['compute_s']:.2f} s, collectives {p['comm_s']:.2f} s at "
+              f"{p['bandwidth_gbps']:.0f} GB/s, offload copies {p['offload_s']:.2f} s, exposed {p['exposed_s']:.2f} s, "
+              f"AdamW {p['optimizer_s']:.2f} s -> {p['step_time_s']:.2f} s per step",
+              f"tokens/s/GPU {p['tokens_per_sec_per_gpu']:,.0f} | MFU {100 * p['mfu']:.1f}% | matmul efficiency "
+              f"{p['assumptions']['matmul_efficiency'][0]:.3f} (from published runs, see --plan_json assumptions)"]
+    if cfg.train_tokens:
+        lines.append(f"{cfg.train_tokens:,.0f} tokens: {p['hours']:,.0f} h ({p['hours'] / 24:.1f} days) on "
+                     f"{p['world']} GPUs = ${p['cost_usd']:,.0f} at ${cfg.gpu_hour_usd:.2f}/GPU-hour")
+    return "\n".join(lines)
+
+
+def main(cfg):
+    """`train.py --plan true`: check the flags, print the table, write --plan_json."""
+    errors = check(cfg)
+    if not errors:
+        try:
+            mcfg = T.model_config(cfg)
+            errors += M.check_model_config(mcfg)
+        except (OSError, KeyError, ValueError) as e:
+            errors.append(f"--init_from: cannot read config.json: {e}")
+    if errors:
+        T.fail("; ".join(errors))
+    p = plan(mcfg, cfg)
+    print(table(p, cfg), flush=True)
+    if cfg.plan_json:
+        with open(cfg.plan_json, "w") as f:
+            json.dump(p, f, indent=1)
+        print(f"wrote {cfg.plan_json}", flush=True)

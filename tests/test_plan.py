@@ -1,0 +1,175 @@
+"""The planner (plan.py): published anchors, the memory parts, the fit of the 70B case study, the CLI."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import model as M  # noqa: E402
+import plan as P  # noqa: E402
+import train as T  # noqa: E402
+
+CASE_70B = dict(model="llama3-70b", nnodes=2, nproc_per_node=8, gpu="h100", seq_len=8192, batch_size=64,
+                micro_batch_size=1, train_tokens=15e9, gpu_hour_usd=2.0)
+RECOMMENDED_70B = dict(CASE_70B, ac="full", offload_activations="true", reduce_dtype="bfloat16")
+
+
+def config(**flags) -> T.TrainConfig:
+    return T.parse_args([str(x) for k, v in flags.items() for x in (f"--{k}", v)])
+
+
+def predict(**flags) -> dict:
+    cfg = config(**flags)
+    return P.plan(T.model_config(cfg), cfg)
+
+
+def test_torchtitan_llama31_8b_anchor():
+    # torchtitan: 8 H100, FSDP2, selective AC, seq 8192, local batch 2 -> 5,762 tok/s/GPU.
+    p = predict(model="llama3.1-8b", nnodes=1, nproc_per_node=8, gpu="h100", seq_len=8192, batch_size=16,
+                micro_batch_size=2, ac="selective")
+    assert 0.75 * 5762 <= p["tokens_per_sec_per_gpu"] <= 1.25 * 5762
+    assert p["mfu"] <= 0.5
+    assert p["comm_s"] < p["compute_s"]  # inside one node the collectives hide behind compute
+
+
+def test_llama3_70b_on_64_h100_mfu_in_published_range():
+    # 16,384 tokens per micro-batch, as in llm-foundry's MPT-70B run on 64 H100 (42.6% MFU).
+    p = predict(model="llama3-70b", nnodes=8, nproc_per_node=8, gpu="h100", seq_len=8192, batch_size=128,
+                micro_batch_size=2, ac="full")
+    assert 0.3 <= p["mfu"] <= 0.5
+    # Half the tokens per micro-batch moves the same bytes per micro-batch: it can only be slower per token.
+    smaller = predict(model="llama3-70b", nnodes=8, nproc_per_node=8, gpu="h100", seq_len=8192, batch_size=64,
+                      micro_batch_size=1, ac="full")
+    assert smaller["mfu"] < p["mfu"]
+
+
+def test_state_per_gpu_of_70b_on_16_gpus():
+    mcfg, world = M.PRESETS["llama3-70b"](), 16
+    counts = M.count_params(mcfg)
+    embedding = counts["embedding"]
+    head = mcfg.dim + mcfg.vocab_size * mcfg.dim
+    block = (counts["total"] - embedding - head) // mcfg.n_layers
+    padded = sum(-(-n // world) * world for n in [embedding] + [block] * mcfg.n_layers + [head])
+    p = predict(**CASE_70B)
+    assert p["state_gib_per_gpu"] == pytest.approx(16 * padded / world / 2**30, rel=1e-12)
+    assert round(p["state_gib_per_gpu"], 1) == 65.7
+
+
+def test_state_matches_the_trainers_units_with_padding():
+    # The trainer's own Unit objects, at a W whose padding is not zero: rank 0's persistent bytes.
+    mcfg, world = M.PRESETS["tiny"](), 3
+    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, torch.float32)
+    assert any(u.padded_numel != u.numel for u in units)
+    p = predict(model="tiny", nnodes=1, nproc_per_node=world, seq_len=256, batch_size=12, micro_batch_size=4)
+    assert p["state_gib_per_gpu"] * 2**30 == sum(u.persistent_bytes() for u in units)
+
+
+def test_activation_policies_order_and_offload():
+    base = dict(CASE_70B, nnodes=4)
+    acts = {ac: predict(**base, ac=ac)["memory_by_phase_gib"]["block recompute"]["activations"]
+            for ac in ("none", "selective", "full")}
+    assert acts["none"] > acts["selective"] > acts["full"]
+    for ac in ("none", "selective", "full"):
+        offloaded = predict(**base, ac=ac, offload_activations="true")["memory_by_phase_gib"]["block recompute"]
+        assert offloaded["activations"] < acts[ac]
+
+
+def test_logits_grow_linearly_with_ce_chunk():
+    logits = [predict(**CASE_70B, ac="full", ce_chunk=c)["memory_by_phase_gib"]["head backward"]["logits"]
+              for c in (512, 1024, 2048)]
+    assert logits[1] == pytest.approx(2 * logits[0]) and logits[2] == pytest.approx(2 * logits[1])
+    assert logits[1] == pytest.approx(1024 * 128256 * (4 + 4 + 2) / 2**30)
+
+
+def test_tied_versus_untied_head():
+    tied = M.PRESETS["llama3.2-1b"]()
+    untied = M.PRESETS["llama3.2-1b"]()
+    untied.tie_embeddings = False
+    cfg = config(model="llama3.2-1b", nnodes=1, nproc_per_node=8, seq_len=4096, batch_size=8, micro_batch_size=1)
+    p_tied, p_untied = P.plan(tied, cfg), P.plan(untied, cfg)
+    # Untied: one more vocab x dim matrix of fp32 state (16 B per parameter / W).
+    extra = 16 * tied.vocab_size * tied.dim / 8 / 2**30
+    assert p_untied["state_gib_per_gpu"] - p_tied["state_gib_per_gpu"] == pytest.approx(extra)
+    # Tied: the head's part of the embedding gradient waits through every block's backward.
+    grads = {name: p["memory_by_phase_gib"]["block gradient sum"]["gradients"]
+             for name, p in (("tied", p_tied), ("untied", p_untied))}
+    assert grads["tied"] - grads["untied"] == pytest.approx(2 * tied.vocab_size * tied.dim / 2**30)
+
+
+def test_more_gpus_less_state_and_70b_does_not_fit_one_node():
+    one, two = predict(**dict(CASE_70B, nnodes=1, batch_size=64)), predict(**CASE_70B)
+    assert two["state_gib_per_gpu"] < one["state_gib_per_gpu"]
+    assert not one["fits"]  # 70B x 16 B / 8 = 131 GiB of state alone
+
+
+def test_70b_case_study_what_fits_on_16_h100():
+    recommended = predict(**RECOMMENDED_70B)
+    assert recommended["fits"], recommended["memory_gib"]
+    assert predict(**dict(RECOMMENDED_70B, reduce_dtype="float32"))["fits"]
+    assert not predict(**CASE_70B, ac="selective")["fits"]     # ~1.5 GiB per block x 80 blocks
+    assert not predict(**CASE_70B, ac="full")["fits"]          # the block inputs alone: 10 GiB
+    # bf16 gradients halve the reduce-scatter bytes over InfiniBand, which bound the step in fp32.
+    assert recommended["tokens_per_sec_per_gpu"] > predict(**dict(RECOMMENDED_70B, reduce_dtype="float32"))[
+        "tokens_per_sec_per_gpu"]
+    assert recommended["cost_usd"] == pytest.approx(recommended["hours"] * 16 * 2.0)
+
+
+PROBE = """
+import sys, torch
+def status_kib(key):  # from /proc/self/status: VmRSS (now) or VmHWM (peak since the last reset)
+    return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1])
+side, n_params = 2236, int(sys.argv[1])
+gathered = torch.zeros(n_params * side * side, requires_grad=True)  # a unit, as train.Unit.gathered
+views = [p.view(side, side) for p in torch.split(gathered, [side * side] * n_params)]  # as Unit.set_views
+h = torch.randn(4, side)
+for weight in views:
+    h = h @ weight
+loss = h.sum()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak, so import-time peaks do not hide the backward's
+before = status_kib("VmRSS")
+loss.backward()
+print((status_kib("VmHWM") - before) * 1024 / gathered.numel() / 4)
+"""
+
+
+@pytest.mark.parametrize("n_params", [2, 9])
+def test_gradient_peak_of_a_unit_matches_autograd(n_params):
+    # The parameters are the pieces of one split of a flat leaf, as in train.Unit: the peak of gradient memory
+    # during its backward, in units, against plan.grad_peak_numel.
+    result = subprocess.run([sys.executable, "-c", PROBE, str(n_params)], capture_output=True, text=True,
+                            timeout=120, check=True)
+    measured_units = float(result.stdout)
+    assert measured_units == pytest.approx(P.grad_peak_numel(n_params, 1) / n_params, abs=0.15)
+
+
+def run_plan(*flags):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--plan", "true", *flags],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_cli_writes_json_with_the_required_keys(tmp_path):
+    out = tmp_path / "plan.json"
+    flags = [str(x) for k, v in RECOMMENDED_70B.items() for x in (f"--{k}", v)]
+    result = run_plan(*flags, "--plan_json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "fits" in result.stdout and "tokens/s/GPU" in result.stdout
+    p = json.loads(out.read_text())
+    for key in ("params", "state_gib_per_gpu", "peak_gib_per_gpu", "fits", "tokens_per_sec_per_gpu", "mfu",
+                "hours", "cost_usd", "memory_gib", "step_time_s", "compute_s", "comm_s", "assumptions"):
+        assert key in p, key
+    assert p["fits"] is True and p["hours"] > 0
+
+
+@pytest.mark.parametrize("flags, flag", [(["--gpu", "b300"], "--gpu"),
+                                         (["--nproc_per_node", "8", "--batch_size", "12"], "--batch_size")])
+def test_cli_bad_flag_is_one_error_line(flags, flag):
+    result = run_plan(*flags)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {flag}:"), result.stderr
