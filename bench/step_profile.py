@@ -1,0 +1,157 @@
+"""Two CPU measurements of the sharded step: prefetch on vs off, and what each --ac policy keeps.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 bench/step_profile.py prefetch [--rounds 5]
+    python bench/step_profile.py ac
+
+prefetch: one run at W = 2 (gloo), alternating rounds of steps with --prefetch true and false in the
+same processes (train_step reads cfg.prefetch each step), so both see the same machine load. Median
+step time of each.
+
+ac: for each policy, a fresh process at W = 1 (a ~20M-parameter Llama, fp32, seq 1024, micro-batch 2)
+measures (1) the bytes autograd saves for backward, through torch.autograd.graph.saved_tensors_hooks
+(unique storages, the gathered parameter buffers excluded), which sees everything for `none` but not
+what torch.utils.checkpoint keeps by itself (the block inputs, and selective's saved op outputs); (2) the
+resident memory the forward leaves for backward and the step's peak, from /proc/self/status with glibc
+told to return every block >= 64 KiB to the OS (MALLOC_MMAP_THRESHOLD_), so that resident memory follows
+live tensors. (1) and (2) agree for `none`, which is what makes (2) trustworthy for the other two.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import model as M  # noqa: E402
+import train as T  # noqa: E402
+
+MODEL = dict(vocab_size=8192, dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_seq_len=2048)
+
+
+def write_inputs(folder: str, seq_len: int) -> tuple[str, str]:
+    """An HF-style config.json for the model above (random init from it) and random tokens without EOS."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    mcfg = M.ModelConfig(**MODEL, bos_id=1, eos_id=2)
+    init = os.path.join(folder, "init")
+    if not os.path.isdir(init):
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**M.config_to_hf(mcfg, torch.float32))).save_pretrained(init)
+    tokens = os.path.join(folder, "tokens.npy")
+    np.save(tokens, np.random.default_rng(0).integers(3, MODEL["vocab_size"], 200 * seq_len).astype(np.uint16))
+    return init, tokens
+
+
+def status_kib(key: str) -> int:
+    return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1])
+
+
+def setup(flags: list):
+    cfg = T.parse_args(flags)
+    mcfg, model, units, windows, _, rank, world, device, _, _ = T.setup(cfg)
+    stages = T.make_stages(model, units, cfg.ac, cfg.ce_chunk, cfg.offload_activations)
+    return cfg, mcfg, units, stages, windows, rank, world, device
+
+
+def run_prefetch(folder: str, rounds: int, steps_per_round: int):
+    cfg, mcfg, units, stages, windows, rank, world, device = setup([
+        f"--init_from={folder}/init", f"--data={folder}/tokens.npy", "--seq_len=512", "--batch_size=8",
+        "--micro_batch_size=4", "--dtype=float32", "--ac=none", "--doc_mask=false", f"--out_dir={folder}/out",
+        "--resume=never", "--overwrite=true"])
+    times_s = {True: [], False: []}
+    step = 0
+    for r in range(rounds + 1):  # round 0 warms up both
+        for prefetch in (True, False):
+            cfg.prefetch = prefetch
+            for _ in range(steps_per_round):
+                t0 = time.perf_counter()
+                T.train_step(cfg, units, stages, windows, step, step * cfg.batch_size, rank, world, device, mcfg)
+                if r:
+                    times_s[prefetch].append(time.perf_counter() - t0)
+                step += 1
+    if rank == 0:
+        on, off = statistics.median(times_s[True]), statistics.median(times_s[False])
+        tokens = cfg.batch_size * cfg.seq_len
+        print(f"W={world}, {M.count_params(mcfg)['total'] / 1e6:.1f}M params, fp32, micro 4 x 512, "
+              f"{rounds} rounds x {steps_per_round} steps each way, alternating")
+        print("| --prefetch | median step s | tokens/s per rank |\n|---|---:|---:|")
+        for name, t in (("true", on), ("false", off)):
+            print(f"| {name} | {t:.3f} | {tokens / t / world:,.0f} |")
+        print(f"prefetch on / off step time: {on / off:.3f}")
+    torch.distributed.destroy_process_group()
+
+
+def measure_ac(folder: str, ac: str) -> dict:
+    """One policy, in this (fresh) process: saved-tensor bytes, resident memory after forward, peak."""
+    cfg, mcfg, units, stages, windows, rank, world, device = setup([
+        f"--init_from={folder}/init", f"--data={folder}/tokens.npy", "--seq_len=1024", "--batch_size=2",
+        "--micro_batch_size=2", "--dtype=float32", f"--ac={ac}", "--doc_mask=false", "--prefetch=false",
+        f"--out_dir={folder}/out-{ac}", "--resume=never", "--overwrite=true"])
+    T.train_step(cfg, units, stages, windows, 0, 0, rank, world, device, mcfg)  # warm-up
+    gathered = {u.gathered.untyped_storage().data_ptr() for u in units}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in gathered and storage.nbytes():
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    inputs, targets = windows.micro_batch(cfg.batch_size, 0, 0, 1, cfg.micro_batch_size)
+    ctx = T.batch_context(cfg, mcfg, windows, inputs, targets, device, torch.float32, torch.tensor(float(targets.size)))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak
+    before_kib = status_kib("VmRSS")
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = T.sharded_loss(stages, ctx["tokens"], ctx, prefetch=False)
+    after_forward_kib = status_kib("VmRSS")
+    head = units[-1].padded_numel * 4  # the head stays gathered for its backward: not an activation
+    loss.backward()
+    T.finish_reduces(units[0].reduces_in_flight)
+    step_s = time.perf_counter() - t0
+    tokens = cfg.micro_batch_size * cfg.seq_len
+    return dict(ac=ac, saved_by_hooks_bytes=sum(saved.values()),
+                kept_after_forward_bytes=(after_forward_kib - before_kib) * 1024 - head,
+                peak_over_start_bytes=(status_kib("VmHWM") - before_kib) * 1024, fwd_bwd_s=step_s, tokens=tokens,
+                n_layers=mcfg.n_layers)
+
+
+def ac_main():
+    folder = tempfile.mkdtemp(prefix="step_profile_")
+    write_inputs(folder, 1024)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536")
+    rows = []
+    for ac in ("none", "selective", "full"):
+        proc = subprocess.run([sys.executable, __file__, "ac-one", folder, ac], capture_output=True, text=True,
+                              env=env, check=True)
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    mib = 2 ** 20
+    print(f"W=1, {rows[0]['n_layers']} blocks, fp32, micro-batch 2 x 1024 tokens, CPU")
+    print("| --ac | saved via hooks MiB | kept after forward MiB | per block per token B | peak MiB | fwd+bwd s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        per_block_token = r["kept_after_forward_bytes"] / r["n_layers"] / r["tokens"]
+        print(f"| {r['ac']} | {r['saved_by_hooks_bytes'] / mib:.0f} | {r['kept_after_forward_bytes'] / mib:.0f} | "
+              f"{per_block_token:,.0f} | {r['peak_over_start_bytes'] / mib:.0f} | {r['fwd_bwd_s']:.2f} |")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "prefetch":
+        rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 5
+        # each rank writes the same seeded inputs into its own folder: nothing to coordinate
+        folder = tempfile.mkdtemp(prefix=f"step_profile_rank{os.environ.get('RANK', '0')}_")
+        write_inputs(folder, 512)
+        run_prefetch(folder, rounds, steps_per_round=3)
+    elif sys.argv[1] == "ac-one":
+        print(json.dumps(measure_ac(sys.argv[2], sys.argv[3])))
+        torch.distributed.destroy_process_group()
+    else:
+        ac_main()
+    sys.stdout.flush()
+    os._exit(0)
