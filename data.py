@@ -72,6 +72,11 @@ class Tokenizer:
             from transformers import AutoTokenizer
             self.kind, self.hf = "huggingface", AutoTokenizer.from_pretrained(folder)
             self.vocab_size, self.bos_id, self.eos_id = len(self.hf), self.hf.bos_token_id, self.hf.eos_token_id
+            # Documents end with end-of-text. Llama 3 Instruct's tokenizer names <|eot_id|> its eos_token,
+            # but that closes a chat turn; a document (and a whole chat) ends with <|end_of_text|>.
+            end_of_text = self.hf.get_vocab().get("<|end_of_text|>")
+            if end_of_text is not None:
+                self.eos_id = end_of_text
             self.chat_template = getattr(self.hf, "chat_template", None)
             self.id_files = [os.path.join(folder, "tokenizer.json")]  # the ids; the chat template aside
         if self.bos_id is None or self.eos_id is None or self.bos_id < 0 or self.eos_id < 0:
@@ -107,7 +112,8 @@ class Tokenizer:
             piece, before = text[len(before):], text
             if i == 0 and self.hf.bos_token and piece.startswith(self.hf.bos_token):
                 piece = piece[len(self.hf.bos_token):]  # prepare adds BOS itself
-            at = piece.find(m["content"]) if m["role"] == "assistant" and m["content"] else -1
+            content = m["content"].strip()  # templates often trim it (Llama 3's does)
+            at = piece.find(content) if m["role"] == "assistant" and content else -1
             if at < 0:
                 out.append((piece, m["role"] == "assistant"))
             else:  # the template's header is context; the content and what closes it are targets

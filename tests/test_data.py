@@ -65,7 +65,7 @@ def hf_tokenizer(folder):
     os.makedirs(folder)
     tok.save(str(folder / "tokenizer.json"))
     template = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-                "{{ m['content'] }}<|eot_id|>{% endfor %}")
+                "{{ m['content'] | trim }}<|eot_id|>{% endfor %}")  # trim, as Llama 3's template
     with open(folder / "tokenizer_config.json", "w") as f:
         json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "chat_template": template,
                    "tokenizer_class": "PreTrainedTokenizerFast"}, f)
@@ -142,6 +142,22 @@ def test_chat_masks_cover_exactly_the_assistant_replies(corpus, tmp_path, kind):
         assert "Traduis" in tok.decode(tokens) or "lease" in tok.decode(tokens)  # the prompt is there, unmasked
     meta = json.load(open(os.path.join(out, "meta.json")))
     assert meta["target_tokens"] == sum(int(m.sum()) for _, m in docs)
+
+
+def test_an_instruct_tokenizer_ends_documents_with_end_of_text_not_eot(corpus, tmp_path):
+    """Llama 3 Instruct's tokenizer_config names <|eot_id|> its eos_token; it closes each turn, so the
+    document separator must stay <|end_of_text|>, or every chat would be cut at each turn."""
+    import shutil
+    instruct = tmp_path / "instruct"
+    shutil.copytree(corpus["hf"], instruct)
+    config = json.load(open(instruct / "tokenizer_config.json"))
+    json.dump(dict(config, eos_token="<|eot_id|>"), open(instruct / "tokenizer_config.json", "w"))
+    tok = D.Tokenizer(str(instruct))
+    assert tok.hf.eos_token == "<|eot_id|>" and tok.eos_id == tok.hf.convert_tokens_to_ids("<|end_of_text|>")
+    out = str(tmp_path / "chat")
+    run_data("prepare", "--input", corpus["chat"], "--tokenizer", str(instruct), "--out", out)
+    assert json.load(open(os.path.join(out, "meta.json")))["documents"] == 20
+    assert len(documents(out)) == 20
 
 
 def test_a_literal_special_token_in_a_document_stays_text(corpus, tmp_path):
