@@ -505,11 +505,10 @@ class TokenData:
 
 
 class TokenWindows:
-    """Windows of `seq_len + 1` tokens in a seeded, per-epoch order (see the module docstring).
-    shuffle=False reads them in file order (evaluation: the same batches every time)."""
+    """Windows of `seq_len + 1` tokens in a seeded, per-epoch order (see the module docstring)."""
 
-    def __init__(self, data: TokenData, seq_len: int, seed: int, shuffle: bool = True, flag: str = "--data"):
-        self.data, self.seq_len, self.seed, self.shuffle = data, seq_len, seed, shuffle
+    def __init__(self, data: TokenData, seq_len: int, seed: int, flag: str = "--data"):
+        self.data, self.seq_len, self.seed = data, seq_len, seed
         self.n_windows = (len(data) - 1) // seq_len
         if self.n_windows < 1:
             raise DataError(f"{flag}: {data.path} has {len(data)} tokens; at least seq_len + 1 = "
@@ -518,8 +517,6 @@ class TokenWindows:
 
     def _window_start(self, position: int) -> int:
         epoch, pos = divmod(position, self.n_windows)
-        if not self.shuffle:
-            return pos * self.seq_len
         if epoch != self._epoch:  # one permutation in memory at a time: 8 bytes a window
             self._epoch = epoch
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)

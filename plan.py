@@ -1,6 +1,6 @@
 """The planner: memory per GPU, fit, step time, tokens/s/GPU, MFU, hours and dollars, from the flags alone.
 
-    python train.py --plan true --model llama3-70b --nnodes 2 --nproc_per_node 8 --gpu h100 --seq_len 8192 \\
+    python train.py --plan --model llama3-70b --nnodes 2 --nproc_per_node 8 --gpu h100 --seq_len 8192 \\
         --batch_size 64 --micro_batch_size 1 --ac full --offload_activations true --train_tokens 15e9 \\
         --gpu_hour_usd 2.00 [--plan_json plan.json]
 
@@ -44,8 +44,8 @@ ASSUMPTIONS = {
     "cuda_context_and_nccl_gib": (1.0, "assumption: CUDA context ~0.5 GiB + NCCL buffers ~0.5 GiB, outside "
                                        "torch.cuda.max_memory_allocated"),
     "fragmentation": (0.10, "assumption: allocator slack of 10% on everything but the persistent state"),
-    "gradient_accumulation": "a unit's backward holds up to max(2, 3 - its last parameter's share) unit-sized "
-                             "compute-dtype gradients (see grad_peak_numel): 2.73 for a Llama-3-70B block",
+    "gradient_accumulation": "a unit's backward holds 2 unit-sized compute-dtype gradients: its parameters' "
+                             "(pieces of one split) and their concatenation (see grad_peak_numel)",
     "selective_recompute_time": (0.03, "selective AC recomputes only elementwise ops: +3% step time (assumption)"),
     "attention_efficiency": ({"h100": 0.35, "a100": 0.50}, "FlashAttention-2 forward+backward: ~35% of peak on "
                              "H100 (FlashAttention-3 paper), 50-73% on A100 (FlashAttention-2 paper)"),

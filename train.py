@@ -635,8 +635,8 @@ def train_step(cfg, units, stages, windows, step, position, rank, world, device,
 
 
 def evaluate(cfg, units, stages, eval_windows, rank, world, device, mcfg) -> float:
-    """Mean loss over the first --eval_batches global batches of the held-out data, in file order (the
-    same tokens every time): the same gathers as training's forward, no backward."""
+    """Mean loss over the first --eval_batches global batches of the held-out data's first epoch: a
+    seeded sample of its windows, the same every time. The same gathers as training's forward, no backward."""
     loss_sum, n_tokens = torch.zeros((), device=device), torch.zeros((), device=device)
     accum = cfg.batch_size // (world * cfg.micro_batch_size)
     with torch.no_grad():
@@ -1085,7 +1085,7 @@ def open_data(cfg: TrainConfig, mcfg: M.ModelConfig):
         if data.meta and eval_data.meta and eval_data.meta["tokenizer"]["sha256"] != data.meta["tokenizer"]["sha256"]:
             raise D.DataError(f"--eval_data: {eval_path} was tokenized with another tokenizer than --data {data_path}")
         eval_data.check_vocab(mcfg.vocab_size, "--eval_data")
-        eval_windows = D.TokenWindows(eval_data, cfg.seq_len, cfg.seed, shuffle=False, flag="--eval_data")
+        eval_windows = D.TokenWindows(eval_data, cfg.seq_len, cfg.seed, flag="--eval_data")
     return mcfg, windows, eval_windows
 
 
