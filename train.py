@@ -5,9 +5,14 @@ Read top to bottom; the sections follow the data:
   2. processes   torch.distributed set-up (NCCL on GPUs, gloo on CPU, also W=1 without torchrun)
   3. shard       each sharding unit's parameters as one flat fp32 tensor split W ways
   4. init        materialise one unit at a time: seeded init, or sliced reads of a Hugging Face folder
-  5. step        gather -> compute -> free, forward and backward; reduce-scatter; AdamW on the slices
-  6. export      a Hugging Face folder written one unit at a time
-  7. loop        data, logging (tokens/s/GPU, MFU, memory, ETA), the training loop
+  5. step        gather -> compute -> free, forward and backward; reduce-scatter; AdamW on the slices;
+                 evaluation
+  6. checkpoints each rank its slices, rank 0 commits atomically; resume at any world size
+  7. export      a Hugging Face folder written one unit at a time
+  8. loop        data, logging (tokens/s/GPU, MFU, memory, ETA), the training loop
+
+The data (tokenize, pack, the window order) is data.py; the planner (`--plan`: memory, speed and cost
+predicted without a GPU) is plan.py.
 
 Launch recipes (the flags are in TrainConfig below; `python train.py --help` lists them):
 
@@ -20,6 +25,8 @@ Launch recipes (the flags are in TrainConfig below; `python train.py --help` lis
           --rdzv_endpoint $MASTER_ADDR:29500 train.py --init_from /models/Llama-3-70B-Instruct ...
   SLURM (one task per node; launch.sh reads SLURM_* and calls torchrun):
       srun --nodes 2 --ntasks-per-node 1 ./launch.sh --init_from /models/Llama-3-70B-Instruct ...
+  before any of these, what fits and what it costs (no GPU needed):
+      python train.py --plan --model llama3-70b --nnodes 2 --nproc_per_node 8 --seq_len 8192 ...
 """
 
 import argparse
