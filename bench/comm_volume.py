@@ -1,6 +1,6 @@
 """Bytes each collective moves per training step, counted, against what the ZeRO-3 schedule needs.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 bench/comm_volume.py [--tied]
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 bench/comm_volume.py
 
 Runs train.py's own loop (train.main) for a few steps of a small Llama, untied and then tied, with
 gradient accumulation (batch 8 = W 2 x micro-batch 2 x 2 accumulation steps), and counts every call of
@@ -114,6 +114,21 @@ def install_counters():
     T.save_checkpoint = in_phase("save", T.save_checkpoint)
 
 
+def share_one_group():
+    """train.main makes and destroys the process group; both runs here use the first one instead
+    (a second group on the same torchrun store would read the first one's stale addresses).
+    Returns the real destroy_process_group, for the end."""
+    init, destroy, made = T.init_processes, dist.destroy_process_group, {}
+
+    def init_once(cfg):
+        if "group" not in made:
+            made["group"] = init(cfg)
+        return made["group"]
+    T.init_processes = init_once
+    dist.destroy_process_group = lambda *args, **kwargs: None
+    return destroy
+
+
 # ------------------------------------------------------------------------------------------------
 # What the schedule needs, from the shapes alone
 # ------------------------------------------------------------------------------------------------
@@ -163,11 +178,7 @@ def write_inputs(folder: str, tied: bool) -> tuple[str, str, M.ModelConfig]:
     return init, tokens, mcfg
 
 
-def run(tied: bool) -> tuple[list, bool]:
-    folder = tempfile.mkdtemp(prefix=f"comm_volume_rank{os.environ.get('RANK', '0')}_")
-    init, tokens, mcfg = write_inputs(folder, tied)  # per rank: the same seeded files, nothing to share
-    out_dir = os.path.join(tempfile.gettempdir(), f"comm_volume_out_{'tied' if tied else 'untied'}")  # shared:
-    # rank 0 commits the checkpoint that every rank writes into
+def run(tied: bool, init: str, tokens: str, mcfg: M.ModelConfig) -> tuple[list, bool]:
     world = int(os.environ.get("WORLD_SIZE", 1))
     state["labels"] = {n: unit for unit, n in unit_numels(mcfg, world).items()}
     calls.clear()
@@ -228,10 +239,15 @@ def summary(mcfg: M.ModelConfig, world: int) -> str:
 
 
 def main() -> int:
+    destroy_process_group = share_one_group()
     install_counters()
     failed = False
-    for tied in ("--tied" in sys.argv,):  # one run per torchrun: a second init_process_group hangs on gloo
-        rows, ok = run(tied)
+    # Per rank, the same seeded files, all written before the process group exists: with a group,
+    # transformers' save_pretrained writes on rank 0 only.
+    inputs = {tied: write_inputs(tempfile.mkdtemp(prefix=f"comm_volume_rank{os.environ.get('RANK', '0')}_"), tied)
+              for tied in (False, True)}
+    for tied in (False, True):
+        rows, ok = run(tied, *inputs[tied])
         failed |= not ok
         if int(os.environ.get("RANK", 0)) == 0:
             mcfg = M.ModelConfig(**MODEL, tie_embeddings=tied)
@@ -240,6 +256,7 @@ def main() -> int:
                         f"padded units: embed {numel['embed']:,}, block {numel['block']:,} x {mcfg.n_layers}, "
                         f"head {numel['head']:,}", rows, ok)
             print(summary(mcfg, 2))
+    destroy_process_group()
     return 1 if failed else 0
 
 
