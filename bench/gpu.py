@@ -1,0 +1,452 @@
+"""The GPU benchmark: correctness on the device first, then tokens/s/GPU, MFU and peak memory of this
+trainer against transformers + PyTorch FSDP2 on the same model. `bench/gpu.sh` runs it (all local GPUs);
+`bash bench/gpu.sh --dry-run` runs the same code on CPU (2 gloo processes, tiny shapes) in about a minute.
+
+    bash bench/gpu.sh [--layers L] [--steps N] [--no-compile] [--no-baseline] [--json FILE]
+
+1. correctness  a small Llama (GQA, packed documents, so the varlen/mask path runs), 4 steps of
+                train.py's train_step at W = all GPUs against transformers' LlamaForCausalLM +
+                torch.optim.AdamW in one process, the same weights and windows: fp32 losses within 1e-4
+                (relative), bf16 compute within 2e-2 of the fp32 oracle. A failure stops the run: a
+                fast wrong answer is not a result.
+2. ours         Llama-3-8B-shaped blocks (dim 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256),
+                as many layers as the planner says fit next to the baseline's extra logits, seq 8192,
+                micro-batch 1 x 2 accumulation steps per GPU, BF16, --ac selective, fp32 reduce.
+3. ours compiled  the same with torch.compile on each block (kept in train.py only if it measures
+                faster; until then it lives here).
+4. baseline     LlamaForCausalLM with the same shapes (attention: flash_attention_2 when flash_attn
+                imports, else sdpa), the same selective policy through checkpoint_wrapper, fully_shard
+                per layer then the root, MixedPrecisionPolicy(bf16, fp32), fused AdamW.
+Each: 2 warm-up steps, then --steps timed steps (synchronized); the median. MFU = tokens/s/GPU x
+train.flops_per_token / the device's dense BF16 peak (train.PEAK_BF16_FLOPS). Peak memory is
+torch.cuda.max_memory_allocated over the timed steps. Results print as they come (a run stopped by
+gpu.sh's 8-minute limit keeps what it printed) and, at the end, as a Markdown table for BENCHMARKS.md.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from functools import partial
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import data as D  # noqa: E402
+import model as M  # noqa: E402
+import plan as P  # noqa: E402
+import train as T  # noqa: E402
+
+GIB = 2**30
+# Llama 3 8B's block and vocabulary; the layer count is chosen to fit. --dry-run shrinks every width.
+SHAPE_8B = dict(vocab_size=128256, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=8192)
+SHAPE_DRY = dict(vocab_size=1024, dim=128, n_heads=4, n_kv_heads=2, ffn_dim=448, max_seq_len=256)
+CHECK_MODEL = dict(vocab_size=1024, dim=256, n_layers=3, n_heads=8, n_kv_heads=2, ffn_dim=512, max_seq_len=512,
+                   bos_id=1, eos_id=2)
+CHECK_SEQ, CHECK_STEPS, CHECK_LR = 128, 4, 2e-3  # each step moves the loss; a wrong update shows (beta2 0.99: 10x the tolerance)
+FP32_TOL, BF16_TOL = 1e-4, 2e-2
+
+
+def log(rank: int, *args):
+    if rank == 0:
+        print(*args, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# One process group for every run in this process
+# ------------------------------------------------------------------------------------------------
+
+def share_one_group():
+    """train.setup makes the process group; the later runs here reuse the first one (a second
+    init_process_group on the same torchrun store would read the first one's stale addresses)."""
+    init, made = T.init_processes, {}
+
+    def init_once(cfg):
+        if "group" not in made:
+            made["group"] = init(cfg)
+        return made["group"]
+    T.init_processes = init_once
+
+
+def train_flags(folder: str, tokens: str, seq_len: int, batch: int, micro: int, steps: int, dtype: str,
+                ac: str, device: str, extra=(), lr: float = 1e-3) -> list:
+    return [f"--data={tokens}", f"--seq_len={seq_len}", f"--batch_size={batch}", f"--micro_batch_size={micro}",
+            f"--steps={steps}", f"--dtype={dtype}", f"--ac={ac}", f"--device={device}", "--eval_every=0",
+            f"--lr={lr}", "--warmup_steps=1", "--weight_decay=0.1", "--grad_clip=1.0",
+            f"--out_dir={folder}", "--resume=never", "--overwrite=true", *extra]
+
+
+def build_ours(flags: list, compile_blocks: bool = False):
+    """train.py's own set-up and step; returns (mcfg, units, step_fn(step) -> (loss, grad_norm))."""
+    cfg = T.parse_args(flags)
+    mcfg, model, units, windows, _, rank, world, device, _, _ = T.setup(cfg)
+    if compile_blocks:
+        for block in model.layers:
+            block.compile()
+    stages = T.make_stages(model, units, cfg.ac, cfg.ce_chunk, cfg.offload_activations)
+
+    def step_fn(step: int):
+        return T.train_step(cfg, units, stages, windows, step, step * cfg.batch_size, rank, world, device, mcfg)
+    return mcfg, units, step_fn
+
+
+def release(units):
+    """Drops a finished run's state so the next one has the memory (the module attributes are views of
+    the freed buffers and hold nothing)."""
+    for u in units:
+        u.master_shard = u.exp_avg = u.exp_avg_sq = u.grad_shard = u.gathered = None
+    units.clear()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. Correctness on the device
+# ------------------------------------------------------------------------------------------------
+
+def write_check_inputs(folder: str) -> tuple[str, str]:
+    """A seeded HF model folder (random norm weights, so a wrong norm shows) and learnable tokens with an
+    EOS every 20-60 tokens, so rows pack several documents."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    mcfg = M.ModelConfig(**CHECK_MODEL)
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(LlamaConfig(**M.config_to_hf(mcfg, torch.float32)))
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    init = os.path.join(folder, "init")
+    ref.save_pretrained(init)
+    rng = np.random.default_rng(0)
+    tokens = np.cumsum(rng.integers(1, 4, size=40 * (CHECK_SEQ + 1))) % (mcfg.vocab_size - 3) + 3
+    ends = np.cumsum(rng.integers(20, 60, size=len(tokens) // 20))
+    tokens[ends[ends < len(tokens)]] = mcfg.eos_id
+    path = os.path.join(folder, "check_tokens.npy")
+    np.save(path, tokens.astype(np.uint16))
+    return init, path
+
+
+def oracle_steps(init: str, tokens: str, batch: int, device) -> list:
+    """[(loss, grad_norm)] of transformers + torch.optim.AdamW, one process, the whole global batch; each
+    packed document through the model alone (what --doc_mask promises)."""
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32, attn_implementation="sdpa").to(device)
+    decay = [p for p in ref.parameters() if p.ndim >= 2]
+    no_decay = [p for p in ref.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0)],
+                            lr=CHECK_LR, betas=(0.9, 0.95), eps=1e-8)
+    cfg = T.parse_args(train_flags("", tokens, CHECK_SEQ, batch, 1, CHECK_STEPS, "float32", "none", "cpu", lr=CHECK_LR))
+    windows = D.TokenWindows(D.TokenData(tokens), CHECK_SEQ, cfg.seed)
+    steps = []
+    for step in range(CHECK_STEPS):
+        inputs, targets = (torch.from_numpy(a.astype(np.int64)).to(device)
+                           for a in windows.micro_batch(step * batch, 0, 0, 1, batch))
+        loss = 0.0
+        for row in range(batch):
+            cuts = [0] + [t + 1 for t in range(CHECK_SEQ - 1) if inputs[row, t] == CHECK_MODEL["eos_id"]] + [CHECK_SEQ]
+            for a, b in zip(cuts, cuts[1:]):
+                logits = ref(inputs[row:row + 1, a:b]).logits[0]
+                loss = loss + F.cross_entropy(logits.float(), targets[row, a:b], reduction="sum")
+        loss = loss / targets.numel()
+        opt.zero_grad()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        for group in opt.param_groups:
+            group["lr"] = T.lr_at(cfg, step + 1)
+        opt.step()
+        steps.append((loss.item(), grad_norm.item()))
+    return steps
+
+
+def correctness(folder: str, device: str) -> dict:
+    """Before the process group exists (build_ours makes it): every rank runs the small oracle itself."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    init, tokens = write_check_inputs(folder)
+    batch = 2 * world
+    oracle_device = torch.device("cpu") if device == "cpu" else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    reference = oracle_steps(init, tokens, batch, oracle_device)
+    result = dict(oracle=reference)
+    for dtype, tol in (("float32", FP32_TOL), ("bfloat16", BF16_TOL)):
+        flags = train_flags(os.path.join(folder, dtype), tokens, CHECK_SEQ, batch, 1, CHECK_STEPS, dtype,
+                            "selective", device, [f"--init_from={init}", "--ce_chunk=50"], lr=CHECK_LR)
+        _, units, step_fn = build_ours(flags)
+        ours = [step_fn(step) for step in range(CHECK_STEPS)]
+        release(units)
+        worst = max(abs(a[0] - b[0]) / abs(b[0]) for a, b in zip(ours, reference))
+        worst_norm = max(abs(a[1] - b[1]) / abs(b[1]) for a, b in zip(ours, reference))
+        # The issue's bar is the losses; in fp32 the gradient norms must agree as closely (the update
+        # before step 2 depends on them), in bf16 they are reported.
+        ok = worst <= tol and (dtype == "bfloat16" or worst_norm <= tol)
+        result[dtype] = dict(steps=ours, worst_rel=worst, worst_grad_norm_rel=worst_norm, tolerance=tol, ok=ok)
+        log(rank, f"correctness {dtype}: losses ours {[round(x[0], 6) for x in ours]} vs transformers "
+                  f"{[round(x[0], 6) for x in reference]}: worst relative difference {worst:.1e}, grad norms "
+                  f"{worst_norm:.1e} ({'OK' if ok else 'FAIL'}, tolerance {tol:g})")
+    result["ok"] = result["float32"]["ok"] and result["bfloat16"]["ok"]
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# 2-4. Timed runs
+# ------------------------------------------------------------------------------------------------
+
+def bench_model(layers: int, dry: bool) -> M.ModelConfig:
+    return M.ModelConfig(**(SHAPE_DRY if dry else SHAPE_8B), n_layers=layers, bos_id=1, eos_id=2)
+
+
+def baseline_extra_bytes(mcfg: M.ModelConfig, tokens: int) -> int:
+    """What the baseline holds that ours does not: whole logits (bf16, their fp32 copy, its gradient,
+    the bf16 gradient) instead of 1024-token chunks."""
+    return tokens * mcfg.vocab_size * (2 + 4 + 4 + 2)
+
+
+def layers_that_fit(dry: bool, seq_len: int, world: int, device) -> tuple[int, float]:
+    """The most 8B-shaped layers (up to 32) whose planned peak, plus the baseline's whole logits, stays
+    under 90% of this GPU's memory. Returns (layers, the planner's peak GiB for ours)."""
+    if dry:
+        return 2, float("nan")
+    total = torch.cuda.mem_get_info(device)[1]
+    gpu = planner_gpu(device)
+    best = (1, float("nan"))
+    for layers in range(1, 33):
+        mcfg = bench_model(layers, dry)
+        cfg = T.parse_args(["--seq_len", str(seq_len), "--micro_batch_size", "1", "--batch_size", str(2 * world),
+                            "--ac", "selective", "--nproc_per_node", str(world), "--gpu", gpu])
+        phases = P.memory_by_phase(mcfg, cfg, world)
+        peak = max(sum(parts.values()) for parts in phases.values())
+        if peak + baseline_extra_bytes(mcfg, seq_len) <= 0.9 * total:
+            best = (layers, peak / GIB)
+    return best
+
+
+def planner_gpu(device) -> str:
+    name = torch.cuda.get_device_name(device)
+    return next((key for key, g in P.GPUS.items() if g["device_name"] == name),
+                "h200" if "H200" in name else "h100")
+
+
+def write_random_tokens(folder: str, vocab: int, seq_len: int, windows: int) -> str:
+    """Random ids, no EOS: every row is one document, as in the published throughput runs."""
+    path = os.path.join(folder, "bench_tokens.npy")
+    np.save(path, np.random.default_rng(0).integers(3, vocab, windows * (seq_len + 1)).astype(np.uint32))
+    return path
+
+
+def timed_steps(step_fn, warmup: int, steps: int, device) -> dict:
+    cuda = device.type == "cuda"
+    for step in range(warmup):
+        step_fn(step)
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    times_s, losses = [], []
+    for step in range(warmup, warmup + steps):
+        t0 = time.perf_counter()
+        loss, _ = step_fn(step)
+        if cuda:
+            torch.cuda.synchronize(device)
+        times_s.append(time.perf_counter() - t0)
+        losses.append(loss)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else T.peak_mem_bytes(device)
+    return dict(step_s=statistics.median(times_s), times_s=times_s, losses=losses, peak_gib=peak / GIB)
+
+
+def summarize(name: str, run: dict, mcfg, seq_len: int, tokens_per_step_per_gpu: int, device, rank: int) -> dict:
+    run["tokens_per_sec_per_gpu"] = tokens_per_step_per_gpu / run["step_s"]
+    peak = T.peak_flops(device)
+    flops = T.flops_per_token(mcfg, seq_len)
+    run["mfu"] = None if peak is None else run["tokens_per_sec_per_gpu"] * flops / peak
+    mfu = "n/a" if run["mfu"] is None else f"{100 * run['mfu']:.1f}%"
+    log(rank, f"{name}: median step {run['step_s']:.3f} s, {run['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU, "
+              f"MFU {mfu}, peak {run['peak_gib']:.1f} GiB, losses {[round(x, 3) for x in run['losses']]}")
+    if not all(math.isfinite(x) for x in run["losses"]):
+        raise RuntimeError(f"{name}: non-finite loss {run['losses']}")
+    return run
+
+
+def build_baseline(mcfg: M.ModelConfig, seq_len: int, accum: int, device, lr_cfg):
+    """transformers LlamaForCausalLM + FSDP2 + fused AdamW, the same shapes, policy and hyperparameters."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hf_cfg = LlamaConfig(**M.config_to_hf(mcfg, torch.float32))
+    hf_cfg._attn_implementation = "flash_attention_2" if M.flash_attn_func is not None and device.type == "cuda" else "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):  # random init on the device: fast, and the same bytes as ours (fp32)
+        model = LlamaForCausalLM(hf_cfg)
+    model.train()
+    policy = partial(create_selective_checkpoint_contexts, T._selective_policy)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=policy)
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    groups = [dict(params=[p for p in model.parameters() if p.ndim >= 2], weight_decay=0.1),
+              dict(params=[p for p in model.parameters() if p.ndim < 2], weight_decay=0.0)]
+    opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    rng = np.random.default_rng(1 + dist.get_rank())  # random windows, like ours (no EOS)
+
+    def step_fn(step: int):
+        for g in opt.param_groups:
+            g["lr"] = T.lr_at(lr_cfg, step + 1)
+        total = torch.zeros((), device=device)
+        for _ in range(accum):
+            ids = torch.from_numpy(rng.integers(3, mcfg.vocab_size, (1, seq_len + 1))).to(device)
+            logits = model(input_ids=ids[:, :-1], use_cache=False).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten()) / accum
+            loss.backward()
+            total += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+        return total.item(), grad_norm.full_tensor().item()
+    return model, opt, step_fn
+
+
+# ------------------------------------------------------------------------------------------------
+# Main
+# ------------------------------------------------------------------------------------------------
+
+def environment(device) -> dict:
+    import transformers
+    env = dict(torch=torch.__version__, transformers=transformers.__version__, device=str(device),
+               world=dist.get_world_size(), flash_attn=M.flash_attn_func is not None)
+    if device.type == "cuda":
+        env.update(gpu=torch.cuda.get_device_name(device), memory_gib=torch.cuda.mem_get_info(device)[1] / GIB,
+                   cuda=torch.version.cuda, peak_bf16_tflops=(T.peak_flops(device) or 0) / 1e12)
+    env["attention"] = ("flash_attn (FlashAttention-2)" if env["flash_attn"] and device.type == "cuda"
+                        else "PyTorch SDPA (flash_attn not importable)" if device.type == "cuda" else "PyTorch SDPA (CPU)")
+    return env
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny shapes: checks the script end to end")
+    parser.add_argument("--layers", type=int, default=0, help="8B-shaped layers (0: as many as fit)")
+    parser.add_argument("--seq_len", type=int, default=0, help="0: 8192 (64 with --dry-run)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per run (after 2 warm-up steps)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile run")
+    parser.add_argument("--no-baseline", action="store_true", help="skip transformers + FSDP2")
+    parser.add_argument("--json", default="", help="also write every result here")
+    args = parser.parse_args()
+    dry = args.dry_run
+    seq_len = args.seq_len or (64 if dry else 8192)
+    device_flag = "cpu" if dry else "cuda"
+    share_one_group()
+    folder = tempfile.mkdtemp(prefix=f"gpu_bench_rank{os.environ.get('RANK', '0')}_")
+    started = time.perf_counter()
+
+    # 1. Correctness (also creates the process group).
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    check = correctness(folder, device_flag)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())
+    results = dict(date=time.strftime("%Y-%m-%d"), environment=environment(device), correctness=check)
+    log(rank, "environment: " + json.dumps(results["environment"]))
+    if not check["ok"]:
+        log(rank, "correctness FAILED: nothing is timed")
+        return 1
+
+    # 2-4. Timed runs on the 8B-shaped model.
+    layers, planned_peak_gib = (args.layers, float("nan")) if args.layers else layers_that_fit(dry, seq_len, world, device)
+    mcfg = bench_model(layers, dry)
+    accum, warmup = 2, 2
+    tokens = write_random_tokens(folder, mcfg.vocab_size, seq_len, (warmup + args.steps) * accum * world + 4)
+    M.PRESETS["bench"] = lambda: bench_model(layers, dry)
+    n_params = M.count_params(mcfg)["total"]
+    log(rank, f"model: {layers} Llama-3-8B-shaped layers{' (dry run: tiny widths)' if dry else ''}, "
+              f"{n_params / 1e9:.2f}B parameters; seq {seq_len}, micro-batch 1 x {accum} accumulation steps per "
+              f"GPU, W={world}; planner's peak for ours: {planned_peak_gib:.1f} GiB")
+    results.update(layers=layers, params=n_params, seq_len=seq_len, accum=accum, world=world,
+                   planned_peak_gib=planned_peak_gib, runs={})
+    tokens_per_step_per_gpu = accum * seq_len
+    flags = train_flags(os.path.join(folder, "ours"), tokens, seq_len, accum * world, 1, warmup + args.steps,
+                        "bfloat16", "selective", device_flag, ["--model=bench", "--doc_mask=false"])
+    planned = P.plan(mcfg, T.parse_args(flags + [f"--nproc_per_node={world}", f"--gpu={planner_gpu(device)}"])) \
+        if device.type == "cuda" else None
+    if planned:
+        results["planned"] = {k: planned[k] for k in ("tokens_per_sec_per_gpu", "mfu", "peak_gib_per_gpu")}
+        log(rank, f"planner's prediction for ours: {planned['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU, "
+                  f"MFU {100 * planned['mfu']:.1f}%, peak {planned['peak_gib_per_gpu']:.1f} GiB")
+
+    def ours(compiled: bool):
+        mcfg_run, units, step_fn = build_ours(flags, compile_blocks=compiled)
+        run = timed_steps(step_fn, warmup, args.steps, device)
+        release(units)
+        if compiled:  # one graph for all blocks (they share code); more means recompiles
+            run["graphs_compiled"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        return summarize("ours" + " + torch.compile per block" * compiled, run, mcfg_run, seq_len,
+                         tokens_per_step_per_gpu, device, rank)
+
+    def baseline():
+        model, opt, step_fn = build_baseline(mcfg, seq_len, accum, device, T.parse_args(flags))
+        return summarize("transformers + FSDP2", timed_steps(step_fn, warmup, args.steps, device), mcfg, seq_len,
+                         tokens_per_step_per_gpu, device, rank)
+
+    runs = [("ours", partial(ours, False))]
+    runs += [] if args.no_compile else [("ours + torch.compile per block", partial(ours, True))]
+    runs += [] if args.no_baseline else [("transformers + FSDP2", baseline)]
+    for name, run in runs:
+        try:  # one failed variant (an OOM, a compiler error) must not cost the others' numbers
+            results["runs"][name] = run()
+        except Exception as e:  # noqa: BLE001 -- reported, and the run goes on
+            results["runs"][name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            log(rank, f"{name}: FAILED: {results['runs'][name]['error']}")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    eager, compiled = results["runs"]["ours"], results["runs"].get("ours + torch.compile per block", {})
+    if "losses" in eager and "losses" in compiled:  # the same data and weights: compile must not change them
+        gap = max(abs(a - b) / abs(a) for a, b in zip(eager["losses"], compiled["losses"]))
+        compiled["loss_vs_eager_rel"] = gap
+        log(rank, f"torch.compile vs eager, the same steps: worst relative loss difference {gap:.1e} "
+                  f"({'OK' if gap <= BF16_TOL else 'FAIL'}, tolerance {BF16_TOL:g})")
+    results["elapsed_s"] = time.perf_counter() - started
+
+    if rank == 0:
+        print("\n" + table(results), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    failed = [name for name, r in results["runs"].items() if "error" in r or r.get("loss_vs_eager_rel", 0) > BF16_TOL]
+    return 1 if failed else 0
+
+
+def table(results: dict) -> str:
+    env = results["environment"]
+    head = (f"{results['date']}, {env.get('gpu', 'CPU (dry run)')} x {results['world']}, torch {env['torch']}, "
+            f"transformers {env['transformers']}, attention: {env['attention']}; {results['layers']} layers "
+            f"({results['params'] / 1e9:.2f}B parameters), seq {results['seq_len']}, micro-batch 1 x "
+            f"{results['accum']}, bf16, --ac selective, fp32 reduce; median of the timed steps; "
+            f"correctness fp32 {results['correctness']['float32']['worst_rel']:.1e}, "
+            f"bf16 {results['correctness']['bfloat16']['worst_rel']:.1e}")
+    rows = ["| run | tokens/s/GPU | MFU | peak GiB | step s |", "|---|---:|---:|---:|---:|"]
+    if "planned" in results:
+        p = results["planned"]
+        rows.append(f"| ours, predicted by plan.py | {p['tokens_per_sec_per_gpu']:,.0f} | {100 * p['mfu']:.1f}% | "
+                    f"{p['peak_gib_per_gpu']:.1f} | |")
+    for name, r in results["runs"].items():
+        if "error" in r:
+            rows.append(f"| {name} | failed: {r['error'][:120]} | | | |")
+            continue
+        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        rows.append(f"| {name} | {r['tokens_per_sec_per_gpu']:,.0f} | {mfu} | {r['peak_gib']:.1f} | {r['step_s']:.3f} |")
+    return head + "\n\n" + "\n".join(rows)
+
+
+if __name__ == "__main__":
+    exit_code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)  # as train.py: no interpreter teardown (gloo's threads occasionally abort it)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The GPU benchmark (bench/gpu.py): correctness on the device, then ours vs transformers + FSDP2 on
+# Llama-3-8B-shaped blocks at seq 8192. All local GPUs, one torchrun; stopped after 8 minutes whatever
+# it is doing (what it printed by then stays).
+#
+#   bash bench/gpu.sh                      # on an H100/H200 node: paste the table into BENCHMARKS.md
+#   bash bench/gpu.sh --json out/gpu.json  # also every number as JSON
+#   bash bench/gpu.sh --dry-run            # no GPU: the same code on CPU, 2 gloo processes, tiny shapes
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [[ " $* " == *" --dry-run "* ]]; then
+    NPROC=2
+    export OMP_NUM_THREADS=1
+else
+    NPROC=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    if [[ "$NPROC" -lt 1 ]]; then
+        echo "error: bench/gpu.sh: no GPU found (nvidia-smi -L lists none); use --dry-run to check the script on CPU" >&2
+        exit 2
+    fi
+fi
+export PYTHONUNBUFFERED=1
+exec timeout --signal=TERM --kill-after=20 "${BENCH_TIMEOUT_S:-480}" \
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" bench/gpu.py "$@"

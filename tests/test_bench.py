@@ -1,0 +1,37 @@
+"""bench/gpu.sh stays runnable without a GPU: its --dry-run runs the same code on CPU (2 gloo processes,
+tiny shapes) -- the device correctness check against transformers, ours eager and compiled, and the
+transformers + FSDP2 baseline -- and must report every run."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from common import ROOT
+
+
+def test_gpu_benchmark_dry_run_on_cpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh"), "--dry-run", "--steps", "3",
+                           "--json", str(out)], capture_output=True, text=True, env=env, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = json.loads(out.read_text())
+    check = results["correctness"]
+    assert check["ok"] and check["float32"]["worst_rel"] <= 1e-4 and check["bfloat16"]["worst_rel"] <= 2e-2
+    runs = results["runs"]
+    assert set(runs) == {"ours", "ours + torch.compile per block", "transformers + FSDP2"}
+    for name, run in runs.items():
+        assert "error" not in run, (name, run)
+        assert run["tokens_per_sec_per_gpu"] > 0 and len(run["losses"]) == 3
+    assert runs["ours + torch.compile per block"]["loss_vs_eager_rel"] <= 2e-2
+    assert "| ours | " in proc.stdout and "| transformers + FSDP2 | " in proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has GPUs")
+def test_gpu_benchmark_without_a_gpu_says_so():
+    env = dict(os.environ, PATH="/usr/bin:/bin")  # no nvidia-smi
+    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh")], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert proc.returncode == 2 and "no GPU found" in proc.stderr
