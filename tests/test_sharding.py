@@ -112,3 +112,36 @@ def test_initial_weights_and_batches_do_not_depend_on_world_size(tmp_path):
     assert abs(losses[0] - losses[1]) < 1e-5 * losses[0]
     for name in states[0]:
         torch.testing.assert_close(states[0][name], states[1][name], rtol=0, atol=1e-6)
+
+
+def test_fused_adamw_equals_the_written_out_reference():
+    """train.adamw_step (PyTorch's fused kernel, decay by range) against adamw_step_reference (term for term,
+    which the parity tests hold to torch.optim.AdamW): the same slices after three steps with clipping."""
+    import model as M
+    import train as T
+    def units():  # build_units takes the parameters out of the model: one model each
+        with torch.device("meta"):
+            model = M.Llama(small_config(n_layers=1))
+        return T.build_units(model, 1, 3, torch.device("cpu"), torch.float32, torch.float32)
+    pair = [units(), units()]
+    gen = torch.Generator().manual_seed(0)
+    for fused_unit, ref_unit in zip(*pair):
+        for name in ("master_shard", "exp_avg", "exp_avg_sq"):
+            value = torch.randn(fused_unit.shard_numel, generator=gen)
+            value = value.abs() if name == "exp_avg_sq" else value
+            getattr(fused_unit, name).copy_(value)
+            getattr(ref_unit, name).copy_(value)
+    # Some slice holds a norm weight (not decayed) between matrices (decayed).
+    assert any(0 < sum(hi - lo for lo, hi in u.decay_ranges) < u.shard_numel for u in pair[0])
+    cfg = T.TrainConfig(weight_decay=0.1)
+    for step, scale in ((1, 1.0), (2, 0.5), (3, 1.0)):
+        for fused_unit, ref_unit in zip(*pair):
+            grad = torch.randn(fused_unit.shard_numel, generator=gen)
+            fused_unit.grad_shard.copy_(grad)
+            ref_unit.grad_shard.copy_(grad)
+        T.adamw_step(pair[0], cfg, 1e-2, step, scale)
+        T.adamw_step_reference(pair[1], cfg, 1e-2, step, scale)
+    for fused_unit, ref_unit in zip(*pair):
+        for name in ("master_shard", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(getattr(fused_unit, name), getattr(ref_unit, name), rtol=1e-6, atol=1e-7)
+        assert not fused_unit.grad_shard.any()
