@@ -206,29 +206,25 @@ def baseline_extra_bytes(mcfg: M.ModelConfig, tokens: int) -> int:
     return tokens * mcfg.vocab_size * (2 + 4 + 4 + 2)
 
 
-def layers_that_fit(dry: bool, seq_len: int, world: int, device) -> tuple[int, float]:
-    """The most 8B-shaped layers (up to 32) whose planned peak, plus the baseline's whole logits, stays
-    under 90% of this GPU's memory. Returns (layers, the planner's peak GiB for ours)."""
-    if dry:
-        return 2, float("nan")
-    total = torch.cuda.mem_get_info(device)[1]
-    gpu = planner_gpu(device)
+def layers_that_fit(seq_len: int, world: int, memory_bytes: int, gpu: str) -> tuple[int, float]:
+    """The most 8B-shaped layers (up to 32, the real 8B) whose planned peak, plus the baseline's whole
+    logits, stays under 90% of the GPU's memory. Returns (layers, the planner's peak GiB for ours)."""
     best = (1, float("nan"))
     for layers in range(1, 33):
-        mcfg = bench_model(layers, dry)
+        mcfg = bench_model(layers, dry=False)
         cfg = T.parse_args(["--seq_len", str(seq_len), "--micro_batch_size", "1", "--batch_size", str(2 * world),
                             "--ac", "selective", "--nproc_per_node", str(world), "--gpu", gpu])
         phases = P.memory_by_phase(mcfg, cfg, world)
         peak = max(sum(parts.values()) for parts in phases.values())
-        if peak + baseline_extra_bytes(mcfg, seq_len) <= 0.9 * total:
+        if peak + baseline_extra_bytes(mcfg, seq_len) <= 0.9 * memory_bytes:
             best = (layers, peak / GIB)
     return best
 
 
-def planner_gpu(device) -> str:
-    name = torch.cuda.get_device_name(device)
-    return next((key for key, g in P.GPUS.items() if g["device_name"] == name),
-                "h200" if "H200" in name else "h100")
+def planner_gpu(device_name: str) -> str:
+    """plan.GPUS's key for this device (its bandwidths and peak), by the name CUDA reports."""
+    return next((key for key, g in P.GPUS.items() if g["device_name"] == device_name),
+                "h200" if "H200" in device_name else "h100")
 
 
 def write_random_tokens(folder: str, vocab: int, seq_len: int, windows: int) -> str:
@@ -360,7 +356,11 @@ def main() -> int:
         return 1
 
     # 2-4. Timed runs on the 8B-shaped model.
-    layers, planned_peak_gib = (args.layers, float("nan")) if args.layers else layers_that_fit(dry, seq_len, world, device)
+    gpu = planner_gpu(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+    if args.layers or dry:
+        layers, planned_peak_gib = args.layers or 2, float("nan")
+    else:
+        layers, planned_peak_gib = layers_that_fit(seq_len, world, torch.cuda.mem_get_info(device)[1], gpu)
     mcfg = bench_model(layers, dry)
     accum, warmup = 2, 2
     tokens = write_random_tokens(folder, mcfg.vocab_size, seq_len, (warmup + args.steps) * accum * world + 4)
@@ -374,12 +374,11 @@ def main() -> int:
     tokens_per_step_per_gpu = accum * seq_len
     flags = train_flags(os.path.join(folder, "ours"), tokens, seq_len, accum * world, 1, warmup + args.steps,
                         "bfloat16", "selective", device_flag, ["--model=bench", "--doc_mask=false"])
-    planned = P.plan(mcfg, T.parse_args(flags + [f"--nproc_per_node={world}", f"--gpu={planner_gpu(device)}"])) \
-        if device.type == "cuda" else None
-    if planned:
-        results["planned"] = {k: planned[k] for k in ("tokens_per_sec_per_gpu", "mfu", "peak_gib_per_gpu")}
-        log(rank, f"planner's prediction for ours: {planned['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU, "
-                  f"MFU {100 * planned['mfu']:.1f}%, peak {planned['peak_gib_per_gpu']:.1f} GiB")
+    # What plan.py predicts for this run (on CPU, as if on an H100: the dry run only checks the call).
+    planned = P.plan(mcfg, T.parse_args(flags + [f"--nproc_per_node={world}", f"--gpu={gpu}"]))
+    results["planned"] = dict(gpu=gpu, **{k: planned[k] for k in ("tokens_per_sec_per_gpu", "mfu", "peak_gib_per_gpu")})
+    log(rank, f"planner's prediction for ours ({gpu}): {planned['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU, "
+              f"MFU {100 * planned['mfu']:.1f}%, peak {planned['peak_gib_per_gpu']:.1f} GiB")
 
     def ours(compiled: bool):
         mcfg_run, units, step_fn = build_ours(flags, compile_blocks=compiled)
@@ -432,10 +431,9 @@ def table(results: dict) -> str:
             f"correctness fp32 {results['correctness']['float32']['worst_rel']:.1e}, "
             f"bf16 {results['correctness']['bfloat16']['worst_rel']:.1e}")
     rows = ["| run | tokens/s/GPU | MFU | peak GiB | step s |", "|---|---:|---:|---:|---:|"]
-    if "planned" in results:
-        p = results["planned"]
-        rows.append(f"| ours, predicted by plan.py | {p['tokens_per_sec_per_gpu']:,.0f} | {100 * p['mfu']:.1f}% | "
-                    f"{p['peak_gib_per_gpu']:.1f} | |")
+    p = results["planned"]
+    rows.append(f"| ours, predicted by plan.py ({p['gpu']}) | {p['tokens_per_sec_per_gpu']:,.0f} | {100 * p['mfu']:.1f}% | "
+                f"{p['peak_gib_per_gpu']:.1f} | |")
     for name, r in results["runs"].items():
         if "error" in r:
             rows.append(f"| {name} | failed: {r['error'][:120]} | | | |")

@@ -35,3 +35,24 @@ def test_gpu_benchmark_without_a_gpu_says_so():
     proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh")], capture_output=True, text=True, env=env,
                           timeout=60)
     assert proc.returncode == 2 and "no GPU found" in proc.stderr
+
+
+def test_gpu_benchmark_sizes_the_model_to_the_gpu():
+    """As many 8B-shaped layers as the planner fits in 90% of the card, with the baseline's whole logits."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu as G
+    sizes = {}
+    for gpu, mib in (("h200", 143771), ("h100", 81559)):
+        memory = mib * 2**20
+        layers, peak_gib = G.layers_that_fit(8192, 1, memory, gpu)
+        extra = G.baseline_extra_bytes(G.bench_model(layers, dry=False), 8192)
+        assert peak_gib * 2**30 + extra <= 0.9 * memory
+        one_more = G.bench_model(layers + 1, dry=False)
+        cfg = G.T.parse_args(["--seq_len=8192", "--micro_batch_size=1", "--batch_size=2", "--ac=selective",
+                              "--nproc_per_node=1", f"--gpu={gpu}"])
+        peak = max(sum(parts.values()) for parts in G.P.memory_by_phase(one_more, cfg, 1).values())
+        assert peak + G.baseline_extra_bytes(one_more, 8192) > 0.9 * memory  # the next layer does not fit
+        sizes[gpu] = layers
+    assert sizes["h200"] > sizes["h100"] >= 4
+    assert G.layers_that_fit(8192, 8, 81559 * 2**20, "h100")[0] == 32  # one node: the whole 8B
+    assert G.planner_gpu("NVIDIA H200") == "h200" and G.planner_gpu("NVIDIA H100 80GB HBM3") == "h100"
