@@ -1,17 +1,18 @@
 """The GPU benchmark: correctness on the device first, then tokens/s/GPU, MFU and peak memory of this
 trainer against transformers + PyTorch FSDP2 on the same model. `bench/gpu.sh` runs it (all local GPUs);
-`bash bench/gpu.sh --dry-run` runs the same code on CPU (2 gloo processes, tiny shapes) in about a minute.
+`bash bench/gpu.sh --dry-run` runs the same code on CPU (2 gloo processes, tiny shapes) in under a minute.
 
     bash bench/gpu.sh [--layers L] [--steps N] [--no-compile] [--no-baseline] [--json FILE]
 
 1. correctness  a small Llama (GQA, packed documents, so the varlen/mask path runs), 4 steps of
                 train.py's train_step at W = all GPUs against transformers' LlamaForCausalLM +
-                torch.optim.AdamW in one process, the same weights and windows: fp32 losses within 1e-4
-                (relative), bf16 compute within 2e-2 of the fp32 oracle. A failure stops the run: a
-                fast wrong answer is not a result.
+                torch.optim.AdamW in one process, the same weights and windows: fp32 losses and
+                gradient norms within 1e-4 (relative), bf16 compute's losses within 2e-2 of the fp32
+                oracle. A failure stops the run: a fast wrong answer is not a result.
 2. ours         Llama-3-8B-shaped blocks (dim 4096, 32 heads, 8 KV heads, FFN 14336, vocab 128256),
                 as many layers as the planner says fit next to the baseline's extra logits, seq 8192,
-                micro-batch 1 x 2 accumulation steps per GPU, BF16, --ac selective, fp32 reduce.
+                micro-batch 1 x 2 accumulation steps per GPU, BF16, --ac selective, fp32 reduce; with
+                W >= 2 also with --prefetch false (what overlapping the all-gathers buys).
 3. ours compiled  the same with torch.compile on each block (kept in train.py only if it measures
                 faster; until then it lives here).
 4. baseline     LlamaForCausalLM with the same shapes (attention: flash_attention_2 when flash_attn
@@ -380,22 +381,24 @@ def main() -> int:
     log(rank, f"planner's prediction for ours ({gpu}): {planned['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU, "
               f"MFU {100 * planned['mfu']:.1f}%, peak {planned['peak_gib_per_gpu']:.1f} GiB")
 
-    def ours(compiled: bool):
-        mcfg_run, units, step_fn = build_ours(flags, compile_blocks=compiled)
+    def ours(name: str, compiled: bool = False, extra=()):
+        mcfg_run, units, step_fn = build_ours(flags + list(extra), compile_blocks=compiled)
         run = timed_steps(step_fn, warmup, args.steps, device)
         release(units)
         if compiled:  # one graph for all blocks (they share code); more means recompiles
             run["graphs_compiled"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-        return summarize("ours" + " + torch.compile per block" * compiled, run, mcfg_run, seq_len,
-                         tokens_per_step_per_gpu, device, rank)
+        return summarize(name, run, mcfg_run, seq_len, tokens_per_step_per_gpu, device, rank)
 
     def baseline():
         model, opt, step_fn = build_baseline(mcfg, seq_len, accum, device, T.parse_args(flags))
         return summarize("transformers + FSDP2", timed_steps(step_fn, warmup, args.steps, device), mcfg, seq_len,
                          tokens_per_step_per_gpu, device, rank)
 
-    runs = [("ours", partial(ours, False))]
-    runs += [] if args.no_compile else [("ours + torch.compile per block", partial(ours, True))]
+    runs = [("ours", partial(ours, "ours"))]
+    if world > 1:  # with one GPU the all-gathers are local copies: nothing to overlap
+        runs += [("ours, --prefetch false", partial(ours, "ours, --prefetch false", extra=["--prefetch=false"]))]
+    compiled = "ours + torch.compile per block"
+    runs += [] if args.no_compile else [(compiled, partial(ours, compiled, compiled=True))]
     runs += [] if args.no_baseline else [("transformers + FSDP2", baseline)]
     for name, run in runs:
         try:  # one failed variant (an OOM, a compiler error) must not cost the others' numbers
