@@ -336,6 +336,8 @@ def main() -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile run")
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers + FSDP2")
     parser.add_argument("--json", default="", help="also write every result here")
+    parser.add_argument("--budget_s", type=float, default=450, help="start no timed run after budget_s - 100 s "
+                        "(gpu.sh kills everything at 480 s)")
     args = parser.parse_args()
     dry = args.dry_run
     seq_len = args.seq_len or (64 if dry else 8192)
@@ -397,15 +399,26 @@ def main() -> int:
     runs = [("ours", partial(ours, "ours"))]
     if world > 1:  # with one GPU the all-gathers are local copies: nothing to overlap
         runs += [("ours, --prefetch false", partial(ours, "ours, --prefetch false", extra=["--prefetch=false"]))]
-    compiled = "ours + torch.compile per block"
-    runs += [] if args.no_compile else [(compiled, partial(ours, compiled, compiled=True))]
     runs += [] if args.no_baseline else [("transformers + FSDP2", baseline)]
+    compiled = "ours + torch.compile per block"  # last: its compile time is the least predictable
+    runs += [] if args.no_compile else [(compiled, partial(ours, compiled, compiled=True))]
     for name, run in runs:
-        try:  # one failed variant (an OOM, a compiler error) must not cost the others' numbers
-            results["runs"][name] = run()
-        except Exception as e:  # noqa: BLE001 -- reported, and the run goes on
-            results["runs"][name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
-            log(rank, f"{name}: FAILED: {results['runs'][name]['error']}")
+        # gpu.sh stops everything at 8 minutes; a run that could not finish by then is not started.
+        # The decision must be the same on every rank: rank 0's clock decides.
+        late = torch.tensor(float(time.perf_counter() - started > args.budget_s - 100), device=device)
+        dist.broadcast(late, 0)
+        if late.item():
+            results["runs"][name] = dict(error=f"skipped: under 100 s left of --budget_s {args.budget_s}")
+        else:
+            try:  # one failed variant (an OOM, a compiler error) must not cost the others' numbers
+                results["runs"][name] = run()
+            except Exception as e:  # noqa: BLE001 -- reported, and the run goes on
+                results["runs"][name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        if "error" in results["runs"][name]:
+            log(rank, f"{name}: {results['runs'][name]['error']}")
+        if rank == 0 and args.json:  # after each run: what was measured survives a kill
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     eager, compiled = results["runs"]["ours"], results["runs"].get("ours + torch.compile per block", {})
@@ -439,7 +452,7 @@ def table(results: dict) -> str:
                 f"{p['peak_gib_per_gpu']:.1f} | |")
     for name, r in results["runs"].items():
         if "error" in r:
-            rows.append(f"| {name} | failed: {r['error'][:120]} | | | |")
+            rows.append(f"| {name} | {r['error'][:120]} | | | |")
             continue
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         rows.append(f"| {name} | {r['tokens_per_sec_per_gpu']:,.0f} | {mfu} | {r['peak_gib']:.1f} | {r['step_s']:.3f} |")
