@@ -211,6 +211,8 @@ def init_processes(cfg: TrainConfig):
     # after --timeout_min, and NCCL's async error handling turns that into an exit, not a stuck process.
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     timeout = datetime.timedelta(minutes=cfg.timeout_min)
+    if dist.is_initialized():  # made by a caller that runs several trainings in one process (bench/)
+        return dist.get_rank(), dist.get_world_size(), device
     if "RANK" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:
@@ -565,10 +567,8 @@ def adamw_step_reference(units: list[Unit], cfg: TrainConfig, lr: float, step: i
 
 def adamw_step(units: list[Unit], cfg: TrainConfig, lr: float, step: int, grad_scale: float):
     """The same update in one pass over the four slices: PyTorch's fused AdamW kernel (what
-    torch.optim.AdamW(fused=True) runs), instead of the reference's seven passes and two temporaries
-    (3x faster on CPU). Decay stays outside it because it applies to matrices only, not to whole slices."""
-    if not hasattr(torch, "_fused_adamw_"):
-        return adamw_step_reference(units, cfg, lr, step, grad_scale)
+    torch.optim.AdamW(fused=True) runs), instead of the reference's seven passes and two temporaries.
+    Decay stays outside it because it applies to matrices only, not to whole slices."""
     for u in units:
         if grad_scale != 1.0:
             u.grad_shard.mul_(grad_scale)
@@ -1186,6 +1186,7 @@ def main(argv=None):
         import plan
         plan.main(cfg)
         return
+    owns_group = not dist.is_initialized()  # a caller's group (bench/) is the caller's to destroy
     try:
         mcfg, model, units, windows, eval_windows, rank, world, device, start_step, position = setup(cfg)
     except (D.DataError, KeyError, ValueError, FileNotFoundError, CheckpointError) as e:
@@ -1281,7 +1282,8 @@ def main(argv=None):
         metrics_file.close()
     if tensorboard:
         tensorboard.close()
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

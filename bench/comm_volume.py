@@ -114,21 +114,6 @@ def install_counters():
     T.save_checkpoint = in_phase("save", T.save_checkpoint)
 
 
-def share_one_group():
-    """train.main makes and destroys the process group; both runs here use the first one instead
-    (a second group on the same torchrun store would read the first one's stale addresses).
-    Returns the real destroy_process_group, for the end."""
-    init, destroy, made = T.init_processes, dist.destroy_process_group, {}
-
-    def init_once(cfg):
-        if "group" not in made:
-            made["group"] = init(cfg)
-        return made["group"]
-    T.init_processes = init_once
-    dist.destroy_process_group = lambda *args, **kwargs: None
-    return destroy
-
-
 # ------------------------------------------------------------------------------------------------
 # What the schedule needs, from the shapes alone
 # ------------------------------------------------------------------------------------------------
@@ -239,13 +224,15 @@ def summary(mcfg: M.ModelConfig, world: int) -> str:
 
 
 def main() -> int:
-    destroy_process_group = share_one_group()
     install_counters()
     failed = False
     # Per rank, the same seeded files, all written before the process group exists: with a group,
     # transformers' save_pretrained writes on rank 0 only.
     inputs = {tied: write_inputs(tempfile.mkdtemp(prefix=f"comm_volume_rank{os.environ.get('RANK', '0')}_"), tied)
               for tied in (False, True)}
+    # Both runs share one group: train.main uses a group that exists and leaves it to its maker (a
+    # second init_process_group on the same torchrun store would read the first one's stale addresses).
+    T.init_processes(T.parse_args(["--device=cpu"]))
     for tied in (False, True):
         rows, ok = run(tied, *inputs[tied])
         failed |= not ok
@@ -256,7 +243,7 @@ def main() -> int:
                         f"padded units: embed {numel['embed']:,}, block {numel['block']:,} x {mcfg.n_layers}, "
                         f"head {numel['head']:,}", rows, ok)
             print(summary(mcfg, 2))
-    destroy_process_group()
+    dist.destroy_process_group()
     return 1 if failed else 0
 
 
