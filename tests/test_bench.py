@@ -45,15 +45,11 @@ def test_gpu_benchmark_sizes_the_model_to_the_gpu():
     sizes = {}
     for gpu, mib in (("h200", 143771), ("h100", 81559)):
         memory = mib * 2**20
-        layers, peak_gib = G.layers_that_fit(8192, 1, memory, gpu)
-        extra = G.baseline_extra_bytes(G.bench_model(layers, dry=False), 8192)
-        assert peak_gib * 2**30 + extra <= 0.9 * memory
-        one_more = G.bench_model(layers + 1, dry=False)
-        cfg = G.T.parse_args(["--seq_len=8192", "--micro_batch_size=1", "--batch_size=2", "--ac=selective",
-                              "--nproc_per_node=1", f"--gpu={gpu}"])
-        peak = max(sum(parts.values()) for parts in G.P.memory_by_phase(one_more, cfg, 1).values())
-        assert peak + G.baseline_extra_bytes(one_more, 8192) > 0.9 * memory  # the next layer does not fit
+        layers = G.layers_that_fit(8192, 1, memory, gpu)
+        for n, fits in ((layers, True), (layers + 1, False)):  # the next layer does not fit
+            total = G.planned_peak_bytes(n, 8192, 1, gpu) + G.baseline_extra_bytes(G.bench_model(n, dry=False), 8192)
+            assert (total <= 0.9 * memory) == fits, (gpu, n, total)
         sizes[gpu] = layers
     assert sizes["h200"] > sizes["h100"] >= 4
-    assert G.layers_that_fit(8192, 8, 81559 * 2**20, "h100")[0] == 32  # one node: the whole 8B
+    assert G.layers_that_fit(8192, 8, 81559 * 2**20, "h100") == 32  # one node: the whole 8B
     assert G.planner_gpu("NVIDIA H200") == "h200" and G.planner_gpu("NVIDIA H100 80GB HBM3") == "h100"
