@@ -1,7 +1,7 @@
 """This trainer's sharded step against transformers + PyTorch FSDP2 on the same model, data and machine.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 bench/vs_fsdp2.py [--steps 3] [--rounds 5]
-        [--profile]
+        [--profile] [--timers]
 
 One torchrun run, both trainers built in the same two processes on the one gloo process group:
   ours    train.py's setup / make_stages / train_step, loaded with --init_from from a folder that a
@@ -16,6 +16,8 @@ Both start from the same weights, so their step-1 losses must agree (bf16 noise:
 Timing: 2 warm-up steps each, then R rounds of (N steps ours, N steps theirs), alternating so that
 both see the same machine load; median step time of each. ratio = tokens/s ours / tokens/s theirs.
 --profile: afterwards, one torch.profiler step of each on rank 0, the top ops by self CPU time.
+--timers: afterwards, 10 steps of ours with wall-clock timers around train.py's parts (forward +
+backward, and inside it the waits for reduce-scatters; gradient norm; AdamW), mean per step on rank 0.
 """
 import argparse
 import os
@@ -121,17 +123,35 @@ def profile_one_step(name: str, step_fn, step: int, rank: int):
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=48))
 
 
+def time_parts_of_ours(step_fn, first_step: int, rank: int, steps: int = 10):
+    """Wraps train.py's functions, which train_step and the reduce-scatter hook look up at call time."""
+    spent_s = {}
+    for name in ("forward_backward", "finish_reduces", "global_grad_norm", "adamw_step"):
+        def timed_part(*args, _fn=getattr(T, name), _name=name, **kwargs):
+            t0 = time.perf_counter()
+            out = _fn(*args, **kwargs)
+            spent_s[_name] = spent_s.get(_name, 0.0) + time.perf_counter() - t0
+            return out
+        setattr(T, name, timed_part)
+    total_s = sum(timed(step_fn, first_step + i) for i in range(steps))
+    if rank == 0:
+        print(f"\n### ours, mean of {steps} steps, rank 0: step {1e3 * total_s / steps:.1f} ms; "
+              + ", ".join(f"{name} {1e3 * t / steps:.1f} ms" for name, t in spent_s.items())
+              + " (finish_reduces: waiting for reduce-scatters, inside forward_backward)")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=3, help="timed steps per framework per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--timers", action="store_true")
     args = parser.parse_args()
     warmup = 2
     # Each rank writes the same seeded inputs into its own folder: nothing to coordinate before the group.
     folder = tempfile.mkdtemp(prefix=f"vs_fsdp2_rank{os.environ.get('RANK', '0')}_")
     init, tokens = write_inputs(folder)
-    total_steps = warmup + args.rounds * args.steps + (1 if args.profile else 0)
+    total_steps = warmup + args.rounds * args.steps + (1 if args.profile else 0) + (10 if args.timers else 0)
     cfg, mcfg, ours = build_ours(folder, init, tokens, total_steps)
     theirs = build_theirs(cfg, init, tokens)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -148,6 +168,9 @@ def main():
     if args.profile:
         profile_one_step("ours", ours, step, rank)
         profile_one_step("theirs", theirs, step, rank)
+        step += 1
+    if args.timers:
+        time_parts_of_ours(ours, step, rank)
 
     if rank == 0:
         report(first, times_s, mcfg, world, args)
