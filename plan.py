@@ -44,13 +44,20 @@ ASSUMPTIONS = {
     "cuda_context_and_nccl_gib": (1.0, "assumption: CUDA context ~0.5 GiB + NCCL buffers ~0.5 GiB, outside "
                                        "torch.cuda.max_memory_allocated"),
     "fragmentation": (0.10, "assumption: allocator slack of 10% on everything but the persistent state"),
-    "gradient_accumulation": "a unit's backward holds 2 unit-sized compute-dtype gradients: its parameters' "
-                             "(pieces of one split) and their concatenation (see grad_peak_numel)",
+    "gradient_accumulation": "a unit's backward peaks at the larger of two moments: split's backward (2 unit-"
+                             "sized compute-dtype gradients, its parameters' and their concatenation, see "
+                             "grad_peak_numel) while the previous unit's reduce-scatter is in flight, or the "
+                             "hook's cast to --reduce_dtype (see reduce_hook_bytes), after that one finished",
     "selective_recompute_time": (0.03, "selective AC recomputes only elementwise ops: +3% step time (assumption)"),
     "attention_efficiency": ({"h100": 0.35, "a100": 0.50}, "FlashAttention-2 forward+backward: ~35% of peak on "
                              "H100 (FlashAttention-3 paper), 50-73% on A100 (FlashAttention-2 paper)"),
     "overlap": "--prefetch true: a micro-batch takes max(compute, collectives, offload copies) plus the "
-               "embedding's all-gather and reduce-scatter, which nothing overlaps; --prefetch false: the sum",
+               "embedding's all-gather and reduce-scatter, which nothing overlaps; --prefetch false: "
+               "max(compute + collectives, offload copies)",
+    "offload_overlap": "--offload_activations: the copies to and from pinned host memory run on a side stream "
+                       "(train.OffloadedCheckpoint), each block's backward prefetching the previous block's "
+                       "input, so they overlap the compute (and the collectives, over PCIe, not NVLink/IB); "
+                       "only the last block's copy back, which its own backward waits for, is exposed",
     "adamw": "memory-bound: 32 B per parameter of the slice (read + write fp32 master, m, v, gradient) at 80% of HBM",
     "mfu_convention": "MFU = tokens/s x train.flops_per_token (6(N-emb) + 12 L H Dh T) / peak; recompute, the "
                       "tied head's matmul and the chunked cross-entropy's recomputed logits are executed FLOPs "
@@ -79,6 +86,26 @@ def grad_peak_numel(unit_numel: int, last_param_numel: int) -> int:
     pieces of one torch.split of `gathered` (Unit.set_views): their gradients (1 unit together) are
     concatenated once by split's backward (1 more), which becomes gathered.grad: 2 units."""
     return 2 * unit_numel
+
+
+def reduce_hook_bytes(unit_numel: int, compute_bytes: int, reduce_bytes: int) -> int:
+    """Full-unit gradient bytes alive in train.Unit._reduce_scatter_grad as it casts the unit's gradient
+    for the reduce-scatter: gathered.grad in the compute dtype and its copy in the reduce dtype (no copy
+    when both are the same dtype). The previous unit's reduce-scatter was finished first: its gradient is gone."""
+    copy = reduce_bytes if reduce_bytes != compute_bytes else 0
+    return (compute_bytes + copy) * unit_numel
+
+
+def unit_gradient_bytes(unit_numel: int, last_param_numel: int, in_flight_numel: int, reduce_bytes: int) -> dict:
+    """Gradient bytes of one unit's backward at the larger of its two moments, by part: split's backward
+    concatenating the parameters' gradients while the previous unit's reduce-scatter (in_flight_numel
+    elements) is in flight, or the hook's cast. fp32 reduce: the cast wins for a unit reduced first
+    (the head: 6 B per parameter against 4); otherwise the concatenation does."""
+    concat = dict(gradients=COMPUTE_BYTES * grad_peak_numel(unit_numel, last_param_numel),
+                  reduce_buffers=reduce_bytes * in_flight_numel)
+    cast_total = reduce_hook_bytes(unit_numel, COMPUTE_BYTES, reduce_bytes)
+    cast = dict(gradients=COMPUTE_BYTES * unit_numel, reduce_buffers=cast_total - COMPUTE_BYTES * unit_numel)
+    return max(concat, cast, key=lambda parts: sum(parts.values()))
 
 
 def block_activation_bytes_per_token(mcfg: M.ModelConfig) -> dict:
@@ -129,24 +156,29 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int) -> dict:
     prefetched = block if cfg.prefetch else 0  # the previous unit's all-gather, started as this one runs
     in_flight = max(head, block)  # the head's gradient is reduced while the last block runs backward
     reduce_buffers = rbytes * in_flight  # Unit._reduce_scatter_grad: the whole gradient in --reduce_dtype
-    waiting = emb * tied  # tied: the head's part of the embedding gradient waits for the embedding's
+    waiting = cbytes * emb * tied  # tied: the head's part of the embedding gradient waits for the embedding's
 
     def phase(gathered, gradients, reduce, activations, logits=0.0):
-        dynamic = dict(gathered_weights=cbytes * gathered, gradients=cbytes * gradients,
+        dynamic = dict(gathered_weights=cbytes * gathered, gradients=gradients,
                        reduce_buffers=reduce, activations=activations, logits=logits)
         return dict(state=16 * sum(padded(n, world) for n in numels) / world,
                     context_and_nccl=ASSUMPTIONS["cuda_context_and_nccl_gib"][0] * GIB, **dynamic,
                     fragmentation=ASSUMPTIONS["fragmentation"][0] * sum(dynamic.values()))
 
-    head_grads = 2 * emb + 2 * head if tied else grad_peak_numel(head, head - mcfg.dim)
+    # The head is reduced first (nothing in flight). Tied, it is the final norm alone and its matmul's
+    # gradient goes to the embedding unit, split's concatenation included, where it waits.
+    head_grads = (dict(gradients=cbytes * (2 * emb + 2 * head), reduce_buffers=0) if tied
+                  else unit_gradient_bytes(head, head - mcfg.dim, 0, rbytes))
+    block_grads = unit_gradient_bytes(block, mcfg.dim * mcfg.ffn_dim, in_flight, rbytes)
     head_saved = tokens * (4 + 2 + 2) * mcfg.dim  # final norm: fp32 input, normalized, output
     return {
-        "head backward": phase(head + waiting + prefetched, head_grads, 0,
+        "head backward": phase(head + emb * tied + prefetched, head_grads["gradients"], head_grads["reduce_buffers"],
                                saved_activation_bytes(mcfg, cfg, layers) + head_saved, logits_bytes(mcfg, cfg)),
-        "block recompute": phase(block + prefetched, mcfg.dim * mcfg.ffn_dim + waiting, reduce_buffers,
+        "block recompute": phase(block + prefetched, cbytes * mcfg.dim * mcfg.ffn_dim + waiting, reduce_buffers,
                                  saved_activation_bytes(mcfg, cfg, layers) + recompute_bytes(mcfg, cfg)),
-        "block gradient sum": phase(block + prefetched, grad_peak_numel(block, mcfg.dim * mcfg.ffn_dim) + waiting,
-                                    reduce_buffers,  # its own saved tensors are gone; its input's gradient is not
+        "block gradient sum": phase(block + prefetched, block_grads["gradients"] + waiting,
+                                    block_grads["reduce_buffers"],
+                                    # its own saved tensors are gone; its input's gradient is not
                                     saved_activation_bytes(mcfg, cfg, layers - 1) + tokens * 2 * mcfg.dim),
     }
 
@@ -223,8 +255,8 @@ def collective_bytes_per_micro_step(mcfg: M.ModelConfig, cfg, world: int) -> tup
 
 
 def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
-    """Seconds per optimizer step: per micro-batch, compute against the collectives (and the offload
-    copies), overlapped with --prefetch true, one after the other without; then AdamW."""
+    """Seconds per optimizer step: per micro-batch, compute against the collectives, overlapped with
+    --prefetch true, one after the other without; the offload copies overlap both either way; then AdamW."""
     peak = peak_flops(gpu)
     tokens = cfg.micro_batch_size * cfg.seq_len
     matmul, attention = executed_flops(mcfg, cfg.seq_len, cfg.ac, 0 < cfg.ce_chunk < tokens)
@@ -235,20 +267,23 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
     bandwidth = 1e9 * (gpu["ib_gbps"] if cfg.nnodes > 1 else gpu["nvlink_gbps"])
     ring = (world - 1) / world  # each GPU sends and receives (W-1)/W of the full buffer
     comm_s = ring * sum(collective_bytes_per_micro_step(mcfg, cfg, world)) / bandwidth
-    offload_bytes = tokens * mcfg.n_layers * block_activation_bytes_per_token(mcfg)[cfg.ac]
-    offload_s = 2 * offload_bytes / (1e9 * gpu["pcie_gbps"]) if cfg.offload_activations else 0.0
-    # Nothing computes during the embedding's first all-gather nor after its reduce-scatter.
+    block_input_bytes = tokens * block_activation_bytes_per_token(mcfg)[cfg.ac]
+    offload_s = 2 * mcfg.n_layers * block_input_bytes / (1e9 * gpu["pcie_gbps"]) if cfg.offload_activations else 0.0
+    # Nothing computes while the last block's offloaded input comes back (ASSUMPTIONS offload_overlap), nor,
+    # with --prefetch, during the embedding's first all-gather or after its reduce-scatter (without, the
+    # collectives are all in the sum already).
     embedding_bytes = padded(unit_numels(mcfg)[0], world) * (COMPUTE_BYTES + REDUCE_BYTES[cfg.reduce_dtype])
-    exposed_s = ring * embedding_bytes / bandwidth
+    exposed_s = block_input_bytes / (1e9 * gpu["pcie_gbps"]) if cfg.offload_activations else 0.0
     if cfg.prefetch:
+        exposed_s += ring * embedding_bytes / bandwidth
         micro_s = max(compute_s, comm_s, offload_s) + exposed_s
-    else:
-        micro_s = compute_s + comm_s + offload_s
+    else:  # the offload copies run on their own stream either way
+        micro_s = max(compute_s + comm_s, offload_s) + exposed_s
     optimizer_s = 32 * sum(padded(n, world) for n in unit_numels(mcfg)) / world / (0.8e9 * gpu["hbm_gbps"])
     micro_steps = cfg.batch_size // (world * cfg.micro_batch_size)
     return dict(step_time_s=micro_steps * micro_s + optimizer_s, compute_s=micro_steps * compute_s,
                 comm_s=micro_steps * comm_s, offload_s=micro_steps * offload_s,
-                exposed_s=micro_steps * exposed_s if cfg.prefetch else 0.0, optimizer_s=optimizer_s,
+                exposed_s=micro_steps * exposed_s, optimizer_s=optimizer_s,
                 micro_steps=micro_steps, bandwidth_gbps=bandwidth / 1e9)
 
 
@@ -328,6 +363,9 @@ def table(p: dict, cfg) -> str:
               f"AdamW {p['optimizer_s']:.2f} s -> {p['step_time_s']:.2f} s per step",
               f"tokens/s/GPU {p['tokens_per_sec_per_gpu']:,.0f} | MFU {100 * p['mfu']:.1f}% | matmul efficiency "
               f"{p['assumptions']['matmul_efficiency'][0]:.3f} (from published runs, see --plan_json assumptions)"]
+    if cfg.offload_activations:
+        lines.append("offload copies: assumed to overlap the compute on a side stream, each block's backward "
+                     "prefetching the previous block's input; the last block's copy back is exposed")
     if cfg.train_tokens:
         lines.append(f"{cfg.train_tokens:,.0f} tokens: {p['hours']:,.0f} h ({p['hours'] / 24:.1f} days) on "
                      f"{p['world']} GPUs = ${p['cost_usd']:,.0f} at ${cfg.gpu_hour_usd:.2f}/GPU-hour")

@@ -97,6 +97,8 @@ class TrainConfig:
     from_ckpt: str = opt("", "a checkpoint folder to load instead of training (use with --export_hf)")
     max_skipped_steps: int = opt(0, "steps with a non-finite loss or gradient norm to skip before stopping")
     timeout_min: float = opt(10.0, "a collective waiting longer than this (a dead or hung rank) ends the run")
+    ckpt_timeout_min: float = opt(60.0, "the same for the collectives around a checkpoint save or resume, which wait for "
+                                        "every rank's file (12 B per parameter / W, 53 GB per rank for 70B on 16 GPUs)")
     gpu_hour_usd: float = opt(0.0, "price of one GPU-hour: the step line and metrics.jsonl add dollars")
     tensorboard: bool = opt(False, "also log to OUT_DIR/tensorboard (needs the tensorboard package)")
     plot: str = opt("", "only plot: write DIR/metrics.png from DIR/metrics.jsonl (needs matplotlib)")
@@ -162,6 +164,8 @@ def check_config(cfg: TrainConfig, world: int) -> list[str]:
         errors.append("--eval_every and --ce_chunk must be >= 0, --eval_batches >= 1")
     if cfg.max_skipped_steps < 0 or cfg.timeout_min <= 0 or cfg.gpu_hour_usd < 0:
         errors.append("--max_skipped_steps and --gpu_hour_usd must be >= 0, --timeout_min > 0")
+    if cfg.ckpt_timeout_min <= 0:
+        errors.append(f"--ckpt_timeout_min: must be > 0, got {cfg.ckpt_timeout_min}")
     if cfg.keep_ckpts < 2 or cfg.ckpt_every < 0:
         errors.append(f"--keep_ckpts must be >= 2 and --ckpt_every >= 0, got {cfg.keep_ckpts}, {cfg.ckpt_every}")
     if cfg.from_ckpt and not os.path.isfile(os.path.join(cfg.from_ckpt, "manifest.json")):
@@ -198,9 +202,17 @@ def model_config(cfg: TrainConfig) -> M.ModelConfig:
 # 2. Processes
 # ================================================================================================
 
+# The collectives of a checkpoint save wait for every rank's file, which can take longer than
+# --timeout_min (53 GB per rank for 70B on 16 GPUs). They run in their own group: gloo, so on the CPU and
+# outside NCCL's watchdog, with --ckpt_timeout_min. Made by init_processes; None (the default group)
+# when a caller made the process group.
+checkpoint_group = None
+
+
 def init_processes(cfg: TrainConfig):
     """Returns (rank, world, device). Under torchrun RANK/WORLD_SIZE are set; plain `python train.py`
     gets a one-process group, so the code below never special-cases W = 1."""
+    global checkpoint_group
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
@@ -217,6 +229,8 @@ def init_processes(cfg: TrainConfig):
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    # new_group is itself collective: every rank makes it here, right after the default group.
+    checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=cfg.ckpt_timeout_min))
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -331,20 +345,25 @@ class Unit:
         ranks into each rank's slice (reduce-scatter) and drop the full gradient. In fp32 by default:
         summing W bf16 gradients in bf16 would round away small contributions.
         Asynchronous, so the previous unit's backward overlaps it, but at most MAX_REDUCES_IN_FLIGHT at a
-        time: each holds a full-unit gradient, and an unbounded queue would hold the whole model's."""
-        grad = gathered.grad.to(self.reduce_dtype)
+        time: each holds a full-unit gradient, and an unbounded queue would hold the whole model's.
+        The oldest one is waited for *before* the cast, not after the launch: otherwise its gradient, this
+        one in the compute dtype and its copy in the reduce dtype would be alive together (3 units where
+        plan.reduce_hook_bytes counts 2). On GPUs this costs no overlap: NCCL runs a group's collectives
+        one after another on one stream, so the new reduce-scatter could not start before the old one
+        ends anyway, and the next unit's backward waited for the old one already (after the launch)."""
+        finish_reduces(self.reduces_in_flight, keep=MAX_REDUCES_IN_FLIGHT - 1)
+        grad = gathered.grad.to(self.reduce_dtype)  # the same tensor, no copy, when the dtypes match
         gathered.grad = None
         out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=grad.device)
         work = reduce_scatter_flat(out, grad, op=dist.ReduceOp.SUM, async_op=True)
         self.reduces_in_flight.append((self, work, out, grad))
-        finish_reduces(self.reduces_in_flight, keep=MAX_REDUCES_IN_FLIGHT)
 
     def persistent_bytes(self) -> int:
         return sum(t.numel() * t.element_size()
                    for t in (self.master_shard, self.exp_avg, self.exp_avg_sq, self.grad_shard))
 
 
-MAX_REDUCES_IN_FLIGHT = 1
+MAX_REDUCES_IN_FLIGHT = 1  # full-unit gradients in --reduce_dtype left reducing while the next unit's backward runs
 
 
 def finish_reduces(reduces_in_flight: list, keep: int = 0):
@@ -447,40 +466,113 @@ class BackwardBoundary(torch.autograd.Function):
 # Selective checkpointing: keep what is expensive to recompute (the matmuls' and attention's outputs),
 # recompute what is cheap and memory-hungry (norms, RoPE, SiLU * up, residual adds, casts).
 SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
-for _name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
-    if hasattr(torch.ops.aten, _name):
-        SAVED_OPS.add(getattr(torch.ops.aten, _name).default)
-if hasattr(torch.ops, "flash_attn") and hasattr(torch.ops.flash_attn, "_flash_attn_forward"):
-    SAVED_OPS.add(torch.ops.flash_attn._flash_attn_forward.default)
+ATTENTION_FORWARD_OPS = {  # namespace: the attention kernels' forward ops, those this build has are kept
+    "aten": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"),
+    "flash_attn": ("_flash_attn_forward",           # flash_attn_func: one sequence per row
+                   "_flash_attn_varlen_forward"),   # flash_attn_varlen_func: packed documents
+}
+for _namespace, _names in ATTENTION_FORWARD_OPS.items():
+    for _name in _names:
+        if hasattr(getattr(torch.ops, _namespace), _name):
+            SAVED_OPS.add(getattr(getattr(torch.ops, _namespace), _name).default)
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+class OffloadedInput:
+    """One block's input, kept in host memory for its backward, and its copy back to the device."""
+
+    def __init__(self, host, previous):
+        self.host = host
+        self.previous = previous  # the input of the block that ran before, whose backward runs next
+        self.device = None        # the copy back, once started
+        self.ready = None         # CUDA: an event on the copy stream, recorded when that copy is done
+
+
 class OffloadedCheckpoint(torch.autograd.Function):
     """--ac full with --offload_activations: like full checkpointing, but the block's input waits for
     backward in pinned CPU memory, so a 70B model's 80 block inputs (128 MiB each at seq 8192) leave
     the GPU. Forward runs without a graph; backward copies the input back, recomputes the block with
-    autograd on and backpropagates through it (the gradients reach the unit's buffer as usual)."""
+    autograd on and backpropagates through it (the gradients reach the unit's buffer as usual).
+
+    On CUDA the copies run on a side stream, so they overlap the blocks' compute instead of adding to
+    it: forward's copy to the host starts as the block starts computing; each block's backward first
+    starts the copy back of the previous block's input (whose backward runs next), so only the last
+    block of a micro-batch waits for its own. In backward at most two block inputs are on the GPU: this
+    block's and the one arriving. On the CPU the same steps are plain copies."""
+
+    latest = None        # the OffloadedInput of the latest forward: the next block's `previous`
+    copy_streams = {}    # CUDA device -> its side stream for the copies
 
     @staticmethod
     def forward(ctx, x, run):
-        ctx.run, ctx.device = run, x.device
-        pin = x.is_cuda  # pinned memory makes the copies asynchronous; it needs CUDA
-        ctx.x_cpu = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=pin).copy_(x, non_blocking=pin)
+        ctx.run, ctx.device, ctx.saved = run, x.device, None
+        if ctx.needs_input_grad[0]:  # a backward will come (evaluation runs under no_grad: none will)
+            ctx.saved = OffloadedInput(OffloadedCheckpoint.to_host(x), previous=OffloadedCheckpoint.latest)
+            OffloadedCheckpoint.latest = ctx.saved
         with torch.no_grad():
             return run(x)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x = ctx.x_cpu.to(ctx.device, non_blocking=True).requires_grad_()
-        ctx.x_cpu = None
+        saved, ctx.saved = ctx.saved, None
+        if OffloadedCheckpoint.latest is saved:  # the last block: the next forward's first has no previous
+            OffloadedCheckpoint.latest = None
+        OffloadedCheckpoint.start_copy_back(saved, ctx.device)  # started by the next block's backward, but the last's
+        if saved.previous is not None:  # prefetch: it arrives while this block recomputes and backpropagates
+            OffloadedCheckpoint.start_copy_back(saved.previous, ctx.device)
+            saved.previous = None
+        x = OffloadedCheckpoint.wait_copy_back(saved, ctx.device).requires_grad_()
         with torch.enable_grad():
             out = ctx.run(x)
         torch.autograd.backward(out, grad_out)
         return x.grad, None
+
+    @staticmethod
+    def copy_stream(device):
+        if device not in OffloadedCheckpoint.copy_streams:
+            OffloadedCheckpoint.copy_streams[device] = torch.cuda.Stream(device)
+        return OffloadedCheckpoint.copy_streams[device]
+
+    @staticmethod
+    def to_host(x):
+        if not x.is_cuda:
+            return x.detach().clone()
+        host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)  # pinned: asynchronous copies
+        stream = OffloadedCheckpoint.copy_stream(x.device)
+        stream.wait_stream(torch.cuda.current_stream(x.device))  # x is written by the compute queued so far
+        with torch.cuda.stream(stream):
+            host.copy_(x, non_blocking=True)
+        x.record_stream(stream)  # the allocator keeps x's memory until the copy has read it
+        return host
+
+    @staticmethod
+    def start_copy_back(saved, device):
+        """Launches the copy of `saved` back to `device`, unless it is started already."""
+        if saved.device is not None:
+            return
+        if device.type != "cuda":
+            saved.device, saved.host = saved.host.to(device), None
+            return
+        stream = OffloadedCheckpoint.copy_stream(device)
+        saved.device = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=device)  # for the compute stream
+        stream.wait_stream(torch.cuda.current_stream(device))  # whatever used this memory before is done
+        with torch.cuda.stream(stream):
+            saved.device.copy_(saved.host, non_blocking=True)
+            saved.ready = torch.cuda.Event()
+            saved.ready.record(stream)
+        saved.device.record_stream(stream)  # not reused before the copy is done, even if never waited for
+        saved.host = None  # the pinned allocator keeps this memory until the copy is done
+
+    @staticmethod
+    def wait_copy_back(saved, device):
+        """The input on the device; the compute stream waits for its copy (not the host)."""
+        if saved.ready is not None:
+            torch.cuda.current_stream(device).wait_event(saved.ready)
+        return saved.device
 
 
 def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False):
@@ -764,20 +856,22 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
     root = os.path.join(cfg.out_dir, "checkpoints")
     name = f"step_{step:08d}"
     tmp, final = os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
+    group = checkpoint_group  # its own timeout: see init_processes
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    dist.barrier()
+    dist.barrier(group=group)
     fname = rank_file(rank, world)
     result = {"rank": rank, "file": fname}
     try:
         tensors = [(f"{u.name}.{kind}", getattr(u, kind)) for u in units for kind in ("master_shard", "exp_avg", "exp_avg_sq")]
         result["sha256"], result["bytes"] = write_safetensors_streaming(os.path.join(tmp, fname), tensors)
         inject_fault("kill_in_save", step, rank)
+        time.sleep(fault_seconds("slow_save", step, rank))
     except OSError as e:
         result["error"] = f"rank {rank} could not write {os.path.join(tmp, fname)}: {e.strerror or e}"
     results = [None] * world
-    dist.all_gather_object(results, result)
+    dist.all_gather_object(results, result, group=group)
     outcome = [None]
     if rank == 0:
         errors = [r["error"] for r in results if "error" in r]
@@ -799,7 +893,7 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
         if errors:
             shutil.rmtree(tmp, ignore_errors=True)
         outcome[0] = errors
-    dist.broadcast_object_list(outcome, src=0)
+    dist.broadcast_object_list(outcome, src=0, group=group)
     if outcome[0]:
         raise CheckpointError(f"checkpoint {final} was not saved: {'; '.join(outcome[0])}")
     return final
@@ -886,7 +980,7 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: boo
         except (CheckpointError, OSError, ValueError, KeyError) as e:
             error = str(e) if isinstance(e, CheckpointError) else f"checkpoint {path}: unreadable ({e})"
         errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+        dist.all_gather_object(errors, error, group=checkpoint_group)  # reading 53 GB can outlast --timeout_min
         errors = sorted({e for e in errors if e})
         if not errors:
             data = manifest["data"] or {"position": 0}  # a conversion run (--steps 0) saved no data state
@@ -905,8 +999,10 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: boo
 def fault_planned(kind: str, step: int, rank: int) -> bool:
     """Fault injection for the tests, from ZERO3_FAULT=KIND:STEP[:RANK] (every rank when RANK is left out):
     kill_mid_step (SIGKILL in the middle of the step), kill_in_save (during that step's save), nan (this
-    rank's loss becomes NaN), hang (this rank sleeps for an hour mid-step). With ZERO3_FAULT_ONCE=FILE a fault fires once: FILE records that it did,
-    so a restarted job runs clean. ZERO3_FAULT=slow:0.5 makes every step half a second slower."""
+    rank's loss becomes NaN), hang (this rank sleeps mid-step for ZERO3_HANG_S seconds, default an hour), and slow_save:STEP:RANK:SECONDS
+    (that rank's checkpoint file of that step takes SECONDS longer to write). With ZERO3_FAULT_ONCE=FILE a
+    fault fires once: FILE records that it did, so a restarted job runs clean. ZERO3_FAULT=slow:0.5 makes
+    every step half a second slower."""
     spec = os.environ.get("ZERO3_FAULT", "").split(":")
     if spec[0] == "slow" and kind == "kill_mid_step":
         time.sleep(float(spec[1]))
@@ -923,6 +1019,11 @@ def fault_planned(kind: str, step: int, rank: int) -> bool:
 def inject_fault(kind: str, step: int, rank: int):
     if fault_planned(kind, step, rank):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fault_seconds(kind: str, step: int, rank: int) -> float:
+    """The SECONDS of ZERO3_FAULT=KIND:STEP:RANK:SECONDS when that fault is planned here, else 0."""
+    return float(os.environ["ZERO3_FAULT"].split(":")[3]) if fault_planned(kind, step, rank) else 0.0
 
 
 # ================================================================================================
@@ -1001,6 +1102,13 @@ def flops_per_token(mcfg: M.ModelConfig, seq_len: int) -> float:
     QK^T and AV, causal mask not discounted (the PaLM / torchtitan convention)."""
     counts = M.count_params(mcfg)
     return 6 * (counts["total"] - counts["embedding"]) + 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
+
+
+def reset_peak_mem(device: torch.device):
+    """Called before each step, so mem_gb is that step's peak, not init's or an evaluation's. On CPU
+    the process's peak resident memory cannot be reset: there mem_gb is the peak since start."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_mem_bytes(device: torch.device) -> int:
@@ -1239,6 +1347,7 @@ def main(argv=None):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
+        mem_gb = peak_mem_bytes(device) / 1e9  # before evaluation, which is not the step
         eval_loss = None
         if eval_windows is not None and (done % cfg.eval_every == 0 or done == steps):
             eval_loss = evaluate(cfg, units, stages, eval_windows, rank, world, device, mcfg)
@@ -1250,7 +1359,7 @@ def main(argv=None):
                 step=done, loss=loss, lr=lr_at(cfg, done), grad_norm=grad_norm,
                 tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
                 mfu=None if peak is None else tokens_per_sec_per_gpu * flops_per_token(mcfg, cfg.seq_len) / peak,
-                mem_gb=peak_mem_bytes(device) / 1e9, step_time_s=dt, elapsed_s=elapsed, eta_s=eta)
+                mem_gb=mem_gb, step_time_s=dt, elapsed_s=elapsed, eta_s=eta)
             if eval_loss is not None:
                 metrics["eval_loss"] = eval_loss
             if cfg.gpu_hour_usd:  # GPU-hours so far (all restarts, downtime excluded) and at the end

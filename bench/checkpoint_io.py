@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train as T  # noqa: E402
 
 cfg = T.parse_args(sys.argv[1:] + ["--steps=0"])
-mcfg, model, units, windows, rank, world, device, _ = T.setup(cfg)
+mcfg, model, units, windows, eval_windows, rank, world, device, start_step, position = T.setup(cfg)
 nbytes = sum(3 * u.shard_numel * 4 for u in units)
 save_s, load_s = [], []
 for _ in range(3):

@@ -223,3 +223,15 @@ def test_resume_never_refuses_a_used_folder(files, baseline, tmp_path):
     run_train(args(files, out, "--steps=2"), nproc=2)
     run_train(args(files, out, "--steps=2", "--resume=never", "--overwrite=true"), nproc=2)
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
+
+
+def test_a_save_slower_than_the_timeout_completes(files, tmp_path):
+    # Rank 1's file takes 12 s longer than rank 0's, twice --timeout_min (6 s, which still ends a hung step:
+    # tests/test_faults.py); the save's collectives wait up to --ckpt_timeout_min instead, and the run ends well.
+    t0 = time.time()
+    proc = run_train(args(files, tmp_path, "--steps=2", "--timeout_min=0.1"), nproc=2,
+                     env={"ZERO3_FAULT": "slow_save:2:1:12"}, check=False, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert time.time() - t0 >= 12  # the slow write happened
+    assert latest(tmp_path) == "step_00000002"
+    assert os.path.isfile(tmp_path / "checkpoints" / "step_00000002" / "manifest.json")

@@ -101,6 +101,26 @@ def test_tied_versus_untied_head():
     assert grads["tied"] - grads["untied"] == pytest.approx(2 * tied.vocab_size * tied.dim / 2**30)
 
 
+def test_head_gradient_peak_is_its_cast_to_the_reduce_dtype():
+    # The head is reduced first: at its hook its bf16 gradient and the fp32 copy for the reduce-scatter are
+    # alive together, 2 + 4 B per parameter, more than split's concatenation (2 x 2 B). bf16 reduce: no copy.
+    head = P.padded(P.unit_numels(M.PRESETS["llama3-70b"]())[-1], 16)
+    for reduce_dtype, per_param in (("float32", 6), ("bfloat16", 4)):
+        part = predict(**CASE_70B, ac="full", reduce_dtype=reduce_dtype)["memory_by_phase_gib"]["head backward"]
+        assert part["gradients"] + part["reduce_buffers"] == pytest.approx(per_param * head / 2**30)
+    assert P.reduce_hook_bytes(head, 2, 4) == 6 * head and P.reduce_hook_bytes(head, 2, 2) == 2 * head
+
+
+def test_offload_copies_overlap_all_but_the_last_blocks_copy_back():
+    # train.OffloadedCheckpoint copies on a side stream and prefetches the previous block's input: only the
+    # last block's input (8192 tokens x 8192 x bf16 per micro-batch) comes back with nothing to overlap.
+    on, off = predict(**RECOMMENDED_70B), predict(**dict(RECOMMENDED_70B, offload_activations="false"))
+    assert on["exposed_s"] - off["exposed_s"] == pytest.approx(on["micro_steps"] * 8192 * 8192 * 2 / 40e9)
+    assert 0 < on["offload_s"] < on["compute_s"] and "side stream" in on["assumptions"]["offload_overlap"]
+    assert "offload copies: assumed to overlap" in P.table(on, config(**RECOMMENDED_70B))
+    assert "offload copies: assumed" not in P.table(off, config(**dict(RECOMMENDED_70B, offload_activations="false")))
+
+
 def test_more_gpus_less_state_and_70b_does_not_fit_one_node():
     one, two = predict(**dict(CASE_70B, nnodes=1, batch_size=64)), predict(**CASE_70B)
     assert two["state_gib_per_gpu"] < one["state_gib_per_gpu"]

@@ -43,3 +43,28 @@ def test_launch_check_measures_all_reduce_bandwidth():
     assert "all-reduce over 2 ranks (gloo" in proc.stdout and "all-reduce results correct on every rank" in proc.stdout
     lines = [line for line in proc.stdout.splitlines() if "bus bandwidth" in line]
     assert len(lines) == 3 and all(float(line.split()[-2]) > 0 for line in lines)
+
+
+def test_mem_gb_is_each_steps_own_peak(tmp_path, monkeypatch):
+    """The peak is reset before every step and read before evaluation, so mem_gb is the step's peak: not
+    init's full-unit fp32 tensor, nor an evaluation's. (On a GPU that is reset_peak_memory_stats; on
+    CPU the recorded order of the calls is what can be checked.)"""
+    import signal as S
+    import train as T
+    from common import learnable_tokens
+    data = learnable_tokens(str(tmp_path / "tok.npy"), 512, n=3000)
+    calls = []
+    real_step, real_eval = T.train_step, T.evaluate
+    monkeypatch.setattr(T, "reset_peak_mem", lambda device: calls.append("reset"))
+    monkeypatch.setattr(T, "peak_mem_bytes", lambda device: calls.append("read") or 0)
+    monkeypatch.setattr(T, "train_step", lambda *a: calls.append("step") or real_step(*a))
+    monkeypatch.setattr(T, "evaluate", lambda *a: calls.append("eval") or real_eval(*a))
+    monkeypatch.delenv("RANK", raising=False)
+    handlers = {s: S.getsignal(s) for s in (S.SIGUSR1, S.SIGTERM, S.SIGINT)}
+    try:
+        T.main(TINY + [f"--data={data}", f"--eval_data={data}", "--eval_every=2", "--eval_batches=1",
+                       "--device=cpu", f"--out_dir={tmp_path / 'out'}"])
+    finally:
+        for s, h in handlers.items():
+            S.signal(s, h)
+    assert calls == ["reset", "step", "read"] + ["reset", "step", "read", "eval"] * 2
