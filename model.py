@@ -15,6 +15,7 @@ same pieces together for one process, which is what the tests compare against Hu
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -192,12 +193,22 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def to_device(array, device) -> torch.Tensor:
+    """A numpy array or CPU tensor as a tensor on `device`. To CUDA from pinned memory and asynchronously:
+    a copy from ordinary (pageable) memory makes the host wait until the GPU has done all the work queued
+    before it."""
+    tensor = torch.as_tensor(array).contiguous()
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
     """cos and sin of shape (B, T, head_dim) in `dtype`, computed in fp32 from integer positions (B, T).
     Recomputed each forward: it is tiny next to a block, and a cached buffer would be one more tensor to
-    shard or replicate."""
-    inv_freq = rope_inv_freq(cfg).to(positions.device)
-    freqs = positions[..., None].float() * inv_freq
+    shard or replicate. The inverse frequencies are computed on the CPU, as Hugging Face computes them,
+    and copied with to_device: a plain copy would make the host wait for the GPU in every micro-batch."""
+    freqs = positions[..., None].float() * to_device(rope_inv_freq(cfg), positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -234,21 +245,80 @@ def uses_flash(device: torch.device, dtype: torch.dtype) -> bool:
     return flash_attn_func is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
 
 
-def document_layout(starts: torch.Tensor, flash: bool) -> dict:
-    """Packed documents: `starts` (B, T) is True where a document begins (always at t = 0). Returns RoPE
-    positions restarting at 0 in each document, and what attention needs to stay inside a document:
-    for flash_attn_varlen_func the documents' boundaries in the flattened B*T tokens (cu_seqlens), for
-    SDPA a block-diagonal causal mask (B, 1, T, T)."""
+def document_starts(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+    """(B, T) bool, True where a packed document begins: at t = 0 and after each EOS."""
+    starts = np.ones(tokens.shape, dtype=bool)
+    starts[:, 1:] = tokens[:, :-1] == eos_id
+    return starts
+
+
+def document_layout(starts, flash: bool, device="cpu", mask_dtype: torch.dtype = torch.bool) -> dict:
+    """Packed documents: `starts` (B, T), a numpy array (or CPU tensor), is True where a document begins
+    (always at t = 0). Returns, on `device`, RoPE positions restarting at 0 in each document and what
+    attention needs to stay inside a document: for flash_attn_varlen_func the documents' boundaries in the
+    flattened B*T tokens (cu_seqlens, max_seqlen), for SDPA a block-diagonal causal mask (document_mask).
+    Computed on the host from the token ids the host already has, so nothing waits for the GPU: on the
+    GPU, nonzero() and int() would. Only the T x T mask is built on the device, from each token's document
+    index: copying it would move B*T*T elements instead of B*T."""
+    starts = np.asarray(starts, dtype=bool)
     B, T = starts.shape
-    t = torch.arange(T, device=starts.device).expand(B, T)
-    positions = t - torch.where(starts, t, 0).cummax(dim=1).values
+    t = np.broadcast_to(np.arange(T), (B, T))
+    positions = to_device(t - np.maximum.accumulate(np.where(starts, t, 0), axis=1), device)
     if flash:
-        begins = starts.flatten().nonzero().flatten()
-        cu_seqlens = torch.cat([begins, begins.new_tensor([B * T])]).to(torch.int32)
-        return dict(positions=positions, cu_seqlens=cu_seqlens, max_seqlen=int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
-    doc = starts.cumsum(dim=1)
-    causal = torch.ones(T, T, dtype=torch.bool, device=starts.device).tril()
-    return dict(positions=positions, mask=((doc[:, :, None] == doc[:, None, :]) & causal)[:, None])
+        cu_seqlens = np.append(np.flatnonzero(starts), B * T).astype(np.int32)
+        return dict(positions=positions, cu_seqlens=to_device(cu_seqlens, device),
+                    max_seqlen=int(np.diff(cu_seqlens).max()))
+    doc = to_device(starts.cumsum(axis=1), device)
+    return dict(positions=positions, mask=document_mask(doc, mask_dtype))
+
+
+def document_mask(doc: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """(B, 1, T, T) from each token's document index doc (B, T): query t may see key s if both are in the
+    same document and s <= t. Bool (True: may see), or additive in a floating `dtype` (0 or -inf), in the
+    form CUDA's memory-efficient SDPA kernel reads as it is: the compute dtype, and each row starting at
+    a multiple of 8 elements (the row length is padded in memory, the padding sliced off). Otherwise SDPA
+    converts and pads the mask again in every layer's forward and backward."""
+    B, T = doc.shape
+    allowed = (doc[:, :, None] == doc[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    if dtype == torch.bool:
+        return allowed[:, None]
+    padded_rows = torch.full((B, 1, T, -(-T // 8) * 8), float("-inf"), dtype=dtype, device=doc.device)
+    return padded_rows[..., :T].masked_fill_(allowed[:, None], 0.0)
+
+
+def sdpa_expands_kv(on_cuda: bool, dtype: torch.dtype, masked: bool) -> bool:
+    """Whether SDPA gets K/V repeated to the query's head count. On CUDA (torch 2.11 to 2.13) SDPA's flash
+    kernel takes grouped K/V but no mask, and bf16/fp16 only; its memory-efficient kernel takes a mask
+    and fp32 but not grouped K/V. Anything else runs the math kernel, which holds the B x H x T x T
+    scores (8 GiB per layer for Llama-3-8B at T = 8192 in fp32): an OOM. Repeated K/V cost
+    2 x (H - KV) x T x D elements per layer instead (recomputed in backward under --ac selective).
+    On CPU, SDPA's kernel takes a mask with grouped K/V as they are."""
+    return on_cuda and (masked or dtype not in (torch.bfloat16, torch.float16))
+
+
+def sdpa_arguments(q, k, v, mask, on_cuda: bool) -> dict:
+    """F.scaled_dot_product_attention's arguments for q (B, H, T, D), k and v (B, KV, T, D), and a
+    document mask, or None for plain causal attention."""
+    H = q.shape[1]
+    if sdpa_expands_kv(on_cuda, q.dtype, mask is not None):
+        k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))  # what HF's repeat_kv does
+    causal = dict(is_causal=True) if mask is None else dict(attn_mask=mask)
+    return dict(query=q, key=k, value=v, enable_gqa=k.shape[1] != H, **causal)
+
+
+def attention_kernel(device, dtype: torch.dtype, doc_mask: bool) -> str:
+    """The kernel attention() runs, in words (for the startup log and the benchmark's table). With
+    doc_mask, for rows that pack several documents; a row of one document runs the causal path. The
+    SDPA kernel named is the one SDPA's default order picks for these arguments (flash, memory-efficient,
+    math); bench/gpu.py asks torch which one it picks on the device."""
+    device = torch.device(device)
+    if uses_flash(device, dtype):
+        return "flash_attn varlen (one sequence per document)" if doc_mask else "flash_attn"
+    if device.type != "cuda":
+        return f"SDPA ({device.type.upper()})"
+    if not sdpa_expands_kv(True, dtype, doc_mask):
+        return "SDPA flash (grouped K/V, causal)"
+    return f"SDPA memory-efficient (K/V expanded to H heads, {'block-diagonal mask' if doc_mask else 'causal'})"
 
 
 def attention(q, k, v, layout=None):
@@ -263,12 +333,8 @@ def attention(q, k, v, layout=None):
                                      cu, cu, n, n, causal=True)
         return out.view(B, T, H, D)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))   # SDPA wants (B, H, T, D)
-    gqa = k.shape[1] != q.shape[1]
-    if layout is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout["mask"], enable_gqa=gqa)
-    return out.transpose(1, 2)
+    mask = None if layout is None else layout["mask"]
+    return F.scaled_dot_product_attention(**sdpa_arguments(q, k, v, mask, q.is_cuda)).transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -353,7 +419,10 @@ class Llama(nn.Module):
     def forward(self, tokens, doc_starts=None):
         """Logits for (B, T) tokens, all in one process: the unsharded reference path. With `doc_starts`
         (B, T) bool, packed documents do not see each other (see document_layout)."""
-        layout = None if doc_starts is None else document_layout(doc_starts, uses_flash(tokens.device, self.embed_tokens.weight.dtype))
+        dtype = self.embed_tokens.weight.dtype
+        layout = None
+        if doc_starts is not None:
+            layout = document_layout(doc_starts.cpu().numpy(), uses_flash(tokens.device, dtype), tokens.device, dtype)
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens) if layout is None else layout["positions"]
         h = self.embed(tokens)
         cos, sin = rope_cos_sin(self.cfg, positions, h.dtype)

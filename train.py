@@ -44,6 +44,7 @@ import dataclasses
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -666,7 +667,7 @@ def adamw_step(units: list[Unit], cfg: TrainConfig, lr: float, step: int, grad_s
             u.grad_shard.mul_(grad_scale)
         for lo, hi in u.decay_ranges:
             u.master_shard[lo:hi].mul_(1 - lr * cfg.weight_decay)
-    step_tensor = torch.tensor(float(step), device=units[0].master_shard.device)  # bias corrections use it
+    step_tensor = torch.full((), float(step), device=units[0].master_shard.device)  # bias corrections use it
     torch._fused_adamw_([u.master_shard for u in units], [u.grad_shard for u in units], [u.exp_avg for u in units],
                         [u.exp_avg_sq for u in units], [], [step_tensor] * len(units), lr=lr, beta1=BETA1,
                         beta2=BETA2, weight_decay=0.0, eps=EPS, amsgrad=False, maximize=False)
@@ -687,18 +688,19 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 def batch_context(cfg, mcfg, windows, inputs, targets, device, dtype, n_tokens) -> dict:
     """What every stage of one micro-batch needs besides its input: RoPE's cos/sin at each token's
-    position, the document layout (a new document starts after each EOS), the targets."""
-    tokens = torch.from_numpy(inputs).to(device)
+    position, the document layout (a new document starts after each EOS), the targets. Decided and
+    built on the host from the numpy arrays, then copied without waiting (M.to_device): nothing here
+    makes the host wait for the GPU, so it can queue this micro-batch while the last one still runs."""
     eos_id = windows.data.eos_id if windows.data.eos_id is not None else mcfg.eos_id
     layout = None
     if cfg.doc_mask:
-        starts = torch.ones_like(tokens, dtype=torch.bool)
-        starts[:, 1:] = tokens[:, :-1] == eos_id
+        starts = M.document_starts(inputs, eos_id)
         if starts[:, 1:].any():  # one document per row: plain causal attention is the same and faster
-            layout = M.document_layout(starts, M.uses_flash(device, dtype))
+            layout = M.document_layout(starts, M.uses_flash(device, dtype), device, dtype)
+    tokens = M.to_device(inputs, device)
     positions = layout["positions"] if layout else torch.arange(tokens.shape[1], device=device).expand_as(tokens)
     cos, sin = M.rope_cos_sin(mcfg, positions, dtype)
-    return dict(tokens=tokens, cos=cos, sin=sin, layout=layout, targets=torch.from_numpy(targets).to(device),
+    return dict(tokens=tokens, cos=cos, sin=sin, layout=layout, targets=M.to_device(targets, device),
                 n_tokens=n_tokens)
 
 
@@ -710,7 +712,7 @@ def forward_backward(cfg, units, stages, windows, step, position, rank, world, d
     batches = [windows.micro_batch(position, j, rank, world, cfg.micro_batch_size) for j in range(accum)]
     # The loss is the mean over every target token of the global batch, so each rank divides its summed
     # loss by the global count -- not by the number of micro-batches, which would make results depend on W.
-    n_tokens = torch.tensor(float(sum(int((t != -100).sum()) for _, t in batches)), device=device)
+    n_tokens = M.to_device(np.array(sum((t != -100).sum() for _, t in batches), dtype=np.float32), device)
     dist.all_reduce(n_tokens)
     loss_sum = torch.zeros((), device=device)
     for inputs, targets in batches:
@@ -722,9 +724,9 @@ def forward_backward(cfg, units, stages, windows, step, position, rank, world, d
         finish_reduces(units[0].reduces_in_flight)
         inject_fault("kill_mid_step", step + 1, rank)
         if fault_planned("hang", step + 1, rank):
-            time.sleep(3600)  # a stuck rank: its peers' next collective must time out
+            time.sleep(float(os.environ.get("ZERO3_HANG_S", 3600)))  # a stuck rank: its peers' next collective must time out
         loss_sum += loss.detach().float()
-    local_finite = bool(torch.isfinite(loss_sum))
+    local_finite = torch.isfinite(loss_sum)  # read only if the step goes bad: reading it waits for the GPU
     dist.all_reduce(loss_sum)
     return loss_sum, local_finite
 
@@ -739,20 +741,22 @@ def train_step(cfg, units, stages, windows, step, position, rank, world, device,
     value and takes the same branch) skips the update: the weights and AdamW state stay as they were."""
     loss, local_finite = forward_backward(cfg, units, stages, windows, step, position, rank, world, device, mcfg)
     grad_norm = global_grad_norm(units)
-    if not (math.isfinite(loss.item()) and math.isfinite(grad_norm.item())):
+    # The step's one host sync: the clip factor and the skip decision need both numbers on the host.
+    loss, grad_norm = torch.stack([loss.float(), grad_norm.float()]).tolist()
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         for u in units:
             u.grad_shard.zero_()
         finite_by_rank = [None] * world
-        dist.all_gather_object(finite_by_rank, local_finite)
+        dist.all_gather_object(finite_by_rank, bool(local_finite))
         bad = [r for r, ok in enumerate(finite_by_rank) if not ok]
         where = f" (from rank {', '.join(map(str, bad))})" if bad else ""
-        raise NonFiniteStep(f"step {step + 1}: loss {loss.item()}, grad_norm {grad_norm.item()}{where}; "
+        raise NonFiniteStep(f"step {step + 1}: loss {loss}, grad_norm {grad_norm}{where}; "
                             f"the optimizer step was skipped")
     scale = 1.0
     if cfg.grad_clip > 0:  # as torch.nn.utils.clip_grad_norm_: multiply by min(1, clip / (norm + 1e-6))
-        scale = min(1.0, cfg.grad_clip / (grad_norm.item() + 1e-6))
+        scale = min(1.0, cfg.grad_clip / (grad_norm + 1e-6))
     adamw_step(units, cfg, lr_at(cfg, step + 1), step + 1, scale)
-    return loss.item(), grad_norm.item()
+    return loss, grad_norm
 
 
 def evaluate(cfg, units, stages, eval_windows, rank, world, device, mcfg) -> float:

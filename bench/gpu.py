@@ -20,10 +20,15 @@ trainer against transformers + PyTorch FSDP2 on the same model. `bench/gpu.sh` r
                 per layer then the root, MixedPrecisionPolicy(bf16, fp32), fused AdamW.
 Each: 2 warm-up steps, then --steps timed steps (synchronized); the median. MFU = tokens/s/GPU x
 train.flops_per_token / the device's dense BF16 peak (train.PEAK_BF16_FLOPS). Peak memory is
-torch.cuda.max_memory_allocated over the timed steps. Results print as they come (a run stopped by
-gpu.sh's 8-minute limit keeps what it printed) and, at the end, as a Markdown table for BENCHMARKS.md.
+torch.cuda.max_memory_allocated over the timed steps. The timed steps run under CUDA's sync debug mode
+("warn"): the table counts the times per step the host waited for the GPU, the JSON says where. The
+attention kernel is model.attention_kernel's words and, where that is SDPA, the backend SDPA's own
+dispatch (torch._fused_sdp_choice) picks for attention()'s arguments at these shapes. Results print as
+they come (a run stopped by gpu.sh's 8-minute limit keeps what it printed) and, at the end, as a
+Markdown table for BENCHMARKS.md.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -31,6 +36,8 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
+from collections import Counter
 from functools import partial
 
 import numpy as np
@@ -219,6 +226,27 @@ def write_random_tokens(folder: str, vocab: int, seq_len: int, windows: int) -> 
     return path
 
 
+@contextlib.contextmanager
+def host_syncs(cuda: bool):
+    """Yields a list that, after the block, holds "file:line" for each time the host waited for the GPU
+    inside it (CUDA's sync debug mode warns at each; other warnings are shown as usual). On CPU: empty."""
+    places = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield places
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchronizing" in str(w.message):
+            places.append(f"{os.path.basename(w.filename)}:{w.lineno}")
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+
+
 def timed_steps(step_fn, warmup: int, steps: int, device) -> dict:
     cuda = device.type == "cuda"
     for step in range(warmup):
@@ -226,16 +254,20 @@ def timed_steps(step_fn, warmup: int, steps: int, device) -> dict:
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    times_s, losses = [], []
+    times_s, losses, syncs = [], [], []
     for step in range(warmup, warmup + steps):
         t0 = time.perf_counter()
-        loss, _ = step_fn(step)
+        with host_syncs(cuda) as places:
+            loss, _ = step_fn(step)
         if cuda:
             torch.cuda.synchronize(device)
         times_s.append(time.perf_counter() - t0)
         losses.append(loss)
+        syncs.append(places)
     peak = torch.cuda.max_memory_allocated(device) if cuda else T.peak_mem_bytes(device)
-    return dict(step_s=statistics.median(times_s), times_s=times_s, losses=losses, peak_gib=peak / GIB)
+    return dict(step_s=statistics.median(times_s), times_s=times_s, losses=losses, peak_gib=peak / GIB,
+                host_syncs_per_step=[len(p) for p in syncs] if cuda else None,
+                host_sync_places=dict(Counter(p for places in syncs for p in places)))
 
 
 def summarize(name: str, run: dict, mcfg, seq_len: int, tokens_per_step_per_gpu: int, device, rank: int) -> dict:
@@ -251,6 +283,10 @@ def summarize(name: str, run: dict, mcfg, seq_len: int, tokens_per_step_per_gpu:
     return run
 
 
+def baseline_attention(device) -> str:
+    return "flash_attention_2" if M.flash_attn_func is not None and device.type == "cuda" else "sdpa"
+
+
 def build_baseline(mcfg: M.ModelConfig, seq_len: int, accum: int, device, lr_cfg):
     """transformers LlamaForCausalLM + FSDP2 + fused AdamW, the same shapes, policy and hyperparameters."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
@@ -259,7 +295,7 @@ def build_baseline(mcfg: M.ModelConfig, seq_len: int, accum: int, device, lr_cfg
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
     from transformers import LlamaConfig, LlamaForCausalLM
     hf_cfg = LlamaConfig(**M.config_to_hf(mcfg, torch.float32))
-    hf_cfg._attn_implementation = "flash_attention_2" if M.flash_attn_func is not None and device.type == "cuda" else "sdpa"
+    hf_cfg._attn_implementation = baseline_attention(device)
     torch.manual_seed(0)
     with torch.device(device):  # random init on the device: fast, and the same bytes as ours (fp32)
         model = LlamaForCausalLM(hf_cfg)
@@ -306,9 +342,26 @@ def environment(device) -> dict:
     if device.type == "cuda":
         env.update(gpu=torch.cuda.get_device_name(device), memory_gib=torch.cuda.mem_get_info(device)[1] / GIB,
                    cuda=torch.version.cuda, peak_bf16_tflops=(T.peak_flops(device) or 0) / 1e12)
-    env["attention"] = ("flash_attn (FlashAttention-2)" if env["flash_attn"] and device.type == "cuda"
-                        else "PyTorch SDPA (flash_attn not importable)" if device.type == "cuda" else "PyTorch SDPA (CPU)")
     return env
+
+
+def attention_report(device, mcfg: M.ModelConfig, seq_len: int) -> dict:
+    """The attention ours runs in bf16, for whole rows (the timed runs: --doc_mask false, no EOS) and for
+    packed documents (the correctness check): model.attention_kernel's words and, where that is SDPA, the
+    backend SDPA's dispatch picks for attention()'s arguments at the timed runs' shapes (two documents)."""
+    report = {}
+    for case, doc_mask in (("whole rows", False), ("packed documents", True)):
+        kernel = M.attention_kernel(device, torch.bfloat16, doc_mask)
+        if kernel.startswith("SDPA"):
+            H, KV, D = mcfg.n_heads, mcfg.n_kv_heads, mcfg.head_dim
+            q = torch.zeros(1, H, seq_len, D, dtype=torch.bfloat16, device=device, requires_grad=True)
+            k = v = torch.zeros(1, KV, seq_len, D, dtype=torch.bfloat16, device=device)
+            doc = (torch.arange(seq_len, device=device) >= seq_len // 2).long()[None]
+            mask = M.document_mask(doc, torch.bfloat16) if doc_mask else None
+            choice = torch._fused_sdp_choice(**M.sdpa_arguments(q, k, v, mask, device.type == "cuda"))
+            kernel += f"; SDPA picks {torch.nn.attention.SDPBackend(choice).name}"
+        report[case] = kernel
+    return report
 
 
 def main() -> int:
@@ -349,6 +402,8 @@ def main() -> int:
         layers = layers_that_fit(seq_len, world, torch.cuda.mem_get_info(device)[1], gpu)
     mcfg = bench_model(layers, dry)
     accum, warmup = 2, 2
+    results.update(attention=attention_report(device, mcfg, seq_len), baseline_attention=baseline_attention(device))
+    log(rank, f"attention: ours {json.dumps(results['attention'])}, transformers {results['baseline_attention']}")
     tokens = write_random_tokens(folder, mcfg.vocab_size, seq_len, (warmup + args.steps) * accum * world + 4)
     M.PRESETS["bench"] = lambda: bench_model(layers, dry)
     n_params = M.count_params(mcfg)["total"]
@@ -421,23 +476,26 @@ def main() -> int:
 
 
 def table(results: dict) -> str:
-    env = results["environment"]
+    env, attention = results["environment"], results["attention"]
     head = (f"{results['date']}, {env.get('gpu', 'CPU (dry run)')} x {results['world']}, torch {env['torch']}, "
-            f"transformers {env['transformers']}, attention: {env['attention']}; {results['layers']} layers "
-            f"({results['params'] / 1e9:.2f}B parameters), seq {results['seq_len']}, micro-batch 1 x "
-            f"{results['accum']}, bf16, --ac selective, fp32 reduce; median of the timed steps; "
+            f"transformers {env['transformers']}; attention, ours: {attention['whole rows']} (packed documents: "
+            f"{attention['packed documents']}), transformers: {results['baseline_attention']}; "
+            f"{results['layers']} layers ({results['params'] / 1e9:.2f}B parameters), seq {results['seq_len']}, "
+            f"micro-batch 1 x {results['accum']}, bf16, --ac selective, fp32 reduce; median of the timed steps; "
             f"correctness fp32 {results['correctness']['float32']['worst_rel']:.1e}, "
             f"bf16 {results['correctness']['bfloat16']['worst_rel']:.1e}")
-    rows = ["| run | tokens/s/GPU | MFU | peak GiB | step s |", "|---|---:|---:|---:|---:|"]
+    rows = ["| run | tokens/s/GPU | MFU | peak GiB | step s | host syncs/step |", "|---|---:|---:|---:|---:|---:|"]
     p = results["planned"]
     rows.append(f"| ours, predicted by plan.py ({p['gpu']}) | {p['tokens_per_sec_per_gpu']:,.0f} | {100 * p['mfu']:.1f}% | "
-                f"{p['peak_gib_per_gpu']:.1f} | |")
+                f"{p['peak_gib_per_gpu']:.1f} | | |")
     for name, r in results["runs"].items():
         if "error" in r:
-            rows.append(f"| {name} | {r['error'][:120]} | | | |")
+            rows.append(f"| {name} | {r['error'][:120]} | | | | |")
             continue
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        rows.append(f"| {name} | {r['tokens_per_sec_per_gpu']:,.0f} | {mfu} | {r['peak_gib']:.1f} | {r['step_s']:.3f} |")
+        syncs = "n/a" if r["host_syncs_per_step"] is None else f"{statistics.median(r['host_syncs_per_step']):g}"
+        rows.append(f"| {name} | {r['tokens_per_sec_per_gpu']:,.0f} | {mfu} | {r['peak_gib']:.1f} | "
+                    f"{r['step_s']:.3f} | {syncs} |")
     return head + "\n\n" + "\n".join(rows)
 
 
