@@ -10,17 +10,28 @@
 #   ./launch.sh --check                  all-reduce bus bandwidth across the same ranks (bench/comm_check.py)
 # Overridable: NPROC_PER_NODE, NNODES, MASTER_ADDR, MASTER_PORT (29500), RDZV_ID, MAX_RESTARTS (3), PYTHON.
 #
-# Restarts: when a rank crashes, torchrun stops the others and exits non-zero; this script then starts
-# torchrun again, up to MAX_RESTARTS times, and train.py resumes from the newest intact checkpoint in
-# --out_dir, so no human is needed. (A loop here rather than torchrun's own --max-restarts: each attempt
-# gets a fresh rendezvous store; with torch 2.13's restarts the new gloo group was seen dialling the
-# dead attempt's address. Bad flags fail fast and are printed again on each attempt.)
+# Restarts are torchrun's own (--max-restarts): when a rank dies, every node's torchrun stops its workers,
+# meets the others again in the same rendezvous and starts them; train.py resumes from the newest intact
+# checkpoint in --out_dir. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 is what makes that work: with the store
+# shared between torchrun and the workers (the default since torch 2.5), a restarted process group reads
+# the previous attempt's addresses from it and dials a dead port (gloo "connectFullMesh failed ...
+# Connection refused"; NCCL the same, pytorch/pytorch#135712 and #167288). With it, each attempt's rank 0
+# hosts a fresh store.
+# A failure a restart cannot fix (train.py exits 2: a bad flag, bad data, a non-finite loss) is not retried:
+# train.py writes its error line to $ZERO3_FATAL_FILE and this script stops torchrun and exits 2.
+#
+# Stopping (preemption, Ctrl-C): SIGTERM, SIGINT or SIGUSR1 to this script, to its process group, or to
+# every process of the job (SLURM's --signal) ends in one "save and stop" request to the workers:
+# torchrun runs in its own process group and ignores SIGUSR1, this script forwards the first signal as
+# SIGUSR1 to the workers, and train.py saves at the next step boundary and exits 0; later signals are
+# ignored. Nothing kills the workers while they save (a 70B save is 53 GB per rank). Should torchrun itself
+# get SIGTERM, it waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT (set to 600 s here) before killing them.
 #
 # InfiniBand / RoCE. NCCL uses InfiniBand by itself when it finds the HCAs; set these when it does not:
 #   NCCL_IB_HCA=mlx5_0,mlx5_1,...  the HCAs to use     NCCL_SOCKET_IFNAME=eth0  the bootstrap interface
 #   NCCL_IB_GID_INDEX=3            RoCE v2 only        NCCL_DEBUG=INFO  the log says NET/IB (good) or NET/Socket (TCP)
-# They pass through from the environment. TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (set below unless given)
-# makes a collective that times out (--timeout_min) end the process instead of hanging it.
+# They pass through from the environment. A collective stuck longer than --timeout_min (a dead or hung
+# peer) ends the process: torch's default NCCL error handling does that, nothing to set.
 set -euo pipefail
 cd "$(dirname "$0")"
 PYTHON=${PYTHON:-python3}
@@ -45,15 +56,41 @@ else
   RENDEZVOUS=(--standalone)
 fi
 
-export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
 if [ "${1:-}" = "--check" ]; then
   exec "$PYTHON" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc_per_node "$NPROC_PER_NODE" bench/comm_check.py
 fi
-MAX_RESTARTS=${MAX_RESTARTS:-3}
-for attempt in $(seq 0 "$MAX_RESTARTS"); do
-  status=0
-  "$PYTHON" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc_per_node "$NPROC_PER_NODE" train.py "$@" || status=$?
-  [ "$status" -eq 0 ] && exit 0
-  [ "$attempt" -lt "$MAX_RESTARTS" ] && echo "launch.sh: torchrun exited with $status; restart $((attempt + 1)) of $MAX_RESTARTS" >&2
+
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
+ZERO3_FATAL_FILE=$(mktemp "${TMPDIR:-/tmp}/launch-fatal.XXXXXX")
+export ZERO3_FATAL_FILE
+trap 'rm -f "$ZERO3_FATAL_FILE"' EXIT
+
+set -m  # the next background job gets its own process group: a signal to ours does not reach torchrun
+( trap '' USR1; exec "$PYTHON" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc_per_node "$NPROC_PER_NODE" \
+    --max-restarts "${MAX_RESTARTS:-3}" train.py "$@" ) &
+TORCHRUN=$!
+set +m
+
+STOPPING=0
+request_stop() {  # first signal: ask the workers (torchrun's children) to save and stop; later ones: ignore
+  if [ "$STOPPING" -eq 0 ]; then
+    STOPPING=1
+    echo "launch.sh: stop requested; train.py saves at the next step boundary and exits" >&2
+    pkill -USR1 -P "$TORCHRUN" || true
+  fi
+}
+trap request_stop TERM INT USR1
+
+while kill -0 "$TORCHRUN" 2>/dev/null; do
+  if [ -s "$ZERO3_FATAL_FILE" ]; then  # train.py failed in a way a restart repeats: stop torchrun's restarts
+    kill -TERM "$TORCHRUN" 2>/dev/null || true
+    wait "$TORCHRUN" 2>/dev/null || true
+    echo "launch.sh: train.py stopped with an error a restart would repeat (above); not restarting" >&2
+    exit 2
+  fi
+  sleep 0.5 || true  # a signal to our process group ends the sleep too
 done
+status=0
+wait "$TORCHRUN" || status=$?
 exit "$status"

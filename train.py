@@ -221,8 +221,8 @@ def init_processes(cfg: TrainConfig):
         torch.cuda.set_device(device)
     backend = "nccl" if use_cuda else "gloo"
     # A rank that dies or hangs must not leave the others waiting forever: every collective times out
-    # after --timeout_min, and NCCL's async error handling turns that into an exit, not a stuck process.
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    # after --timeout_min, and torch's default NCCL error handling (3: tear down without cleanup) turns that
+    # into an exit, not a stuck process. Forcing the older mode 1 would make that exit slower.
     timeout = datetime.timedelta(minutes=cfg.timeout_min)
     if dist.is_initialized():  # made by a caller that runs several trainings in one process (bench/)
         return dist.get_rank(), dist.get_world_size(), device
@@ -1145,9 +1145,14 @@ def log_step(cfg, metrics: dict, f):
 
 
 def fail(message: str):
-    """One line, on every rank, and a non-zero exit: never a traceback wall or a hang."""
+    """One line, on every rank, and exit code 2: never a traceback wall or a hang. These errors come back
+    on a restart (a bad flag, bad data, a non-finite loss), so launch.sh, which gives us ZERO3_FATAL_FILE,
+    stops torchrun from restarting when the line appears there."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    if os.environ.get("ZERO3_FATAL_FILE"):
+        with open(os.environ["ZERO3_FATAL_FILE"], "a") as f:
+            f.write(f"error: {message}\n")
     os._exit(2)  # no interpreter teardown (see the end of this file)
 
 
@@ -1314,27 +1319,30 @@ def main(argv=None):
         print(f"model {mcfg.n_layers}L d={mcfg.dim} {counts['total'] / 1e6:.1f}M params | world {world} on "
               f"{device.type} | {len(units)} units | persistent state {state_gib:.3f} GiB/rank | "
               f"batch {cfg.batch_size} x {cfg.seq_len} = {tokens_per_step:,} tokens/step | "
-              f"accumulation {cfg.batch_size // (world * cfg.micro_batch_size)} | ac {cfg.ac} | {cfg.dtype}",
-              flush=True)
+              f"accumulation {cfg.batch_size // (world * cfg.micro_batch_size)} | ac {cfg.ac} | {cfg.dtype} | "
+              f"attention: {M.attention_kernel(device, getattr(torch, cfg.dtype), cfg.doc_mask)}", flush=True)
         if start_step:
+            restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun's, on this node
             print(f"resumed from {os.path.join(cfg.out_dir, 'checkpoints', f'step_{start_step:08d}')} "
-                  f"at step {start_step}", flush=True)
+                  f"at step {start_step}" + (f" (torchrun restart {restarts} of "
+                  f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS')})" if restarts else ""), flush=True)
     metrics_file, elapsed_before = open_metrics(cfg, start_step) if rank == 0 and steps else (None, 0.0)
     tensorboard = open_tensorboard(cfg) if rank == 0 else None
 
-    # Preemption (SLURM sends SIGTERM, Ctrl-C sends SIGINT): note it, and at the next step boundary all
-    # ranks agree through an all-reduce, save, and exit 0. A signal seen by one rank stops every rank.
-    stop_requested = torch.zeros((), device=device)
-    def on_signal(sig, _frame):
-        if stop_requested.item():  # a second signal: stop now, without the save
-            signal.signal(sig, signal.SIG_DFL)
-            os.kill(os.getpid(), sig)
-        stop_requested.fill_(1.0)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # Preemption: SIGUSR1 (what launch.sh forwards), SIGTERM (SLURM, torchrun) or SIGINT (Ctrl-C) means
+    # "save and stop". Noted here; at the next step boundary all ranks agree through an all-reduce, save,
+    # and exit 0, so a signal seen by one rank stops every rank. The same request often arrives several
+    # times (the job's every process is signalled, and torchrun forwards it again): repeats are ignored,
+    # so nothing interrupts the save.
+    stop_signals = []
+    def on_signal(sig, _frame):  # only a note: printing here could interrupt a print in progress
+        stop_signals.append(sig)
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
 
     start, stopped, skipped = time.perf_counter(), False, 0
     for step in range(start_step, steps):
+        reset_peak_mem(device)
         t0 = time.perf_counter()
         done = step + 1
         try:
@@ -1373,7 +1381,7 @@ def main(argv=None):
             for key, value in metrics.items() if tensorboard else ():
                 if key != "step" and value is not None:
                     tensorboard.add_scalar(key, value, done)
-        stop = stop_requested.clone()
+        stop = torch.tensor(float(bool(stop_signals)), device=device)
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         if stop.item() or done == steps or (cfg.ckpt_every and done % cfg.ckpt_every == 0):
             try:
@@ -1384,7 +1392,8 @@ def main(argv=None):
                 print(f"saved checkpoint {path}", flush=True)
         if stop.item():
             if rank == 0:
-                print(f"stopping at step {done} on a signal; re-run the same command to continue", flush=True)
+                print(f"stopping at step {done} on {signal.Signals(stop_signals[0]).name if stop_signals else 'a signal'}; "
+                      f"re-run the same command to continue", flush=True)
             stopped = True
             break
     if cfg.export_hf and not stopped:
