@@ -15,7 +15,8 @@ tokenizer's chat template when it has one, else in the Llama 3 header format
 A prepared folder: `tokens-00000.npy` ... (1-D uint16 when the vocabulary fits, else uint32; read with
 `np.load(mmap_mode="r")`), `mask-00000.npy` beside them for chat data (1 = this token is a training
 target), and `meta.json`, written last: a folder without it is an unfinished prepare and is refused.
-A `.npy` file of token ids (documents separated by the model's EOS) also trains.
+meta.json records each shard's largest id. A `.npy` file of token ids (documents separated by the
+model's EOS) also trains. Before the first step every id is checked against the model's vocabulary.
 
 Order: windows of `seq_len + 1` tokens starting every `seq_len` tokens, across document and shard
 boundaries; a seeded permutation of all windows, drawn anew each epoch. Global batch k is the B windows
@@ -27,6 +28,7 @@ loader's whole state is P, which each checkpoint stores.
 import argparse
 import ast
 import collections
+import concurrent.futures
 import fcntl
 import gettext
 import glob
@@ -35,6 +37,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import re
 import sys
 import sysconfig
 import time
@@ -43,6 +46,7 @@ import numpy as np
 
 META_FORMAT = "llama-zero3-tokens/1"
 CHAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+CONTENT_PLACEHOLDER = "\x00content\x00"  # rendered in a message's place to find where its content goes
 
 
 class DataError(ValueError):
@@ -63,6 +67,7 @@ class Tokenizer:
             self.kind, self.sp = "sentencepiece", spm.SentencePieceProcessor(model_file=path)
             self.vocab_size, self.bos_id, self.eos_id = self.sp.get_piece_size(), self.sp.bos_id(), self.sp.eos_id()
             self.chat_template, self.id_files = None, [path]
+            self.markup = sentencepiece_markup(self.sp)
         else:
             folder = path if os.path.isdir(path) else os.path.dirname(path)
             if not (os.path.isfile(os.path.join(folder, "tokenizer.json")) and
@@ -88,19 +93,35 @@ class Tokenizer:
         """Token ids of each text, no BOS/EOS. `specials=False` reads a literal "<|eot_id|>" in a document
         as text, so a document can never forge a control token; chat markup is encoded with True."""
         if self.kind == "sentencepiece":
-            return self.sp.encode(texts, num_threads=1)
+            ids = self.sp.encode(texts, num_threads=1)
+            if specials or not self.markup:
+                return ids
+            return [self.spell_markup(t) if self.markup.search(t) else x for t, x in zip(texts, ids)]
         return self.hf(texts, add_special_tokens=False, split_special_tokens=not specials)["input_ids"]
+
+    def spell_markup(self, text: str) -> list:
+        """Sentencepiece matches its user-defined pieces (<|eot_id|>) in any text: a marker written in a
+        document is encoded here one character at a time instead, which decodes to the same text."""
+        ids = []
+        for part in self.markup.split(text):  # the markers are kept, at odd indices
+            is_marker = self.markup.fullmatch(part) is not None
+            ids += [i for c in part for i in self.sp.encode(c)] if is_marker else self.sp.encode(part)
+        return ids
 
     def decode(self, ids) -> str:
         return self.sp.decode(list(ids)) if self.kind == "sentencepiece" else self.hf.decode(list(ids))
 
     def chat_segments(self, messages: list) -> list:
-        """(text, is_target) pieces of one conversation, in order."""
+        """(text, is_target, is_markup) pieces of one conversation, in order. Only markup (the template's
+        own text) is encoded with special tokens; roles and contents are text, so a message cannot forge
+        a control token."""
         if not self.chat_template:  # the Llama 3 header format
             out = []
             for m in messages:
-                out.append((f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n", False))
-                out.append((m["content"] + "<|eot_id|>", m["role"] == "assistant"))
+                target = m["role"] == "assistant"
+                out += [("<|start_header_id|>", False, True), (m["role"], False, False),
+                        ("<|end_header_id|>\n\n", False, True), (m["content"], target, False),
+                        ("<|eot_id|>", target, True)]
             return out
         # A template: render growing prefixes; message i's text is what it adds to the rendering.
         out, before = [], ""
@@ -109,16 +130,46 @@ class Tokenizer:
             if not text.startswith(before):
                 raise DataError(f"--tokenizer: {self.path}: its chat template renders a conversation's "
                                 f"prefix differently from the whole; assistant spans cannot be masked")
-            piece, before = text[len(before):], text
-            if i == 0 and self.hf.bos_token and piece.startswith(self.hf.bos_token):
-                piece = piece[len(self.hf.bos_token):]  # prepare adds BOS itself
-            content = m["content"].strip()  # templates often trim it (Llama 3's does)
-            at = piece.find(content) if m["role"] == "assistant" and content else -1
-            if at < 0:
-                out.append((piece, m["role"] == "assistant"))
-            else:  # the template's header is context; the content and what closes it are targets
-                out += [(piece[:at], False), (piece[at:], True)]
+            piece = text[len(before):]
+            span = self.content_span(messages, i, before, piece)
+            before, target = text, m["role"] == "assistant"
+            if self.encode([m["role"]], True) != self.encode([m["role"]], False):  # the role is inside markup
+                raise DataError(f"a chat message's role {m['role']!r} holds a control token of --tokenizer {self.path}")
+            skip = len(self.hf.bos_token) if i == 0 and self.hf.bos_token and piece.startswith(self.hf.bos_token) else 0
+            if span is None:  # the template rewrites the content: keep it whole, if it hides no control token
+                if self.encode([m["content"]], True) != self.encode([m["content"]], False):
+                    raise DataError(f"--tokenizer: {self.path}: its chat template changes a message's content, "
+                                    f"so a control token written in it cannot be kept as text")
+                out.append((piece[skip:], target, True))  # prepare adds BOS itself
+                continue
+            lo, hi = span  # the template's header is context; the content and what closes it are targets
+            out += [(piece[skip:lo], False, True), (piece[lo:hi], target, False), (piece[hi:], target, True)]
         return out
+
+    def content_span(self, messages: list, i: int, before: str, piece: str):
+        """(start, end) of message i's content in its rendered piece, found by rendering a placeholder in
+        its place: searching for the content would also match it inside the markup. None if the
+        template changes the content beyond trimming it."""
+        probe = self.hf.apply_chat_template(messages[:i] + [dict(messages[i], content=CONTENT_PLACEHOLDER)],
+                                            tokenize=False)
+        if not probe.startswith(before) or probe.count(CONTENT_PLACEHOLDER) != 1:
+            return None
+        head, tail = probe[len(before):].split(CONTENT_PLACEHOLDER)
+        lo, hi = len(head), len(piece) - len(tail)
+        if not (piece.startswith(head) and piece.endswith(tail) and lo <= hi
+                and piece[lo:hi] in (messages[i]["content"], messages[i]["content"].strip())):
+            return None
+        return lo, hi
+
+
+def sentencepiece_markup(sp):
+    """A pattern matching the markup pieces (<|eot_id|>, <start_of_turn>, ...) of a sentencepiece model,
+    or None. Its Python API does not say which pieces are user-defined (matched in any text); the ones
+    that matter look like markup, so every normal piece of the form <...> is treated as one."""
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())
+              if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or sp.is_unused(i))]
+    markup = sorted((p for p in pieces if len(p) > 2 and p.startswith("<") and p.endswith(">")), key=len, reverse=True)
+    return re.compile("(" + "|".join(map(re.escape, markup)) + ")") if markup else None
 
 
 def train_tokenizer(inputs: list, vocab_size: int, out: str):
@@ -174,9 +225,15 @@ def parse_record(raw: bytes, where: str, is_txt: bool) -> dict:
     return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
 
 
-def read_records(inputs: list, counts: collections.Counter):
+def read_records(inputs: list, counts: collections.Counter, max_document_mb: float = 64):
     """(path, line number, raw bytes) of every document in input order: a .jsonl line, or a whole .txt
-    file (line 0). Streams, and does not parse: the workers do, so the reader is never the bottleneck."""
+    file (line 0). Streams, and does not parse: the workers do, so the reader is never the bottleneck.
+    A document over `max_document_mb` is refused before it is read whole (a file without newlines
+    would otherwise be one line the size of the file, in every worker's memory)."""
+    max_bytes = int(max_document_mb * (1 << 20))
+    def too_large(where: str):
+        return DataError(f"{where}: a document over --max_document_mb {max_document_mb:g} MB; split it into "
+                         f"smaller documents, or raise the limit")
     for path in inputs:
         if not os.path.isfile(path):
             raise DataError(f"--input: {path} does not exist")
@@ -185,11 +242,15 @@ def read_records(inputs: list, counts: collections.Counter):
     for path in inputs:
         with open(path, "rb") as f:
             if path.endswith(".txt"):
+                if os.path.getsize(path) > max_bytes:
+                    raise too_large(path)
                 raw = f.read()
                 counts["bytes_read"] += len(raw)
                 yield path, 0, raw
                 continue
-            for n, line in enumerate(f, 1):
+            for n, line in enumerate(iter(lambda: f.readline(max_bytes + 1), b""), 1):
+                if len(line.rstrip(b"\r\n")) > max_bytes:  # cut short at max_bytes + 1
+                    raise too_large(f"{path}:{n}")
                 counts["bytes_read"] += len(line)
                 if line.strip():
                     yield path, n, line
@@ -226,7 +287,7 @@ def encode_batch(records: list, with_mask: bool, skip_bad: bool, tok: Tokenizer 
     tok = tok or _worker_tokenizer
     counts = collections.Counter()
     wheres, docs = zip(*parse_records(records, skip_bad, counts)) if records else ((), ())
-    pieces = []  # (document index, text, is_target, parse special tokens)
+    pieces = []  # (document index, text, is_target, is markup: parse special tokens)
     for i, doc in enumerate(docs):
         if "text" in doc:
             pieces.append((i, doc["text"], True, False))
@@ -234,7 +295,11 @@ def encode_batch(records: list, with_mask: bool, skip_bad: bool, tok: Tokenizer 
             raise DataError(f"{wheres[i]}: a chat, but the first record of every input is plain text, so no "
                             f"loss mask is being written; give chats their own .jsonl file")
         else:
-            pieces += [(i, text, target, True) for text, target in tok.chat_segments(doc["messages"])]
+            try:
+                segments = tok.chat_segments(doc["messages"])
+            except DataError as e:
+                raise DataError(f"{wheres[i]}: {e}") from None
+            pieces += [(i, text, target, markup) for text, target, markup in segments]
     ids = [None] * len(pieces)
     for specials in (False, True):  # one batched encode call per kind
         chosen = [k for k, p in enumerate(pieces) if p[3] == specials]
@@ -247,6 +312,10 @@ def encode_batch(records: list, with_mask: bool, skip_bad: bool, tok: Tokenizer 
     piece_doc = np.array([p[0] for p in pieces], dtype=np.int64)
     piece_target = np.repeat(np.array([p[2] for p in pieces], dtype=np.uint8), lengths)
     body_doc = np.repeat(piece_doc, lengths)  # the document each token belongs to
+    outside = np.flatnonzero(body >= tok.vocab_size)  # an id the model will not have: never write it
+    if len(outside):
+        raise DataError(f"{wheres[body_doc[outside[0]]]}: --tokenizer {tok.path} encodes it to id "
+                        f"{body[outside[0]]}, outside its own vocabulary [0, {tok.vocab_size})")
     bad = np.unique(body_doc[(body == tok.eos_id) | (body == tok.bos_id)])  # would cut a document in two
     if len(bad) and not skip_bad:
         raise DataError(f"{wheres[bad[0]]}: the document encodes to the tokenizer's BOS or EOS id")
@@ -313,6 +382,9 @@ class ShardWriter:
         self.tokens, self.masks, self.n_buffered, self.shards = [], [], 0, []
 
     def add(self, tokens: np.ndarray, mask):
+        if len(tokens) and int(tokens.max()) > np.iinfo(self.dtype).max:  # astype would wrap it silently
+            raise DataError(f"--out: token id {int(tokens.max())} does not fit the shards' "
+                            f"{np.dtype(self.dtype).name}; the tokenizer's vocabulary is larger than it says")
         self.tokens.append(tokens.astype(self.dtype))
         self.masks.append(mask)
         self.n_buffered += len(tokens)
@@ -352,15 +424,16 @@ def show_progress(counts, total_bytes: int, t0: float, state: dict, final: bool 
 
 
 def prepare(inputs: list, tokenizer: str, out: str, workers: int = 1, skip_bad: bool = False,
-            overwrite: bool = False, shard_tokens: int = 100_000_000, quiet: bool = False) -> dict:
+            overwrite: bool = False, shard_tokens: int = 100_000_000, quiet: bool = False,
+            max_document_mb: float = 64) -> dict:
     """Tokenizes `inputs` into shards under `out`; returns meta.json's content. The result depends only
     on the inputs and the tokenizer: results are written in input order whatever `workers` is."""
     tok = Tokenizer(tokenizer)
     for path in inputs:
         if not os.path.isfile(path):
             raise DataError(f"--input: {path} does not exist")
-    if workers < 1 or shard_tokens < 1:
-        raise DataError("--workers and --shard_tokens must be >= 1")
+    if workers < 1 or shard_tokens < 1 or max_document_mb <= 0:
+        raise DataError("--workers and --shard_tokens must be >= 1, --max_document_mb > 0")
     if os.path.isdir(out) and os.listdir(out):
         if not overwrite:
             raise DataError(f"--out: {out} is not empty; --overwrite true replaces a prepared folder")
@@ -375,11 +448,13 @@ def prepare(inputs: list, tokenizer: str, out: str, workers: int = 1, skip_bad: 
     writer = ShardWriter(out, dtype, shard_tokens, with_mask)
     counts, state, t0 = collections.Counter(), {}, time.perf_counter()
     total_bytes = sum(os.path.getsize(p) for p in inputs)
-    batches = batches_of(read_records(inputs, counts))
+    batches = batches_of(read_records(inputs, counts, max_document_mb))
     if workers == 1:
         results, pool = (encode_batch(b, with_mask, skip_bad, tok) for b in batches), None
-    else:  # fork: workers start in milliseconds; each loads its own tokenizer
-        pool = multiprocessing.get_context("fork").Pool(workers, _init_worker, (tokenizer,))
+    else:  # fork: workers start in milliseconds; each loads its own tokenizer. Not multiprocessing.Pool:
+        # it replaces a worker that dies (killed for memory) and waits forever for the batch it held.
+        pool = concurrent.futures.ProcessPoolExecutor(workers, multiprocessing.get_context("fork"),
+                                                      _init_worker, (tokenizer,))
         results = ordered_results(pool, batches, with_mask, skip_bad, max_in_flight=2 * workers)
     try:
         for tokens, mask, kept, skipped in results:
@@ -392,7 +467,7 @@ def prepare(inputs: list, tokenizer: str, out: str, workers: int = 1, skip_bad: 
                 show_progress(counts, total_bytes, t0, state)
     finally:
         if pool is not None:
-            pool.terminate()
+            pool.shutdown(wait=True, cancel_futures=True)  # at most the batches already being tokenized
     if counts["documents"] == 0:
         raise DataError(f"--input: no documents in {', '.join(inputs)}")
     writer.close()
@@ -418,11 +493,22 @@ def ordered_results(pool, batches, with_mask: bool, skip_bad: bool, max_in_fligh
     the whole corpus ahead into its task queue."""
     in_flight = collections.deque()
     for batch in batches:
-        in_flight.append(pool.apply_async(encode_batch, (batch, with_mask, skip_bad)))
+        in_flight.append((batch, pool.submit(encode_batch, batch, with_mask, skip_bad)))
         if len(in_flight) >= max_in_flight:
-            yield in_flight.popleft().get()
+            yield batch_result(*in_flight.popleft())
     while in_flight:
-        yield in_flight.popleft().get()
+        yield batch_result(*in_flight.popleft())
+
+
+def batch_result(batch: list, future):
+    """A worker's result; a worker that died (SIGKILL, the OOM killer) is an error, never a hang."""
+    try:
+        return future.result()
+    except concurrent.futures.process.BrokenProcessPool:
+        path, n, _ = batch[0]
+        raise DataError(f"--workers: a worker process died (killed, perhaps for memory) while tokenizing "
+                        f"{path}:{n} or after it; nothing is finished (no meta.json): run prepare again, "
+                        f"with fewer --workers if memory is short") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -435,24 +521,19 @@ class TokenData:
     def __init__(self, path: str, flag: str = "--data"):
         self.path, self.meta = path, None
         if os.path.isdir(path):
-            meta_path = os.path.join(path, "meta.json")
-            if not os.path.isfile(meta_path):
-                raise DataError(f"{flag}: {path} has no meta.json: not a prepared folder, or its prepare "
-                                f"did not finish (run data.py prepare again)")
-            with open(meta_path) as f:
-                self.meta = json.load(f)
-            if self.meta.get("format") != META_FORMAT:
-                raise DataError(f"{flag}: {meta_path} has format {self.meta.get('format')!r}, not {META_FORMAT}")
-            self.shards = []
+            self.meta = read_meta(path, flag)
+            self.shards, self.shard_paths = [], []
             for record in self.meta["shards"]:
-                tokens = self._open(os.path.join(path, record["tokens"]), flag)
+                tokens_path = os.path.join(path, record["tokens"])
+                tokens = self._open(tokens_path, flag)
                 mask = self._open(os.path.join(path, record["mask"]), flag) if record["mask"] else None
                 if len(tokens) != record["n_tokens"] or (mask is not None and len(mask) != len(tokens)):
-                    raise DataError(f"{flag}: {os.path.join(path, record['tokens'])} has {len(tokens)} tokens, "
+                    raise DataError(f"{flag}: {tokens_path} has {len(tokens)} tokens, "
                                     f"meta.json says {record['n_tokens']}")
                 self.shards.append((tokens, mask))
+                self.shard_paths.append(tokens_path)
         else:
-            self.shards = [(self._open(path, flag), None)]
+            self.shards, self.shard_paths = [(self._open(path, flag), None)], [path]
         self.has_mask = self.shards[0][1] is not None
         self.starts = np.cumsum([0] + [len(t) for t, _ in self.shards])
         self.eos_id = self.meta["eos_id"] if self.meta else None
@@ -485,23 +566,84 @@ class TokenData:
             start, k = self.starts[k] + hi, k + 1
         return np.concatenate(tokens), (np.concatenate(masks) if masks else None)
 
-    def check_vocab(self, vocab_size: int, flag: str = "--data", chunk: int = 1 << 24):
-        """A token id outside [0, vocab_size) would index past the embedding: refuse before training.
-        A prepared folder records each shard's largest id; a bare .npy is scanned in chunks."""
-        if self.meta:
-            if self.meta["vocab_size"] != vocab_size:
-                raise DataError(f"{flag}: {self.path} was tokenized with a {self.meta['vocab_size']:,}-token "
-                                f"vocabulary; the model's has {vocab_size:,}")
-            return
-        tokens = self.shards[0][0]
-        for start in range(0, len(tokens), chunk):
-            part = tokens[start:start + chunk]
-            lo, hi = int(part.min()), int(part.max())
-            if lo < 0 or hi >= vocab_size:
-                bad = hi if hi >= vocab_size else lo
-                pos = start + int(np.argmax(part == bad))
-                raise DataError(f"{flag}: {self.path} has token id {bad} at position {pos}, outside the "
-                                f"model's vocabulary [0, {vocab_size})")
+    def check_vocab(self, vocab_size: int, flag: str = "--data"):
+        """A token id outside [0, vocab_size) would index past the embedding mid-step: refuse before
+        training. One pass over every shard (about a second per GB from the page cache), which also checks
+        each shard against the largest id meta.json records for it: a shard changed after prepare shows."""
+        if self.meta and self.meta["vocab_size"] != vocab_size:
+            raise DataError(f"{flag}: {self.path} was tokenized with a {self.meta['vocab_size']:,}-token "
+                            f"vocabulary; the model's has {vocab_size:,}")
+        for k, (tokens, _) in enumerate(self.shards):
+            check_dtype_holds_vocab(tokens.dtype, vocab_size, self.shard_paths[k], flag)
+            largest = check_ids(tokens, vocab_size, self.shard_paths[k], flag)
+            recorded = self.meta["shards"][k]["max_token_id"] if self.meta else largest
+            if largest != recorded:
+                raise DataError(f"{flag}: {self.shard_paths[k]} holds ids up to {largest}, but meta.json records "
+                                f"{recorded}: the shard changed after prepare (run data.py prepare again)")
+
+
+def check_dtype_holds_vocab(dtype, vocab_size: int, path: str, flag: str):
+    """A uint16 file cannot hold Llama 3's ids (128,256): the larger ones wrapped when it was saved, and
+    what is left looks like valid ids. Refuse the file rather than train on the wrapped ones."""
+    if vocab_size - 1 > np.iinfo(dtype).max:
+        raise DataError(f"{flag}: {path} holds {np.dtype(dtype).name} ids (at most {np.iinfo(dtype).max:,}) but the "
+                        f"model's vocabulary has {vocab_size:,} tokens: larger ids wrapped when it was saved; "
+                        f"save the ids as uint32, or tokenize with data.py prepare")
+
+
+def check_ids(tokens: np.ndarray, vocab_size: int, path: str, flag: str, chunk: int = 1 << 24) -> int:
+    """The largest id in `tokens`, after checking every id is in [0, vocab_size); read in chunks, so a
+    memory-mapped shard is never loaded whole."""
+    largest = -1
+    for start in range(0, len(tokens), chunk):
+        part = tokens[start:start + chunk]
+        lo = int(part.min()) if np.issubdtype(part.dtype, np.signedinteger) else 0  # uint: never < 0
+        hi = int(part.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = hi if hi >= vocab_size else lo
+            pos = start + int(np.argmax(part == bad))
+            raise DataError(f"{flag}: {path} has token id {bad} at position {pos}, outside the model's "
+                            f"vocabulary [0, {vocab_size}); tokenize with the model's tokenizer (data.py prepare)")
+        largest = max(largest, hi)
+    return largest
+
+
+def read_meta(folder: str, flag: str) -> dict:
+    """meta.json of a prepared folder, checked for what training reads from it: a torn or hand-edited
+    file is named with its problem, never a KeyError or an IndexError mid-setup."""
+    meta_path = os.path.join(folder, "meta.json")
+    if not os.path.isfile(meta_path):
+        raise DataError(f"{flag}: {folder} has no meta.json: not a prepared folder, or its prepare "
+                        f"did not finish (run data.py prepare again)")
+    def bad(problem: str):
+        return DataError(f"{flag}: {meta_path} {problem}; run data.py prepare again")
+    try:
+        with open(meta_path, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise bad(f"is not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise bad("is not a JSON object")
+    if meta.get("format") != META_FORMAT:
+        raise DataError(f"{flag}: {meta_path} has format {meta.get('format')!r}, not {META_FORMAT}")
+    for key in ("vocab_size", "bos_id", "eos_id"):
+        if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool):
+            raise bad(f"has no integer {key!r}")
+    tokenizer = meta.get("tokenizer")
+    if not (isinstance(tokenizer, dict) and all(isinstance(tokenizer.get(k), str) for k in ("path", "kind", "sha256"))):
+        raise bad("has no 'tokenizer' with 'path', 'kind' and 'sha256'")
+    shards = meta.get("shards")
+    if not isinstance(shards, list) or not shards:
+        raise bad("lists no shards ('shards' must be a non-empty list)")
+    for i, record in enumerate(shards):
+        if not (isinstance(record, dict) and isinstance(record.get("tokens"), str)
+                and (record.get("mask") is None or isinstance(record["mask"], str))
+                and all(isinstance(record.get(k), int) for k in ("n_tokens", "max_token_id"))):
+            raise bad(f"shard {i} needs 'tokens' (a file name), 'mask' (a file name or null), "
+                      f"'n_tokens' and 'max_token_id' (integers)")
+    if len({record["mask"] is None for record in shards}) > 1:
+        raise bad("has shards with a mask and shards without")
+    return meta
 
 
 class TokenWindows:
@@ -650,6 +792,7 @@ def main(argv=None):
     p.add_argument("--skip_bad", action="store_true", help="skip and count bad documents instead of stopping")
     p.add_argument("--overwrite", action="store_true", help="replace the prepared folder at --out")
     p.add_argument("--shard_tokens", type=int, default=100_000_000)
+    p.add_argument("--max_document_mb", type=float, default=64, help="refuse a document larger than this")
     p = sub.add_parser("sample", help="build the built-in English + French sample (corpus, tokenizer, shards)")
     p.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -659,7 +802,7 @@ def main(argv=None):
             print(f"wrote {args.out} ({args.vocab_size:,} pieces)", file=sys.stderr)
         elif args.command == "prepare":
             meta = prepare(args.input, args.tokenizer, args.out, args.workers, args.skip_bad, args.overwrite,
-                           args.shard_tokens)
+                           args.shard_tokens, max_document_mb=args.max_document_mb)
             print(f"wrote {len(meta['shards'])} shard(s) to {args.out}: {meta['documents']:,} documents, "
                   f"{meta['tokens']:,} tokens, {meta['skipped_bad']:,} bad documents skipped", file=sys.stderr)
         else:
