@@ -22,9 +22,9 @@
 #
 # Stopping (preemption, Ctrl-C): SIGTERM, SIGINT or SIGUSR1 to this script, to its process group, or to
 # every process of the job (SLURM's --signal) ends in one "save and stop" request to the workers:
-# torchrun runs in its own process group and ignores SIGUSR1, this script forwards the first signal as
-# SIGUSR1 to the workers, and train.py saves at the next step boundary and exits 0; later signals are
-# ignored. Nothing kills the workers while they save (a 70B save is 53 GB per rank). Should torchrun itself
+# torchrun runs in its own process group and ignores SIGUSR1, this script passes the request on as SIGUSR1
+# to the workers (every half second: a worker still starting up cannot act on it yet), and train.py saves
+# at the next step boundary and exits 0; it ignores repeats. Nothing kills the workers while they save (a 70B save is 53 GB per rank). Should torchrun itself
 # get SIGTERM, it waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT (set to 600 s here) before killing them.
 #
 # InfiniBand / RoCE. NCCL uses InfiniBand by itself when it finds the HCAs; set these when it does not:
@@ -33,7 +33,7 @@
 # They pass through from the environment. A collective stuck longer than --timeout_min (a dead or hung
 # peer) ends the process: torch's default NCCL error handling does that, nothing to set.
 set -euo pipefail
-cd "$(dirname "$0")"
+HERE=$(cd "$(dirname "$0")" && pwd)  # train.py's folder; relative paths in the flags stay the caller's
 PYTHON=${PYTHON:-python3}
 
 if [ -n "${SLURM_JOB_ID:-}" ]; then
@@ -42,6 +42,10 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   RDZV_ID=${RDZV_ID:-$SLURM_JOB_ID}
 fi
 NNODES=${NNODES:-1}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+for name in NNODES MAX_RESTARTS ${NPROC_PER_NODE:+NPROC_PER_NODE}; do
+  [[ "${!name}" =~ ^[0-9]+$ ]] || { echo "launch.sh: $name must be a whole number, got '${!name}'" >&2; exit 2; }
+done
 GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
 NPROC_PER_NODE=${NPROC_PER_NODE:-$([ "$GPUS" -gt 0 ] && echo "$GPUS" || echo 2)}
 if [ "$GPUS" -eq 0 ]; then
@@ -57,7 +61,7 @@ else
 fi
 
 if [ "${1:-}" = "--check" ]; then
-  exec "$PYTHON" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc_per_node "$NPROC_PER_NODE" bench/comm_check.py
+  exec "$PYTHON" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc_per_node "$NPROC_PER_NODE" "$HERE/bench/comm_check.py"
 fi
 
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
@@ -68,21 +72,22 @@ trap 'rm -f "$ZERO3_FATAL_FILE"' EXIT
 
 set -m  # the next background job gets its own process group: a signal to ours does not reach torchrun
 ( trap '' USR1; exec "$PYTHON" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc_per_node "$NPROC_PER_NODE" \
-    --max-restarts "${MAX_RESTARTS:-3}" train.py "$@" ) &
+    --max-restarts "$MAX_RESTARTS" "$HERE/train.py" "$@" ) &
 TORCHRUN=$!
 set +m
+echo "launch.sh: torchrun is pid $TORCHRUN, in a process group of its own (kill -9 -$TORCHRUN stops it without saving)" >&2
 
 STOPPING=0
-request_stop() {  # first signal: ask the workers (torchrun's children) to save and stop; later ones: ignore
-  if [ "$STOPPING" -eq 0 ]; then
-    STOPPING=1
-    echo "launch.sh: stop requested; train.py saves at the next step boundary and exits" >&2
-    pkill -USR1 -P "$TORCHRUN" || true
-  fi
+request_stop() {
+  [ "$STOPPING" -eq 1 ] || echo "launch.sh: stop requested; train.py saves at the next step boundary and exits" >&2
+  STOPPING=1
 }
 trap request_stop TERM INT USR1
 
 while kill -0 "$TORCHRUN" 2>/dev/null; do
+  if [ "$STOPPING" -eq 1 ]; then  # again each turn: workers still starting up ignore it until they can save
+    pkill -USR1 -P "$TORCHRUN" || true
+  fi
   if [ -s "$ZERO3_FATAL_FILE" ]; then  # train.py failed in a way a restart repeats: stop torchrun's restarts
     kill -TERM "$TORCHRUN" 2>/dev/null || true
     wait "$TORCHRUN" 2>/dev/null || true

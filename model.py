@@ -131,13 +131,42 @@ PRESETS = {
 # Hugging Face config.json, both forms seen in the wild
 # ----------------------------------------------------------------------------------------------
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    """Published Llama 3.x form (`rope_theta` + `rope_scaling`) or the newer `rope_parameters` form."""
+def hf_rope(hf: dict) -> tuple[dict, str]:
+    """The RoPE settings and their type, from either form of config.json."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    return rope, rope.get("rope_type", rope.get("type", "default"))
+
+
+def check_hf_config(hf: dict) -> list[str]:
+    """What in a Hugging Face config.json says it is not the Llama this code builds, one line each.
+    Qwen2 (q/k/v biases), Gemma (GELU, 1 + w norms) and Mistral name their tensors as Llama does: their
+    weights would load, and train as another model, without a word."""
+    model_type, architectures = hf.get("model_type"), hf.get("architectures") or []
+    if model_type != "llama" or architectures not in ([], ["LlamaForCausalLM"]):
+        return [f"model_type {model_type!r} (architectures {', '.join(architectures) or 'not given'}) is not a "
+                f"Llama; only model_type 'llama' with LlamaForCausalLM can be loaded"]
+    problems = []  # a Llama config.json with options this code does not implement
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    for bias in ("attention_bias", "mlp_bias"):
+        if hf.get(bias, False):
+            problems.append(f"{bias} true is not supported (this Llama has no biases)")
+    if hf.get("attention_dropout", 0.0):
+        problems.append(f"attention_dropout {hf['attention_dropout']} is not supported (only 0.0)")
+    rope_type = hf_rope(hf)[1]
     if rope_type not in ("default", "llama3"):
-        raise ValueError(f"config.json: rope type {rope_type!r} is not supported (only default and llama3)")
+        problems.append(f"rope type {rope_type!r} is not supported (only default and llama3)")
+    return problems
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """Published Llama 3.x form (`rope_theta` + `rope_scaling`) or the newer `rope_parameters` form.
+    Anything but a plain Llama is refused (check_hf_config), never approximated."""
+    problems = check_hf_config(hf)
+    if problems:
+        raise ValueError("config.json: " + "; ".join(problems))
+    rope, rope_type = hf_rope(hf)
+    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     scaling = None
     if rope_type == "llama3":
         scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",

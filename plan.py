@@ -379,8 +379,10 @@ def main(cfg):
         try:
             mcfg = T.model_config(cfg)
             errors += M.check_model_config(mcfg)
-        except (OSError, KeyError, ValueError) as e:
+        except (OSError, KeyError, json.JSONDecodeError) as e:
             errors.append(f"--init_from: cannot read config.json: {e}")
+        except ValueError as e:  # config.json describes a model this code does not build
+            errors.append(f"--init_from: {e}")
     if errors:
         T.fail("; ".join(errors))
     p = plan(mcfg, cfg)

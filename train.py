@@ -41,6 +41,8 @@ import signal
 import sys
 import time
 import dataclasses
+import fcntl
+import socket
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 
@@ -205,8 +207,7 @@ def model_config(cfg: TrainConfig) -> M.ModelConfig:
 
 # The collectives of a checkpoint save wait for every rank's file, which can take longer than
 # --timeout_min (53 GB per rank for 70B on 16 GPUs). They run in their own group: gloo, so on the CPU and
-# outside NCCL's watchdog, with --ckpt_timeout_min. Made by init_processes; None (the default group)
-# when a caller made the process group.
+# outside NCCL's watchdog, with --ckpt_timeout_min. Made once per process group, by init_processes.
 checkpoint_group = None
 
 
@@ -224,20 +225,67 @@ def init_processes(cfg: TrainConfig):
     # after --timeout_min, and torch's default NCCL error handling (3: tear down without cleanup) turns that
     # into an exit, not a stuck process. Forcing the older mode 1 would make that exit slower.
     timeout = datetime.timedelta(minutes=cfg.timeout_min)
-    if dist.is_initialized():  # made by a caller that runs several trainings in one process (bench/)
-        return dist.get_rank(), dist.get_world_size(), device
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    # new_group is itself collective: every rank makes it here, right after the default group.
-    checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=cfg.ckpt_timeout_min))
+    if not dist.is_initialized():  # else made by a caller that runs several trainings in one process (bench/)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    if checkpoint_group is None:  # new_group is itself collective: every rank makes it here, in this order
+        checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=cfg.ckpt_timeout_min))
     return dist.get_rank(), dist.get_world_size(), device
 
 
 # torch 2.13 renames the two collectives ZeRO-3 is made of; accept both names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# One run per --out_dir, in a folder every rank sees. Rank 0 holds an exclusive lock on OUT_DIR/.lock for
+# the whole run (the kernel drops it when the process dies, kill -9 included), and writes a random token
+# into it that every rank must read back: a node-local --out_dir fails here, not at the first save.
+out_dir_lock = None  # rank 0's open .lock file: closing it would release the lock
+
+
+def claim_out_dir(out_dir: str, rank: int, world: int, device):
+    global out_dir_lock
+    if out_dir_lock is not None:  # a caller running several trainings in one process (bench/): the last one ended
+        out_dir_lock.close()
+        out_dir_lock = None
+    path = os.path.join(out_dir, ".lock")
+    token = torch.zeros((), dtype=torch.int64, device=device)  # stays 0 if rank 0 cannot take the lock
+    if rank == 0:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            value = int.from_bytes(os.urandom(6), "little") + 1
+            f.seek(0)
+            f.truncate()
+            f.write(f"{value} host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            f.flush()
+            os.fsync(f.fileno())
+            out_dir_lock = f
+            token.fill_(value)
+        except BlockingIOError:
+            f.close()
+    dist.broadcast(token, src=0)
+    try:
+        with open(path) as f:
+            token_seen, _, holder = f.read().strip().partition(" ")
+    except OSError:
+        token_seen, holder = "", ""
+    if token.item() == 0:
+        fail(f"--out_dir: {out_dir} is in use by another run ({holder}); wait for it to end or choose another --out_dir")
+    seen_by_rank = torch.zeros(world, dtype=torch.int64, device=device)
+    all_gather_flat(seen_by_rank, torch.tensor([int(token_seen == str(token.item()))], device=device))
+    blind = [r for r, seen in enumerate(seen_by_rank.tolist()) if not seen]
+    if blind:
+        fail(f"--out_dir: {out_dir} is not one folder for all ranks: rank(s) {', '.join(map(str, blind))} do not see "
+             f"the {path} that rank 0 wrote; use a folder on a filesystem every node mounts")
+    if rank == 0:  # the lock holder clears what crashed saves left behind
+        root = os.path.join(out_dir, "checkpoints")
+        for name in os.listdir(root) if os.path.isdir(root) else []:
+            if name.startswith(".tmp-step_"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 # ================================================================================================
@@ -402,17 +450,60 @@ def init_unit_random(unit: Unit, index: int, seed: int, std: float):
 
 
 def hf_file_of_tensors(folder: str) -> dict:
-    """{HF tensor name: safetensors file} from the index, or from the single model.safetensors."""
-    from safetensors import safe_open
+    """{HF tensor name: safetensors file}, from the headers of the files themselves (only the headers are
+    read): the index only says which files there are, so a file that lacks what the index promises shows
+    as a missing tensor, and a damaged file is found here, before any process group exists."""
     index = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            return {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
     single = os.path.join(folder, "model.safetensors")
-    if not os.path.isfile(single):
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                paths = sorted({os.path.join(folder, v) for v in json.load(f)["weight_map"].values()})
+        except (ValueError, KeyError, AttributeError) as e:
+            raise ValueError(f"--init_from: {index} is not a safetensors index ({e!r}); download it again") from None
+    elif os.path.isfile(single):
+        paths = [single]
+    else:
         raise FileNotFoundError(f"--init_from: neither model.safetensors nor model.safetensors.index.json in {folder}")
-    with safe_open(single, framework="pt") as f:
-        return {k: single for k in f.keys()}
+    files = {}
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--init_from: {path} is named in {index} but does not exist")
+        files.update({name: path for name in hf_tensor_names(path)})
+    return files
+
+
+def hf_tensor_names(path: str) -> list[str]:
+    """The names in one safetensors file's header. safe_open checks that the header covers the whole
+    file, so a truncated download, or an HTML error page saved under the name, fails here as one line."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except SafetensorError as e:
+        raise ValueError(f"--init_from: {path} is not a readable safetensors file ({e}); download it again") from None
+
+
+def check_hf_tensors(files: dict, mcfg: M.ModelConfig, folder: str):
+    """The files must hold exactly the parameters of the Llama that config.json describes. A tensor the
+    model lacks (a Qwen2 q_proj.bias, an old conversion's rotary inv_freq, an lm_head.weight beside tied
+    embeddings) is refused, never dropped: each is a sign the weights are not that model's."""
+    with torch.device("meta"):  # names only: allocates nothing
+        expected = {hf_name(name) for name, _ in M.Llama(mcfg).named_parameters()}
+    missing, unexpected = sorted(expected - files.keys()), sorted(files.keys() - expected)
+    if missing:
+        raise ValueError(f"--init_from: tensor {missing[0]}{more(missing)} is missing from the safetensors files "
+                         f"in {folder}")
+    if unexpected:
+        hint = ""
+        if "lm_head.weight" in unexpected and mcfg.tie_embeddings:
+            hint = "; config.json has tie_word_embeddings true: set it false if lm_head.weight is the model's own"
+        raise ValueError(f"--init_from: {files[unexpected[0]]} holds {unexpected[0]}{more(unexpected)}, which the "
+                         f"Llama described by config.json does not have: this is not a plain Llama checkpoint{hint}")
+
+
+def more(names: list) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
 def hf_name(name: str) -> str:
@@ -746,9 +837,9 @@ def train_step(cfg, units, stages, windows, step, position, rank, world, device,
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         for u in units:
             u.grad_shard.zero_()
-        finite_by_rank = [None] * world
-        dist.all_gather_object(finite_by_rank, bool(local_finite))
-        bad = [r for r, ok in enumerate(finite_by_rank) if not ok]
+        finite_by_rank = torch.zeros(world, device=device)
+        all_gather_flat(finite_by_rank, local_finite.float().reshape(1))
+        bad = [r for r, ok in enumerate(finite_by_rank.tolist()) if not ok]
         where = f" (from rank {', '.join(map(str, bad))})" if bad else ""
         raise NonFiniteStep(f"step {step + 1}: loss {loss}, grad_norm {grad_norm}{where}; "
                             f"the optimizer step was skipped")
@@ -844,6 +935,17 @@ def write_atomic(path: str, text: str):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
+
+
+def fsync_dir(path: str):
+    """A rename is durable only once its folder is on disk: without this, a power loss right after a
+    save can bring back the old name."""
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files) -> dict:
@@ -865,41 +967,47 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier(group=group)
-    fname = rank_file(rank, world)
-    result = {"rank": rank, "file": fname}
+    # What each rank tells rank 0, as numbers (nothing crosses the wire pickled): written or not, the
+    # file's size, its SHA-256 as 32 byte values. An error's text stays with the rank that met it.
+    report, my_error = torch.zeros(34, dtype=torch.int64), ""
     try:
         tensors = [(f"{u.name}.{kind}", getattr(u, kind)) for u in units for kind in ("master_shard", "exp_avg", "exp_avg_sq")]
-        result["sha256"], result["bytes"] = write_safetensors_streaming(os.path.join(tmp, fname), tensors)
+        sha256, nbytes = write_safetensors_streaming(os.path.join(tmp, rank_file(rank, world)), tensors)
+        report[0], report[1], report[2:] = 1, nbytes, torch.tensor(list(bytes.fromhex(sha256)))
         inject_fault("kill_in_save", step, rank)
         time.sleep(fault_seconds("slow_save", step, rank))
     except OSError as e:
-        result["error"] = f"rank {rank} could not write {os.path.join(tmp, fname)}: {e.strerror or e}"
-    results = [None] * world
-    dist.all_gather_object(results, result, group=group)
-    outcome = [None]
-    if rank == 0:
-        errors = [r["error"] for r in results if "error" in r]
+        report.zero_()
+        my_error = f"rank {rank} could not write {os.path.join(tmp, rank_file(rank, world))}: {e.strerror or e}"
+    reports = torch.zeros(world, 34, dtype=torch.int64)
+    all_gather_flat(reports.view(-1), report, group=group)
+    unwritten = [r for r in range(world) if not reports[r, 0]]
+    saved = torch.zeros((), dtype=torch.int64)
+    if rank == 0 and not unwritten:
         try:
-            for r in results:
-                if "error" not in r and os.path.getsize(os.path.join(tmp, r["file"])) != r["bytes"]:
-                    errors.append(f"{r['file']} has the wrong size on disk")
-            if not errors:
-                files = {r["file"]: {"sha256": r["sha256"], "bytes": r["bytes"]} for r in results}
-                manifest = checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files)
-                write_atomic(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1))
-                shutil.rmtree(final, ignore_errors=True)  # a re-save of a step (after a fallback)
-                os.replace(tmp, final)
-                write_atomic(os.path.join(root, "latest"), name + "\n")
-                for old in list_checkpoints(root)[cfg.keep_ckpts:]:  # retention, oldest beyond K
-                    shutil.rmtree(old)
+            files = {rank_file(r, world): {"sha256": bytes(reports[r, 2:].tolist()).hex(), "bytes": int(reports[r, 1])}
+                     for r in range(world)}
+            for fname, expect in files.items():
+                if os.path.getsize(os.path.join(tmp, fname)) != expect["bytes"]:
+                    raise OSError(f"{fname} has the wrong size on disk")
+            manifest = checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files)
+            write_atomic(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1))
+            shutil.rmtree(final, ignore_errors=True)  # a re-save of a step (after a fallback)
+            os.replace(tmp, final)
+            fsync_dir(root)
+            write_atomic(os.path.join(root, "latest"), name + "\n")
+            saved.fill_(1)
         except OSError as e:
-            errors.append(f"{e.strerror or e} ({e.filename})")
-        if errors:
-            shutil.rmtree(tmp, ignore_errors=True)
-        outcome[0] = errors
-    dist.broadcast_object_list(outcome, src=0, group=group)
-    if outcome[0]:
-        raise CheckpointError(f"checkpoint {final} was not saved: {'; '.join(outcome[0])}")
+            my_error = f"rank 0 could not commit it: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+    if rank == 0 and saved:
+        remove_old_checkpoints(root, cfg.keep_ckpts, final)
+    elif rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.broadcast(saved, src=0, group=group)
+    if not saved:
+        why = my_error or (f"rank(s) {', '.join(map(str, unwritten))} could not write their files" if unwritten
+                           else "rank 0 could not commit it")
+        raise CheckpointError(f"checkpoint {final} was not saved: {why}")
     return final
 
 
@@ -909,6 +1017,42 @@ def list_checkpoints(root: str) -> list[str]:
         return []
     names = sorted((n for n in os.listdir(root) if n.startswith("step_")), reverse=True)
     return [os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))]
+
+
+def resume_candidates(root: str) -> list[str]:
+    """The checkpoints resume tries, newest first, starting at the one `latest` names: editing `latest`
+    to an older step_* rolls the run back to it (newer folders are then ignored, and overwritten as the
+    run passes their steps again)."""
+    paths = list_checkpoints(root)
+    if not os.path.isfile(os.path.join(root, "latest")):
+        return paths
+    with open(os.path.join(root, "latest")) as f:
+        latest = f.read().strip()
+    if not os.path.isdir(os.path.join(root, latest)):
+        raise CheckpointError(f"{os.path.join(root, 'latest')} names {latest!r}, which is not a folder in {root}; "
+                              f"write the name of a step_* folder there, or delete it to use the newest")
+    return [p for p in paths if os.path.basename(p) <= latest]  # zero-padded names sort as steps
+
+
+def is_complete(path: str) -> bool:
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            return json.load(f).get("format") == CKPT_FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def remove_old_checkpoints(root: str, keep: int, just_saved: str):
+    """Retention: keeps the checkpoint just saved and the newest complete ones, `keep` in all, and deletes
+    older complete ones. Folders without a complete manifest (a damaged or foreign step_* folder) are
+    neither counted nor deleted, so they can never push out the save just made. A failure here (an NFS
+    .nfsXXXX file still open elsewhere) is a warning: the checkpoint itself is saved."""
+    complete = [p for p in list_checkpoints(root) if p != just_saved and is_complete(p)]
+    for old in complete[keep - 1:]:
+        try:
+            shutil.rmtree(old)
+        except OSError as e:
+            print(f"warning: retention could not delete {old}: {e.strerror or e}; it stays", file=sys.stderr, flush=True)
 
 
 def check_manifest(path: str, cfg, mcfg, windows) -> dict:
@@ -983,17 +1127,17 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: boo
             load_checkpoint(path, manifest, units)
         except (CheckpointError, OSError, ValueError, KeyError) as e:
             error = str(e) if isinstance(e, CheckpointError) else f"checkpoint {path}: unreadable ({e})"
-        errors = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error, group=checkpoint_group)  # reading 53 GB can outlast --timeout_min
-        errors = sorted({e for e in errors if e})
-        if not errors:
+        # Every rank must agree: a flag per rank (reading 53 GB can outlast --timeout_min: the checkpoint group).
+        failed_by_rank = torch.zeros(dist.get_world_size(), dtype=torch.int64)
+        all_gather_flat(failed_by_rank, torch.tensor([int(bool(error))]), group=checkpoint_group)
+        failed = [r for r, bad in enumerate(failed_by_rank.tolist()) if bad]
+        if not failed:
             data = manifest["data"] or {"position": 0}  # a conversion run (--steps 0) saved no data state
             return manifest["step"], data["position"]
-        if rank == 0:
-            for e in errors:
-                print(f"warning: {e}", file=sys.stderr, flush=True)
+        if error:
+            print(f"warning: {error}", file=sys.stderr, flush=True)
         if not fallback:
-            raise CheckpointError("; ".join(errors))
+            raise CheckpointError(error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} cannot use it")
         if rank == 0:
             print(f"warning: not using {path}; trying the previous checkpoint", file=sys.stderr, flush=True)
     raise CheckpointError(f"no intact checkpoint in {os.path.join(cfg.out_dir, 'checkpoints')}; "
@@ -1055,8 +1199,9 @@ def export_hf(units: list[Unit], mcfg: M.ModelConfig, out: str, dtype: torch.dty
         files[-1].append(unit)
         size += unit.numel * bytes_per
     tmp = out.rstrip("/") + ".partial"
-    if rank == 0:
-        os.makedirs(tmp, exist_ok=True)
+    if rank == 0:  # a fresh folder: a crashed export's model.safetensors must not sit beside a new index
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
     weight_map, total_bytes = {}, 0
     for i, file_units in enumerate(files):
         fname = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
@@ -1164,10 +1309,19 @@ def setup(cfg: TrainConfig):
     if not errors:
         try:
             mcfg = model_config(cfg)
-        except (KeyError, ValueError, json.JSONDecodeError) as e:
+        except (KeyError, json.JSONDecodeError) as e:
             errors.append(f"--init_from: cannot read config.json: {e}")
+        except ValueError as e:  # config.json describes a model this code does not build
+            errors.append(f"--init_from: {e}")
     if mcfg is not None:
         errors += M.check_model_config(mcfg)
+    hf_files = None
+    if not errors and cfg.init_from and not cfg.from_ckpt:
+        try:  # headers only, on every rank: a bad weight file is one line here, not a traceback at load
+            hf_files = hf_file_of_tensors(cfg.init_from)
+            check_hf_tensors(hf_files, mcfg, cfg.init_from)
+        except (ValueError, FileNotFoundError) as e:
+            errors.append(str(e))
     if errors:
         fail("; ".join(errors))
 
@@ -1176,6 +1330,7 @@ def setup(cfg: TrainConfig):
         mcfg, windows, eval_windows = open_data(cfg, mcfg)
 
     rank, world, device = init_processes(cfg)
+    claim_out_dir(cfg.out_dir, rank, world, device)
     compute_dtype = getattr(torch, cfg.dtype)
     with torch.device("meta"):  # shapes only: construction allocates nothing
         model = M.Llama(mcfg)
@@ -1187,14 +1342,14 @@ def setup(cfg: TrainConfig):
             os.remove(os.path.join(cfg.out_dir, "metrics.jsonl"))
     dist.barrier()
     # A checkpoint wins over --init_from: re-running the same command continues the run.
-    candidates = [cfg.from_ckpt] if cfg.from_ckpt else list_checkpoints(ckpt_root) if cfg.resume == "auto" else []
+    candidates = [cfg.from_ckpt] if cfg.from_ckpt else resume_candidates(ckpt_root) if cfg.resume == "auto" else []
     start_step = start_position = 0
     if candidates:
         start_step, start_position = resume(cfg, mcfg, units, windows, rank, candidates, fallback=not cfg.from_ckpt)
     elif cfg.init_from:
-        files, open_files = hf_file_of_tensors(cfg.init_from), {}
+        open_files = {}
         for unit in units:
-            load_unit_from_hf(unit, files, open_files)
+            load_unit_from_hf(unit, hf_files, open_files)
         open_files.clear()
     else:
         for i, unit in enumerate(units):
@@ -1241,12 +1396,22 @@ def open_metrics(cfg, start_step: int):
     kept = []
     if start_step and os.path.isfile(path):
         with open(path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= start_step]
+            rows = [(line, parse_metrics_line(line)) for line in f if line.strip()]
+        kept = [line for line, row in rows if row is not None and row["step"] <= start_step]
     with open(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)
     elapsed_before = json.loads(kept[-1])["elapsed_s"] if kept else 0.0  # time spent before a restart
     return open(path, "a"), elapsed_before
+
+
+def parse_metrics_line(line: str):
+    """A metrics.jsonl row, or None for a line torn by a crash or a full disk (only ever the last one)."""
+    try:
+        return json.loads(line)
+    except ValueError:
+        print(f"warning: metrics.jsonl: dropping a torn line ({line.strip()[:60]!r})", file=sys.stderr, flush=True)
+        return None
 
 
 def plot_metrics(out_dir: str) -> str:
@@ -1405,7 +1570,9 @@ def main(argv=None):
     if tensorboard:
         tensorboard.close()
     if owns_group:
-        dist.destroy_process_group()
+        global checkpoint_group
+        dist.destroy_process_group()  # every group, the checkpoint group too
+        checkpoint_group = None
 
 
 if __name__ == "__main__":

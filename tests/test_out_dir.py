@@ -1,0 +1,152 @@
+"""Nothing lost in --out_dir: one run per folder, a folder every rank sees, retention that never deletes
+what resume needs, `latest` that resume reads, exports and metrics that survive a crash, and launch.sh
+paths that stay the caller's. Multi-process gloo on CPU."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
+from test_launch import free_port, start_launch, start_node, wait_all, wait_for_steps, worker_pids
+
+import train as T  # noqa: E402
+
+BASE = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=float32", "--steps=6", "--lr=3e-3",
+        "--warmup_steps=2", "--seed=4", "--timeout_min=1"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("outdir")
+    cfg = small_config()
+    init = save_hf(hf_model(cfg, seed=3), str(root / "init"))
+    data = learnable_tokens(str(root / "tok.npy"), cfg.vocab_size, n=3000)
+    return [f"--init_from={init}", f"--data={data}"]
+
+
+def ckpts(out):
+    return sorted(n for n in os.listdir(out / "checkpoints") if n.startswith("step_"))
+
+
+def test_a_second_run_on_the_same_out_dir_stops_naming_the_first(files, tmp_path):
+    cmd = BASE + files + [f"--out_dir={tmp_path}"]
+    with open(tmp_path.parent / f"{tmp_path.name}.first.log", "w") as log:
+        first = start_launch(cmd, log, NPROC_PER_NODE="2", ZERO3_FAULT="slow:3")
+        wait_for_steps(tmp_path, 1)
+        second = run_train(cmd, nproc=2, check=False)
+        assert second.returncode != 0  # torchrun's 1 for a worker's exit code 2
+        assert f"error: --out_dir: {tmp_path} is in use by another run (host " in second.stderr
+        assert second.stderr.count("is in use by another run") == 2  # every rank says it
+        # The lock dies with its holder, kill -9 included: the same command then continues the run.
+        torchrun, workers = worker_pids(first.pid)
+        os.killpg(torchrun[0], signal.SIGKILL)  # torchrun's own process group: it and the workers
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        while any(os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read()
+                  for pid in workers):
+            time.sleep(0.1)
+    run_train(cmd + ["--steps=2"], nproc=2)
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_an_out_dir_that_is_not_shared_fails_before_the_first_step(files, tmp_path):
+    """Two "nodes" whose --out_dir is not one folder (each node its own local disk; here two paths)."""
+    port = free_port()
+    with open(tmp_path / "a.log", "w") as la, open(tmp_path / "b.log", "w") as lb:
+        nodes = [start_node(BASE + files + [f"--out_dir={tmp_path / name}"], port, log)
+                 for name, log in (("a", la), ("b", lb))]
+        codes = wait_all(nodes, 180)
+    logs = (tmp_path / "a.log").read_text() + (tmp_path / "b.log").read_text()
+    assert codes == [2, 2], logs[-4000:]
+    assert "is not one folder for all ranks: rank(s) 1 do not see" in logs
+    assert not any((tmp_path / name / "metrics.jsonl").exists() for name in "ab")
+
+
+def test_retention_keeps_the_new_save_whatever_else_is_in_the_folder(files, tmp_path):
+    root, cmd = tmp_path / "checkpoints", BASE + files + [f"--out_dir={tmp_path}", "--ckpt_every=1", "--keep_ckpts=2"]
+    run_train(cmd + ["--steps=2"], nproc=2)
+    for name in ("step_99999998", "step_99999999"):  # damaged or foreign, numbered above anything saved
+        os.makedirs(root / name)
+    os.makedirs(root / ".tmp-step_00000777")  # a crashed save's leftover
+    run_train(cmd, nproc=2)  # resumes at step 2, which `latest` names
+    assert ckpts(tmp_path) == ["step_00000005", "step_00000006", "step_99999998", "step_99999999"]
+    assert (root / "latest").read_text().strip() == "step_00000006"
+    assert not (root / ".tmp-step_00000777").exists()
+
+
+def test_a_retention_error_is_a_warning(tmp_path, monkeypatch, capsys):
+    for step in (1, 2, 3):
+        os.makedirs(tmp_path / f"step_{step:08d}")
+        (tmp_path / f"step_{step:08d}" / "manifest.json").write_text(json.dumps({"format": T.CKPT_FORMAT}))
+
+    def busy(path):
+        raise OSError(16, "Device or resource busy", path)
+    monkeypatch.setattr(T.shutil, "rmtree", busy)
+    T.remove_old_checkpoints(str(tmp_path), 2, str(tmp_path / "step_00000003"))
+    err = capsys.readouterr().err
+    assert "warning: retention could not delete" in err and "step_00000001" in err, err
+
+
+def test_latest_is_where_resume_starts(files, tmp_path):
+    cmd = BASE + files + [f"--out_dir={tmp_path}", "--ckpt_every=2", "--keep_ckpts=3"]
+    run_train(cmd, nproc=2)
+    first = read_metrics(tmp_path)
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000004\n")  # roll back two steps
+    proc = run_train(cmd + ["--steps=8"], nproc=2)
+    assert "at step 4" in proc.stdout
+    again = read_metrics(tmp_path)
+    assert [m["step"] for m in again] == list(range(1, 9))
+    # Steps 5 and 6 ran again from step 4's state: the same losses (the cosine schedule differs, so only step 5's lr is equal).
+    assert again[4]["loss"] == first[4]["loss"]
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000099\n")
+    proc = run_train(cmd + ["--steps=9"], nproc=2, check=False)
+    assert proc.returncode != 0 and "latest names 'step_00000099', which is not a folder" in proc.stderr
+
+
+def test_a_torn_metrics_line_does_not_block_resume(files, tmp_path):
+    cmd = BASE + files + [f"--out_dir={tmp_path}", "--ckpt_every=2"]
+    run_train(cmd + ["--steps=4"], nproc=2)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 4.4')  # the crash or the full disk came mid-line
+    proc = run_train(cmd, nproc=2)
+    assert "dropping a torn line" in proc.stderr
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_export_never_mixes_a_stale_partial_export_with_a_new_one(files, tmp_path):
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+    clean, hf = tmp_path / "clean_hf", tmp_path / "hf"
+    cmd = BASE + files + ["--steps=2", "--export_shard_gb=0.000005"]  # several files and an index
+    run_train(cmd + [f"--out_dir={tmp_path / 'a'}", f"--export_hf={clean}"], nproc=2)
+    os.makedirs(f"{hf}.partial")  # an earlier export of other weights that crashed
+    save_file({"lm_head.weight": torch.zeros(97, 32)}, f"{hf}.partial/model.safetensors")
+    run_train(cmd + [f"--out_dir={tmp_path / 'b'}", f"--export_hf={hf}"], nproc=2)
+    assert not (hf / "model.safetensors").exists() and (hf / "model.safetensors.index.json").exists()
+    tokens = torch.arange(12).view(1, 12)
+    logits = [AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)(tokens).logits for p in (clean, hf)]
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_launch_keeps_relative_paths_the_callers_and_checks_its_numbers(files, tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", NPROC_PER_NODE="2")
+    proc = subprocess.run([os.path.join(ROOT, "launch.sh"), *BASE, *files, "--steps=1", "--out_dir=run1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "run1" / "metrics.jsonl").exists() and not os.path.exists(os.path.join(ROOT, "run1"))
+    proc = subprocess.run([os.path.join(ROOT, "launch.sh")], cwd=tmp_path, env=dict(env, MAX_RESTARTS="three"),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == "launch.sh: MAX_RESTARTS must be a whole number, got 'three'"
+
+
+def test_the_trainer_unpickles_nothing_it_receives():
+    """all_gather_object / broadcast_object_list pickle on one rank and unpickle on another: a rank (or
+    anything that reaches the store's port) could run code in its peers. Only tensor collectives here."""
+    for name in ("train.py", "model.py", "data.py"):
+        with open(os.path.join(ROOT, name)) as f:
+            source = f.read()
+        assert "_object(" not in source and "object_list(" not in source, name
