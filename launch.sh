@@ -75,7 +75,7 @@ set -m  # the next background job gets its own process group: a signal to ours d
     --max-restarts "$MAX_RESTARTS" "$HERE/train.py" "$@" ) &
 TORCHRUN=$!
 set +m
-echo "launch.sh: torchrun is pid $TORCHRUN, in a process group of its own (kill -9 -$TORCHRUN stops it without saving)" >&2
+echo "launch.sh: torchrun is pid $TORCHRUN; to stop at once, without saving: pkill -9 -P $TORCHRUN; kill -9 $TORCHRUN" >&2
 
 STOPPING=0
 request_stop() {

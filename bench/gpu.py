@@ -67,6 +67,11 @@ def log(rank: int, *args):
         print(*args, flush=True)
 
 
+def shared_out_dir(name: str) -> str:
+    """An --out_dir that is one folder for all ranks (train.py checks): the inputs are per rank, this is not."""
+    return os.path.join(tempfile.gettempdir(), f"gpu_bench_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}", name)
+
+
 def train_flags(folder: str, tokens: str, seq_len: int, batch: int, micro: int, steps: int, dtype: str,
                 ac: str, device: str, extra=(), lr: float = 1e-3) -> list:
     return [f"--data={tokens}", f"--seq_len={seq_len}", f"--batch_size={batch}", f"--micro_batch_size={micro}",
@@ -164,7 +169,7 @@ def correctness(folder: str, device: str) -> dict:
     reference = oracle_steps(init, tokens, batch, oracle_device)
     result = dict(oracle=reference)
     for dtype, tol in (("float32", FP32_TOL), ("bfloat16", BF16_TOL)):
-        flags = train_flags(os.path.join(folder, dtype), tokens, CHECK_SEQ, batch, 1, CHECK_STEPS, dtype,
+        flags = train_flags(shared_out_dir(dtype), tokens, CHECK_SEQ, batch, 1, CHECK_STEPS, dtype,
                             "selective", device, [f"--init_from={init}", "--ce_chunk=50"], lr=CHECK_LR)
         _, units, step_fn = build_ours(flags)
         ours = [step_fn(step) for step in range(CHECK_STEPS)]
@@ -412,7 +417,7 @@ def main() -> int:
               f"GPU, W={world}")
     results.update(layers=layers, params=n_params, seq_len=seq_len, accum=accum, world=world, runs={})
     tokens_per_step_per_gpu = accum * seq_len
-    flags = train_flags(os.path.join(folder, "ours"), tokens, seq_len, accum * world, 1, warmup + args.steps,
+    flags = train_flags(shared_out_dir("ours"), tokens, seq_len, accum * world, 1, warmup + args.steps,
                         "bfloat16", "selective", device_flag, ["--model=bench", "--doc_mask=false"])
     # What plan.py predicts for this run (on CPU, as if on an H100: the dry run only checks the call).
     planned = P.plan(mcfg, T.parse_args(flags + [f"--nproc_per_node={world}", f"--gpu={gpu}"]))

@@ -61,7 +61,7 @@ def setup(flags: list):
 def run_prefetch(folder: str, rounds: int, steps_per_round: int):
     cfg, mcfg, units, stages, windows, rank, world, device = setup([
         f"--init_from={folder}/init", f"--data={folder}/tokens.npy", "--seq_len=512", "--batch_size=8",
-        "--micro_batch_size=4", "--dtype=float32", "--ac=none", "--doc_mask=false", f"--out_dir={folder}/out",
+        "--micro_batch_size=4", "--dtype=float32", "--ac=none", "--doc_mask=false", f"--out_dir={tempfile.gettempdir()}/step_profile_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}",  # one for all ranks
         "--resume=never", "--overwrite=true"])
     times_s = {True: [], False: []}
     step = 0

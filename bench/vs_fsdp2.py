@@ -62,7 +62,8 @@ def build_ours(folder: str, init: str, tokens: str, total_steps: int):
         f"--init_from={init}", f"--data={tokens}", "--doc_mask=false", f"--seq_len={SEQ_LEN}",
         f"--batch_size={BATCH}", f"--micro_batch_size={MICRO}", "--dtype=bfloat16", "--reduce_dtype=float32",
         "--ac=none", f"--steps={total_steps}", "--lr=3e-4", "--warmup_steps=2", "--eval_every=0",
-        f"--out_dir={folder}/out", "--resume=never", "--overwrite=true"])
+        f"--out_dir={tempfile.gettempdir()}/vs_fsdp2_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}",  # one for all ranks
+        "--resume=never", "--overwrite=true"])
     mcfg, model, units, windows, _, rank, world, device, _, _ = T.setup(cfg)
     stages = T.make_stages(model, units, cfg.ac, cfg.ce_chunk, cfg.offload_activations)
 

@@ -124,3 +124,4 @@ if __name__ == "__main__":
     with open(os.path.join(out_dir, f"rank{torch.distributed.get_rank()}.json"), "w") as f:
         json.dump(result, f)
     torch.distributed.destroy_process_group()
+    os._exit(0)  # no interpreter teardown: gloo's threads can abort it (see the end of train.py)

@@ -164,3 +164,4 @@ def test_offload_prefetches_the_previous_blocks_input_and_keeps_the_gradients(mo
 
 if __name__ == "__main__":
     worker(sys.argv[1], sys.argv[2:])
+    os._exit(0)  # no interpreter teardown: gloo's threads can abort it (see the end of train.py)

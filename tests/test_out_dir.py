@@ -35,15 +35,18 @@ def ckpts(out):
 def test_a_second_run_on_the_same_out_dir_stops_naming_the_first(files, tmp_path):
     cmd = BASE + files + [f"--out_dir={tmp_path}"]
     with open(tmp_path.parent / f"{tmp_path.name}.first.log", "w") as log:
-        first = start_launch(cmd, log, NPROC_PER_NODE="2", ZERO3_FAULT="slow:3")
+        # Both ranks stop mid-step 2 for five minutes (no collective pending, so no timeout): still running.
+        first = start_launch(cmd, log, NPROC_PER_NODE="2", ZERO3_FAULT="hang:2", ZERO3_HANG_S="300")
         wait_for_steps(tmp_path, 1)
         second = run_train(cmd, nproc=2, check=False)
         assert second.returncode != 0  # torchrun's 1 for a worker's exit code 2
         assert f"error: --out_dir: {tmp_path} is in use by another run (host " in second.stderr
         assert second.stderr.count("is in use by another run") == 2  # every rank says it
         # The lock dies with its holder, kill -9 included: the same command then continues the run.
+        assert first.poll() is None
         torchrun, workers = worker_pids(first.pid)
-        os.killpg(torchrun[0], signal.SIGKILL)  # torchrun's own process group: it and the workers
+        for pid in workers + torchrun:  # each worker runs in a session of its own (torchrun's doing)
+            os.kill(pid, signal.SIGKILL)
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
         while any(os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read()
@@ -150,3 +153,16 @@ def test_the_trainer_unpickles_nothing_it_receives():
         with open(os.path.join(ROOT, name)) as f:
             source = f.read()
         assert "_object(" not in source and "object_list(" not in source, name
+
+
+def test_a_committing_rename_is_followed_by_an_fsync_of_its_folder(tmp_path, monkeypatch):
+    """os.replace is durable only once the folder holding the new name is on disk: write_atomic (the
+    manifest, `latest`) fsyncs the file and then its folder."""
+    synced, real_fsync = [], os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    T.write_atomic(str(tmp_path / "latest"), "step_00000001\n")
+    assert synced == [str(tmp_path / "latest.tmp"), str(tmp_path)]
