@@ -814,8 +814,7 @@ def forward_backward(cfg, units, stages, windows, step, position, rank, world, d
         loss.backward()
         finish_reduces(units[0].reduces_in_flight)
         inject_fault("kill_mid_step", step + 1, rank)
-        if fault_planned("hang", step + 1, rank):
-            time.sleep(float(os.environ.get("ZERO3_HANG_S", 3600)))  # a stuck rank: its peers' next collective must time out
+        time.sleep(fault_seconds("hang", step + 1, rank, default=3600))  # a stuck rank: its peers' collectives time out
         loss_sum += loss.detach().float()
     local_finite = torch.isfinite(loss_sum)  # read only if the step goes bad: reading it waits for the GPU
     dist.all_reduce(loss_sum)
@@ -1036,9 +1035,9 @@ def resume_candidates(root: str) -> list[str]:
 
 def is_complete(path: str) -> bool:
     try:
-        with open(os.path.join(path, "manifest.json")) as f:
-            return json.load(f).get("format") == CKPT_FORMAT
-    except (OSError, ValueError):
+        check_manifest(path, None, None, None)  # a readable manifest of this format
+        return True
+    except CheckpointError:
         return False
 
 
@@ -1145,16 +1144,16 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: boo
 
 
 def fault_planned(kind: str, step: int, rank: int) -> bool:
-    """Fault injection for the tests, from ZERO3_FAULT=KIND:STEP[:RANK] (every rank when RANK is left out):
-    kill_mid_step (SIGKILL in the middle of the step), kill_in_save (during that step's save), nan (this
-    rank's loss becomes NaN), hang (this rank sleeps mid-step for ZERO3_HANG_S seconds, default an hour), and slow_save:STEP:RANK:SECONDS
-    (that rank's checkpoint file of that step takes SECONDS longer to write). With ZERO3_FAULT_ONCE=FILE a
+    """Fault injection for the tests, from ZERO3_FAULT=KIND:STEP[:RANK[:SECONDS]] (every rank when RANK is
+    left out or empty): kill_mid_step (SIGKILL in the middle of the step), kill_in_save (during that step's
+    save), nan (this rank's loss becomes NaN), hang (this rank sleeps mid-step, SECONDS or an hour), and
+    slow_save (that rank's checkpoint file of that step takes SECONDS longer to write). With ZERO3_FAULT_ONCE=FILE a
     fault fires once: FILE records that it did, so a restarted job runs clean. ZERO3_FAULT=slow:0.5 makes
     every step half a second slower."""
     spec = os.environ.get("ZERO3_FAULT", "").split(":")
     if spec[0] == "slow" and kind == "kill_mid_step":
         time.sleep(float(spec[1]))
-    if spec[0] != kind or int(spec[1]) != step or (len(spec) > 2 and int(spec[2]) != rank):
+    if spec[0] != kind or int(spec[1]) != step or (len(spec) > 2 and spec[2] and int(spec[2]) != rank):
         return False
     once = os.environ.get("ZERO3_FAULT_ONCE")
     if once:
@@ -1169,9 +1168,13 @@ def inject_fault(kind: str, step: int, rank: int):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def fault_seconds(kind: str, step: int, rank: int) -> float:
-    """The SECONDS of ZERO3_FAULT=KIND:STEP:RANK:SECONDS when that fault is planned here, else 0."""
-    return float(os.environ["ZERO3_FAULT"].split(":")[3]) if fault_planned(kind, step, rank) else 0.0
+def fault_seconds(kind: str, step: int, rank: int, default: float = 0.0) -> float:
+    """The SECONDS of ZERO3_FAULT=KIND:STEP:RANK:SECONDS (`default` without them) when that fault is
+    planned here, else 0."""
+    if not fault_planned(kind, step, rank):
+        return 0.0
+    spec = os.environ["ZERO3_FAULT"].split(":")
+    return float(spec[3]) if len(spec) > 3 else default
 
 
 # ================================================================================================

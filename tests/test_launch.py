@@ -5,7 +5,7 @@ and feed it errors a restart cannot fix.
 
 Why launch.sh uses torchrun's own restarts with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (torch 2.13, gloo).
 Each failing command below was run on this machine with the flags of BASE, node B started first (it
-hosts the rendezvous store) with ZERO3_FAULT=hang:3 ZERO3_HANG_S=20, node A with ZERO3_FAULT=kill_mid_step:3:
+hosts the rendezvous store) with ZERO3_FAULT=hang:3::20, node A with ZERO3_FAULT=kill_mid_step:3:
   - a fresh torchrun per attempt, one --rdzv_id (the previous launch.sh):
         NNODES=2 MASTER_ADDR=127.0.0.1 NPROC_PER_NODE=1 MAX_RESTARTS=3 ./launch.sh ...   (on each node)
     node A's torchrun exits and closes the rendezvous; B still hosts the store while its worker sleeps,
@@ -122,7 +122,7 @@ def test_restart_across_nodes(files, reference, tmp_path):
     port, out = free_port(), tmp_path / "run"
     args = BASE + files + [f"--out_dir={out}"]
     with open(tmp_path / "a.log", "w") as la, open(tmp_path / "b.log", "w") as lb:
-        node_b = start_node(args, port, lb, ZERO3_FAULT="hang:3", ZERO3_HANG_S="20",
+        node_b = start_node(args, port, lb, ZERO3_FAULT="hang:3::20",
                             ZERO3_FAULT_ONCE=str(tmp_path / "b.fired"))
         wait_for_port(port)  # B's torchrun hosts the store
         node_a = start_node(args, port, la, ZERO3_FAULT="kill_mid_step:3", ZERO3_FAULT_ONCE=str(tmp_path / "a.fired"))

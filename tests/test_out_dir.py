@@ -36,7 +36,7 @@ def test_a_second_run_on_the_same_out_dir_stops_naming_the_first(files, tmp_path
     cmd = BASE + files + [f"--out_dir={tmp_path}"]
     with open(tmp_path.parent / f"{tmp_path.name}.first.log", "w") as log:
         # Both ranks stop mid-step 2 for five minutes (no collective pending, so no timeout): still running.
-        first = start_launch(cmd, log, NPROC_PER_NODE="2", ZERO3_FAULT="hang:2", ZERO3_HANG_S="300")
+        first = start_launch(cmd, log, NPROC_PER_NODE="2", ZERO3_FAULT="hang:2::300")
         wait_for_steps(tmp_path, 1)
         second = run_train(cmd, nproc=2, check=False)
         assert second.returncode != 0  # torchrun's 1 for a worker's exit code 2
