@@ -29,6 +29,7 @@ import argparse
 import ast
 import collections
 import concurrent.futures
+import dataclasses
 import fcntl
 import gettext
 import glob
@@ -687,6 +688,39 @@ class TokenWindows:
                 raise DataError(f"--data: the checkpoint's data had {key} {state[key]}, this run's has "
                                 f"{self.state(0)[key]}: the order would not continue where it stopped")
         return state["position"]
+
+
+def open_data(cfg, mcfg):
+    """The training windows and the held-out ones (or None). A preset takes its vocabulary and BOS/EOS
+    ids from the prepared data's tokenizer; a model from --init_from must match it."""
+    data_path, eval_path = cfg.data, None if cfg.eval_data in ("auto", "") else cfg.eval_data
+    if cfg.data == "sample":
+        folder = os.path.join(cfg.out_dir, "sample")
+        if not os.path.isfile(os.path.join(folder, "eval", "meta.json")) and os.environ.get("RANK", "0") == "0":
+            print(f"building the built-in sample (corpus, tokenizer, shards) in {folder}", flush=True)
+        build_sample(folder)
+        data_path = os.path.join(folder, "train")
+        if cfg.eval_data in ("auto", "sample"):
+            eval_path = os.path.join(folder, "eval")
+    data = TokenData(data_path, "--data")
+    if data.meta and not cfg.init_from:
+        mcfg = dataclasses.replace(mcfg, vocab_size=data.meta["vocab_size"], bos_id=data.meta["bos_id"],
+                                   eos_id=data.meta["eos_id"])
+    if data.meta and cfg.init_from and data.meta["tokenizer"]["kind"] == "huggingface":
+        model_tokenizer = os.path.join(cfg.init_from, "tokenizer.json")
+        if os.path.isfile(model_tokenizer) and Tokenizer(cfg.init_from).sha256 != data.meta["tokenizer"]["sha256"]:
+            raise DataError(f"--data: {data_path} was tokenized with {data.meta['tokenizer']['path']}, whose "
+                              f"tokenizer.json differs from {model_tokenizer}")
+    data.check_vocab(mcfg.vocab_size, "--data")
+    windows = TokenWindows(data, cfg.seq_len, cfg.seed, flag="--data")
+    eval_windows = None
+    if eval_path and cfg.eval_every:
+        eval_data = TokenData(eval_path, "--eval_data")
+        if data.meta and eval_data.meta and eval_data.meta["tokenizer"]["sha256"] != data.meta["tokenizer"]["sha256"]:
+            raise DataError(f"--eval_data: {eval_path} was tokenized with another tokenizer than --data {data_path}")
+        eval_data.check_vocab(mcfg.vocab_size, "--eval_data")
+        eval_windows = TokenWindows(eval_data, cfg.seq_len, cfg.seed, flag="--eval_data")
+    return mcfg, windows, eval_windows
 
 
 # ----------------------------------------------------------------------------------------------

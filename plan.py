@@ -13,11 +13,19 @@ constant is in GPUS or ASSUMPTIONS, with where it comes from; `plan()` returns t
 import json
 
 import model as M
+import metrics
 import train as T
 
 GIB = 2**30
 COMPUTE_BYTES = 2                                 # bf16: gathered weights, their gradients, activations
 REDUCE_BYTES = {"bfloat16": 2, "float32": 4}      # by --reduce_dtype
+
+
+
+def state_bytes() -> int:
+    """Persistent bytes per parameter (before / W): fp32 master, gradient, and each optimizer state tensor."""
+    return 4 * (2 + len(T.OPTIMIZER_STATE))
+
 
 # Bandwidths are achievable per-GPU bus bandwidths for large messages, below the nominal link rate.
 GPUS = {
@@ -161,7 +169,7 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int) -> dict:
     def phase(gathered, gradients, reduce, activations, logits=0.0):
         dynamic = dict(gathered_weights=cbytes * gathered, gradients=gradients,
                        reduce_buffers=reduce, activations=activations, logits=logits)
-        return dict(state=16 * sum(padded(n, world) for n in numels) / world,
+        return dict(state=state_bytes() * sum(padded(n, world) for n in numels) / world,
                     context_and_nccl=ASSUMPTIONS["cuda_context_and_nccl_gib"][0] * GIB, **dynamic,
                     fragmentation=ASSUMPTIONS["fragmentation"][0] * sum(dynamic.values()))
 
@@ -192,7 +200,7 @@ def executed_flops(mcfg: M.ModelConfig, seq_len: int, ac: str, chunked_ce: bool)
     counts = M.count_params(mcfg)
     block_numel = unit_numels(mcfg)[1]
     attention = 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
-    matmul = T.flops_per_token(mcfg, seq_len) - attention
+    matmul = metrics.flops_per_token(mcfg, seq_len) - attention
     if mcfg.tie_embeddings:  # the head's matmul reads the embedding, which 6(N - emb) leaves out
         matmul += 6 * counts["embedding"]
     if chunked_ce:  # each cross-entropy chunk recomputes its logits in backward
@@ -204,7 +212,7 @@ def executed_flops(mcfg: M.ModelConfig, seq_len: int, ac: str, chunked_ce: bool)
 
 
 def peak_flops(gpu: dict) -> float:
-    return next(flops for key, flops in T.PEAK_BF16_FLOPS if key in gpu["device_name"])
+    return next(flops for key, flops in metrics.PEAK_BF16_FLOPS if key in gpu["device_name"])
 
 
 # Published runs the matmul efficiency is derived from: (GPU family, model dim, tokens/s/GPU, matmul and
@@ -279,7 +287,8 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
         micro_s = max(compute_s, comm_s, offload_s) + exposed_s
     else:  # the offload copies run on their own stream either way
         micro_s = max(compute_s + comm_s, offload_s) + exposed_s
-    optimizer_s = 32 * sum(padded(n, world) for n in unit_numels(mcfg)) / world / (0.8e9 * gpu["hbm_gbps"])
+    # The update reads and writes every fp32 slice once (the gradient is zeroed after it).
+    optimizer_s = 2 * state_bytes() * sum(padded(n, world) for n in unit_numels(mcfg)) / world / (0.8e9 * gpu["hbm_gbps"])
     micro_steps = cfg.batch_size // (world * cfg.micro_batch_size)
     return dict(step_time_s=micro_steps * micro_s + optimizer_s, compute_s=micro_steps * compute_s,
                 comm_s=micro_steps * comm_s, offload_s=micro_steps * offload_s,
@@ -313,7 +322,7 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
         memory_gib={k: v / GIB for k, v in phases[peak_phase].items()},
         memory_by_phase_gib={p: {k: v / GIB for k, v in parts.items()} for p, parts in phases.items()},
         **time, tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
-        mfu=tokens_per_sec_per_gpu * T.flops_per_token(mcfg, cfg.seq_len) / peak_flops(gpu),
+        mfu=tokens_per_sec_per_gpu * metrics.flops_per_token(mcfg, cfg.seq_len) / peak_flops(gpu),
         hours=hours, cost_usd=hours * world * cfg.gpu_hour_usd, assumptions=assumptions)
 
 

@@ -14,22 +14,24 @@ import time
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import checkpoint as C  # noqa: E402
 import train as T  # noqa: E402
 
 cfg = T.parse_args(sys.argv[1:] + ["--steps=0"])
-mcfg, model, units, windows, eval_windows, rank, world, device, start_step, position = T.setup(cfg)
-nbytes = sum(3 * u.shard_numel * 4 for u in units)
+sharded = T.setup(cfg)[0]
+mcfg, units, rank, world = sharded.model.cfg, sharded.units, sharded.rank, sharded.world
+nbytes = sum((1 + len(u.optimizer_state)) * u.shard_numel * 4 for u in units)
 save_s, load_s = [], []
 for _ in range(3):
     shutil.rmtree(os.path.join(cfg.out_dir, "checkpoints"), ignore_errors=True) if rank == 0 else None
     dist.barrier()
     t0 = time.perf_counter()
-    path = T.save_checkpoint(cfg, mcfg, units, 1, rank, world, None)
+    path = C.save_checkpoint(cfg, mcfg, units, 1, rank, world, None)
     save_s.append(time.perf_counter() - t0)
-    manifest = T.check_manifest(path, None, mcfg, None)
+    manifest = C.check_manifest(path, None, mcfg, None)
     dist.barrier()
     t0 = time.perf_counter()
-    T.load_checkpoint(path, manifest, units)
+    C.load_checkpoint(path, manifest, units)
     dist.barrier()
     load_s.append(time.perf_counter() - t0)
 if rank == 0:

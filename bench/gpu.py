@@ -48,6 +48,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import data as D  # noqa: E402
+import metrics  # noqa: E402
 import model as M  # noqa: E402
 import plan as P  # noqa: E402
 import train as T  # noqa: E402
@@ -83,15 +84,14 @@ def train_flags(folder: str, tokens: str, seq_len: int, batch: int, micro: int, 
 def build_ours(flags: list, compile_blocks: bool = False):
     """train.py's own set-up and step; returns (mcfg, units, step_fn(step) -> (loss, grad_norm))."""
     cfg = T.parse_args(flags)
-    mcfg, model, units, windows, _, rank, world, device, _, _ = T.setup(cfg)
+    sharded, windows, _, _, _ = T.setup(cfg)
     if compile_blocks:
-        for block in model.layers:
+        for block in sharded.model.layers:
             block.compile()
-    stages = T.make_stages(model, units, cfg.ac, cfg.ce_chunk, cfg.offload_activations)
 
-    def step_fn(step: int):
-        return T.train_step(cfg, units, stages, windows, step, step * cfg.batch_size, rank, world, device, mcfg)
-    return mcfg, units, step_fn
+    def step_fn(step: int):  # 0-based here, 1-based in train.py
+        return T.train_step(cfg, sharded, windows, step + 1, step * cfg.batch_size)
+    return sharded.model.cfg, sharded.units, step_fn
 
 
 def release(units):
@@ -269,7 +269,7 @@ def timed_steps(step_fn, warmup: int, steps: int, device) -> dict:
         times_s.append(time.perf_counter() - t0)
         losses.append(loss)
         syncs.append(places)
-    peak = torch.cuda.max_memory_allocated(device) if cuda else T.peak_mem_bytes(device)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else metrics.peak_mem_bytes(device)
     return dict(step_s=statistics.median(times_s), times_s=times_s, losses=losses, peak_gib=peak / GIB,
                 host_syncs_per_step=[len(p) for p in syncs] if cuda else None,
                 host_sync_places=dict(Counter(p for places in syncs for p in places)))
@@ -277,8 +277,8 @@ def timed_steps(step_fn, warmup: int, steps: int, device) -> dict:
 
 def summarize(name: str, run: dict, mcfg, seq_len: int, tokens_per_step_per_gpu: int, device, rank: int) -> dict:
     run["tokens_per_sec_per_gpu"] = tokens_per_step_per_gpu / run["step_s"]
-    peak = T.peak_flops(device)
-    flops = T.flops_per_token(mcfg, seq_len)
+    peak = metrics.peak_flops(device)
+    flops = metrics.flops_per_token(mcfg, seq_len)
     run["mfu"] = None if peak is None else run["tokens_per_sec_per_gpu"] * flops / peak
     mfu = "n/a" if run["mfu"] is None else f"{100 * run['mfu']:.1f}%"
     log(rank, f"{name}: median step {run['step_s']:.3f} s, {run['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU, "
@@ -346,7 +346,7 @@ def environment(device) -> dict:
                world=dist.get_world_size(), flash_attn=M.flash_attn_func is not None)
     if device.type == "cuda":
         env.update(gpu=torch.cuda.get_device_name(device), memory_gib=torch.cuda.mem_get_info(device)[1] / GIB,
-                   cuda=torch.version.cuda, peak_bf16_tflops=(T.peak_flops(device) or 0) / 1e12)
+                   cuda=torch.version.cuda, peak_bf16_tflops=(metrics.peak_flops(device) or 0) / 1e12)
     return env
 
 

@@ -53,13 +53,12 @@ def status_kib(key: str) -> int:
 
 def setup(flags: list):
     cfg = T.parse_args(flags)
-    mcfg, model, units, windows, _, rank, world, device, _, _ = T.setup(cfg)
-    stages = T.make_stages(model, units, cfg.ac, cfg.ce_chunk, cfg.offload_activations)
-    return cfg, mcfg, units, stages, windows, rank, world, device
+    sharded, windows, _, _, _ = T.setup(cfg)
+    return cfg, sharded, windows
 
 
 def run_prefetch(folder: str, rounds: int, steps_per_round: int):
-    cfg, mcfg, units, stages, windows, rank, world, device = setup([
+    cfg, sharded, windows = setup([
         f"--init_from={folder}/init", f"--data={folder}/tokens.npy", "--seq_len=512", "--batch_size=8",
         "--micro_batch_size=4", "--dtype=float32", "--ac=none", "--doc_mask=false", f"--out_dir={tempfile.gettempdir()}/step_profile_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}",  # one for all ranks
         "--resume=never", "--overwrite=true"])
@@ -67,14 +66,15 @@ def run_prefetch(folder: str, rounds: int, steps_per_round: int):
     step = 0
     for r in range(rounds + 1):  # round 0 warms up both
         for prefetch in (True, False):
-            cfg.prefetch = prefetch
+            sharded.prefetch = prefetch
             for _ in range(steps_per_round):
                 t0 = time.perf_counter()
-                T.train_step(cfg, units, stages, windows, step, step * cfg.batch_size, rank, world, device, mcfg)
+                T.train_step(cfg, sharded, windows, step + 1, step * cfg.batch_size)
                 if r:
                     times_s[prefetch].append(time.perf_counter() - t0)
                 step += 1
-    if rank == 0:
+    world, mcfg = sharded.world, sharded.model.cfg
+    if sharded.rank == 0:
         on, off = statistics.median(times_s[True]), statistics.median(times_s[False])
         tokens = cfg.batch_size * cfg.seq_len
         print(f"W={world}, {M.count_params(mcfg)['total'] / 1e6:.1f}M params, fp32, micro 4 x 512, "
@@ -88,11 +88,12 @@ def run_prefetch(folder: str, rounds: int, steps_per_round: int):
 
 def measure_ac(folder: str, ac: str) -> dict:
     """One policy, in this (fresh) process: saved-tensor bytes, resident memory after forward, peak."""
-    cfg, mcfg, units, stages, windows, rank, world, device = setup([
+    cfg, sharded, windows = setup([
         f"--init_from={folder}/init", f"--data={folder}/tokens.npy", "--seq_len=1024", "--batch_size=2",
         "--micro_batch_size=2", "--dtype=float32", f"--ac={ac}", "--doc_mask=false", "--prefetch=false",
         f"--out_dir={folder}/out-{ac}", "--resume=never", "--overwrite=true"])
-    T.train_step(cfg, units, stages, windows, 0, 0, rank, world, device, mcfg)  # warm-up
+    units = sharded.units
+    T.train_step(cfg, sharded, windows, 1, 0)  # warm-up
     gathered = {u.gathered.untyped_storage().data_ptr() for u in units}
     saved = {}
 
@@ -102,24 +103,23 @@ def measure_ac(folder: str, ac: str) -> dict:
             saved[storage.data_ptr()] = storage.nbytes()
         return t
 
-    inputs, targets = windows.micro_batch(cfg.batch_size, 0, 0, 1, cfg.micro_batch_size)
-    ctx = T.batch_context(cfg, mcfg, windows, inputs, targets, device, torch.float32, torch.tensor(float(targets.size)))
+    batch = T.micro_batches(cfg, sharded, windows, cfg.batch_size)[0]
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak
     before_kib = status_kib("VmRSS")
     t0 = time.perf_counter()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = T.sharded_loss(stages, ctx["tokens"], ctx, prefetch=False)
+        loss = sharded.loss(batch)
     after_forward_kib = status_kib("VmRSS")
     head = units[-1].padded_numel * 4  # the head stays gathered for its backward: not an activation
     loss.backward()
-    T.finish_reduces(units[0].reduces_in_flight)
+    sharded.finish_reduces()
     step_s = time.perf_counter() - t0
     tokens = cfg.micro_batch_size * cfg.seq_len
     return dict(ac=ac, saved_by_hooks_bytes=sum(saved.values()),
                 kept_after_forward_bytes=(after_forward_kib - before_kib) * 1024 - head,
                 peak_over_start_bytes=(status_kib("VmHWM") - before_kib) * 1024, fwd_bwd_s=step_s, tokens=tokens,
-                n_layers=mcfg.n_layers)
+                n_layers=sharded.model.cfg.n_layers)
 
 
 def ac_main():

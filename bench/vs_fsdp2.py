@@ -64,12 +64,11 @@ def build_ours(folder: str, init: str, tokens: str, total_steps: int):
         "--ac=none", f"--steps={total_steps}", "--lr=3e-4", "--warmup_steps=2", "--eval_every=0",
         f"--out_dir={tempfile.gettempdir()}/vs_fsdp2_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}",  # one for all ranks
         "--resume=never", "--overwrite=true"])
-    mcfg, model, units, windows, _, rank, world, device, _, _ = T.setup(cfg)
-    stages = T.make_stages(model, units, cfg.ac, cfg.ce_chunk, cfg.offload_activations)
+    sharded, windows, _, _, _ = T.setup(cfg)
 
-    def step_fn(step: int):
-        return T.train_step(cfg, units, stages, windows, step, step * cfg.batch_size, rank, world, device, mcfg)
-    return cfg, mcfg, step_fn
+    def step_fn(step: int):  # 0-based here, 1-based in train.py
+        return T.train_step(cfg, sharded, windows, step + 1, step * cfg.batch_size)
+    return cfg, sharded.model.cfg, step_fn
 
 
 def build_theirs(cfg, init: str, tokens: str):

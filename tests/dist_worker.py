@@ -1,8 +1,9 @@
 """Run under torchrun by the tests: checks that need the trainer's internals, one JSON file per rank.
 
     torchrun --nproc_per_node W tests/dist_worker.py MODE OUT_DIR [train.py flags...]
-MODE is `memory` (what each rank holds during and after a step), `ac` (gradients under each --ac) or
-`load` (how much of the checkpoint each rank reads).
+MODE is `memory` (what each rank holds during and after a step), `ac` (gradients under each --ac),
+`naive` (train_step against train_step_naive), `load` (how much of the checkpoint each rank reads) or
+`sgd` (a whole run with SGD + momentum swapped in for AdamW; writes no JSON).
 """
 import gc
 import json
@@ -29,7 +30,8 @@ def live_tensor_bytes() -> int:
     return total
 
 
-def memory(cfg, mcfg, model, units, windows, rank, world, device):
+def memory(cfg, sharded, windows):
+    units, model = sharded.units, sharded.model
     most_gathered = [0]
     original_start = T.Unit.start_gather
 
@@ -44,9 +46,8 @@ def memory(cfg, mcfg, model, units, windows, rank, world, device):
         most_reduces[0] = max(most_reduces[0], len(reduces_in_flight))
         original_finish(reduces_in_flight, keep)
     T.finish_reduces = counting_finish
-    stages = T.make_stages(model, units, cfg.ac, cfg.ce_chunk)
-    for step in range(2):
-        T.train_step(cfg, units, stages, windows, step, step * cfg.batch_size, rank, world, device, mcfg)
+    for step in (1, 2):
+        T.train_step(cfg, sharded, windows, step, (step - 1) * cfg.batch_size)
     gc.collect()
     return dict(
         persistent_bytes=sum(u.persistent_bytes() for u in units),
@@ -59,11 +60,13 @@ def memory(cfg, mcfg, model, units, windows, rank, world, device):
         largest_unit_numel=max(u.padded_numel for u in units))
 
 
-def ac(cfg, mcfg, model, units, windows, rank, world, device):
+def ac(cfg, sharded, windows):
+    units = sharded.units
     grads = {}
     for mode in ("none", "full", "selective", "offload"):
-        stages = T.make_stages(model, units, mode.replace("offload", "full"), cfg.ce_chunk, offload=mode == "offload")
-        loss, _ = T.forward_backward(cfg, units, stages, windows, 0, 0, rank, world, device, mcfg)
+        sharded.stages = T.make_stages(sharded.model, units, mode.replace("offload", "full"), cfg.ce_chunk,
+                                       offload=mode == "offload")
+        loss, _ = T.forward_backward(cfg, sharded, windows, 1, 0)
         grads[mode] = ([u.grad_shard.clone() for u in units], loss.item())
         for u in units:
             u.grad_shard.zero_()
@@ -71,6 +74,31 @@ def ac(cfg, mcfg, model, units, windows, rank, world, device):
     return {mode: dict(loss=loss, grad_sq=sum(g.double().pow(2).sum().item() for g in gs),
                        max_abs_diff=max((g - b).abs().max().item() for g, b in zip(gs, base)))
             for mode, (gs, loss) in grads.items()}
+
+
+def naive(cfg, sharded, windows):
+    """train_step and train_step_naive, three steps each from the same weights: what each returns and
+    this rank's slices after them (and before, to show the steps moved them)."""
+    units = sharded.units
+    start = [[u.master_shard.clone()] + [t.clone() for t in u.optimizer_state.values()] for u in units]
+    result = dict(start=[u.master_shard.tolist() for u in units])
+    for name, step_fn in (("real", T.train_step), ("naive", T.train_step_naive)):
+        for u, saved in zip(units, start):
+            for t, value in zip([u.master_shard, *u.optimizer_state.values()], saved):
+                t.copy_(value)
+        log = [step_fn(cfg, sharded, windows, step, (step - 1) * cfg.batch_size) for step in (1, 2, 3)]
+        result[name] = dict(log=log, master=[u.master_shard.tolist() for u in units],
+                            grads_zero=all(not u.grad_shard.any() for u in units))
+    return result
+
+
+def sgd_momentum_step(units, cfg, lr, step):
+    """torch.optim.SGD(momentum=0.9) on the slices (no dampening, no decay): the first step's buffer is
+    the gradient itself, as 0.9 * 0 + g is."""
+    for u in units:
+        momentum = u.optimizer_state["momentum_buffer"]
+        momentum.mul_(0.9).add_(u.grad_shard)
+        u.master_shard.add_(momentum, alpha=-lr)
 
 
 def load(flags):
@@ -108,19 +136,24 @@ def load(flags):
             return False
     safetensors.safe_open = CountingFile
     cfg = T.parse_args(flags)
-    mcfg, model, units, windows, _, rank, world, device, _, _ = T.setup(cfg)
+    sharded = T.setup(cfg)[0]
+    units, rank, world = sharded.units, sharded.rank, sharded.world
     return dict(elements_read=read[0], shard_elements=sum(u.shard_numel for u in units),
                 model_elements=sum(u.numel for u in units), rank=rank, world=world)
 
 
 if __name__ == "__main__":
     mode, out_dir, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if mode == "sgd":  # a second optimizer, swapped in where train.py says a fork swaps it; then a whole run
+        T.OPTIMIZER_STATE, T.optimizer_step = ("momentum_buffer",), sgd_momentum_step
+        T.main(flags)
+        os._exit(0)
     if mode == "load":
         result = load(flags)
     else:
         cfg = T.parse_args(flags)
-        mcfg, model, units, windows, _, rank, world, device, _, _ = T.setup(cfg)
-        result = {"memory": memory, "ac": ac}[mode](cfg, mcfg, model, units, windows, rank, world, device)
+        sharded, windows, _, _, _ = T.setup(cfg)
+        result = {"memory": memory, "ac": ac, "naive": naive}[mode](cfg, sharded, windows)
     with open(os.path.join(out_dir, f"rank{torch.distributed.get_rank()}.json"), "w") as f:
         json.dump(result, f)
     torch.distributed.destroy_process_group()

@@ -181,7 +181,7 @@ class OpRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class FakeWindows:  # batch_context reads only the data's EOS id
+class FakeWindows:  # make_batch reads only the data's EOS id
     class data:
         eos_id = 2
 
@@ -201,7 +201,7 @@ def reference_layout(inputs: np.ndarray, eos_id: int):
 
 
 @pytest.mark.parametrize("flash", [False, True], ids=["sdpa-mask", "flash-varlen"])
-def test_batch_context_builds_the_layout_on_the_host_without_syncs(monkeypatch, flash):
+def test_make_batch_builds_the_layout_on_the_host_without_syncs(monkeypatch, flash):
     """The layout comes from the numpy token ids (document_layout is handed numpy), no op that would make
     the host wait for a GPU runs, and the result is the layout of the packed documents."""
     import train as T
@@ -218,7 +218,7 @@ def test_batch_context_builds_the_layout_on_the_host_without_syncs(monkeypatch, 
     targets = np.roll(inputs, -1, axis=1)
     recorder = OpRecorder()
     with recorder:
-        ctx = T.batch_context(T.TrainConfig(doc_mask=True), mcfg, FakeWindows, inputs, targets, torch.device("cpu"),
+        ctx = T.make_batch(T.TrainConfig(doc_mask=True), mcfg, FakeWindows, inputs, targets, torch.device("cpu"),
                               torch.float32, 1.0)
     assert not SYNCING_OPS & set(recorder.ops), SYNCING_OPS & set(recorder.ops)
     assert handed == [np.ndarray]
@@ -237,12 +237,12 @@ def test_batch_context_builds_the_layout_on_the_host_without_syncs(monkeypatch, 
     assert ctx["tokens"].tolist() == inputs.tolist() and ctx["targets"].tolist() == targets.tolist()
 
 
-def test_batch_context_of_whole_rows_has_no_layout_and_no_syncs():
+def test_make_batch_of_whole_rows_has_no_layout_and_no_syncs():
     import train as T
     inputs = np.arange(3, 27, dtype=np.int64).reshape(2, 12)  # no EOS: one document per row
     recorder = OpRecorder()
     with recorder:
-        ctx = T.batch_context(T.TrainConfig(doc_mask=True), small_config(), FakeWindows, inputs, inputs,
+        ctx = T.make_batch(T.TrainConfig(doc_mask=True), small_config(), FakeWindows, inputs, inputs,
                               torch.device("cpu"), torch.float32, 1.0)
     assert not SYNCING_OPS & set(recorder.ops), SYNCING_OPS & set(recorder.ops)
     assert ctx["layout"] is None

@@ -64,11 +64,11 @@ def worker(out_dir, flags):
         hooks.append(dict(unit=self.name, numel=self.padded_numel, most_alive_bytes=tracker.most_alive))
     T.Unit._reduce_scatter_grad = measured_hook  # before setup: each Unit registers its bound hook
     cfg = T.parse_args(flags)
-    mcfg, model, units, windows, _, rank, world, device, _, _ = T.setup(cfg)
+    sharded, windows, _, _, _ = T.setup(cfg)
+    units, rank = sharded.units, sharded.rank
     tracker.unit_numels = {u.padded_numel for u in units}
-    stages = T.make_stages(model, units, cfg.ac, cfg.ce_chunk)
     with tracker:
-        T.forward_backward(cfg, units, stages, windows, 0, 0, rank, world, device, mcfg)
+        T.forward_backward(cfg, sharded, windows, 1, 0)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(dict(hooks=hooks, n_units=len(units), unit_numels=sorted(tracker.unit_numels)), f)
     dist.destroy_process_group()
@@ -103,7 +103,7 @@ def test_offload_prefetches_the_previous_blocks_input_and_keeps_the_gradients(mo
     """--offload_activations on the CPU: each block's backward starts the copy back of the block before it
     (on CUDA it overlaps this block's recompute); gradients equal --ac full's, bit for bit."""
     import model as M
-    import train as T
+    import offload as O
     from common import small_config
     from torch.utils.checkpoint import checkpoint
     cfg = small_config(n_layers=3)
@@ -113,18 +113,18 @@ def test_offload_prefetches_the_previous_blocks_input_and_keeps_the_gradients(mo
     cos, sin = M.rope_cos_sin(cfg, torch.arange(16).expand(2, 16), torch.float32)
     events, saved = [], []
 
-    class NumberedInput(T.OffloadedInput):  # numbered by the block that saved it
+    class NumberedInput(O.OffloadedInput):  # numbered by the block that saved it
         def __init__(self, host, previous):
             super().__init__(host, previous)
             self.block = len(saved) % cfg.n_layers
             saved.append(self)
-    monkeypatch.setattr(T, "OffloadedInput", NumberedInput)
-    start_copy_back = T.OffloadedCheckpoint.start_copy_back
+    monkeypatch.setattr(O, "OffloadedInput", NumberedInput)
+    start_copy_back = O.OffloadedCheckpoint.start_copy_back
 
     def recorded_copy_back(inp, device):
         events.append(("copy back", inp.block, "starts" if inp.device is None else "started already"))
         start_copy_back(inp, device)
-    monkeypatch.setattr(T.OffloadedCheckpoint, "start_copy_back", staticmethod(recorded_copy_back))
+    monkeypatch.setattr(O.OffloadedCheckpoint, "start_copy_back", staticmethod(recorded_copy_back))
 
     def loss(wrap):
         h = model.embed(tokens)
@@ -141,7 +141,7 @@ def test_offload_prefetches_the_previous_blocks_input_and_keeps_the_gradients(mo
         return grads
     loss(lambda run, h: checkpoint(run, h, use_reentrant=False)).backward()
     full_ac = gradients()
-    offloaded = lambda run, h: T.OffloadedCheckpoint.apply(h, run)  # noqa: E731
+    offloaded = lambda run, h: O.OffloadedCheckpoint.apply(h, run)  # noqa: E731
     expected = [("run", 0), ("run", 1), ("run", 2),                                            # forward
                 ("copy back", 2, "starts"), ("copy back", 1, "starts"), ("run", 2),                  # block 2
                 ("copy back", 1, "started already"), ("copy back", 0, "starts"), ("run", 1),         # block 1
@@ -159,7 +159,7 @@ def test_offload_prefetches_the_previous_blocks_input_and_keeps_the_gradients(mo
     assert all(torch.equal(a, b) for a, b in zip(gradients(), full_ac))
     with torch.no_grad():  # evaluation: no backward will come, nothing is kept
         loss(offloaded)
-    assert len(saved) == 2 * cfg.n_layers and T.OffloadedCheckpoint.latest is None
+    assert len(saved) == 2 * cfg.n_layers and O.OffloadedCheckpoint.latest is None
 
 
 if __name__ == "__main__":

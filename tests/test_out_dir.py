@@ -13,7 +13,7 @@ import torch
 from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
 from test_launch import free_port, start_launch, start_node, wait_all, wait_for_steps, worker_pids
 
-import train as T  # noqa: E402
+import checkpoint as C  # noqa: E402
 
 BASE = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=float32", "--steps=6", "--lr=3e-3",
         "--warmup_steps=2", "--seed=4", "--timeout_min=1"]
@@ -84,12 +84,12 @@ def test_retention_keeps_the_new_save_whatever_else_is_in_the_folder(files, tmp_
 def test_a_retention_error_is_a_warning(tmp_path, monkeypatch, capsys):
     for step in (1, 2, 3):
         os.makedirs(tmp_path / f"step_{step:08d}")
-        (tmp_path / f"step_{step:08d}" / "manifest.json").write_text(json.dumps({"format": T.CKPT_FORMAT}))
+        (tmp_path / f"step_{step:08d}" / "manifest.json").write_text(json.dumps({"format": C.CKPT_FORMAT}))
 
     def busy(path):
         raise OSError(16, "Device or resource busy", path)
-    monkeypatch.setattr(T.shutil, "rmtree", busy)
-    T.remove_old_checkpoints(str(tmp_path), 2, str(tmp_path / "step_00000003"))
+    monkeypatch.setattr(C.shutil, "rmtree", busy)
+    C.remove_old_checkpoints(str(tmp_path), 2, str(tmp_path / "step_00000003"))
     err = capsys.readouterr().err
     assert "warning: retention could not delete" in err and "step_00000001" in err, err
 
@@ -164,5 +164,5 @@ def test_a_committing_rename_is_followed_by_an_fsync_of_its_folder(tmp_path, mon
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         real_fsync(fd)
     monkeypatch.setattr(os, "fsync", recording_fsync)
-    T.write_atomic(str(tmp_path / "latest"), "step_00000001\n")
+    C.write_atomic(str(tmp_path / "latest"), "step_00000001\n")
     assert synced == [str(tmp_path / "latest.tmp"), str(tmp_path)]

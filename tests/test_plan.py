@@ -63,7 +63,7 @@ def test_state_per_gpu_of_70b_on_16_gpus():
 def test_state_matches_the_trainers_units_with_padding():
     # The trainer's own Unit objects, at a W whose padding is not zero: rank 0's persistent bytes.
     mcfg, world = M.PRESETS["tiny"](), 3
-    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, torch.float32)
+    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, torch.float32, [])
     assert any(u.padded_numel != u.numel for u in units)
     p = predict(model="tiny", nnodes=1, nproc_per_node=world, seq_len=256, batch_size=12, micro_batch_size=4)
     assert p["state_gib_per_gpu"] * 2**30 == sum(u.persistent_bytes() for u in units)

@@ -50,13 +50,14 @@ def test_mem_gb_is_each_steps_own_peak(tmp_path, monkeypatch):
     init's full-unit fp32 tensor, nor an evaluation's. (On a GPU that is reset_peak_memory_stats; on
     CPU the recorded order of the calls is what can be checked.)"""
     import signal as S
+    import metrics
     import train as T
     from common import learnable_tokens
     data = learnable_tokens(str(tmp_path / "tok.npy"), 512, n=3000)
     calls = []
     real_step, real_eval = T.train_step, T.evaluate
-    monkeypatch.setattr(T, "reset_peak_mem", lambda device: calls.append("reset"))
-    monkeypatch.setattr(T, "peak_mem_bytes", lambda device: calls.append("read") or 0)
+    monkeypatch.setattr(metrics, "reset_peak_mem", lambda device: calls.append("reset"))
+    monkeypatch.setattr(metrics, "peak_mem_bytes", lambda device: calls.append("read") or 0)
     monkeypatch.setattr(T, "train_step", lambda *a: calls.append("step") or real_step(*a))
     monkeypatch.setattr(T, "evaluate", lambda *a: calls.append("eval") or real_eval(*a))
     monkeypatch.delenv("RANK", raising=False)

@@ -1,0 +1,519 @@
+"""State on disk: the out_dir a run owns, its own checkpoints (save, retention, resume at any world size),
+and Hugging Face folders (import by sliced reads, export one unit at a time).
+
+All this file needs of train.py's units: `name`, `numel`, `padded_numel`, `shard_numel`, `shard_start`,
+`slots` (each parameter's place in the unit's flat buffer), `master_shard` and `optimizer_state` (a dict
+of fp32 tensors shaped like master_shard, named by the optimizer).
+
+  out_dir/.lock                                      rank 0's flock for the whole run: one run per out_dir
+  out_dir/checkpoints/step_00000100/manifest.json   step, configs, world size, file checksums
+                     /step_00000100/rank00000-of-00016.safetensors  that rank's master and optimizer slices
+  out_dir/checkpoints/latest                         "step_00000100", replaced atomically
+  out_dir/checkpoints/.tmp-step_00000200/            a save in progress: never loaded
+"""
+import datetime
+import fcntl
+import hashlib
+import json
+import math
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+import data as D
+import model as M
+
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as in train.py
+
+# The collectives of a checkpoint save wait for every rank's file, which can take longer than
+# --timeout_min (53 GB per rank for 70B on 16 GPUs). They run in their own group: gloo, so on the CPU and
+# outside NCCL's watchdog, with --ckpt_timeout_min. Made once per process group by make_group.
+group = None
+fault_hook = None  # tests only: faults.py installs it to kill or slow a rank while it saves
+
+
+def make_group(timeout_min: float):
+    global group
+    if group is None:  # new_group is itself collective: every rank makes it, in the same order
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_min))
+
+
+class CheckpointError(Exception):
+    """A checkpoint or out_dir that must not be used; the message names the folder and the problem."""
+
+
+# ================================================================================================
+# The out_dir
+# ================================================================================================
+
+# One run per --out_dir, in a folder every rank sees. Rank 0 holds an exclusive lock on OUT_DIR/.lock for
+# the whole run (the kernel drops it when the process dies, kill -9 included), and writes a random token
+# into it that every rank must read back: a node-local --out_dir fails here, not at the first save.
+out_dir_lock = None  # rank 0's open .lock file: closing it would release the lock
+
+
+def claim_out_dir(out_dir: str, rank: int, world: int, device):
+    global out_dir_lock
+    if out_dir_lock is not None:  # a caller running several trainings in one process (bench/): the last one ended
+        out_dir_lock.close()
+        out_dir_lock = None
+    path = os.path.join(out_dir, ".lock")
+    token = torch.zeros((), dtype=torch.int64, device=device)  # stays 0 if rank 0 cannot take the lock
+    if rank == 0:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            value = int.from_bytes(os.urandom(6), "little") + 1
+            f.seek(0)
+            f.truncate()
+            f.write(f"{value} host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            f.flush()
+            os.fsync(f.fileno())
+            out_dir_lock = f
+            token.fill_(value)
+        except BlockingIOError:
+            f.close()
+    dist.broadcast(token, src=0)
+    try:
+        with open(path) as f:
+            token_seen, _, holder = f.read().strip().partition(" ")
+    except OSError:
+        token_seen, holder = "", ""
+    if token.item() == 0:
+        raise CheckpointError(f"--out_dir: {out_dir} is in use by another run ({holder}); wait for it to end or choose another --out_dir")
+    seen_by_rank = torch.zeros(world, dtype=torch.int64, device=device)
+    all_gather_flat(seen_by_rank, torch.tensor([int(token_seen == str(token.item()))], device=device))
+    blind = [r for r, seen in enumerate(seen_by_rank.tolist()) if not seen]
+    if blind:
+        raise CheckpointError(f"--out_dir: {out_dir} is not one folder for all ranks: rank(s) {', '.join(map(str, blind))} do not see "
+             f"the {path} that rank 0 wrote; use a folder on a filesystem every node mounts")
+    if rank == 0:  # the lock holder clears what crashed saves left behind
+        root = os.path.join(out_dir, "checkpoints")
+        for name in os.listdir(root) if os.path.isdir(root) else []:
+            if name.startswith(".tmp-step_"):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+# ================================================================================================
+# Own checkpoints: each rank writes its slices; rank 0 commits atomically; resume re-slices for any W
+# ================================================================================================
+#
+# 4 bytes per parameter per saved tensor / W per rank: 12 with AdamW (master, exp_avg, exp_avg_sq).
+# Only safetensors and JSON are read back: nothing is ever unpickled. The training step draws no random
+# numbers (no dropout; the data order is a function of seed and position), so there is no RNG state to
+# keep: the position (windows consumed so far) is the data loader's whole state.
+
+CKPT_FORMAT = "llama-zero3-checkpoint/1"
+RESUME_MUST_MATCH = ("seq_len", "seed")  # the windows and their order depend on these
+
+
+def rank_file(rank: int, world: int) -> str:
+    return f"rank{rank:05d}-of-{world:05d}.safetensors"
+
+
+def write_safetensors_streaming(path: str, tensors: list) -> tuple[str, int]:
+    """Writes [(name, 1-D fp32 tensor)] in the safetensors format (u64 header length, JSON header,
+    raw little-endian data), one tensor at a time, so host memory holds one tensor and not the rank's
+    whole state; hashes the bytes as they are written. Returns (sha256, size)."""
+    header, offset = {}, 0
+    for name, t in tensors:
+        header[name] = {"dtype": "F32", "shape": [t.numel()], "data_offsets": [offset, offset + 4 * t.numel()]}
+        offset += 4 * t.numel()
+    header_bytes = json.dumps(header).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data to 8 bytes
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (len(header_bytes).to_bytes(8, "little"), header_bytes):
+            f.write(chunk)
+            digest.update(chunk)
+        for _, t in tensors:
+            data = t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+            f.write(data)
+            digest.update(data)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before rank 0 may call the checkpoint complete
+    return digest.hexdigest(), 8 + len(header_bytes) + offset
+
+
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_atomic(path: str, text: str):
+    """Write beside, fsync, rename over: a reader sees the old file or the new one, never half of one."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
+
+
+def fsync_dir(path: str):
+    """A rename is durable only once its folder is on disk: without this, a power loss right after a
+    save can bring back the old name."""
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def saved_tensors(unit) -> list:
+    """What a checkpoint holds of a unit: the fp32 master slice and each optimizer state slice, by name.
+    Gradients are zero at a step boundary and are not saved."""
+    return [("master_shard", unit.master_shard)] + list(unit.optimizer_state.items())
+
+
+def checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files) -> dict:
+    return {"format": CKPT_FORMAT, "step": step, "world_size": world, "model": asdict(mcfg),
+            "train": asdict(cfg), "files": files, "optimizer_state": list(units[0].optimizer_state),
+            "units": {u.name: {"numel": u.numel, "shard_numel": u.shard_numel} for u in units},
+            "data": data_state}
+
+
+def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
+    """Every rank writes its file into a temporary folder; rank 0 checks that every rank succeeded and
+    every file has its size, writes the manifest, renames the folder to its final name and points
+    `latest` at it. A failure anywhere leaves `latest` and the older checkpoints untouched."""
+    root = os.path.join(cfg.out_dir, "checkpoints")
+    name = f"step_{step:08d}"
+    tmp, final = os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier(group=group)
+    # What each rank tells rank 0, as numbers (nothing crosses the wire pickled): written or not, the
+    # file's size, its SHA-256 as 32 byte values. An error's text stays with the rank that met it.
+    report, my_error = torch.zeros(34, dtype=torch.int64), ""
+    try:
+        tensors = [(f"{u.name}.{kind}", t) for u in units for kind, t in saved_tensors(u)]
+        sha256, nbytes = write_safetensors_streaming(os.path.join(tmp, rank_file(rank, world)), tensors)
+        report[0], report[1], report[2:] = 1, nbytes, torch.tensor(list(bytes.fromhex(sha256)))
+        if fault_hook:
+            fault_hook("save", step, rank)
+    except OSError as e:
+        report.zero_()
+        my_error = f"rank {rank} could not write {os.path.join(tmp, rank_file(rank, world))}: {e.strerror or e}"
+    reports = torch.zeros(world, 34, dtype=torch.int64)
+    all_gather_flat(reports.view(-1), report, group=group)
+    unwritten = [r for r in range(world) if not reports[r, 0]]
+    saved = torch.zeros((), dtype=torch.int64)
+    if rank == 0 and not unwritten:
+        try:
+            files = {rank_file(r, world): {"sha256": bytes(reports[r, 2:].tolist()).hex(), "bytes": int(reports[r, 1])}
+                     for r in range(world)}
+            for fname, expect in files.items():
+                if os.path.getsize(os.path.join(tmp, fname)) != expect["bytes"]:
+                    raise OSError(f"{fname} has the wrong size on disk")
+            manifest = checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files)
+            write_atomic(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1))
+            shutil.rmtree(final, ignore_errors=True)  # a re-save of a step (after a fallback)
+            os.replace(tmp, final)
+            fsync_dir(root)
+            write_atomic(os.path.join(root, "latest"), name + "\n")
+            saved.fill_(1)
+        except OSError as e:
+            my_error = f"rank 0 could not commit it: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+    if rank == 0 and saved:
+        remove_old_checkpoints(root, cfg.keep_ckpts, final)
+    elif rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.broadcast(saved, src=0, group=group)
+    if not saved:
+        why = my_error or (f"rank(s) {', '.join(map(str, unwritten))} could not write their files" if unwritten
+                           else "rank 0 could not commit it")
+        raise CheckpointError(f"checkpoint {final} was not saved: {why}")
+    return final
+
+
+def list_checkpoints(root: str) -> list[str]:
+    """Folders named step_*, newest first. Whether each is complete is for check_manifest to say."""
+    if not os.path.isdir(root):
+        return []
+    names = sorted((n for n in os.listdir(root) if n.startswith("step_")), reverse=True)
+    return [os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))]
+
+
+def resume_candidates(root: str) -> list[str]:
+    """The checkpoints resume tries, newest first, starting at the one `latest` names: editing `latest`
+    to an older step_* rolls the run back to it (newer folders are then ignored, and overwritten as the
+    run passes their steps again)."""
+    paths = list_checkpoints(root)
+    if not os.path.isfile(os.path.join(root, "latest")):
+        return paths
+    with open(os.path.join(root, "latest")) as f:
+        latest = f.read().strip()
+    if not os.path.isdir(os.path.join(root, latest)):
+        raise CheckpointError(f"{os.path.join(root, 'latest')} names {latest!r}, which is not a folder in {root}; "
+                              f"write the name of a step_* folder there, or delete it to use the newest")
+    return [p for p in paths if os.path.basename(p) <= latest]  # zero-padded names sort as steps
+
+
+def is_complete(path: str) -> bool:
+    try:
+        check_manifest(path, None, None, None)  # a readable manifest of this format
+        return True
+    except CheckpointError:
+        return False
+
+
+def remove_old_checkpoints(root: str, keep: int, just_saved: str):
+    """Retention: keeps the checkpoint just saved and the newest complete ones, `keep` in all, and deletes
+    older complete ones. Folders without a complete manifest (a damaged or foreign step_* folder) are
+    neither counted nor deleted, so they can never push out the save just made. A failure here (an NFS
+    .nfsXXXX file still open elsewhere) is a warning: the checkpoint itself is saved."""
+    complete = [p for p in list_checkpoints(root) if p != just_saved and is_complete(p)]
+    for old in complete[keep - 1:]:
+        try:
+            shutil.rmtree(old)
+        except OSError as e:
+            print(f"warning: retention could not delete {old}: {e.strerror or e}; it stays", file=sys.stderr, flush=True)
+
+
+def check_manifest(path: str, cfg, mcfg, windows) -> dict:
+    manifest_path = os.path.join(path, "manifest.json")
+    if not os.path.isfile(manifest_path):
+        raise CheckpointError(f"checkpoint {path}: no manifest.json (an unfinished save)")
+    try:
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: manifest.json is unreadable ({e})") from None
+    if manifest.get("format") != CKPT_FORMAT:
+        raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}, expected {CKPT_FORMAT!r}")
+    if mcfg is not None and manifest["model"] != asdict(mcfg):
+        diff = [k for k, v in asdict(mcfg).items() if manifest["model"].get(k) != v]
+        raise CheckpointError(f"checkpoint {path}: saved for another model (differs in {', '.join(diff)})")
+    if cfg is not None:
+        for key in RESUME_MUST_MATCH:
+            if manifest["train"][key] != getattr(cfg, key):
+                raise CheckpointError(f"checkpoint {path}: saved with --{key} {manifest['train'][key]}, "
+                                      f"this run has {getattr(cfg, key)} (the data order would change)")
+        if windows is not None and manifest["data"] is not None:
+            try:
+                windows.check_state(manifest["data"])
+            except D.DataError as e:
+                raise CheckpointError(f"checkpoint {path}: {e}") from None
+    return manifest
+
+
+def load_checkpoint(path: str, manifest: dict, units: list):
+    """Fills this rank's slices from the checkpoint, whatever world size saved it: the flat layout of a
+    unit does not depend on W, so a new slice [a, b) is read from the old rank files that cover it.
+    Each file read is checked against the manifest's size and SHA-256 first."""
+    from safetensors import safe_open
+    old_world = manifest["world_size"]
+    saved_state = manifest.get("optimizer_state", ["exp_avg", "exp_avg_sq"])
+    if saved_state != list(units[0].optimizer_state):
+        raise CheckpointError(f"checkpoint {path}: saved with optimizer state {', '.join(saved_state)}, this run's "
+                              f"optimizer keeps {', '.join(units[0].optimizer_state)}")
+    for unit in units:
+        saved = manifest["units"].get(unit.name)
+        if saved is None or saved["numel"] != unit.numel:
+            raise CheckpointError(f"checkpoint {path}: unit {unit.name} is missing or has another size")
+    verified = set()
+    for unit in units:
+        old_shard = manifest["units"][unit.name]["shard_numel"]
+        lo, hi = unit.shard_start, min(unit.shard_start + unit.shard_numel, unit.numel)
+        for old_rank in range(lo // old_shard, -(-hi // old_shard)) if lo < hi else []:
+            fname = rank_file(old_rank, old_world)
+            fpath = os.path.join(path, fname)
+            if fname not in verified:
+                expect = manifest["files"].get(fname)
+                if expect is None or not os.path.isfile(fpath):
+                    raise CheckpointError(f"checkpoint {path}: {fname} is missing")
+                if os.path.getsize(fpath) != expect["bytes"]:
+                    raise CheckpointError(f"checkpoint {path}: {fname} has {os.path.getsize(fpath)} bytes, "
+                                          f"the manifest says {expect['bytes']} (truncated?)")
+                if sha256_file(fpath) != expect["sha256"]:
+                    raise CheckpointError(f"checkpoint {path}: {fname} does not match its SHA-256 (damaged)")
+                verified.add(fname)
+            a, b = max(lo, old_rank * old_shard), min(hi, (old_rank + 1) * old_shard)
+            with safe_open(fpath, framework="pt") as f:
+                for kind, tensor in saved_tensors(unit):
+                    piece = f.get_slice(f"{unit.name}.{kind}")[a - old_rank * old_shard:b - old_rank * old_shard]
+                    tensor[a - unit.shard_start:b - unit.shard_start] = piece.to(tensor.device)
+
+
+def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: bool) -> tuple[int, int]:
+    """Loads the newest intact checkpoint among `candidates`; returns its step and data position. All ranks agree on each
+    candidate (a damaged file seen by one rank rejects it for all), and with `fallback` an unusable
+    checkpoint is reported and the previous one tried."""
+    for path in candidates:
+        error = ""
+        try:
+            manifest = check_manifest(path, cfg if fallback else None, mcfg, windows)
+            load_checkpoint(path, manifest, units)
+        except (CheckpointError, OSError, ValueError, KeyError) as e:
+            error = str(e) if isinstance(e, CheckpointError) else f"checkpoint {path}: unreadable ({e})"
+        # Every rank must agree: a flag per rank (reading 53 GB can outlast --timeout_min: the checkpoint group).
+        failed_by_rank = torch.zeros(dist.get_world_size(), dtype=torch.int64)
+        all_gather_flat(failed_by_rank, torch.tensor([int(bool(error))]), group=group)
+        failed = [r for r, bad in enumerate(failed_by_rank.tolist()) if bad]
+        if not failed:
+            data = manifest["data"] or {"position": 0}  # a conversion run (--steps 0) saved no data state
+            return manifest["step"], data["position"]
+        if error:
+            print(f"warning: {error}", file=sys.stderr, flush=True)
+        if not fallback:
+            raise CheckpointError(error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} cannot use it")
+        if rank == 0:
+            print(f"warning: not using {path}; trying the previous checkpoint", file=sys.stderr, flush=True)
+    raise CheckpointError(f"no intact checkpoint in {os.path.join(cfg.out_dir, 'checkpoints')}; "
+                          f"--resume never --overwrite true starts over")
+
+
+# ================================================================================================
+# Hugging Face folders: import by sliced reads, export one unit at a time
+# ================================================================================================
+
+def hf_file_of_tensors(folder: str) -> dict:
+    """{HF tensor name: safetensors file}, from the headers of the files themselves (only the headers are
+    read): the index only says which files there are, so a file that lacks what the index promises shows
+    as a missing tensor, and a damaged file is found here, before any process group exists."""
+    index = os.path.join(folder, "model.safetensors.index.json")
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                paths = sorted({os.path.join(folder, v) for v in json.load(f)["weight_map"].values()})
+        except (ValueError, KeyError, AttributeError) as e:
+            raise ValueError(f"--init_from: {index} is not a safetensors index ({e!r}); download it again") from None
+    elif os.path.isfile(single):
+        paths = [single]
+    else:
+        raise FileNotFoundError(f"--init_from: neither model.safetensors nor model.safetensors.index.json in {folder}")
+    files = {}
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--init_from: {path} is named in {index} but does not exist")
+        files.update({name: path for name in hf_tensor_names(path)})
+    return files
+
+
+def hf_tensor_names(path: str) -> list[str]:
+    """The names in one safetensors file's header. safe_open checks that the header covers the whole
+    file, so a truncated download, or an HTML error page saved under the name, fails here as one line."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    except SafetensorError as e:
+        raise ValueError(f"--init_from: {path} is not a readable safetensors file ({e}); download it again") from None
+
+
+def check_hf_tensors(files: dict, mcfg: M.ModelConfig, folder: str):
+    """The files must hold exactly the parameters of the Llama that config.json describes. A tensor the
+    model lacks (a Qwen2 q_proj.bias, an old conversion's rotary inv_freq, an lm_head.weight beside tied
+    embeddings) is refused, never dropped: each is a sign the weights are not that model's."""
+    with torch.device("meta"):  # names only: allocates nothing
+        expected = {hf_name(name) for name, _ in M.Llama(mcfg).named_parameters()}
+    missing, unexpected = sorted(expected - files.keys()), sorted(files.keys() - expected)
+    if missing:
+        raise ValueError(f"--init_from: tensor {missing[0]}{more(missing)} is missing from the safetensors files "
+                         f"in {folder}")
+    if unexpected:
+        hint = ""
+        if "lm_head.weight" in unexpected and mcfg.tie_embeddings:
+            hint = "; config.json has tie_word_embeddings true: set it false if lm_head.weight is the model's own"
+        raise ValueError(f"--init_from: {files[unexpected[0]]} holds {unexpected[0]}{more(unexpected)}, which the "
+                         f"Llama described by config.json does not have: this is not a plain Llama checkpoint{hint}")
+
+
+def more(names: list) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+
+
+def hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def load_unit_from_hf(unit, files: dict, open_files: dict):
+    """Reads only this rank's slice of each parameter (safetensors reads slices without loading the
+    tensor): at most one extra row on each side of the slice is read, then cut away."""
+    from safetensors import safe_open
+    lo_shard, hi_shard = unit.shard_start, unit.shard_start + unit.shard_numel
+    for slot in unit.slots:
+        name, shape, offset = slot.name, slot.shape, slot.offset
+        lo, hi = max(offset, lo_shard), min(offset + math.prod(shape), hi_shard)
+        if lo >= hi:
+            continue
+        key = hf_name(name)
+        if key not in files:
+            raise KeyError(f"--init_from: tensor {key} is missing from the checkpoint")
+        if files[key] not in open_files:
+            open_files[files[key]] = safe_open(files[key], framework="pt")
+        tensor_slice = open_files[files[key]].get_slice(key)
+        if tuple(tensor_slice.get_shape()) != shape:
+            raise ValueError(f"--init_from: {key} in {files[key]} has shape {tuple(tensor_slice.get_shape())}, "
+                             f"config.json implies {shape}")
+        a, b = lo - offset, hi - offset  # flat range within this parameter
+        row = math.prod(shape[1:])       # elements per row (1 for a 1-D norm weight)
+        r0, r1 = a // row, -(-b // row)
+        rows = tensor_slice[r0:r1].reshape(-1)
+        unit.master_shard[lo - lo_shard:hi - lo_shard] = rows[a - r0 * row:b - r0 * row].float()
+
+
+def gather_full_unit(unit) -> torch.Tensor:
+    """The whole unit in fp32 on every rank (transient: one unit)."""
+    full = torch.empty(unit.padded_numel, dtype=torch.float32, device=unit.master_shard.device)
+    all_gather_flat(full, unit.master_shard)
+    return full
+
+
+def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, shard_gb: float, rank: int):
+    """config.json + model*.safetensors (+ index when sharded), loadable by from_pretrained. Units are
+    grouped into files of at most `shard_gb`; rank 0 holds at most one file's tensors at a time."""
+    from safetensors.torch import save_file
+    max_bytes = int(shard_gb * 1e9)
+    bytes_per = torch.tensor([], dtype=dtype).element_size()
+    files, size = [[]], 0
+    for unit in units:  # plan the files first so each can be named "-0000i-of-0000n"
+        if files[-1] and size + unit.numel * bytes_per > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(unit)
+        size += unit.numel * bytes_per
+    tmp = out.rstrip("/") + ".partial"
+    if rank == 0:  # a fresh folder: a crashed export's model.safetensors must not sit beside a new index
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    weight_map, total_bytes = {}, 0
+    for i, file_units in enumerate(files):
+        fname = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        tensors = {}
+        for unit in file_units:
+            full = gather_full_unit(unit)
+            if rank == 0:
+                for slot in unit.slots:
+                    piece = full[slot.offset:slot.offset + math.prod(slot.shape)].view(slot.shape)
+                    tensors[hf_name(slot.name)] = piece.to(dtype).cpu().clone()
+            del full
+        if rank == 0:
+            save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in tensors})
+            total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+    if rank == 0:
+        if len(files) > 1:
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(M.config_to_hf(mcfg, dtype), f, indent=2)
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump({"bos_token_id": mcfg.bos_id, "eos_token_id": mcfg.eos_id}, f, indent=2)
+        if os.path.isdir(out):
+            os.rmdir(out)  # checked empty before training started
+        os.replace(tmp, out)  # the folder appears complete or not at all
+    dist.barrier()

@@ -1,0 +1,49 @@
+"""Fault injection, for the tests only: train.py and checkpoint.py call `hook` at two points (each
+micro-batch's loss, each rank's checkpoint file written) when ZERO3_FAULT is set, and not at all
+otherwise.
+
+    ZERO3_FAULT=KIND:STEP[:RANK[:SECONDS]]   (every rank when RANK is left out or empty; STEP is 1-based)
+      kill_mid_step  SIGKILL in the middle of step STEP, before its first backward
+      nan            this rank's loss of step STEP becomes NaN before backward, as an overflow would
+      hang           this rank sleeps in step STEP: SECONDS, or an hour; its peers' collectives time out
+      kill_in_save   SIGKILL after writing this rank's file of step STEP's checkpoint, before the commit
+      slow_save      that file takes SECONDS longer to write
+    ZERO3_FAULT=slow:SECONDS                 every step takes SECONDS longer (on its first micro-batch)
+    ZERO3_FAULT_ONCE=FILE                    a fault fires once: FILE records that it did, so a restarted
+                                             job runs clean
+"""
+import os
+import signal
+import time
+
+MID_STEP = ("kill_mid_step", "nan", "hang")
+IN_SAVE = ("kill_in_save", "slow_save")
+last_slow_step = None  # `slow` sleeps once per step, not once per micro-batch
+
+
+def hook(where: str, step: int, rank: int, loss=None):
+    """where: 'loss' (returns the loss to backpropagate) or 'save'."""
+    global last_slow_step
+    spec = os.environ.get("ZERO3_FAULT", "").split(":")
+    kind = spec[0]
+    if kind == "slow":
+        if where == "loss" and step != last_slow_step:
+            last_slow_step = step
+            time.sleep(float(spec[1]))
+        return loss
+    if kind not in (MID_STEP if where == "loss" else IN_SAVE) or int(spec[1]) != step:
+        return loss
+    if len(spec) > 2 and spec[2] and int(spec[2]) != rank:
+        return loss
+    once = os.environ.get("ZERO3_FAULT_ONCE")
+    if once:
+        if os.path.exists(once):
+            return loss
+        open(once, "w").close()
+    seconds = float(spec[3]) if len(spec) > 3 else None
+    if kind in ("kill_mid_step", "kill_in_save"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "nan":
+        return loss * float("nan")
+    time.sleep(seconds if seconds is not None else 3600 if kind == "hang" else 0.0)
+    return loss

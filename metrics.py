@@ -1,0 +1,195 @@
+"""What the run reports: tokens/s/GPU, MFU, peak memory, ETA and dollars, to the terminal, metrics.jsonl
+and (with --tensorboard) TensorBoard; `--plot DIR` draws metrics.jsonl. Only rank 0 writes.
+
+Conventions: tokens/s/GPU counts every token of the global batch (padding-free packing: all of them are
+trained on) over the step's wall time, divided by the world size. MFU is that times the model FLOPs per
+token (flops_per_token) over the GPU's dense BF16 peak.
+"""
+import json
+import os
+import resource
+import sys
+import time
+
+import torch
+
+import model as M
+
+# Dense BF16 peak FLOP/s by device name (no sparsity). Checked in order; None means unknown (CPU).
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
+                   ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 125e12)]
+
+
+def peak_flops(device: torch.device):
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def flops_per_token(mcfg: M.ModelConfig, seq_len: int) -> float:
+    """6 * (N - embedding) + 12 * L * d * T: weights' matmuls forward and backward, plus attention's
+    QK^T and AV, causal mask not discounted (the PaLM / torchtitan convention)."""
+    counts = M.count_params(mcfg)
+    return 6 * (counts["total"] - counts["embedding"]) + 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
+
+
+def reset_peak_mem(device: torch.device):
+    """Called before each step, so mem_gb is that step's peak, not init's or an evaluation's. On CPU
+    the process's peak resident memory cannot be reset: there mem_gb is the peak since start."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_mem_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def fmt_time(seconds: float) -> str:
+    seconds = int(seconds)
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def log_step(cfg, metrics: dict, f):
+    f.write(json.dumps(metrics) + "\n")
+    f.flush()
+    s = metrics["step"]
+    if s % cfg.log_every == 0 or s == cfg.steps or "eval_loss" in metrics:
+        mfu = "n/a" if metrics["mfu"] is None else f"{100 * metrics['mfu']:.1f}%"
+        loss = "skipped" if metrics["loss"] is None else f"{metrics['loss']:.4f}"
+        grad_norm = "skipped" if metrics["grad_norm"] is None else f"{metrics['grad_norm']:.3f}"
+        print(f"step {s}/{cfg.steps} | loss {loss} | lr {metrics['lr']:.2e} | "
+              f"grad_norm {grad_norm} | {metrics['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | "
+              f"mfu {mfu} | mem {metrics['mem_gb']:.2f} GB | elapsed {fmt_time(metrics['elapsed_s'])} | "
+              f"eta {fmt_time(metrics['eta_s'])}" +
+              (f" | ${metrics['cost_usd']:,.2f} of ${metrics['projected_cost_usd']:,.2f}" if "cost_usd" in metrics else "") +
+              (f" | eval_loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""),
+              flush=True)
+
+
+class MetricsLog:
+    """Rank 0's metrics: metrics.jsonl (one line per step; a resumed run keeps the lines of the steps it
+    has already done, and only those), the step line, TensorBoard. Other ranks hold one and write nothing."""
+
+    def __init__(self, cfg, mcfg, world: int, device, rank: int, start_step: int, steps: int):
+        self.cfg, self.world, self.steps, self.start_step = cfg, world, steps, start_step
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len
+        self.flops_per_token = flops_per_token(mcfg, cfg.seq_len)
+        self.peak = peak_flops(device)
+        self.file = self.tensorboard = None
+        self.elapsed_before = 0.0  # time spent before a restart
+        if rank == 0 and steps:
+            self.file, self.elapsed_before = open_metrics(cfg.out_dir, start_step)
+        if rank == 0 and cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RuntimeError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+            self.tensorboard = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
+        self.start = time.perf_counter()
+
+    def step(self, step: int, loss, grad_norm, lr: float, step_time_s: float, mem_gb: float, eval_loss=None):
+        """Logs 1-based `step`; loss and grad_norm are None for a skipped step."""
+        if self.file is None:
+            return
+        now = time.perf_counter() - self.start
+        tokens_per_sec_per_gpu = self.tokens_per_step / step_time_s / self.world
+        eta = now / (step - self.start_step) * (self.steps - step)
+        metrics = dict(
+            step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
+            mfu=None if self.peak is None else tokens_per_sec_per_gpu * self.flops_per_token / self.peak,
+            mem_gb=mem_gb, step_time_s=step_time_s, elapsed_s=self.elapsed_before + now, eta_s=eta)
+        if eval_loss is not None:
+            metrics["eval_loss"] = eval_loss
+        if self.cfg.gpu_hour_usd:  # GPU-hours so far (all restarts, downtime excluded) and at the end
+            elapsed = metrics["elapsed_s"]
+            metrics["cost_usd"] = elapsed / 3600 * self.world * self.cfg.gpu_hour_usd
+            metrics["projected_cost_usd"] = (elapsed + eta) / 3600 * self.world * self.cfg.gpu_hour_usd
+        log_step(self.cfg, metrics, self.file)
+        for key, value in metrics.items() if self.tensorboard else ():
+            if key != "step" and value is not None:
+                self.tensorboard.add_scalar(key, value, step)
+
+    def close(self):
+        for f in (self.file, self.tensorboard):
+            if f is not None:
+                f.close()
+
+
+def open_metrics(out_dir: str, start_step: int):
+    """metrics.jsonl, keeping the lines of the steps a resumed run has already done (and only those)."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    kept = []
+    if start_step and os.path.isfile(path):
+        with open(path) as f:
+            rows = [(line, parse_metrics_line(line)) for line in f if line.strip()]
+        kept = [line for line, row in rows if row is not None and row["step"] <= start_step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+    elapsed_before = json.loads(kept[-1])["elapsed_s"] if kept else 0.0  # time spent before a restart
+    return open(path, "a"), elapsed_before
+
+
+def parse_metrics_line(line: str):
+    """A metrics.jsonl row, or None for a line torn by a crash or a full disk (only ever the last one)."""
+    try:
+        return json.loads(line)
+    except ValueError:
+        print(f"warning: metrics.jsonl: dropping a torn line ({line.strip()[:60]!r})", file=sys.stderr, flush=True)
+        return None
+
+
+def plot_metrics(out_dir: str) -> str:
+    """Loss (and eval loss), LR, tokens/s/GPU, MFU and memory against the step, as one PNG."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from None
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise RuntimeError(f"--plot: {path} does not exist")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    panels = [("loss", ["loss", "eval_loss"]), ("learning rate", ["lr"]),
+              ("tokens/s/GPU", ["tokens_per_sec_per_gpu"]), ("MFU", ["mfu"]), ("peak memory (GB)", ["mem_gb"])]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels)), sharex=True)
+    for ax, (title, keys) in zip(axes, panels):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if points:
+                ax.plot(*zip(*points), label=key, marker="." if len(points) < 50 else None)
+            elif key == keys[0]:
+                ax.text(0.5, 0.5, "not recorded (MFU needs a GPU with a known peak)" if key == "mfu"
+                        else "not recorded", ha="center", va="center", transform=ax.transAxes)
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend()
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    png = os.path.join(out_dir, "metrics.png")
+    fig.savefig(png, dpi=100)
+    return png
+
+
+def startup_line(cfg, sharded, start_step: int) -> str:
+    """What runs where, printed once by rank 0 (and where a resumed run starts)."""
+    mcfg, world, device = sharded.model.cfg, sharded.world, sharded.device
+    state_gib = sum(u.persistent_bytes() for u in sharded.units) / 2**30
+    line = (f"model {mcfg.n_layers}L d={mcfg.dim} {M.count_params(mcfg)['total'] / 1e6:.1f}M params | world {world} on "
+            f"{device.type} | {len(sharded.units)} units | persistent state {state_gib:.3f} GiB/rank | "
+            f"batch {cfg.batch_size} x {cfg.seq_len} = {cfg.batch_size * cfg.seq_len:,} tokens/step | "
+            f"accumulation {cfg.batch_size // (world * cfg.micro_batch_size)} | ac {cfg.ac} | {cfg.dtype} | "
+            f"attention: {M.attention_kernel(device, sharded.compute_dtype, cfg.doc_mask)}")
+    if start_step:
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun's, on this node
+        line += (f"\nresumed from {os.path.join(cfg.out_dir, 'checkpoints', f'step_{start_step:08d}')} at step "
+                 f"{start_step}" + (f" (torchrun restart {restarts} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS')})"
+                                    if restarts else ""))
+    return line

@@ -1,0 +1,98 @@
+"""--offload_activations: with --ac full, each block's input waits for backward in pinned host memory
+instead of on the GPU. A 70B model at seq 8192 keeps 80 block inputs of 128 MiB each per micro-batch:
+10 GiB that leave the GPU for PCIe traffic which, on a side stream, overlaps the blocks' compute.
+train.py's run_block is the only caller."""
+import torch
+
+
+class OffloadedInput:
+    """One block's input, kept in host memory for its backward, and its copy back to the device."""
+
+    def __init__(self, host, previous):
+        self.host = host
+        self.previous = previous  # the input of the block that ran before, whose backward runs next
+        self.device = None        # the copy back, once started
+        self.ready = None         # CUDA: an event on the copy stream, recorded when that copy is done
+
+
+class OffloadedCheckpoint(torch.autograd.Function):
+    """--ac full with --offload_activations: like full checkpointing, but the block's input waits for
+    backward in pinned CPU memory, so a 70B model's 80 block inputs (128 MiB each at seq 8192) leave
+    the GPU. Forward runs without a graph; backward copies the input back, recomputes the block with
+    autograd on and backpropagates through it (the gradients reach the unit's buffer as usual).
+
+    On CUDA the copies run on a side stream, so they overlap the blocks' compute instead of adding to
+    it: forward's copy to the host starts as the block starts computing; each block's backward first
+    starts the copy back of the previous block's input (whose backward runs next), so only the last
+    block of a micro-batch waits for its own. In backward at most two block inputs are on the GPU: this
+    block's and the one arriving. On the CPU the same steps are plain copies."""
+
+    latest = None        # the OffloadedInput of the latest forward: the next block's `previous`
+    copy_streams = {}    # CUDA device -> its side stream for the copies
+
+    @staticmethod
+    def forward(ctx, x, run):
+        ctx.run, ctx.device, ctx.saved = run, x.device, None
+        if ctx.needs_input_grad[0]:  # a backward will come (evaluation runs under no_grad: none will)
+            ctx.saved = OffloadedInput(OffloadedCheckpoint.to_host(x), previous=OffloadedCheckpoint.latest)
+            OffloadedCheckpoint.latest = ctx.saved
+        with torch.no_grad():
+            return run(x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        saved, ctx.saved = ctx.saved, None
+        if OffloadedCheckpoint.latest is saved:  # the last block: the next forward's first has no previous
+            OffloadedCheckpoint.latest = None
+        OffloadedCheckpoint.start_copy_back(saved, ctx.device)  # started by the next block's backward, but the last's
+        if saved.previous is not None:  # prefetch: it arrives while this block recomputes and backpropagates
+            OffloadedCheckpoint.start_copy_back(saved.previous, ctx.device)
+            saved.previous = None
+        x = OffloadedCheckpoint.wait_copy_back(saved, ctx.device).requires_grad_()
+        with torch.enable_grad():
+            out = ctx.run(x)
+        torch.autograd.backward(out, grad_out)
+        return x.grad, None
+
+    @staticmethod
+    def copy_stream(device):
+        if device not in OffloadedCheckpoint.copy_streams:
+            OffloadedCheckpoint.copy_streams[device] = torch.cuda.Stream(device)
+        return OffloadedCheckpoint.copy_streams[device]
+
+    @staticmethod
+    def to_host(x):
+        if not x.is_cuda:
+            return x.detach().clone()
+        host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)  # pinned: asynchronous copies
+        stream = OffloadedCheckpoint.copy_stream(x.device)
+        stream.wait_stream(torch.cuda.current_stream(x.device))  # x is written by the compute queued so far
+        with torch.cuda.stream(stream):
+            host.copy_(x, non_blocking=True)
+        x.record_stream(stream)  # the allocator keeps x's memory until the copy has read it
+        return host
+
+    @staticmethod
+    def start_copy_back(saved, device):
+        """Launches the copy of `saved` back to `device`, unless it is started already."""
+        if saved.device is not None:
+            return
+        if device.type != "cuda":
+            saved.device, saved.host = saved.host.to(device), None
+            return
+        stream = OffloadedCheckpoint.copy_stream(device)
+        saved.device = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=device)  # for the compute stream
+        stream.wait_stream(torch.cuda.current_stream(device))  # whatever used this memory before is done
+        with torch.cuda.stream(stream):
+            saved.device.copy_(saved.host, non_blocking=True)
+            saved.ready = torch.cuda.Event()
+            saved.ready.record(stream)
+        saved.device.record_stream(stream)  # not reused before the copy is done, even if never waited for
+        saved.host = None  # the pinned allocator keeps this memory until the copy is done
+
+    @staticmethod
+    def wait_copy_back(saved, device):
+        """The input on the device; the compute stream waits for its copy (not the host)."""
+        if saved.ready is not None:
+            torch.cuda.current_stream(device).wait_event(saved.ready)
+        return saved.device
