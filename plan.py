@@ -13,6 +13,7 @@ constant is in GPUS or ASSUMPTIONS, with where it comes from; `plan()` returns t
 import json
 
 import model as M
+import checks
 import metrics
 import train as T
 
@@ -331,7 +332,7 @@ def check(cfg) -> list[str]:
     errors = []
     if cfg.gpu not in GPUS:
         errors.append(f"--gpu: {cfg.gpu!r} is not one of {', '.join(GPUS)}")
-    if cfg.dtype != "bfloat16":
+    if cfg.dtype not in ("bfloat16", "auto"):  # auto is bfloat16 on GPUs
         errors.append(f"--dtype: the planner models bfloat16 compute only, got {cfg.dtype!r}")
     choices = dict(reduce_dtype=("float32", "bfloat16"), ac=("none", "full", "selective"))
     for name, allowed in choices.items():
@@ -386,7 +387,7 @@ def main(cfg):
     errors = check(cfg)
     if not errors:
         try:
-            mcfg = T.model_config(cfg)
+            mcfg = checks.model_config(cfg)
             errors += M.check_model_config(mcfg)
         except (OSError, KeyError, json.JSONDecodeError) as e:
             errors.append(f"--init_from: cannot read config.json: {e}")

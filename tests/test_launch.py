@@ -29,6 +29,7 @@ import time
 import pytest
 from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
 
+import checks  # noqa: E402
 import plan as P  # noqa: E402
 import train as T  # noqa: E402
 
@@ -211,7 +212,7 @@ def test_sbatch_runs_the_readme_recipe_and_it_fits():
     flags += ["--nnodes", str(sbatch_setting("nodes")), "--nproc_per_node", str(sbatch_setting("gpus-per-node")),
               "--gpu", "h100", "--plan"]
     cfg = T.parse_args(flags)
-    prediction = P.plan(T.model_config(cfg), cfg)
+    prediction = P.plan(checks.model_config(cfg), cfg)
     assert prediction["fits"], prediction
 
 

@@ -11,6 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import model as M  # noqa: E402
+import checks  # noqa: E402
 import plan as P  # noqa: E402
 import train as T  # noqa: E402
 
@@ -25,7 +26,7 @@ def config(**flags) -> T.TrainConfig:
 
 def predict(**flags) -> dict:
     cfg = config(**flags)
-    return P.plan(T.model_config(cfg), cfg)
+    return P.plan(checks.model_config(cfg), cfg)
 
 
 def test_torchtitan_llama31_8b_anchor():

@@ -1,0 +1,105 @@
+"""What can be wrong before any work starts, found on every rank before any process group exists, as
+one line each: the flags, the model's config (a preset, config.json, or a checkpoint's manifest), and
+the safetensors headers of --init_from. train.py's setup stops on the first list that is not empty."""
+import json
+import os
+
+import checkpoint as C
+import model as M
+
+
+def check_config(cfg, world: int) -> list[str]:
+    """Every problem with the flags, as one line each, found before any process group exists."""
+    errors = []
+    choices = dict(schedule=("cosine", "constant"), dtype=("auto", "bfloat16", "float32"),
+                   reduce_dtype=("float32", "bfloat16"), ac=("none", "full", "selective"),
+                   device=("auto", "cuda", "cpu"), resume=("auto", "never"))
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            errors.append(f"--{name}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+    for name in ("seq_len", "batch_size", "micro_batch_size", "log_every"):
+        if getattr(cfg, name) < 1:
+            errors.append(f"--{name}: must be >= 1, got {getattr(cfg, name)}")
+    if cfg.steps < 0:
+        errors.append(f"--steps: must be >= 0 (0 only converts --init_from to --export_hf), got {cfg.steps}")
+    trains = cfg.steps > 0 and not cfg.from_ckpt  # converting a checkpoint needs no batch and no data
+    if trains and cfg.batch_size >= 1 and cfg.micro_batch_size >= 1 and cfg.batch_size % (world * cfg.micro_batch_size):
+        errors.append(f"--batch_size: {cfg.batch_size} is not a multiple of world size x --micro_batch_size "
+                      f"= {world} x {cfg.micro_batch_size} = {world * cfg.micro_batch_size}")
+    if cfg.lr <= 0 or cfg.warmup_steps < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0:
+        errors.append("--lr must be > 0 and --warmup_steps, --weight_decay, --grad_clip >= 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(cfg, name) < 1:
+            errors.append(f"--{name}: must be in [0, 1), got {getattr(cfg, name)}")
+    if cfg.adam_eps <= 0:
+        errors.append(f"--adam_eps: must be > 0, got {cfg.adam_eps}")
+    if not cfg.init_from and cfg.model not in M.PRESETS:
+        errors.append(f"--model: unknown preset {cfg.model!r}; known: {', '.join(M.PRESETS)}")
+    if cfg.init_from and not os.path.isfile(os.path.join(cfg.init_from, "config.json")):
+        errors.append(f"--init_from: {os.path.join(cfg.init_from, 'config.json')} does not exist")
+    for name in ("data", "eval_data"):
+        path = getattr(cfg, name)
+        if trains and path not in ("sample", "auto", "") and not os.path.exists(path):
+            errors.append(f"--{name}: {path} does not exist")
+    if cfg.eval_data == "sample" and cfg.data != "sample":
+        errors.append("--eval_data: 'sample' evaluates the built-in sample's tokens; use it with --data sample")
+    if cfg.offload_activations and cfg.ac != "full":
+        errors.append(f"--offload_activations: offloads what --ac full keeps (each block's input); got --ac {cfg.ac}")
+    if cfg.eval_every < 0 or cfg.eval_batches < 1 or cfg.ce_chunk < 0:
+        errors.append("--eval_every and --ce_chunk must be >= 0, --eval_batches >= 1")
+    if cfg.max_skipped_steps < 0 or cfg.timeout_min <= 0 or cfg.gpu_hour_usd < 0:
+        errors.append("--max_skipped_steps and --gpu_hour_usd must be >= 0, --timeout_min > 0")
+    if cfg.ckpt_timeout_min <= 0:
+        errors.append(f"--ckpt_timeout_min: must be > 0, got {cfg.ckpt_timeout_min}")
+    if cfg.keep_ckpts < 2 or cfg.ckpt_every < 0:
+        errors.append(f"--keep_ckpts must be >= 2 and --ckpt_every >= 0, got {cfg.keep_ckpts}, {cfg.ckpt_every}")
+    if cfg.from_ckpt and not os.path.isfile(os.path.join(cfg.from_ckpt, "manifest.json")):
+        errors.append(f"--from_ckpt: {os.path.join(cfg.from_ckpt, 'manifest.json')} does not exist")
+    if cfg.from_ckpt and not cfg.export_hf:
+        errors.append("--from_ckpt: give --export_hf DIR too (a checkpoint is loaded to be exported)")
+    try:  # writable now, not after a day of training
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        probe = os.path.join(cfg.out_dir, f".write-test-{os.getpid()}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        errors.append(f"--out_dir: {cfg.out_dir} is not writable ({e.strerror})")
+    used = [n for n in ("checkpoints", "metrics.jsonl") if os.path.exists(os.path.join(cfg.out_dir, n))]
+    if trains and cfg.resume == "never" and used and not cfg.overwrite:
+        errors.append(f"--out_dir: {cfg.out_dir} already holds {' and '.join(used)}; --resume auto continues "
+                      f"from it, --overwrite true deletes them")
+    if cfg.export_hf and os.path.isdir(cfg.export_hf) and os.listdir(cfg.export_hf):
+        errors.append(f"--export_hf: {cfg.export_hf} exists and is not empty; remove it or choose another")
+    return errors
+
+
+def model_config(cfg) -> M.ModelConfig:
+    if cfg.from_ckpt:
+        with open(os.path.join(cfg.from_ckpt, "manifest.json")) as f:
+            return M.ModelConfig(**json.load(f)["model"])
+    if cfg.init_from:
+        with open(os.path.join(cfg.init_from, "config.json")) as f:
+            return M.config_from_hf(json.load(f))
+    return M.PRESETS[cfg.model]()
+
+
+def check_run(cfg, world: int):
+    """Returns (model config, {HF tensor name: file} or None, errors)."""
+    errors = check_config(cfg, world)
+    mcfg = hf_files = None
+    if not errors:
+        try:
+            mcfg = model_config(cfg)
+        except (KeyError, json.JSONDecodeError) as e:
+            errors.append(f"--init_from: cannot read config.json: {e}")
+        except ValueError as e:  # config.json describes a model this code does not build
+            errors.append(f"--init_from: {e}")
+    if mcfg is not None:
+        errors += M.check_model_config(mcfg)
+    if not errors and cfg.init_from and not cfg.from_ckpt:
+        try:  # headers only: a bad weight file is one line here, not a traceback at load
+            hf_files = C.hf_file_of_tensors(cfg.init_from)
+            C.check_hf_tensors(hf_files, mcfg, cfg.init_from)
+        except (ValueError, FileNotFoundError) as e:
+            errors.append(str(e))
+    return mcfg, hf_files, errors
