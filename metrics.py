@@ -185,7 +185,7 @@ def startup_line(cfg, sharded, start_step: int) -> str:
     line = (f"model {mcfg.n_layers}L d={mcfg.dim} {M.count_params(mcfg)['total'] / 1e6:.1f}M params | world {world} on "
             f"{device.type} | {len(sharded.units)} units | persistent state {state_gib:.3f} GiB/rank | "
             f"batch {cfg.batch_size} x {cfg.seq_len} = {cfg.batch_size * cfg.seq_len:,} tokens/step | "
-            f"accumulation {cfg.batch_size // (world * cfg.micro_batch_size)} | ac {cfg.ac} | {cfg.dtype} | "
+            f"accumulation {cfg.batch_size // (world * cfg.micro_batch_size)} | ac {cfg.ac} | {str(sharded.compute_dtype).removeprefix('torch.')} | "
             f"attention: {M.attention_kernel(device, sharded.compute_dtype, cfg.doc_mask)}")
     if start_step:
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun's, on this node
