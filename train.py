@@ -609,10 +609,10 @@ def adamw_step(units: list[Unit], cfg: TrainConfig, lr: float, step: int):
     for u in units:
         for lo, hi in u.decay_ranges:
             u.master_shard[lo:hi].mul_(1 - lr * cfg.weight_decay)
-    step_tensor = torch.full((), float(step), device=units[0].master_shard.device)  # bias corrections use it
+    steps = [torch.full((), float(step), device=u.master_shard.device) for u in units]  # for the bias corrections
     torch._fused_adamw_([u.master_shard for u in units], [u.grad_shard for u in units],
                         [u.optimizer_state["exp_avg"] for u in units], [u.optimizer_state["exp_avg_sq"] for u in units],
-                        [], [step_tensor] * len(units), lr=lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2,
+                        [], steps, lr=lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2,
                         weight_decay=0.0, eps=cfg.adam_eps, amsgrad=False, maximize=False)
 
 

@@ -4,6 +4,7 @@ import json
 import os
 import pickle
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,12 +95,20 @@ def test_resume_at_another_world_size(files, baseline, tmp_path, first, second):
     same_losses(read_metrics(tmp_path), expected, rel=1e-5)  # another reduction order: float32 noise only
 
 
+@pytest.fixture(scope="module")
+def three_checkpoints_once(files, tmp_path_factory):
+    out = tmp_path_factory.mktemp("three")
+    run_train(args(files, out, "--ckpt_every=2"), nproc=2)
+    assert ckpts(out) == ["step_00000002", "step_00000004", "step_00000006"]
+    return out
+
+
 @pytest.fixture
-def three_checkpoints(files, tmp_path):
-    cmd = args(files, tmp_path, "--ckpt_every=2")
-    run_train(cmd, nproc=2)
-    assert ckpts(tmp_path) == ["step_00000002", "step_00000004", "step_00000006"]
-    return cmd, tmp_path / "checkpoints" / "step_00000006"
+def three_checkpoints(files, three_checkpoints_once, tmp_path):
+    """A copy of one 6-step run with a save every 2 steps, for each test to damage as it likes."""
+    out = tmp_path / "run"
+    shutil.copytree(three_checkpoints_once, out)
+    return args(files, out, "--ckpt_every=2"), out / "checkpoints" / "step_00000006"
 
 
 def flip_byte(path):

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from common import ROOT, hf_model, read_metrics, run_train, save_hf, small_config
+from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
 
 TINY = ["--seq_len=64", "--batch_size=12", "--micro_batch_size=1", "--dtype=float32"]
 
@@ -154,9 +154,12 @@ def test_naive_step_equals_the_real_one(tmp_path):
     train_step (gather/free per unit, prefetch, BackwardBoundary, async reduce-scatters, fused AdamW,
     selective checkpointing) from the same weights at W=2 with two micro-batches: the same losses, norms
     and slices for three steps, to fp32 rounding (the two AdamW kernels differ in the last bits)."""
-    results = run_worker("naive", tmp_path, 2, ["--seq_len=64", "--batch_size=8", "--micro_batch_size=2",
+    cfg = small_config()
+    init_dir = save_hf(hf_model(cfg), str(tmp_path / "init"))
+    data = learnable_tokens(str(tmp_path / "tok.npy"), cfg.vocab_size, n=2000)
+    results = run_worker("naive", tmp_path, 2, ["--seq_len=32", "--batch_size=8", "--micro_batch_size=2",
                                                 "--dtype=float32", "--lr=1e-2", "--warmup_steps=1", "--grad_clip=0.5",
-                                                f"--out_dir={tmp_path / 'out'}"])
+                                                f"--init_from={init_dir}", f"--data={data}", f"--out_dir={tmp_path / 'out'}"])
     for r in results:
         real, naive = r["real"], r["naive"]
         assert real["grads_zero"] and naive["grads_zero"]
