@@ -468,8 +468,8 @@ def load_unit_from_hf(unit, files: dict, open_files: dict):
 
 def gather_full_unit(unit) -> torch.Tensor:
     """The whole unit in fp32 on every rank (transient: one unit)."""
-    full = torch.empty(unit.padded_numel, dtype=torch.float32, device=unit.master_shard.device)
-    all_gather_flat(full, unit.master_shard)
+    full = torch.empty(unit.padded_numel, dtype=torch.float32, device=unit.gathered.device)
+    all_gather_flat(full, unit.master_shard.to(full.device))  # from host memory with --offload_optimizer
     return full
 
 

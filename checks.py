@@ -43,6 +43,8 @@ def check_config(cfg, world: int) -> list[str]:
             errors.append(f"--{name}: {path} does not exist")
     if cfg.eval_data == "sample" and cfg.data != "sample":
         errors.append("--eval_data: 'sample' evaluates the built-in sample's tokens; use it with --data sample")
+    if cfg.ac_rest not in ("none", "selective") or cfg.ac_blocks < -1:
+        errors.append(f"--ac_rest must be none or selective and --ac_blocks >= -1, got {cfg.ac_rest!r}, {cfg.ac_blocks}")
     if cfg.offload_activations and cfg.ac != "full":
         errors.append(f"--offload_activations: offloads what --ac full keeps (each block's input); got --ac {cfg.ac}")
     if cfg.eval_every < 0 or cfg.eval_batches < 1 or cfg.ce_chunk < 0:
@@ -83,7 +85,31 @@ def model_config(cfg) -> M.ModelConfig:
     return M.PRESETS[cfg.model]()
 
 
-def check_run(cfg, world: int):
+def host_memory_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux): what the kernel can give without swapping."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def check_host_memory(cfg, mcfg: M.ModelConfig, world: int, state_bytes_per_param: int) -> list[str]:
+    """--offload_optimizer puts each rank's fp32 state in pinned host memory: all the node's ranks together
+    must fit in what the machine has now, or the kernel kills the job mid-run instead of this line."""
+    if not cfg.offload_optimizer or cfg.plan:
+        return []
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    needed = state_bytes_per_param * M.count_params(mcfg)["total"] / world * local_world
+    available = host_memory_available_bytes()
+    if available is None or needed <= 0.9 * available:  # pinned memory cannot be swapped: leave 10%
+        return []
+    return [f"--offload_optimizer: the {local_world} rank(s) on this node need {needed / 2**30:,.1f} GiB of host memory "
+            f"for their optimizer state ({state_bytes_per_param} B per parameter / {world} ranks), and this machine has "
+            f"{available / 2**30:,.1f} GiB available; use more nodes, or train without --offload_optimizer"]
+
+
+def check_run(cfg, world: int, state_bytes_per_param: int):
     """Returns (model config, {HF tensor name: file} or None, errors)."""
     errors = check_config(cfg, world)
     mcfg = hf_files = None
@@ -95,7 +121,7 @@ def check_run(cfg, world: int):
         except ValueError as e:  # config.json describes a model this code does not build
             errors.append(f"--init_from: {e}")
     if mcfg is not None:
-        errors += M.check_model_config(mcfg)
+        errors += M.check_model_config(mcfg) or check_host_memory(cfg, mcfg, world, state_bytes_per_param)
     if not errors and cfg.init_from and not cfg.from_ckpt:
         try:  # headers only: a bad weight file is one line here, not a traceback at load
             hf_files = C.hf_file_of_tensors(cfg.init_from)

@@ -182,8 +182,12 @@ def startup_line(cfg, sharded, start_step: int) -> str:
     """What runs where, printed once by rank 0 (and where a resumed run starts)."""
     mcfg, world, device = sharded.model.cfg, sharded.world, sharded.device
     state_gib = sum(u.persistent_bytes() for u in sharded.units) / 2**30
+    device_gib = sum(u.persistent_bytes(on_device_only=True) for u in sharded.units) / 2**30
+    where = (f"persistent state {device_gib:.3f} GiB/rank on {device.type}, {state_gib - device_gib:.3f} GiB/rank "
+             f"in host memory (--offload_optimizer)" if sharded.units[0].offload else
+             f"persistent state {state_gib:.3f} GiB/rank")
     line = (f"model {mcfg.n_layers}L d={mcfg.dim} {M.count_params(mcfg)['total'] / 1e6:.1f}M params | world {world} on "
-            f"{device.type} | {len(sharded.units)} units | persistent state {state_gib:.3f} GiB/rank | "
+            f"{device.type} | {len(sharded.units)} units | {where} | "
             f"batch {cfg.batch_size} x {cfg.seq_len} = {cfg.batch_size * cfg.seq_len:,} tokens/step | "
             f"accumulation {cfg.batch_size // (world * cfg.micro_batch_size)} | ac {cfg.ac} | {str(sharded.compute_dtype).removeprefix('torch.')} | "
             f"attention: {M.attention_kernel(device, sharded.compute_dtype, cfg.doc_mask)}")

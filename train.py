@@ -91,6 +91,12 @@ class TrainConfig:
                              "where bf16 matmuls are often emulated); master weights and optimizer state are fp32")
     reduce_dtype: str = opt("float32", "dtype of the gradient reduce-scatter, 'float32' or 'bfloat16'")
     ac: str = opt("selective", "activation checkpointing per block: 'none', 'full' or 'selective'")
+    ac_blocks: int = opt(-1, "partial checkpointing: only the first N blocks use --ac, the others --ac_rest "
+                             "(-1: every block uses --ac)")
+    ac_rest: str = opt("none", "with --ac_blocks: the policy of the blocks after the first N, 'none' or 'selective'")
+    offload_optimizer: bool = opt(False, "keep the fp32 master slices, the optimizer state and the fp32 gradient "
+                                         "accumulators in pinned host memory and run the optimizer on the CPU; the GPU "
+                                         "keeps a compute-dtype copy of its slices for the all-gathers")
     offload_activations: bool = opt(False, "with --ac full: keep each block's input in pinned CPU memory until "
                                            "backward, instead of on the GPU")
     ce_chunk: int = opt(1024, "tokens per cross-entropy chunk: fp32 logits exist for this many tokens at a time")
@@ -231,7 +237,8 @@ class Unit:
     """A sharding unit: its parameters' slots in a flat buffer, this rank's slices (fp32 master, gradient,
     optimizer state), and the gathered buffer whose views the modules use while the unit runs."""
 
-    def __init__(self, name, model, param_names, rank, world, device, compute_dtype, reduce_dtype, reduces_in_flight):
+    def __init__(self, name, model, param_names, rank, world, device, compute_dtype, reduce_dtype, reduces_in_flight,
+                 offload: bool = False, host_adds: list | None = None):
         self.name = name
         self.slots = []
         offset = 0
@@ -249,10 +256,17 @@ class Unit:
         self.shard_numel = self.padded_numel // world
         self.shard_start = rank * self.shard_numel  # this rank's slice of the flat buffer
 
-        f32 = dict(dtype=torch.float32, device=device)
+        # --offload_optimizer: the fp32 slices live in pinned host memory (pinned: copies to and from the GPU
+        # run without the host waiting), the optimizer runs on the CPU, and the GPU keeps `compute_shard`, a
+        # compute-dtype copy of the master slice, which is what the all-gathers read.
+        self.offload = offload
+        f32 = dict(dtype=torch.float32, device="cpu" if offload else device,
+                   pin_memory=offload and device.type == "cuda")
         self.master_shard = torch.zeros(self.shard_numel, **f32)
         self.grad_shard = torch.zeros(self.shard_numel, **f32)
         self.optimizer_state = {name: torch.zeros(self.shard_numel, **f32) for name in OPTIMIZER_STATE}
+        self.compute_shard = torch.zeros(self.shard_numel, dtype=compute_dtype, device=device) if offload else None
+        self.host_adds = host_adds  # offload: gradient slices on their way to host memory (add_grad)
         self.reduce_dtype = reduce_dtype
         # Weight decay goes on matrices only (norm weights are 1-D): slices of this rank's shard.
         self.decay_ranges = []
@@ -280,7 +294,7 @@ class Unit:
         if self.is_gathered():
             return
         self.gathered.untyped_storage().resize_(self._storage_bytes)
-        self._send = self.master_shard.to(self.gathered.dtype)  # bf16 over the wire: half the bytes
+        self._send = self.gather_input()
         self._gather_work = all_gather_flat(self.gathered.data, self._send, async_op=True)  # .data: see above
 
     def wait_gather(self):
@@ -289,6 +303,16 @@ class Unit:
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work, self._send = None, None
+
+    def gather_input(self) -> torch.Tensor:
+        """This rank's slice in the compute dtype, on the device: bf16 over the wire is half the bytes."""
+        return self.compute_shard if self.offload else self.master_shard.to(self.gathered.dtype)
+
+    def refresh_compute_shard(self):
+        """--offload_optimizer: after the optimizer (or a load) changed the host master slice. The fp32
+        slice crosses PCIe and is cast on the device, so the cast is the same arithmetic as without offload."""
+        if self.offload:
+            self.compute_shard.copy_(self.master_shard.to(self.compute_shard.device, non_blocking=True))
 
     def free(self):
         assert self._gather_work is None, f"{self.name}: freed while its all-gather is in flight"
@@ -323,9 +347,27 @@ class Unit:
         work = reduce_scatter_flat(out, grad, op=dist.ReduceOp.SUM, async_op=True)
         self.reduces_in_flight.append((self, work, out, grad))
 
-    def persistent_bytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.master_shard, self.grad_shard, *self.optimizer_state.values()))
+    def add_grad(self, out: torch.Tensor):
+        """Adds a reduce-scattered slice into the fp32 accumulator. Offloaded, the slice is copied to host
+        memory without waiting (on CUDA) and added there later, by finish_host_adds: the host thread keeps
+        queuing backward meanwhile. At most two copies wait, so their pinned buffers stay small."""
+        if not self.offload:
+            self.grad_shard.add_(out)
+            return
+        host = torch.empty(out.shape, dtype=out.dtype, device="cpu", pin_memory=out.is_cuda)
+        host.copy_(out, non_blocking=True)
+        copied = torch.cuda.Event() if out.is_cuda else None
+        if copied is not None:
+            copied.record()
+        self.host_adds.append((self, host, out, copied))  # `out` stays alive until the copy has read it
+        finish_host_adds(self.host_adds, keep=2)
+
+    def persistent_bytes(self, on_device_only: bool = False) -> int:
+        """Bytes this rank keeps between steps (offloaded: on the device, the compute-dtype slice only)."""
+        host = (self.master_shard, self.grad_shard, *self.optimizer_state.values())
+        device = (self.compute_shard,) if self.offload else ()
+        tensors = device if on_device_only and self.offload else host + device
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 MAX_REDUCES_IN_FLIGHT = 1  # full-unit gradients in --reduce_dtype left reducing while the next unit's backward runs
@@ -337,16 +379,28 @@ def finish_reduces(reduces_in_flight: list, keep: int = 0):
     while len(reduces_in_flight) > keep:
         unit, work, out, _ = reduces_in_flight.pop(0)
         work.wait()
-        unit.grad_shard.add_(out)
+        unit.add_grad(out)
 
 
-def build_units(model: M.Llama, rank, world, device, compute_dtype, reduce_dtype, reduces_in_flight) -> list[Unit]:
+def finish_host_adds(host_adds: list, keep: int = 0):
+    """--offload_optimizer: waits for the oldest gradient copies to host memory until `keep` remain, and
+    adds each into its unit's host accumulator (fp32, as on the device)."""
+    while len(host_adds) > keep:
+        unit, host, _, copied = host_adds.pop(0)
+        if copied is not None:
+            copied.synchronize()
+        unit.grad_shard.add_(host)
+
+
+def build_units(model: M.Llama, rank, world, device, compute_dtype, reduce_dtype, reduces_in_flight,
+                offload: bool = False, host_adds: list | None = None) -> list[Unit]:
     """embed, layers.0 .. layers.{L-1}, head -- in the order they run."""
     names = [n for n, _ in model.named_parameters()]
     groups = [("embed", ["embed_tokens.weight"])]
     groups += [(f"layers.{i}", [n for n in names if n.startswith(f"layers.{i}.")]) for i in range(len(model.layers))]
     groups += [("head", [n for n in names if n.startswith(("norm.", "lm_head."))])]
-    return [Unit(g, model, p, rank, world, device, compute_dtype, reduce_dtype, reduces_in_flight) for g, p in groups]
+    return [Unit(g, model, p, rank, world, device, compute_dtype, reduce_dtype, reduces_in_flight, offload, host_adds)
+            for g, p in groups]
 
 
 # ================================================================================================
@@ -356,8 +410,9 @@ def build_units(model: M.Llama, rank, world, device, compute_dtype, reduce_dtype
 def init_unit_random(unit: Unit, index: int, seed: int, std: float):
     """HF's init (normal(0, std) matrices, ones for norms) on the unit's full shape from the unit's own
     generator, then keep this rank's slice: the same weights for every W."""
-    gen = torch.Generator(device=unit.master_shard.device).manual_seed(seed * 100003 + index)
-    full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=unit.master_shard.device)
+    device = unit.gathered.device  # the same numbers with and without --offload_optimizer
+    gen = torch.Generator(device=device).manual_seed(seed * 100003 + index)
+    full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
     for slot in unit.slots:
         piece = full[slot.offset:slot.offset + math.prod(slot.shape)]
         piece.fill_(1.0) if len(slot.shape) == 1 else piece.normal_(0.0, std, generator=gen)
@@ -436,15 +491,25 @@ class Stage(NamedTuple):
     backward_units: list         # gathered again for its backward
 
 
-def make_stages(model: M.Llama, units: list[Unit], ac: str, ce_chunk: int, offload: bool = False) -> list[Stage]:
+def block_policies(n_layers: int, ac: str, ac_blocks: int = -1, ac_rest: str = "none") -> list[str]:
+    """Each block's checkpointing policy: --ac for the first --ac_blocks blocks (all with -1), --ac_rest
+    for the others. Memory freed elsewhere (--offload_optimizer) becomes less recompute this way."""
+    n = n_layers if ac_blocks < 0 else min(ac_blocks, n_layers)
+    return [ac] * n + [ac_rest] * (n_layers - n)
+
+
+def make_stages(model: M.Llama, units: list[Unit], ac: str, ce_chunk: int, offload: bool = False,
+                ac_blocks: int = -1, ac_rest: str = "none") -> list[Stage]:
     """The embedding's backward only needs the token ids, so it is not gathered again for backward.
     With tied embeddings the head also needs the embedding unit (its weight is the head's)."""
     embed, blocks, head = units[0], units[1:-1], units[-1]
     head_units = [head, embed] if model.cfg.tie_embeddings else [head]
     stages = [Stage(lambda x, batch: model.embed(x), [embed], [])]
+    policies = block_policies(len(blocks), ac, ac_blocks, ac_rest)
     for i, unit in enumerate(blocks):
-        stages.append(Stage(lambda x, batch, i=i: run_block(model.layers[i], ac, x, batch["cos"], batch["sin"],
-                                                          batch["layout"], offload), [unit], [unit]))
+        block_offload = offload and policies[i] == "full"  # --offload_activations moves what `full` keeps
+        stages.append(Stage(lambda x, batch, i=i, ac=policies[i], off=block_offload: run_block(
+            model.layers[i], ac, x, batch["cos"], batch["sin"], batch["layout"], off), [unit], [unit]))
     stages.append(Stage(lambda x, batch: model.head_loss(x, batch["targets"], ce_chunk) / batch["n_tokens"],
                         head_units, head_units))
     return stages
@@ -465,10 +530,11 @@ class ShardedModel:
         self.compute_dtype = compute_dtype(cfg.dtype, device)
         with torch.device("meta"):  # shapes only: construction allocates nothing
             self.model = M.Llama(mcfg)
-        self.reduces_in_flight = []
-        self.units = build_units(self.model, rank, world, device, self.compute_dtype,
-                                 getattr(torch, cfg.reduce_dtype), self.reduces_in_flight)
-        self.stages = make_stages(self.model, self.units, cfg.ac, cfg.ce_chunk, cfg.offload_activations)
+        self.reduces_in_flight, self.host_adds = [], []
+        self.units = build_units(self.model, rank, world, device, self.compute_dtype, getattr(torch, cfg.reduce_dtype),
+                                 self.reduces_in_flight, cfg.offload_optimizer, self.host_adds)
+        self.stages = make_stages(self.model, self.units, cfg.ac, cfg.ce_chunk, cfg.offload_activations,
+                                  cfg.ac_blocks, cfg.ac_rest)
         self.prefetch = cfg.prefetch
 
     def loss(self, batch: dict) -> torch.Tensor:
@@ -504,6 +570,11 @@ class ShardedModel:
 
     def finish_reduces(self):
         finish_reduces(self.reduces_in_flight)
+        finish_host_adds(self.host_adds)
+
+    def refresh_compute_shards(self):
+        for unit in self.units:
+            unit.refresh_compute_shard()
 
 
 def micro_batches(cfg, sharded: ShardedModel, windows, position: int) -> list[dict]:
@@ -548,7 +619,7 @@ def train_step_naive(cfg, sharded: ShardedModel, windows, step: int, position: i
     full = {}
     for unit in sharded.units:
         full[unit.name] = torch.empty(unit.padded_numel, dtype=sharded.compute_dtype, device=sharded.device)
-        all_gather_flat(full[unit.name], unit.master_shard.to(sharded.compute_dtype))
+        all_gather_flat(full[unit.name], unit.gather_input())
         full[unit.name].requires_grad_()
         unit.set_views(full[unit.name])
     model, loss_sum = sharded.model, torch.zeros((), device=sharded.device)
@@ -560,22 +631,25 @@ def train_step_naive(cfg, sharded: ShardedModel, windows, step: int, position: i
         loss.backward()  # gradients accumulate into full[...].grad over the micro-batches
         loss_sum += loss.detach().float()
     for unit in sharded.units:
-        reduce_scatter_flat(unit.grad_shard, full[unit.name].grad.float(), op=dist.ReduceOp.SUM)
+        out = torch.empty(unit.shard_numel, device=sharded.device)
+        reduce_scatter_flat(out, full[unit.name].grad.float(), op=dist.ReduceOp.SUM)
+        unit.grad_shard.copy_(out)  # to host memory with --offload_optimizer
     dist.all_reduce(loss_sum)
-    grad_norm = global_grad_norm(sharded.units)
+    grad_norm = global_grad_norm(sharded.units, sharded.device)
     scale = min(1.0, cfg.grad_clip / (grad_norm.item() + 1e-6)) if cfg.grad_clip > 0 else 1.0
     for unit in sharded.units:
         unit.grad_shard.mul_(scale)
     adamw_step_reference(sharded.units, cfg, lr_at(cfg, step), step)
     for unit in sharded.units:
         unit.grad_shard.zero_()
+    sharded.refresh_compute_shards()
     return loss_sum.item(), grad_norm.item()
 
 
-def global_grad_norm(units: list[Unit]) -> torch.Tensor:
+def global_grad_norm(units: list[Unit], device: torch.device) -> torch.Tensor:
     """L2 norm over all ranks' slices: local sum of squares, one all-reduce of one scalar. The padding's
     gradient is exactly zero, so it adds nothing."""
-    sq = torch.stack([torch.linalg.vector_norm(u.grad_shard) for u in units]).square().sum()
+    sq = torch.stack([torch.linalg.vector_norm(u.grad_shard) for u in units]).square().sum().to(device)
     dist.all_reduce(sq)
     return sq.sqrt()
 
@@ -659,7 +733,7 @@ def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) ->
     value and takes the same branch) skips the update: the weights and optimizer state stay as they were."""
     units = sharded.units
     loss, local_finite = forward_backward(cfg, sharded, windows, step, position)
-    grad_norm = global_grad_norm(units)
+    grad_norm = global_grad_norm(units, sharded.device)
     # The step's one host sync: the clip factor and the skip decision need both numbers on the host.
     loss, grad_norm = torch.stack([loss.float(), grad_norm.float()]).tolist()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -675,9 +749,10 @@ def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) ->
         if scale != 1.0:
             for u in units:
                 u.grad_shard.mul_(scale)
-    optimizer_step(units, cfg, lr_at(cfg, step), step)
+    optimizer_step(units, cfg, lr_at(cfg, step), step)  # on the CPU with --offload_optimizer
     for u in units:
         u.grad_shard.zero_()
+    sharded.refresh_compute_shards()
     return loss, grad_norm
 
 
@@ -705,7 +780,8 @@ def setup(cfg: TrainConfig):
     """Everything before the first step: checks, data, processes, the sharded model, its weights (from
     a checkpoint, --init_from or the seed). Returns (sharded, windows, eval_windows, step, position):
     the last step done (0 on a fresh start) and the data position after it."""
-    mcfg, hf_files, errors = check_run(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # checks.py
+    state_bytes_per_param = 4 * (2 + len(OPTIMIZER_STATE))  # fp32 master, gradient, optimizer state
+    mcfg, hf_files, errors = check_run(cfg, int(os.environ.get("WORLD_SIZE", 1)), state_bytes_per_param)  # checks.py
     if errors:
         fail("; ".join(errors))
 
@@ -726,8 +802,10 @@ def setup(cfg: TrainConfig):
     candidates = [cfg.from_ckpt] if cfg.from_ckpt else C.resume_candidates(ckpt_root) if cfg.resume == "auto" else []
     if candidates:
         step, position = C.resume(cfg, mcfg, sharded.units, windows, rank, candidates, fallback=not cfg.from_ckpt)
+        sharded.refresh_compute_shards()
         return sharded, windows, eval_windows, step, position
     init_weights(cfg, mcfg, sharded.units, hf_files)
+    sharded.refresh_compute_shards()
     return sharded, windows, eval_windows, 0, 0
 
 

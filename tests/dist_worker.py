@@ -63,9 +63,13 @@ def memory(cfg, sharded, windows):
 def ac(cfg, sharded, windows):
     units = sharded.units
     grads = {}
-    for mode in ("none", "full", "selective", "offload"):
-        sharded.stages = T.make_stages(sharded.model, units, mode.replace("offload", "full"), cfg.ce_chunk,
-                                       offload=mode == "offload")
+    modes = {"none": ("none", False, -1, "none"), "full": ("full", False, -1, "none"),
+             "selective": ("selective", False, -1, "none"), "offload": ("full", True, -1, "none"),
+             # partial checkpointing (--ac_blocks N --ac_rest R): the first N blocks --ac, the others R
+             "full 2 + none": ("full", False, 2, "none"), "offload 1 + selective": ("full", True, 1, "selective"),
+             "selective 3 + none": ("selective", False, 3, "none")}
+    for mode, (policy, offload, ac_blocks, ac_rest) in modes.items():
+        sharded.stages = T.make_stages(sharded.model, units, policy, cfg.ce_chunk, offload, ac_blocks, ac_rest)
         loss, _ = T.forward_backward(cfg, sharded, windows, 1, 0)
         grads[mode] = ([u.grad_shard.clone() for u in units], loss.item())
         for u in units:

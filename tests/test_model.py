@@ -89,3 +89,11 @@ def test_default_dtype_is_bf16_on_gpus_and_fp32_on_cpus():
     assert T.compute_dtype("auto", torch.device("cpu")) is torch.float32
     assert T.compute_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
     assert T.compute_dtype("float32", torch.device("cuda", 0)) is torch.float32
+
+
+def test_partial_checkpointing_gives_each_block_its_policy():
+    import train as T
+    assert T.block_policies(4, "full") == ["full"] * 4
+    assert T.block_policies(4, "full", 1, "selective") == ["full", "selective", "selective", "selective"]
+    assert T.block_policies(4, "selective", 0) == ["none"] * 4
+    assert T.block_policies(4, "full", 9) == ["full"] * 4

@@ -1,0 +1,98 @@
+"""--offload_optimizer: the fp32 master slices, optimizer state and gradient accumulators in host memory,
+the optimizer on the CPU, a compute-dtype copy of the slices on the device. On CPU the arithmetic must be
+the same bit for bit as without it, at any W, and checkpoints must move between the two either way."""
+import os
+
+import pytest
+from common import hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
+
+BASE = ["--seq_len=16", "--batch_size=12", "--micro_batch_size=2", "--dtype=float32", "--steps=6", "--lr=3e-3",
+        "--warmup_steps=2", "--seed=1", "--ckpt_every=3", "--eval_every=0"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("offload")
+    cfg = small_config()
+    init = save_hf(hf_model(cfg, seed=3), str(root / "init"))
+    data = learnable_tokens(str(root / "tok.npy"), cfg.vocab_size, n=3000)
+    return [f"--init_from={init}", f"--data={data}"]
+
+
+@pytest.fixture(scope="module")
+def plain(files, tmp_path_factory):
+    """Without offload, W=2, 6 steps, saves at 3 and 6, exported."""
+    out = tmp_path_factory.mktemp("plain")
+    run_train(BASE + files + [f"--out_dir={out}", f"--export_hf={out / 'hf'}"], nproc=2)
+    return out
+
+
+def exported(out):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(out, "hf", "model.safetensors"))
+
+
+def same_run(got_out, want_out):
+    got, want = read_metrics(got_out), read_metrics(want_out)
+    assert [(m["step"], m["loss"], m["grad_norm"]) for m in got] == [(m["step"], m["loss"], m["grad_norm"]) for m in want]
+    got_w, want_w = exported(got_out), exported(want_out)
+    assert got_w.keys() == want_w.keys() and all((got_w[k] == want_w[k]).all() for k in want_w)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_offloaded_optimizer_is_bit_identical(files, plain, tmp_path, world):
+    reference = plain
+    if world != 2:
+        reference = tmp_path / "plain"
+        run_train(BASE + files + [f"--out_dir={reference}", f"--export_hf={reference / 'hf'}"], nproc=world)
+    out = tmp_path / "offload"
+    proc = run_train(BASE + files + [f"--out_dir={out}", f"--export_hf={out / 'hf'}", "--offload_optimizer=true"],
+                     nproc=world)
+    assert "in host memory" in proc.stdout  # the start-up line says where the state is
+    same_run(out, reference)
+    assert read_metrics(out)[-1]["loss"] < read_metrics(out)[0]["loss"]  # it trained
+
+
+@pytest.mark.parametrize("first,then", [("true", "false"), ("false", "true")], ids=["offloaded->device", "device->offloaded"])
+def test_checkpoints_move_between_offloaded_and_not(files, plain, tmp_path, first, then):
+    """Save at step 3 one way (killed in step 4), resume to step 6 the other way: the run is the
+    uninterrupted one, bit for bit."""
+    out = tmp_path / "run"
+    proc = run_train(BASE + files + [f"--out_dir={out}", f"--offload_optimizer={first}"], nproc=2,
+                     env={"ZERO3_FAULT": "kill_mid_step:4"}, check=False)
+    assert proc.returncode != 0 and os.path.isdir(out / "checkpoints" / "step_00000003")
+    proc = run_train(BASE + files + [f"--out_dir={out}", f"--export_hf={out / 'hf'}", f"--offload_optimizer={then}"],
+                     nproc=2)
+    assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
+    same_run(out, plain)
+
+
+def test_offload_without_the_host_memory_for_it_stops_at_once(tmp_path):
+    """Llama-3-70B's optimizer state is over 1 TB on one rank: one line before any allocation, not an
+    OOM-kill mid-run."""
+    proc = run_train(["--model=llama3-70b", "--offload_optimizer=true", "--steps=1", f"--out_dir={tmp_path}"],
+                     nproc=1, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert "error: --offload_optimizer: the 1 rank(s) on this node need 1,051.3 GiB of host memory" in proc.stderr
+    assert "GiB available; use more nodes, or train without --offload_optimizer" in proc.stderr
+
+
+def test_offloaded_state_lives_in_host_memory(tmp_path):
+    """What each tensor is: fp32 master, gradient and AdamW state off the compute device, the compute-dtype
+    slice on it (on CPU both are the CPU: the counts and dtypes are what can be checked)."""
+    import torch
+    import model as M
+    import train as T
+    with torch.device("meta"):
+        model = M.Llama(small_config())
+    units = T.build_units(model, 0, 2, torch.device("cpu"), torch.bfloat16, torch.float32, [], offload=True,
+                          host_adds=[])
+    for u in units:
+        assert u.compute_shard.dtype == torch.bfloat16 and u.compute_shard.numel() == u.shard_numel
+        assert u.master_shard.dtype == u.grad_shard.dtype == torch.float32
+        assert set(u.optimizer_state) == set(T.OPTIMIZER_STATE)
+        assert u.persistent_bytes(on_device_only=True) == 2 * u.shard_numel
+        assert u.persistent_bytes() == (16 + 2) * u.shard_numel
+        u.master_shard.fill_(1.5)
+        u.refresh_compute_shard()
+        assert (u.compute_shard == 1.5).all() and u.gather_input() is u.compute_shard
