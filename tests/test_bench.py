@@ -21,12 +21,13 @@ def test_gpu_benchmark_dry_run_on_cpu(tmp_path):
     check = results["correctness"]
     assert check["ok"] and check["float32"]["worst_rel"] <= 1e-4 and check["bfloat16"]["worst_rel"] <= 2e-2
     runs = results["runs"]
-    assert set(runs) == {"ours", "ours, --prefetch false", "ours + torch.compile per block",
-                         "transformers + FSDP2"}
+    assert set(runs) == {"ours", "ours, --prefetch false", "ours, --offload_optimizer true",
+                         "ours + torch.compile per block", "transformers + FSDP2"}
     for name, run in runs.items():
         assert "error" not in run, (name, run)
         assert run["tokens_per_sec_per_gpu"] > 0 and len(run["losses"]) == 3
     assert runs["ours + torch.compile per block"]["loss_vs_eager_rel"] <= 2e-2
+    assert runs["ours, --offload_optimizer true"]["loss_vs_eager_rel"] == 0.0  # on CPU: the same arithmetic
     assert "| ours | " in proc.stdout and "| transformers + FSDP2 | " in proc.stdout
 
 

@@ -19,7 +19,7 @@ CASES = [
     (["--init_from=/nonexistent"], "--init_from: /nonexistent/config.json does not exist"),
     (["--data=/nonexistent.npy"], "--data: /nonexistent.npy does not exist"),
     (["--ac=some"], "--ac: 'some' is not one of none, full, selective"),
-    (["--dtype=float16"], "--dtype: 'float16' is not one of bfloat16, float32"),
+    (["--dtype=float16"], "--dtype: 'float16' is not one of auto, bfloat16, float32"),
     (["--seq_len=0"], "--seq_len: must be >= 1"),
     (["--out_dir=/proc/version/out"], "--out_dir: /proc/version/out is not writable"),
     (["--keep_ckpts=1"], "--keep_ckpts must be >= 2"),
