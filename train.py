@@ -790,6 +790,9 @@ def setup(cfg: TrainConfig):
         mcfg, windows, eval_windows = D.open_data(cfg, mcfg)
 
     rank, world, device = init_processes(cfg)
+    threads = optimizer_threads(cfg, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(os.sched_getaffinity(0)))
+    if threads:
+        torch.set_num_threads(threads)
     C.claim_out_dir(cfg.out_dir, rank, world, device)
     sharded = ShardedModel(cfg, mcfg, rank, world, device)
     ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
@@ -807,6 +810,14 @@ def setup(cfg: TrainConfig):
     init_weights(cfg, mcfg, sharded.units, hf_files)
     sharded.refresh_compute_shards()
     return sharded, windows, eval_windows, 0, 0
+
+
+def optimizer_threads(cfg, device: torch.device, local_world: int, cores: int) -> int | None:
+    """--offload_optimizer on GPUs: the optimizer runs on the CPU, over 16 B per parameter / W, and torchrun
+    gives each worker one thread (OMP_NUM_THREADS=1). Each rank takes its share of the node's cores."""
+    if cfg.offload_optimizer and device.type == "cuda":
+        return max(1, cores // local_world)
+    return None
 
 
 def catch_stop_signals() -> list:

@@ -96,3 +96,15 @@ def test_offloaded_state_lives_in_host_memory(tmp_path):
         u.master_shard.fill_(1.5)
         u.refresh_compute_shard()
         assert (u.compute_shard == 1.5).all() and u.gather_input() is u.compute_shard
+
+
+def test_the_cpu_update_gets_its_share_of_the_cores():
+    """On GPUs torchrun runs each worker with one thread; the offloaded update would then use one core of
+    the node's ~100. Each rank takes cores / ranks on the node; on CPU runs nothing changes."""
+    import torch
+    import train as T
+    offload, plain = T.TrainConfig(offload_optimizer=True), T.TrainConfig()
+    assert T.optimizer_threads(offload, torch.device("cuda", 0), 8, 112) == 14
+    assert T.optimizer_threads(offload, torch.device("cuda", 0), 8, 4) == 1
+    assert T.optimizer_threads(plain, torch.device("cuda", 0), 8, 112) is None
+    assert T.optimizer_threads(offload, torch.device("cpu"), 2, 2) is None
