@@ -5,11 +5,15 @@
         --gpu_hour_usd 2.00 [--plan_json plan.json]
 
 Everything printed is a prediction. The memory model follows this trainer's design (train.py sections 3
-and 5): which buffers exist at the three moments memory peaks in a micro-batch. The time model is FLOPs /
-(peak x an efficiency derived from published runs), against the bytes the collectives move. Every
+and 5): which buffers exist at the three moments memory peaks in a micro-batch, each block by its own
+checkpointing policy (--ac, --ac_blocks, --ac_rest), and what --offload_optimizer and
+--offload_activations keep in pinned host memory instead. The time model is FLOPs / (peak x an efficiency
+derived from published runs), against the bytes the collectives move, plus, with --offload_optimizer, the
+PCIe copies and the CPU update. `partial_checkpointing` finds the fewest --ac blocks that fit. Every
 constant is in GPUS or ASSUMPTIONS, with where it comes from; `plan()` returns them all.
 """
 
+import dataclasses
 import json
 
 import model as M
@@ -28,18 +32,30 @@ def state_bytes() -> int:
     return 4 * (2 + len(T.OPTIMIZER_STATE))
 
 
+# bench/host_adamw.py on the development machine (BENCHMARKS.md, "CPU: host AdamW and gradient accumulation"),
+# 1 thread, 256M elements, 2026-12-03.
+HOST_ADAMW_PER_CORE = 7.43e8       # 20.8 GB/s of state touched
+HOST_ACCUMULATE_PER_CORE = 2.25e8  # accumulator.add_(bf16 slice); staged via an fp32 buffer: 8.83e8
+ADAMW_HOST_BYTES = 28       # torch._fused_adamw_: read param, grad, exp_avg, exp_avg_sq; write three of them
+
+
 # Bandwidths are achievable per-GPU bus bandwidths for large messages, below the nominal link rate.
 GPUS = {
     "h100": dict(device_name="NVIDIA H100 80GB HBM3", memory_mib=81559, family="h100",
-                 hbm_gbps=3350, nvlink_gbps=360, ib_gbps=40, pcie_gbps=40),
+                 hbm_gbps=3350, nvlink_gbps=360, ib_gbps=40, pcie_gbps=40,
+                 host_memory_gib_per_node=2048, host_cores_per_node=112, host_memory_gbps_per_node=614),
     "h100-pcie": dict(device_name="NVIDIA H100 PCIe", memory_mib=81559, family="h100",
-                      hbm_gbps=2000, nvlink_gbps=40, ib_gbps=40, pcie_gbps=40),
+                      hbm_gbps=2000, nvlink_gbps=40, ib_gbps=40, pcie_gbps=40,
+                      host_memory_gib_per_node=1024, host_cores_per_node=64, host_memory_gbps_per_node=614),
     "h200": dict(device_name="NVIDIA H200", memory_mib=143771, family="h100",
-                 hbm_gbps=4800, nvlink_gbps=360, ib_gbps=40, pcie_gbps=40),
+                 hbm_gbps=4800, nvlink_gbps=360, ib_gbps=40, pcie_gbps=40,
+                 host_memory_gib_per_node=2048, host_cores_per_node=112, host_memory_gbps_per_node=614),
     "a100": dict(device_name="NVIDIA A100-SXM4-80GB", memory_mib=81920, family="a100",
-                 hbm_gbps=2039, nvlink_gbps=230, ib_gbps=20, pcie_gbps=20),
+                 hbm_gbps=2039, nvlink_gbps=230, ib_gbps=20, pcie_gbps=20,
+                 host_memory_gib_per_node=2048, host_cores_per_node=128, host_memory_gbps_per_node=410),
     "a100-40gb": dict(device_name="NVIDIA A100-SXM4-40GB", memory_mib=40960, family="a100",
-                      hbm_gbps=1555, nvlink_gbps=230, ib_gbps=20, pcie_gbps=20),
+                      hbm_gbps=1555, nvlink_gbps=230, ib_gbps=20, pcie_gbps=20,
+                      host_memory_gib_per_node=1024, host_cores_per_node=128, host_memory_gbps_per_node=410),
 }
 
 ASSUMPTIONS = {
@@ -48,7 +64,48 @@ ASSUMPTIONS = {
                    "A100 300 nominal, ~230; H100 PCIe has no NVLink switch: PCIe Gen5, ~40",
     "ib_gbps": "one NIC per GPU: NDR 400 Gb/s = 50 GB/s nominal, 40 assumed (H100/H200); HDR 200 Gb/s = 25, "
                "20 assumed (A100). A ring spanning nodes runs at its slowest link, so nnodes > 1 uses this",
-    "pcie_gbps": "pinned host<->GPU copies for --offload_activations: Gen5 ~40 GB/s, Gen4 ~20 (assumption)",
+    "pcie_gbps": "pinned host<->GPU copies (--offload_activations, --offload_optimizer): Gen5 x16 ~40 GB/s per "
+                 "direction, Gen4 ~20 (assumption). Full duplex: the gradients going down in backward do not "
+                 "contend with the offloaded activations coming back up. If two GPUs share a PCIe switch's "
+                 "uplink to the CPU, halve it",
+    "host_memory_gib_per_node": "system memory of the GPU's server, per node: DGX H100 and DGX H200 2 TB of DDR5 "
+                                "(NVIDIA DGX BasePOD reference architecture, core components), taken as 2048 GiB; "
+                                "DGX A100 640GB 2 TB, DGX A100 320GB 1 TB (DGX A100 datasheet); h100-pcie 1 TB, an "
+                                "assumption for a typical PCIe server. Other servers differ: check yours (free -g)",
+    "host_usable_fraction": (0.9, "assumption: the OS, the data loader workers, CUDA/NCCL host allocations and "
+                                  "the page cache keep ~10% of host memory; host_fits compares against the rest"),
+    "host_cores_per_node": "physical CPU cores of the server: DGX H100/H200 2 x Xeon Platinum 8480C, 112 cores "
+                           "total (same source); DGX A100 2 x EPYC 7742 (64 each) = 128; h100-pcie 64 (assumption)",
+    "host_memory_gbps_per_node": "nominal DRAM bandwidth of the server: 2 sockets x 8 channels x DDR5-4800 x 8 B "
+                                 "= 614 GB/s (Sapphire Rapids; with 2 DIMMs per channel the DIMMs may run slower); "
+                                 "2 x 8 x DDR4-3200 x 8 B = 410 (EPYC 7742). Assumption, not measured",
+    "host_memory_efficiency": (0.7, "assumption: streaming kernels (STREAM-like) reach ~70% of nominal DRAM "
+                                    "bandwidth on a two-socket server; the node's processes share it equally"),
+    "host_adamw_per_core": (HOST_ADAMW_PER_CORE, "elements/s of torch._fused_adamw_ on fp32 CPU tensors, 1 thread, "
+                                                 "256M elements: MEASURED on the 2-core development machine (AMD "
+                                                 "EPYC, torch 2.13.0) by bench/host_adamw.py, see BENCHMARKS.md"),
+    "host_accumulate_per_core": (HOST_ACCUMULATE_PER_CORE, "elements/s of fp32 accumulator.add_(bf16 slice) on CPU, "
+                                                           "1 thread, 256M elements: MEASURED as above. PyTorch's "
+                                                           "mixed-dtype add is slow on CPU; casting into a "
+                                                           "preallocated fp32 buffer first measured 3.9x faster "
+                                                           "(8.83e8): the planner assumes the plain add_"),
+    "host_cpu_efficiency": (0.5, "assumption: the cores a GPU's process gets (host_cores_per_node / "
+                                 "--nproc_per_node) run the update at half the per-core rate measured alone "
+                                 "(shared caches, NUMA, the data loader and the Python thread take their part). "
+                                 "EXTRAPOLATED, not measured on such a server"),
+    "host_update_extra_bytes": (18, "host bytes per element besides AdamW's: the global gradient norm (read "
+                                    "4 B), clipping (read + write 4 B), the bf16 cast for the copy back (read "
+                                    "4 B, write 2 B), at the host memory bandwidth"),
+    "offload_optimizer": "--offload_optimizer: per micro-batch each unit's reduce-scattered slice goes GPU->host "
+                         "(--reduce_dtype bytes per element) as its reduce-scatter completes and is added into "
+                         "the fp32 accumulator on the CPU (read 4 B + the slice, write 4 B; "
+                         "train.finish_host_adds, on the rank's main thread while the GPU runs the queued "
+                         "backward, with train.optimizer_threads = the node's cores / ranks); both overlap "
+                         "backward, only what exceeds the backward compute is exposed (backward = compute less "
+                         "one plain forward, by FLOPs). After the last micro-batch: norm, clip and AdamW on the "
+                         "CPU, then 2 B per element host->GPU: neither overlaps GPU compute (the trainer's "
+                         "first version). CPU throughput per GPU = min(per-core rate x cores "
+                         "per GPU x host_cpu_efficiency, host memory bandwidth per GPU / bytes per element)",
     "hbm_gbps": "HBM bandwidth (datasheet)",
     "cuda_context_and_nccl_gib": (1.0, "assumption: CUDA context ~0.5 GiB + NCCL buffers ~0.5 GiB, outside "
                                        "torch.cuda.max_memory_allocated"),
@@ -67,7 +124,8 @@ ASSUMPTIONS = {
                        "(train.OffloadedCheckpoint), each block's backward prefetching the previous block's "
                        "input, so they overlap the compute (and the collectives, over PCIe, not NVLink/IB); "
                        "only the last block's copy back, which its own backward waits for, is exposed",
-    "adamw": "memory-bound: 32 B per parameter of the slice (read + write fp32 master, m, v, gradient) at 80% of HBM",
+    "adamw": "on the GPU: memory-bound: 32 B per parameter of the slice (read + write fp32 master, m, v, "
+             "gradient) at 80% of HBM",
     "mfu_convention": "MFU = tokens/s x train.flops_per_token (6(N-emb) + 12 L H Dh T) / peak; recompute, the "
                       "tied head's matmul and the chunked cross-entropy's recomputed logits are executed FLOPs "
                       "that cost time but are not counted in MFU",
@@ -131,20 +189,64 @@ def block_activation_bytes_per_token(mcfg: M.ModelConfig) -> dict:
     return dict(none=none, selective=selective, full=2 * d, selective_reused=reused)
 
 
+def block_policies(mcfg: M.ModelConfig, cfg) -> list[str]:
+    """Each block's policy, the trainer's own rule (train.block_policies: --ac for the first --ac_blocks)."""
+    return T.block_policies(mcfg.n_layers, cfg.ac, cfg.ac_blocks, cfg.ac_rest)
+
+
+def offloaded_blocks(mcfg: M.ModelConfig, cfg) -> int:
+    """Blocks whose input --offload_activations keeps in pinned host memory: those running --ac (the first
+    --ac_blocks; the trainer offloads them when --ac is full, which checks.check_config requires)."""
+    if not cfg.offload_activations:
+        return 0
+    return mcfg.n_layers if cfg.ac_blocks < 0 else min(cfg.ac_blocks, mcfg.n_layers)
+
+
+def block_kept_bytes(mcfg: M.ModelConfig, cfg) -> list[tuple[int, bool]]:
+    """(bytes kept for backward, offloaded?) of each block, in forward order."""
+    per_token, tokens = block_activation_bytes_per_token(mcfg), cfg.micro_batch_size * cfg.seq_len
+    n_offloaded = offloaded_blocks(mcfg, cfg)
+    return [(tokens * per_token[p], i < n_offloaded) for i, p in enumerate(block_policies(mcfg, cfg))]
+
+
 def saved_activation_bytes(mcfg: M.ModelConfig, cfg, blocks: int) -> float:
-    """What `blocks` blocks keep for backward on the GPU; offloaded, only ~2 blocks' are in transit."""
-    kept = block_activation_bytes_per_token(mcfg)[cfg.ac]
-    blocks_on_gpu = min(blocks, 2) if cfg.offload_activations else blocks
-    return cfg.micro_batch_size * cfg.seq_len * blocks_on_gpu * kept
+    """What the first `blocks` blocks keep for backward on the GPU, each by its policy (--ac, --ac_blocks,
+    --ac_rest); of the offloaded ones only ~2 blocks' are in transit."""
+    kept = block_kept_bytes(mcfg, cfg)[:blocks]
+    offloaded = [b for b, off in kept if off]
+    return sum(b for b, off in kept if not off) + sum(offloaded[:2])
 
 
-def recompute_bytes(mcfg: M.ModelConfig, cfg) -> float:
+def recompute_bytes(mcfg: M.ModelConfig, cfg, policy: str = "") -> float:
     """A block at the start of its backward: what its recompute brings back (and the first activation
-    gradients, of silu(gate) and up, 2 x F wide)."""
+    gradients, of silu(gate) and up, 2 x F wide). `policy`: the block's (default --ac)."""
     per_token = block_activation_bytes_per_token(mcfg)
     recompute = {"none": 0, "full": per_token["none"],
-                 "selective": per_token["none"] - per_token["selective_reused"]}[cfg.ac]
+                 "selective": per_token["none"] - per_token["selective_reused"]}[policy or cfg.ac]
     return cfg.micro_batch_size * cfg.seq_len * (recompute + 2 * 2 * mcfg.ffn_dim)
+
+
+def recompute_peak_bytes(mcfg: M.ModelConfig, cfg) -> float:
+    """Activations at the worst block's recompute: backward runs the blocks last to first, so block i
+    recomputes while blocks 0..i keep what they saved (the later ones are done). One policy for all: the
+    last block, as it always was; partial checkpointing: the largest over the blocks."""
+    kept, peak, on_gpu, offloaded = block_kept_bytes(mcfg, cfg), 0, 0, []
+    for (b, off), p in zip(kept, block_policies(mcfg, cfg)):  # saved_activation_bytes(i + 1), incrementally
+        if off:
+            offloaded.append(b)
+        else:
+            on_gpu += b
+        peak = max(peak, on_gpu + sum(offloaded[:2]) + recompute_bytes(mcfg, cfg, p))
+    return peak
+
+
+def host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int) -> dict:
+    """Pinned host memory per GPU by part: the offloaded state (--offload_optimizer: fp32 master, gradient
+    accumulator and each optimizer state tensor, 16 B x padded N / W) and the offloaded block inputs
+    (--offload_activations: every offloaded block's input of one micro-batch)."""
+    state = state_bytes() * sum(padded(n, world) for n in unit_numels(mcfg)) / world if cfg.offload_optimizer else 0
+    activations = sum(b for b, off in block_kept_bytes(mcfg, cfg) if off)
+    return dict(state=state, activations=activations)
 
 
 def logits_bytes(mcfg: M.ModelConfig, cfg) -> float:
@@ -156,8 +258,9 @@ def logits_bytes(mcfg: M.ModelConfig, cfg) -> float:
 
 def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int) -> dict:
     """Bytes per GPU by part at the three moments memory peaks in a micro-batch: the head's backward
-    (logits, every block's saved activations), the last block's backward once its recompute is done,
-    and at its end, when its gradient is summed (the recomputed tensors are gone by then)."""
+    (logits, every block's saved activations), a block's backward once its recompute is done (the last
+    block; with partial checkpointing the worst one, recompute_peak_bytes), and the last block's at its
+    end, when its gradient is summed (the recomputed tensors are gone by then)."""
     numels = unit_numels(mcfg)
     emb, block, head = (padded(n, world) for n in (numels[0], numels[1], numels[-1]))
     cbytes, rbytes = COMPUTE_BYTES, REDUCE_BYTES[cfg.reduce_dtype]
@@ -166,11 +269,13 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int) -> dict:
     in_flight = max(head, block)  # the head's gradient is reduced while the last block runs backward
     reduce_buffers = rbytes * in_flight  # Unit._reduce_scatter_grad: the whole gradient in --reduce_dtype
     waiting = cbytes * emb * tied  # tied: the head's part of the embedding gradient waits for the embedding's
+    # --offload_optimizer: the fp32 state lives in host memory; the GPU keeps a compute-dtype copy of its slices
+    persistent = cbytes if cfg.offload_optimizer else state_bytes()
 
     def phase(gathered, gradients, reduce, activations, logits=0.0):
         dynamic = dict(gathered_weights=cbytes * gathered, gradients=gradients,
                        reduce_buffers=reduce, activations=activations, logits=logits)
-        return dict(state=state_bytes() * sum(padded(n, world) for n in numels) / world,
+        return dict(state=persistent * sum(padded(n, world) for n in numels) / world,
                     context_and_nccl=ASSUMPTIONS["cuda_context_and_nccl_gib"][0] * GIB, **dynamic,
                     fragmentation=ASSUMPTIONS["fragmentation"][0] * sum(dynamic.values()))
 
@@ -184,7 +289,7 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int) -> dict:
         "head backward": phase(head + emb * tied + prefetched, head_grads["gradients"], head_grads["reduce_buffers"],
                                saved_activation_bytes(mcfg, cfg, layers) + head_saved, logits_bytes(mcfg, cfg)),
         "block recompute": phase(block + prefetched, cbytes * mcfg.dim * mcfg.ffn_dim + waiting, reduce_buffers,
-                                 saved_activation_bytes(mcfg, cfg, layers) + recompute_bytes(mcfg, cfg)),
+                                 recompute_peak_bytes(mcfg, cfg)),
         "block gradient sum": phase(block + prefetched, block_grads["gradients"] + waiting,
                                     block_grads["reduce_buffers"],
                                     # its own saved tensors are gone; its input's gradient is not
@@ -196,8 +301,9 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int) -> dict:
 # Time
 # ----------------------------------------------------------------------------------------------
 
-def executed_flops(mcfg: M.ModelConfig, seq_len: int, ac: str, chunked_ce: bool) -> tuple[float, float]:
-    """(matmul, attention) FLOPs per token actually computed: the MFU count plus recompute."""
+def executed_flops(mcfg: M.ModelConfig, seq_len: int, ac, chunked_ce: bool) -> tuple[float, float]:
+    """(matmul, attention) FLOPs per token actually computed: the MFU count plus recompute. `ac`: one
+    policy for every block, or each block's (block_policies)."""
     counts = M.count_params(mcfg)
     block_numel = unit_numels(mcfg)[1]
     attention = 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
@@ -206,9 +312,10 @@ def executed_flops(mcfg: M.ModelConfig, seq_len: int, ac: str, chunked_ce: bool)
         matmul += 6 * counts["embedding"]
     if chunked_ce:  # each cross-entropy chunk recomputes its logits in backward
         matmul += 2 * counts["embedding"]
-    if ac == "full":  # one more forward of every block
-        matmul += 2 * mcfg.n_layers * block_numel
-        attention += attention / 3
+    full = mcfg.n_layers if ac == "full" else 0 if isinstance(ac, str) else list(ac).count("full")
+    if full:  # one more forward of each `full` block
+        matmul += 2 * full * block_numel
+        attention += attention / 3 * (full / mcfg.n_layers)
     return matmul, attention
 
 
@@ -263,46 +370,100 @@ def collective_bytes_per_micro_step(mcfg: M.ModelConfig, cfg, world: int) -> tup
     return COMPUTE_BYTES * gathers, REDUCE_BYTES[cfg.reduce_dtype] * sum(numels)
 
 
+def host_elements_per_s(gpu: dict, nproc_per_node: int, per_core: float, bytes_per_element: int) -> float:
+    """Elements/s one GPU's share of the host CPU processes: the measured per-core rate x its cores x
+    host_cpu_efficiency, capped by its share of the host memory bandwidth (ASSUMPTIONS offload_optimizer)."""
+    cores = gpu["host_cores_per_node"] / nproc_per_node
+    compute = per_core * cores * ASSUMPTIONS["host_cpu_efficiency"][0]
+    bandwidth = host_gbps_per_gpu(gpu, nproc_per_node) * 1e9 / bytes_per_element
+    return min(compute, bandwidth)
+
+
+def host_gbps_per_gpu(gpu: dict, nproc_per_node: int) -> float:
+    return gpu["host_memory_gbps_per_node"] * ASSUMPTIONS["host_memory_efficiency"][0] / nproc_per_node
+
+
+def offload_optimizer_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
+    """--offload_optimizer, per step per GPU: PCIe bytes and seconds both ways, the host's gradient
+    accumulation and update. Per micro-batch the slices come down (D2H) and are accumulated while backward
+    runs; after the last one the CPU update and the copy back up (H2D) add to the step."""
+    slice_numel = sum(padded(n, world) for n in unit_numels(mcfg)) / world
+    rbytes = REDUCE_BYTES[cfg.reduce_dtype]
+    micro_steps = cfg.batch_size // (world * cfg.micro_batch_size)
+    pcie = 1e9 * min(gpu["pcie_gbps"], host_gbps_per_gpu(gpu, cfg.nproc_per_node))
+    d2h_bytes, h2d_bytes = rbytes * slice_numel, COMPUTE_BYTES * slice_numel  # per micro-batch / per step
+    accumulate = host_elements_per_s(gpu, cfg.nproc_per_node, ASSUMPTIONS["host_accumulate_per_core"][0],
+                                     4 + rbytes + 4)
+    adamw = host_elements_per_s(gpu, cfg.nproc_per_node, ASSUMPTIONS["host_adamw_per_core"][0], ADAMW_HOST_BYTES)
+    host_gbps = host_gbps_per_gpu(gpu, cfg.nproc_per_node)
+    extra_s = ASSUMPTIONS["host_update_extra_bytes"][0] * slice_numel / (1e9 * host_gbps)
+    return dict(pcie_d2h_gb=micro_steps * d2h_bytes / 1e9, pcie_h2d_gb=h2d_bytes / 1e9,
+                d2h_s_per_micro=d2h_bytes / pcie, h2d_s=h2d_bytes / pcie,
+                accumulate_s_per_micro=slice_numel / accumulate,
+                host_adamw_s=slice_numel / adamw, host_extra_s=extra_s,
+                host_adamw_elements_per_s_per_gpu=adamw, host_accumulate_elements_per_s_per_gpu=accumulate)
+
+
 def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
     """Seconds per optimizer step: per micro-batch, compute against the collectives, overlapped with
-    --prefetch true, one after the other without; the offload copies overlap both either way; then AdamW."""
+    --prefetch true, one after the other without; the offload copies overlap both either way; then AdamW
+    (on the GPU, or with --offload_optimizer on the CPU plus the exposed PCIe copies)."""
     peak = peak_flops(gpu)
     tokens = cfg.micro_batch_size * cfg.seq_len
-    matmul, attention = executed_flops(mcfg, cfg.seq_len, cfg.ac, 0 < cfg.ce_chunk < tokens)
+    policies = block_policies(mcfg, cfg)
+    matmul, attention = executed_flops(mcfg, cfg.seq_len, policies, 0 < cfg.ce_chunk < tokens)
     attn_eff = ASSUMPTIONS["attention_efficiency"][0][gpu["family"]]
     compute_s = tokens * (matmul / matmul_efficiency(gpu["family"], mcfg.dim) + attention / attn_eff) / peak
-    if cfg.ac == "selective":
-        compute_s *= 1 + ASSUMPTIONS["selective_recompute_time"][0]
+    selective = policies.count("selective")
+    if selective:  # the share of the blocks running selective
+        compute_s *= 1 + ASSUMPTIONS["selective_recompute_time"][0] * (selective / mcfg.n_layers)
     bandwidth = 1e9 * (gpu["ib_gbps"] if cfg.nnodes > 1 else gpu["nvlink_gbps"])
     ring = (world - 1) / world  # each GPU sends and receives (W-1)/W of the full buffer
     comm_s = ring * sum(collective_bytes_per_micro_step(mcfg, cfg, world)) / bandwidth
     block_input_bytes = tokens * block_activation_bytes_per_token(mcfg)[cfg.ac]
-    offload_s = 2 * mcfg.n_layers * block_input_bytes / (1e9 * gpu["pcie_gbps"]) if cfg.offload_activations else 0.0
+    n_offloaded = offloaded_blocks(mcfg, cfg)
+    offload_s = 2 * n_offloaded * block_input_bytes / (1e9 * gpu["pcie_gbps"]) if n_offloaded else 0.0
     # Nothing computes while the last block's offloaded input comes back (ASSUMPTIONS offload_overlap), nor,
     # with --prefetch, during the embedding's first all-gather or after its reduce-scatter (without, the
     # collectives are all in the sum already).
     embedding_bytes = padded(unit_numels(mcfg)[0], world) * (COMPUTE_BYTES + REDUCE_BYTES[cfg.reduce_dtype])
-    exposed_s = block_input_bytes / (1e9 * gpu["pcie_gbps"]) if cfg.offload_activations else 0.0
+    exposed_s = block_input_bytes / (1e9 * gpu["pcie_gbps"]) if n_offloaded else 0.0
     if cfg.prefetch:
         exposed_s += ring * embedding_bytes / bandwidth
         micro_s = max(compute_s, comm_s, offload_s) + exposed_s
     else:  # the offload copies run on their own stream either way
         micro_s = max(compute_s + comm_s, offload_s) + exposed_s
-    # The update reads and writes every fp32 slice once (the gradient is zeroed after it).
-    optimizer_s = 2 * state_bytes() * sum(padded(n, world) for n in unit_numels(mcfg)) / world / (0.8e9 * gpu["hbm_gbps"])
     micro_steps = cfg.batch_size // (world * cfg.micro_batch_size)
-    return dict(step_time_s=micro_steps * micro_s + optimizer_s, compute_s=micro_steps * compute_s,
+    host = dict(pcie_d2h_gb=0.0, pcie_h2d_gb=0.0, pcie_d2h_s=0.0, pcie_h2d_s=0.0, pcie_exposed_s=0.0,
+                host_accumulate_s=0.0, host_optimizer_s=0.0)
+    if cfg.offload_optimizer:
+        o = offload_optimizer_time(mcfg, cfg, gpu, world)
+        # The slices come down and are accumulated while backward runs: everything but one plain forward.
+        backward_s = compute_s * (1 - metrics.flops_per_token(mcfg, cfg.seq_len) / 3 / (matmul + attention))
+        d2h_exposed = max(0.0, max(o["d2h_s_per_micro"], o["accumulate_s_per_micro"]) - backward_s)
+        optimizer_s = o["host_adamw_s"] + o["host_extra_s"]
+        host = dict(pcie_d2h_gb=o["pcie_d2h_gb"], pcie_h2d_gb=o["pcie_h2d_gb"],
+                    pcie_d2h_s=micro_steps * o["d2h_s_per_micro"], pcie_h2d_s=o["h2d_s"],
+                    pcie_exposed_s=micro_steps * d2h_exposed + o["h2d_s"],
+                    host_accumulate_s=micro_steps * o["accumulate_s_per_micro"], host_optimizer_s=optimizer_s,
+                    host_adamw_elements_per_s_per_gpu=o["host_adamw_elements_per_s_per_gpu"],
+                    host_accumulate_elements_per_s_per_gpu=o["host_accumulate_elements_per_s_per_gpu"])
+    else:  # the update reads and writes every fp32 slice once (the gradient is zeroed after it)
+        optimizer_s = (2 * state_bytes() * sum(padded(n, world) for n in unit_numels(mcfg)) / world
+                       / (0.8e9 * gpu["hbm_gbps"]))
+    return dict(step_time_s=micro_steps * micro_s + optimizer_s + host["pcie_exposed_s"],
+                compute_s=micro_steps * compute_s,
                 comm_s=micro_steps * comm_s, offload_s=micro_steps * offload_s,
                 exposed_s=micro_steps * exposed_s, optimizer_s=optimizer_s,
-                micro_steps=micro_steps, bandwidth_gbps=bandwidth / 1e9)
+                micro_steps=micro_steps, bandwidth_gbps=bandwidth / 1e9, **host)
 
 
 # ----------------------------------------------------------------------------------------------
 # The plan, the checks, the table
 # ----------------------------------------------------------------------------------------------
 
-def plan(mcfg: M.ModelConfig, cfg) -> dict:
-    """The whole prediction for one configuration, as plain numbers (what --plan_json writes)."""
+def fit_and_speed(mcfg: M.ModelConfig, cfg) -> dict:
+    """Peak GPU memory, fit and speed of one configuration: what plan() and the partial-checkpointing search share."""
     gpu, world = GPUS[cfg.gpu], cfg.nnodes * cfg.nproc_per_node
     phases = memory_by_phase(mcfg, cfg, world)
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
@@ -310,8 +471,38 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
     usable_gib = gpu["memory_mib"] / 1024
     time = step_time(mcfg, cfg, gpu, world)
     tokens_per_sec_per_gpu = cfg.batch_size * cfg.seq_len / time["step_time_s"] / world
+    return dict(phases=phases, peak_phase=peak_phase, peak_gib=peak_gib, usable_gib=usable_gib,
+                fits=peak_gib <= usable_gib, time=time, tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
+                mfu=tokens_per_sec_per_gpu * metrics.flops_per_token(mcfg, cfg.seq_len) / peak_flops(gpu))
+
+
+def partial_checkpointing(mcfg: M.ModelConfig, cfg) -> dict | None:
+    """The largest partial checkpointing that fits for these flags: the smallest --ac_blocks k (the most
+    blocks running --ac_rest instead of --ac), scanning k = 0, 1, ..., n_layers; None when --ac and
+    --ac_rest are the same policy or nothing fits even with every block on --ac."""
+    if cfg.ac == cfg.ac_rest:
+        return None
+    for k in range(mcfg.n_layers + 1):
+        trial = dataclasses.replace(cfg, ac_blocks=k)
+        r = fit_and_speed(mcfg, trial)
+        if r["fits"]:
+            return dict(ac_blocks=k, ac=cfg.ac, ac_rest=cfg.ac_rest, peak_gib_per_gpu=r["peak_gib"],
+                        step_time_s=r["time"]["step_time_s"], tokens_per_sec_per_gpu=r["tokens_per_sec_per_gpu"],
+                        mfu=r["mfu"])
+    return None
+
+
+def plan(mcfg: M.ModelConfig, cfg) -> dict:
+    """The whole prediction for one configuration, as plain numbers (what --plan_json writes)."""
+    gpu, world = GPUS[cfg.gpu], cfg.nnodes * cfg.nproc_per_node
+    r = fit_and_speed(mcfg, cfg)
+    phases, peak_phase, peak_gib, time = r["phases"], r["peak_phase"], r["peak_gib"], r["time"]
+    tokens_per_sec_per_gpu = r["tokens_per_sec_per_gpu"]
     hours = cfg.train_tokens / (tokens_per_sec_per_gpu * world) / 3600
     family = gpu["family"]
+    host = host_bytes_per_gpu(mcfg, cfg, world)
+    host_gib_per_gpu = sum(host.values()) / GIB
+    host_usable_gib = gpu["host_memory_gib_per_node"] * ASSUMPTIONS["host_usable_fraction"][0]
     assumptions = dict(ASSUMPTIONS, gpu=dict(gpu, peak_bf16_flops=peak_flops(gpu)),
                        matmul_efficiency=(matmul_efficiency(family, mcfg.dim),
                                           "solved from these anchors, linear in the model dim between them"),
@@ -319,12 +510,16 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
     return dict(
         model=cfg.init_from or cfg.model, params=M.count_params(mcfg)["total"], world=world, gpu=cfg.gpu,
         state_gib_per_gpu=phases[peak_phase]["state"] / GIB, peak_gib_per_gpu=peak_gib, peak_phase=peak_phase,
-        usable_gib=usable_gib, fits=peak_gib <= usable_gib,
+        usable_gib=r["usable_gib"], fits=r["fits"],
         memory_gib={k: v / GIB for k, v in phases[peak_phase].items()},
         memory_by_phase_gib={p: {k: v / GIB for k, v in parts.items()} for p, parts in phases.items()},
-        **time, tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
-        mfu=tokens_per_sec_per_gpu * metrics.flops_per_token(mcfg, cfg.seq_len) / peak_flops(gpu),
-        hours=hours, cost_usd=hours * world * cfg.gpu_hour_usd, assumptions=assumptions)
+        **time, tokens_per_sec_per_gpu=tokens_per_sec_per_gpu, mfu=r["mfu"],
+        hours=hours, cost_usd=hours * world * cfg.gpu_hour_usd,
+        block_policies=block_policies(mcfg, cfg), offload_optimizer=cfg.offload_optimizer,
+        host_gib_per_gpu=host_gib_per_gpu, host_gib_by_part_per_gpu={k: v / GIB for k, v in host.items()},
+        host_gib_per_node=host_gib_per_gpu * cfg.nproc_per_node, host_usable_gib_per_node=host_usable_gib,
+        host_fits=host_gib_per_gpu * cfg.nproc_per_node <= host_usable_gib,
+        partial_checkpointing=partial_checkpointing(mcfg, cfg), assumptions=assumptions)
 
 
 def check(cfg) -> list[str]:
@@ -334,13 +529,16 @@ def check(cfg) -> list[str]:
         errors.append(f"--gpu: {cfg.gpu!r} is not one of {', '.join(GPUS)}")
     if cfg.dtype not in ("bfloat16", "auto"):  # auto is bfloat16 on GPUs
         errors.append(f"--dtype: the planner models bfloat16 compute only, got {cfg.dtype!r}")
-    choices = dict(reduce_dtype=("float32", "bfloat16"), ac=("none", "full", "selective"))
+    choices = dict(reduce_dtype=("float32", "bfloat16"), ac=("none", "full", "selective"),
+                   ac_rest=("none", "selective"))
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             errors.append(f"--{name}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
     for name in ("nnodes", "nproc_per_node", "seq_len", "batch_size", "micro_batch_size"):
         if getattr(cfg, name) < 1:
             errors.append(f"--{name}: must be >= 1, got {getattr(cfg, name)}")
+    if cfg.ac_blocks < -1:
+        errors.append(f"--ac_blocks: must be >= -1 (-1: every block uses --ac), got {cfg.ac_blocks}")
     world = cfg.nnodes * cfg.nproc_per_node
     if not errors and cfg.batch_size % (world * cfg.micro_batch_size):
         errors.append(f"--batch_size: {cfg.batch_size} is not a multiple of world size x --micro_batch_size "
@@ -357,28 +555,77 @@ def table(p: dict, cfg) -> str:
     """The plan as the lines --plan prints."""
     phases = p["memory_by_phase_gib"]
     names = list(phases)
+    policies = p["block_policies"]
+    offload = " + offload" if cfg.offload_activations else ""
+    n_ac = len(policies) if cfg.ac_blocks < 0 else min(cfg.ac_blocks, len(policies))
+    ac = (f"ac {cfg.ac}{offload}" if n_ac == len(policies) else
+          f"ac {cfg.ac}{offload} x {n_ac} blocks, {cfg.ac_rest} x {len(policies) - n_ac}")
     lines = [f"{p['model']}: {p['params'] / 1e9:.2f}B params | {cfg.nnodes} x {cfg.nproc_per_node} {cfg.gpu} "
              f"(W={p['world']}) | seq {cfg.seq_len} x micro {cfg.micro_batch_size}, batch {cfg.batch_size} "
-             f"({p['micro_steps']} accumulation) | ac {cfg.ac}{' + offload' if cfg.offload_activations else ''} | "
-             f"reduce {cfg.reduce_dtype} | prefetch {'on' if cfg.prefetch else 'off'} | ce_chunk {cfg.ce_chunk}",
+             f"({p['micro_steps']} accumulation) | {ac} | "
+             f"reduce {cfg.reduce_dtype} | prefetch {'on' if cfg.prefetch else 'off'} | ce_chunk {cfg.ce_chunk}"
+             + (" | optimizer offloaded to the CPU" if cfg.offload_optimizer else ""),
              "", f"{'memory per GPU, GiB (predicted)':34}" + "".join(f"{n:>19}" for n in names)]
     for part in phases[names[0]]:
-        lines.append(f"  {part:32}" + "".join(f"{phases[n][part]:19.2f}" for n in names))
+        label = "state (bf16 copy; fp32 on host)" if part == "state" and cfg.offload_optimizer else part
+        lines.append(f"  {label:32}" + "".join(f"{phases[n][part]:19.2f}" for n in names))
     lines.append(f"  {'total':32}" + "".join(f"{sum(phases[n].values()):19.2f}" for n in names))
     verdict = "fits" if p["fits"] else "DOES NOT FIT"
-    lines += [f"peak {p['peak_gib_per_gpu']:.2f} GiB ({p['peak_phase']}) of {p['usable_gib']:.2f} GiB: {verdict}",
-              "",
+    lines += [f"peak {p['peak_gib_per_gpu']:.2f} GiB ({p['peak_phase']}) of {p['usable_gib']:.2f} GiB: {verdict}"]
+    if p["host_gib_per_node"]:
+        parts = p["host_gib_by_part_per_gpu"]
+        host_verdict = "fits" if p["host_fits"] else "DOES NOT FIT in host memory"
+        lines.append(f"host memory per node (pinned, predicted): {p['host_gib_per_node']:,.1f} GiB = "
+                     f"{cfg.nproc_per_node} x {p['host_gib_per_gpu']:.1f} GiB per GPU (optimizer state "
+                     f"{parts['state']:.1f}, offloaded activations {parts['activations']:.1f}) of "
+                     f"{p['host_usable_gib_per_node']:,.0f} GiB usable "
+                     f"({100 * ASSUMPTIONS['host_usable_fraction'][0]:.0f}% of "
+                     f"{GPUS[cfg.gpu]['host_memory_gib_per_node']:,} GiB assumed per node): {host_verdict}")
+    optimizer = "AdamW on the CPU" if cfg.offload_optimizer else "AdamW"
+    lines += ["",
               f"step (predicted): compute {p['compute_s']:.2f} s, collectives {p['comm_s']:.2f} s at "
               f"{p['bandwidth_gbps']:.0f} GB/s, offload copies {p['offload_s']:.2f} s, exposed {p['exposed_s']:.2f} s, "
-              f"AdamW {p['optimizer_s']:.2f} s -> {p['step_time_s']:.2f} s per step",
+              f"{optimizer} {p['optimizer_s']:.2f} s"
+              + (f", PCIe exposed {p['pcie_exposed_s']:.2f} s" if cfg.offload_optimizer else "")
+              + f" -> {p['step_time_s']:.2f} s per step",
               f"tokens/s/GPU {p['tokens_per_sec_per_gpu']:,.0f} | MFU {100 * p['mfu']:.1f}% | matmul efficiency "
               f"{p['assumptions']['matmul_efficiency'][0]:.3f} (from published runs, see --plan_json assumptions)"]
+    if cfg.offload_optimizer:
+        lines += [f"optimizer offload per step per GPU (predicted): PCIe down {p['pcie_d2h_gb']:.1f} GB "
+                  f"({p['pcie_d2h_s']:.2f} s) and host accumulation {p['host_accumulate_s']:.2f} s, both during "
+                  f"backward; PCIe up {p['pcie_h2d_gb']:.1f} GB ({p['pcie_h2d_s']:.2f} s, exposed); CPU update "
+                  f"{p['optimizer_s']:.2f} s at {p['host_adamw_elements_per_s_per_gpu'] / 1e9:.2f}G elements/s per "
+                  f"GPU (extrapolated from a per-core rate measured on a 2-core machine, see ASSUMPTIONS)"]
     if cfg.offload_activations:
         lines.append("offload copies: assumed to overlap the compute on a side stream, each block's backward "
                      "prefetching the previous block's input; the last block's copy back is exposed")
     if cfg.train_tokens:
         lines.append(f"{cfg.train_tokens:,.0f} tokens: {p['hours']:,.0f} h ({p['hours'] / 24:.1f} days) on "
                      f"{p['world']} GPUs = ${p['cost_usd']:,.0f} at ${cfg.gpu_hour_usd:.2f}/GPU-hour")
+    best = p["partial_checkpointing"]
+    if best and best["ac_blocks"] < len(policies):
+        hours = cfg.train_tokens / (best["tokens_per_sec_per_gpu"] * p["world"]) / 3600
+        cost = f", {hours:,.0f} h = ${hours * p['world'] * cfg.gpu_hour_usd:,.0f}" if cfg.train_tokens else ""
+        change = p["step_time_s"] / best["step_time_s"] - 1
+        lines.append(f"recommended partial checkpointing (predicted): --ac_blocks {best['ac_blocks']} --ac_rest "
+                     f"{best['ac_rest']} ({best['ac_blocks']} blocks --ac {best['ac']}, "
+                     f"{len(policies) - best['ac_blocks']} --ac_rest {best['ac_rest']}), the fewest --ac blocks "
+                     f"that fit: peak {best['peak_gib_per_gpu']:.2f} GiB, {best['step_time_s']:.2f} s per step, "
+                     f"tokens/s/GPU {best['tokens_per_sec_per_gpu']:,.0f}, MFU {100 * best['mfu']:.1f}%{cost}; "
+                     + ("the setting given" if best["ac_blocks"] == n_ac else
+                        f"{abs(100 * change):.1f}% {'faster' if change >= 0 else 'slower'} than as given"))
+    elif best:
+        lines.append(f"partial checkpointing: every block needs --ac {cfg.ac} to fit (--ac_rest {cfg.ac_rest} "
+                     f"on even one block does not fit)")
+    elif cfg.ac != cfg.ac_rest:
+        lines.append(f"partial checkpointing: nothing fits, even with every block on --ac {cfg.ac}")
+    if not p["host_fits"]:
+        offloaded = " and ".join(name for name, on in (("optimizer state", cfg.offload_optimizer),
+                                                       ("activations", cfg.offload_activations)) if on)
+        lines.append(f"host memory: {p['host_gib_per_node']:,.1f} GiB per node needed, "
+                     f"{p['host_usable_gib_per_node']:,.0f} usable: what is offloaded ({offloaded}) "
+                     f"DOES NOT FIT in host memory "
+                     f"(more nodes divide it; see ASSUMPTIONS host_memory_gib_per_node)")
     return "\n".join(lines)
 
 

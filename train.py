@@ -389,7 +389,9 @@ def finish_host_adds(host_adds: list, keep: int = 0):
         unit, host, _, copied = host_adds.pop(0)
         if copied is not None:
             copied.synchronize()
-        unit.grad_shard.add_(host)
+        # A bf16 slice (--reduce_dtype bfloat16) is cast first: the same sum, ~4x faster than a mixed-dtype
+        # add_ on the CPU (BENCHMARKS.md, host AdamW), and this runs while backward is being queued.
+        unit.grad_shard.add_(host if host.dtype == unit.grad_shard.dtype else host.float())
 
 
 def build_units(model: M.Llama, rank, world, device, compute_dtype, reduce_dtype, reduces_in_flight,

@@ -140,6 +140,119 @@ def test_70b_case_study_what_fits_on_16_h100():
     assert recommended["cost_usd"] == pytest.approx(recommended["hours"] * 16 * 2.0)
 
 
+OFFLOAD_70B_ONE_NODE = dict(CASE_70B, nnodes=1, ac="full", offload_activations="true", reduce_dtype="bfloat16",
+                            offload_optimizer="true")
+
+
+def test_offloaded_optimizer_state_matches_the_trainers_units_with_padding():
+    # --offload_optimizer: the GPU keeps a bf16 copy of its slices (2 B x padded N / W), the host the 16 B.
+    mcfg, world = M.PRESETS["tiny"](), 3
+    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, torch.float32, [],
+                          offload=True, host_adds=[])
+    assert any(u.padded_numel != u.numel for u in units)
+    slice_numel = sum(u.shard_numel for u in units)
+    on_device = sum(u.persistent_bytes(on_device_only=True) for u in units)
+    on_host = sum(u.persistent_bytes() for u in units) - on_device
+    flags = dict(model="tiny", nnodes=1, nproc_per_node=world, seq_len=256, batch_size=12, micro_batch_size=4)
+    p = predict(**flags, offload_optimizer="true")
+    assert p["state_gib_per_gpu"] * 2**30 == on_device == 2 * slice_numel
+    assert p["host_gib_per_node"] * 2**30 == on_host * world == P.state_bytes() * slice_numel * world
+    assert predict(**flags)["host_gib_per_node"] == 0  # nothing offloaded, nothing on the host
+    # With the block inputs offloaded too: every block's input of one micro-batch, bf16, per GPU.
+    both = predict(**flags, offload_optimizer="true", ac="full", offload_activations="true")
+    acts = mcfg.n_layers * 4 * 256 * mcfg.dim * 2
+    assert both["host_gib_per_node"] * 2**30 == (P.state_bytes() * slice_numel + acts) * world
+    assert both["host_gib_by_part_per_gpu"]["activations"] * 2**30 == acts
+
+
+def test_70b_fits_one_node_of_8_h100_only_with_the_optimizer_offloaded():
+    p = predict(**OFFLOAD_70B_ONE_NODE)
+    assert p["fits"] and p["host_fits"], (p["memory_gib"], p["host_gib_per_node"])
+    assert 1100 < p["host_gib_per_node"] < 1200  # 16 B x 70.55B + 8 x 10 GiB of block inputs
+    without = predict(**dict(OFFLOAD_70B_ONE_NODE, offload_optimizer="false"))
+    assert not without["fits"] and round(without["state_gib_per_gpu"] * 2**30 / 1e9) == 141  # 16 B x 70.55B / 8
+    assert without["host_fits"]  # only the block inputs are on the host then
+    # The CPU update and the copy back replace the GPU's AdamW and make the step longer.
+    assert p["optimizer_s"] > without["optimizer_s"] and p["pcie_exposed_s"] >= p["pcie_h2d_s"] > 0
+
+
+def test_host_memory_that_does_not_fit_is_named():
+    # A DGX A100 320GB has 1 TB: 16 B x 70.55B of offloaded state (1,051 GiB) does not fit in 90% of it.
+    flags = dict(OFFLOAD_70B_ONE_NODE, gpu="a100-40gb")
+    p = predict(**flags)
+    assert not p["host_fits"] and p["host_gib_per_node"] > p["host_usable_gib_per_node"]
+    result = run_plan(*[str(x) for k, v in flags.items() for x in (f"--{k}", v)])
+    assert result.returncode == 0, result.stderr
+    assert "DOES NOT FIT in host memory" in result.stdout and "host memory:" in result.stdout
+    assert "DOES NOT FIT in host memory" not in run_plan(
+        *[str(x) for k, v in OFFLOAD_70B_ONE_NODE.items() for x in (f"--{k}", v)]).stdout
+
+
+def test_partial_checkpointing_activations_are_the_per_block_sum():
+    mcfg = M.PRESETS["llama3-70b"]()
+    per_token, tokens, layers = P.block_activation_bytes_per_token(mcfg), 8192, mcfg.n_layers
+    for k in (0, 1, 30, layers):
+        for rest in ("none", "selective"):
+            cfg = config(**dict(CASE_70B, ac="full", ac_blocks=k, ac_rest=rest))
+            policies = T.block_policies(layers, "full", k, rest)
+            assert P.block_policies(mcfg, cfg) == policies and policies.count("full") == k
+            assert P.saved_activation_bytes(mcfg, cfg, layers) == tokens * (k * per_token["full"]
+                                                                            + (layers - k) * per_token[rest])
+            head = P.plan(mcfg, cfg)["memory_by_phase_gib"]["head backward"]["activations"]
+            assert head * 2**30 == P.saved_activation_bytes(mcfg, cfg, layers) + tokens * 8 * mcfg.dim
+    # Offloaded, only the `full` blocks' inputs go to the host (2 in transit); the others stay on the GPU.
+    cfg = config(**dict(CASE_70B, ac="full", ac_blocks=50, offload_activations="true"))
+    assert P.saved_activation_bytes(mcfg, cfg, layers) == tokens * (2 * per_token["full"] + 30 * per_token["none"])
+    # -1 and every block are the same plan; fewer recomputed blocks, fewer executed FLOPs.
+    same = [predict(**dict(CASE_70B, ac="full", ac_blocks=b)) for b in (-1, layers)]
+    assert {k: v for k, v in same[0].items() if k != "assumptions"} == {
+        k: v for k, v in same[1].items() if k != "assumptions"}
+    fewer = predict(**dict(CASE_70B, ac="full", ac_blocks=40))
+    assert fewer["compute_s"] < same[0]["compute_s"]
+    full_mm = P.executed_flops(mcfg, 8192, "full", True)[0]
+    none_mm = P.executed_flops(mcfg, 8192, "none", True)[0]
+    half_mm = P.executed_flops(mcfg, 8192, T.block_policies(layers, "full", 40, "none"), True)[0]
+    assert half_mm - none_mm == pytest.approx((full_mm - none_mm) / 2)
+
+
+def test_partial_checkpointing_recommendation_is_the_smallest_that_fits():
+    for flags in (OFFLOAD_70B_ONE_NODE, dict(RECOMMENDED_70B, offload_optimizer="true")):
+        p = predict(**flags)
+        best = p["partial_checkpointing"]
+        k = best["ac_blocks"]
+        assert 0 < k < 80
+        assert predict(**dict(flags, ac_blocks=k))["fits"]
+        assert not predict(**dict(flags, ac_blocks=k - 1))["fits"]
+        assert best["step_time_s"] == predict(**dict(flags, ac_blocks=k))["step_time_s"] < p["step_time_s"]
+        assert f"--ac_blocks {k} --ac_rest none" in P.table(p, config(**flags))
+    # Today's recipe on 16 H100 (no optimizer offload): the state leaves no room for a block without recompute.
+    assert predict(**RECOMMENDED_70B)["partial_checkpointing"]["ac_blocks"] == 80
+
+
+def test_pcie_and_cpu_adamw_scale_with_the_slice():
+    one, two = (predict(**dict(OFFLOAD_70B_ONE_NODE, nnodes=n)) for n in (1, 2))
+    mcfg = M.PRESETS["llama3-70b"]()
+    for p, world in ((one, 8), (two, 16)):
+        slice_numel = sum(P.padded(n, world) for n in P.unit_numels(mcfg)) / world
+        assert p["pcie_h2d_gb"] == pytest.approx(2 * slice_numel / 1e9)  # bf16 up, once per step
+        assert p["pcie_d2h_gb"] == pytest.approx(p["micro_steps"] * 2 * slice_numel / 1e9)  # bf16 reduce, down
+        assert p["pcie_h2d_s"] == pytest.approx(2 * slice_numel / 40e9)
+    # Twice the GPUs, half the slice each: the copy up and the CPU update halve (the GPUs per node, which
+    # share the host, are the same); the copies down also halve per micro-batch, and so do the micro-batches.
+    assert two["pcie_h2d_s"] == pytest.approx(one["pcie_h2d_s"] / 2, rel=1e-6)
+    assert two["optimizer_s"] == pytest.approx(one["optimizer_s"] / 2, rel=1e-6)
+    assert two["pcie_d2h_s"] == pytest.approx(one["pcie_d2h_s"] / 4, rel=1e-6)
+    # Four GPUs per node sharing the same host: twice the CPU and host bandwidth each, half the update time.
+    four = predict(**dict(OFFLOAD_70B_ONE_NODE, nnodes=2, nproc_per_node=4))
+    assert four["optimizer_s"] == pytest.approx(one["optimizer_s"] / 2, rel=1e-6)
+
+
+def test_cli_bad_partial_checkpointing_flags():
+    for flags, flag in ((["--ac_blocks", "-2"], "--ac_blocks"), (["--ac_rest", "full"], "--ac_rest")):
+        result = run_plan(*flags)
+        assert result.returncode == 2 and flag in result.stderr, result.stderr
+
+
 PROBE = """
 import sys, torch
 def status_kib(key):  # from /proc/self/status: VmRSS (now) or VmHWM (peak since the last reset)
