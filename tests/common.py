@@ -71,3 +71,12 @@ def run_train(args: list[str], nproc: int = 1, env: dict | None = None, timeout:
 def read_metrics(out_dir: str) -> list[dict]:
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def model_and_tokens(root) -> list[str]:
+    """--init_from and --data for the fault, launch, out_dir and offload tests: a seeded small HF model and
+    learnable tokens, written into the folder `root`."""
+    cfg = small_config()
+    init = save_hf(hf_model(cfg, seed=3), os.path.join(root, "init"))
+    data = learnable_tokens(os.path.join(root, "tok.npy"), cfg.vocab_size, n=3000)
+    return [f"--init_from={init}", f"--data={data}"]

@@ -6,7 +6,7 @@ import sys
 import time
 
 import pytest
-from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
+from common import ROOT, model_and_tokens, read_metrics, run_train
 
 BASE = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=float32", "--steps=6", "--lr=3e-3",
         "--warmup_steps=2", "--seed=4", "--timeout_min=1"]
@@ -14,11 +14,7 @@ BASE = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=float
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("faults")
-    cfg = small_config()
-    init = save_hf(hf_model(cfg, seed=3), str(root / "init"))
-    data = learnable_tokens(str(root / "tok.npy"), cfg.vocab_size, n=3000)
-    return [f"--init_from={init}", f"--data={data}"]
+    return model_and_tokens(tmp_path_factory.mktemp("faults"))
 
 
 def test_nan_on_one_rank_stops_every_rank_naming_the_step(files, tmp_path):

@@ -27,7 +27,7 @@ import sys
 import time
 
 import pytest
-from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
+from common import ROOT, model_and_tokens, read_metrics, run_train
 
 import checks  # noqa: E402
 import plan as P  # noqa: E402
@@ -40,11 +40,7 @@ BASE = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=float
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("launch")
-    cfg = small_config()
-    init = save_hf(hf_model(cfg, seed=3), str(root / "init"))
-    data = learnable_tokens(str(root / "tok.npy"), cfg.vocab_size, n=3000)
-    return [f"--init_from={init}", f"--data={data}"]
+    return model_and_tokens(tmp_path_factory.mktemp("launch"))
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ the same bit for bit as without it, at any W, and checkpoints must move between 
 import os
 
 import pytest
-from common import hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
+from common import model_and_tokens, read_metrics, run_train, small_config
 
 BASE = ["--seq_len=16", "--batch_size=12", "--micro_batch_size=2", "--dtype=float32", "--steps=6", "--lr=3e-3",
         "--warmup_steps=2", "--seed=1", "--ckpt_every=3", "--eval_every=0"]
@@ -12,11 +12,7 @@ BASE = ["--seq_len=16", "--batch_size=12", "--micro_batch_size=2", "--dtype=floa
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("offload")
-    cfg = small_config()
-    init = save_hf(hf_model(cfg, seed=3), str(root / "init"))
-    data = learnable_tokens(str(root / "tok.npy"), cfg.vocab_size, n=3000)
-    return [f"--init_from={init}", f"--data={data}"]
+    return model_and_tokens(tmp_path_factory.mktemp("offload"))
 
 
 @pytest.fixture(scope="module")

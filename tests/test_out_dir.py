@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
+from common import ROOT, model_and_tokens, read_metrics, run_train
 from test_launch import free_port, start_launch, start_node, wait_all, wait_for_steps, worker_pids
 
 import checkpoint as C  # noqa: E402
@@ -21,11 +21,7 @@ BASE = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=float
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("outdir")
-    cfg = small_config()
-    init = save_hf(hf_model(cfg, seed=3), str(root / "init"))
-    data = learnable_tokens(str(root / "tok.npy"), cfg.vocab_size, n=3000)
-    return [f"--init_from={init}", f"--data={data}"]
+    return model_and_tokens(tmp_path_factory.mktemp("outdir"))
 
 
 def ckpts(out):
