@@ -9,7 +9,8 @@ RoPE, and that is the RoPE used here.
 
 Nothing in this file knows about sharding. `train.py` calls the three pieces the forward is made of
 (`embed`, each block, `head_loss`) with its gather/free logic around each; `Llama.forward` strings the
-same pieces together for one process, which is what the tests compare against Hugging Face.
+same pieces together for one process, which is what the tests compare against Hugging Face. Sampling
+(sample.py) runs the same blocks with a `KVCache` each, an optional argument training never passes.
 """
 
 import math
@@ -367,6 +368,37 @@ def attention(q, k, v, layout=None):
     return F.scaled_dot_product_attention(**sdpa_arguments(q, k, v, mask, q.is_cuda)).transpose(1, 2)
 
 
+class KVCache:
+    """One block's keys and values for one sequence while sampling (sample.py): the prompt's, then one
+    more token's per step. Allocated for the whole sequence at once, so a step copies one token's K/V
+    in, not the whole cache; it exists only while sampling runs."""
+
+    def __init__(self, max_tokens: int, cfg: ModelConfig, dtype: torch.dtype, device):
+        self.k = torch.empty(1, max_tokens, cfg.n_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0  # tokens held
+
+    def add(self, k, v):
+        """Appends k, v (1, T, KV, D); returns all keys and values so far, (1, length, KV, D) each."""
+        end = self.length + k.shape[1]
+        self.k[:, self.length:end], self.v[:, self.length:end] = k, v
+        self.length = end
+        return self.k[:, :end], self.v[:, :end]
+
+
+def attention_with_cache(q, k, v):
+    """Causal attention of the last T of S tokens: q (B, T, H, D), k, v (B, S, KV, D) with the queries'
+    own keys last. Query t is at position S - T + t and sees keys 0 .. S - T + t. One new token (T = 1)
+    sees every key: no mask at all, which is_causal would get wrong (SDPA aligns its causal mask to the
+    top left when T < S)."""
+    T, S, H = q.shape[1], k.shape[1], q.shape[2]
+    mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if sdpa_expands_kv(q.is_cuda, q.dtype, mask is not None):
+        k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != H).transpose(1, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -376,12 +408,14 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, layout=None):
+    def forward(self, x, cos, sin, layout=None, cache=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # sampling: these T tokens also see every earlier one of their sequence
+            return self.o_proj(attention_with_cache(q, *cache.add(k, v)).reshape(B, T, -1))
         return self.o_proj(attention(q, k, v, layout).reshape(B, T, -1))
 
 
@@ -404,8 +438,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, layout=None):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, layout)
+    def forward(self, x, cos, sin, layout=None, cache=None):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
