@@ -147,6 +147,20 @@ class Tokenizer:
             out += [(piece[skip:lo], False, True), (piece[lo:hi], target, False), (piece[hi:], target, True)]
         return out
 
+    def prompt_ids(self, record: dict) -> list:
+        """A prompt to sample from, as the model is asked: a text as the start of a prepared document (BOS +
+        its ids); a chat rendered for a reply, by the chat template with add_generation_prompt, as
+        transformers' apply_chat_template(tokenize=True) encodes it, or else in the Llama 3 header format
+        as prepare writes it, BOS first and the assistant's header last."""
+        if "text" in record:
+            return [self.bos_id] + self.encode([record["text"]], specials=False)[0]
+        if self.chat_template:
+            text = self.hf.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
+            return self.encode([text], specials=True)[0]
+        segments = self.chat_segments(record["messages"])
+        segments += [("<|start_header_id|>", False, True), ("assistant", False, False), ("<|end_header_id|>\n\n", False, True)]
+        return [self.bos_id] + [i for text, _, markup in segments for i in self.encode([text], markup)[0]]
+
     def content_span(self, messages: list, i: int, before: str, piece: str):
         """(start, end) of message i's content in its rendered piece, found by rendering a placeholder in
         its place: searching for the content would also match it inside the markup. None if the
@@ -199,8 +213,9 @@ def train_tokenizer(inputs: list, vocab_size: int, out: str):
 # Reading inputs: documents in input order, one at a time, bad ones named by file and line
 # ----------------------------------------------------------------------------------------------
 
-def parse_record(raw: bytes, where: str, is_txt: bool) -> dict:
-    """{"text": str} or {"messages": [...]} from one .jsonl line (or a whole .txt file)."""
+def parse_record(raw: bytes, where: str, is_txt: bool, trains: bool = True) -> dict:
+    """{"text": str} or {"messages": [...]} from one .jsonl line (or a whole .txt file). `trains=False`:
+    a prompt to sample from (train.py --sample_prompts), which need not hold an assistant reply."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -221,7 +236,7 @@ def parse_record(raw: bytes, where: str, is_txt: bool) -> dict:
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages)):
         raise DataError(f"{where}: expected {{\"text\": str}} or {{\"messages\": [{{\"role\": str, \"content\": str}}, ...]}}")
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+    if trains and not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
         raise DataError(f"{where}: a chat with no assistant content trains nothing")
     return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
 
