@@ -6,6 +6,7 @@ import os
 
 import checkpoint as C
 import model as M
+import sample
 
 
 def check_config(cfg, world: int) -> list[str]:
@@ -72,7 +73,7 @@ def check_config(cfg, world: int) -> list[str]:
                       f"from it, --overwrite true deletes them")
     if cfg.export_hf and os.path.isdir(cfg.export_hf) and os.listdir(cfg.export_hf):
         errors.append(f"--export_hf: {cfg.export_hf} exists and is not empty; remove it or choose another")
-    return errors
+    return errors + sample.check_flags(cfg)  # --sample_prompts and --sample_tokens
 
 
 def model_config(cfg) -> M.ModelConfig:

@@ -13,7 +13,8 @@ Read top to bottom; the sections follow the data:
 What is not the story lives beside it: checks.py (every flag and input checked before any work),
 checkpoint.py (state on disk: checkpoints, resume at any world size, Hugging Face import and export),
 metrics.py (tokens/s/GPU, MFU, memory, ETA, dollars), offload.py (--offload_activations), data.py
-(tokenize, pack, the window order), plan.py (`--plan`: memory, speed and cost predicted without a GPU),
+(tokenize, pack, the window order), sample.py (--sample_prompts: greedy completions at each evaluation,
+through the same gather/free units), plan.py (`--plan`: memory, speed and cost predicted without a GPU),
 faults.py (fault injection for the tests).
 
 Launch recipes (the flags are in TrainConfig below; `python train.py --help` lists them):
@@ -54,6 +55,7 @@ import data as D
 import metrics
 import model as M
 from offload import OffloadedCheckpoint
+import sample
 
 
 # ================================================================================================
@@ -75,6 +77,9 @@ class TrainConfig:
                                  "sample, else none")
     eval_every: int = opt(50, "evaluate every N steps and at the end (0: never)")
     eval_batches: int = opt(4, "global batches of --eval_data per evaluation (the same ones every time)")
+    sample_prompts: str = opt("", "a .jsonl of prompts ({\"text\": ...} or a chat {\"messages\": [...]}): each evaluation "
+                                  "also completes them greedily, prints them and appends them to OUT_DIR/samples.jsonl")
+    sample_tokens: int = opt(64, "--sample_prompts: new tokens per prompt at most (fewer when an end id comes)")
     seq_len: int = opt(256, "tokens per training sequence")
     batch_size: int = opt(16, "global batch in sequences = world size x micro_batch_size x accumulation")
     micro_batch_size: int = opt(4, "sequences per rank per forward/backward")
@@ -858,6 +863,7 @@ def main(argv=None):
         sharded, windows, eval_windows, start_step, position = setup(cfg)
         steps = 0 if cfg.from_ckpt else cfg.steps
         log = metrics.MetricsLog(cfg, sharded.model.cfg, sharded.world, sharded.device, sharded.rank, start_step, steps)
+        sampler = sample.Sampler(cfg, sharded.model.cfg, sharded.rank, start_step) if cfg.sample_prompts and steps else None
     except (D.DataError, KeyError, ValueError, FileNotFoundError, RuntimeError, C.CheckpointError) as e:
         fail(str(e).strip("'\""))
     rank, device = sharded.rank, sharded.device
@@ -887,6 +893,8 @@ def main(argv=None):
         if eval_windows is not None and (step % cfg.eval_every == 0 or step == steps):
             eval_loss = evaluate(cfg, sharded, eval_windows)
         log.step(step, loss, grad_norm, lr_at(cfg, step), step_time_s, mem_gb, eval_loss)
+        if sampler and (step % cfg.eval_every == 0 or step == steps):
+            sampler.sample(sharded, step)  # greedy completions of --sample_prompts (sample.py)
 
         stop = torch.tensor(float(bool(stop_signals)), device=device)
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)

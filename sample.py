@@ -1,0 +1,207 @@
+"""Samples while training: `--sample_prompts FILE` makes each evaluation also complete a few prompts
+greedily (`--sample_tokens` new tokens at most), print them, and append them to OUT_DIR/samples.jsonl.
+
+The prompts: .jsonl, `{"text": ...}` or a chat `{"messages": [...]}`, rendered as the run's tokenizer
+renders them (data.Tokenizer.prompt_ids; the tokenizer is run_tokenizer's). Every rank reads and
+encodes them itself, and runs every prompt: the sampled ids are broadcast from rank 0 each step so that
+all ranks agree on when to stop (a rank that stopped early would leave the others waiting in a gather).
+
+Generation through the sharded model: each pass over the model (the prompts' prefill, then one new
+token per prompt) gathers every unit once, just before it runs and freed right after, as training's
+forward does (train.py section 5), and runs all the prompts through it one after the other, each with its
+own KV cache (model.KVCache, one per block and prompt). No padding and no mask, so each prompt computes
+exactly what it would alone; the gathers, which cost the most at scale (the whole model per pass,
+plan.sampling_time), are shared by all prompts. The caches live only inside generate(). None of this
+is on the training step's path: train.py calls Sampler.sample after an evaluation's metrics line.
+"""
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import data as D
+import model as M
+
+
+def run_tokenizer(cfg) -> str | None:
+    """The tokenizer of this run's token ids: the one --data was prepared with (its meta.json's; the
+    built-in sample's OUT_DIR/sample/tokenizer.model, built at set-up), else --init_from's tokenizer.json;
+    None for a bare .npy without either. Raises DataError for a prepared folder whose meta.json is bad."""
+    if cfg.data == "sample":
+        return os.path.join(cfg.out_dir, "sample", "tokenizer.model")
+    if os.path.isdir(cfg.data):
+        return D.read_meta(cfg.data, "--data")["tokenizer"]["path"]
+    if cfg.init_from and os.path.isfile(os.path.join(cfg.init_from, "tokenizer.json")):
+        return cfg.init_from
+    return None
+
+
+def read_prompts(path: str) -> list[dict]:
+    """The records of a prompts file, each {"text": str} or {"messages": [...]}; a bad line raises a
+    DataError naming the flag, the file and the line."""
+    where = f"--sample_prompts: {path}"
+    if not os.path.isfile(path):
+        raise D.DataError(f"{where} does not exist")
+    with open(path, "rb") as f:
+        records = [D.parse_record(raw, f"{where}:{n}", is_txt=False, trains=False)
+                   for n, raw in enumerate(f, 1) if raw.strip()]
+    if not records:
+        raise D.DataError(f"{where} holds no prompt")
+    return records
+
+
+def check_flags(cfg) -> list[str]:
+    """The sampling flags and the prompts file, one line each, before any work (checks.py calls this)."""
+    errors = []
+    if cfg.sample_tokens < 1:
+        errors.append(f"--sample_tokens: must be >= 1, got {cfg.sample_tokens}")
+    if not cfg.sample_prompts:
+        return errors
+    if cfg.eval_every == 0:
+        errors.append("--sample_prompts: samples are taken at each evaluation, and --eval_every 0 never evaluates")
+    try:
+        read_prompts(cfg.sample_prompts)
+        if cfg.data in ("sample", "") or os.path.exists(cfg.data):  # a missing --data has its own line
+            tokenizer = run_tokenizer(cfg)
+            if tokenizer is None:
+                errors.append(f"--sample_prompts: no tokenizer to encode {cfg.sample_prompts} with: --data {cfg.data} "
+                              f"is token ids without one (data.py prepare records it) and --init_from "
+                              f"{cfg.init_from or '(not given)'} has no tokenizer.json")
+            elif cfg.data != "sample" and not os.path.exists(tokenizer):
+                errors.append(f"--sample_prompts: --data {cfg.data} was prepared with the tokenizer {tokenizer}, "
+                              f"which does not exist here")
+    except D.DataError as e:
+        errors.append(str(e))
+    return errors
+
+
+def end_ids(cfg, mcfg: M.ModelConfig, tok: D.Tokenizer) -> list[int]:
+    """The ids a completion stops at: the model's end of text (its config, and --init_from's
+    generation_config.json list: Llama 3.1 Instruct ends a reply with <|eot_id|> or <|eom_id|>), the
+    tokenizer's, and <|eot_id|>, which ends a chat turn in data.py's format, when the tokenizer has it."""
+    ids = {mcfg.eos_id, tok.eos_id}
+    if tok.kind == "huggingface":
+        ids.add(tok.hf.eos_token_id)
+        ids.add(tok.hf.get_vocab().get("<|eot_id|>"))
+    else:
+        eot = tok.sp.piece_to_id("<|eot_id|>")
+        ids.add(None if eot == tok.sp.unk_id() else eot)
+    for name in ("config.json", "generation_config.json") if cfg.init_from else ():
+        path = os.path.join(cfg.init_from, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos])
+    return sorted(i for i in ids if isinstance(i, int) and 0 <= i < mcfg.vocab_size)
+
+
+def generate(sharded, prompts: list[list[int]], max_new_tokens: int, stop_ids) -> list[list[int]]:
+    """Greedy completions of `prompts` (token ids) through the sharded model, every rank taking part:
+    each a list of at most max_new_tokens ids, ending with the stop id when one came."""
+    mcfg, dtype, device = sharded.model.cfg, sharded.compute_dtype, sharded.device
+    caches = {i: [M.KVCache(len(p) + max_new_tokens, mcfg, dtype, device) for _ in range(mcfg.n_layers)]
+              for i, p in enumerate(prompts)}
+    feed = dict(enumerate(prompts))  # what each unfinished prompt feeds next: itself, then its last token
+    completions = [[] for _ in prompts]
+    with torch.no_grad():
+        while feed:
+            next_ids = forward_pass(sharded, [feed[i] for i in feed], [caches[i] for i in feed])
+            dist.broadcast(next_ids, src=0)  # one decision on every rank
+            for i, token in zip(list(feed), next_ids.tolist()):
+                completions[i].append(token)
+                feed[i] = [token]
+                if token in stop_ids or len(completions[i]) == max_new_tokens:
+                    del feed[i], caches[i]
+    return completions
+
+
+def forward_pass(sharded, inputs: list[list[int]], caches: list[list[M.KVCache]]) -> torch.Tensor:
+    """One pass over the model for every sequence: `inputs[j]` are sequence j's new tokens, `caches[j]`
+    its blocks' caches (extended here). Each unit is gathered once for all sequences, with the next one
+    prefetched, and freed after; returns the greedy next id of each sequence, (len(inputs),) int64."""
+    model, units, device = sharded.model, sharded.units, sharded.device
+    head = [units[-1], units[0]] if model.cfg.tie_embeddings else [units[-1]]  # a tied head is the embedding
+    stages = [[units[0]]] + [[unit] for unit in units[1:-1]] + [head]
+    rope = []
+    for ids, cache in zip(inputs, caches):
+        start = cache[0].length
+        positions = torch.arange(start, start + len(ids), device=device)[None]
+        rope.append(M.rope_cos_sin(model.cfg, positions, sharded.compute_dtype))
+    xs = [M.to_device(np.array([ids]), device) for ids in inputs]
+    for k, stage in enumerate(stages):
+        for unit in stage:
+            unit.wait_gather()
+            unit.set_views(unit.gathered)
+        if sharded.prefetch and k + 1 < len(stages):
+            for unit in stages[k + 1]:
+                unit.start_gather()
+        if k == 0:
+            xs = [model.embed(x) for x in xs]
+        elif k < len(stages) - 1:
+            xs = [model.layers[k - 1](x, cos, sin, cache=cache[k - 1]) for x, (cos, sin), cache in zip(xs, rope, caches)]
+        else:
+            logits = torch.cat([model.logits(x[:, -1]) for x in xs])  # the last position's only
+        for unit in stage:
+            unit.free()
+    return logits.float().argmax(-1)
+
+
+def shorten(text: str, limit: int = 100) -> str:
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+class Sampler:
+    """--sample_prompts: the prompts as token ids, the ids that end a completion, and samples.jsonl."""
+
+    def __init__(self, cfg, mcfg: M.ModelConfig, rank: int, start_step: int):
+        self.rank, self.max_new_tokens = rank, cfg.sample_tokens
+        self.records = read_prompts(cfg.sample_prompts)
+        self.tok = D.Tokenizer(run_tokenizer(cfg))
+        self.prompts = [self.tok.prompt_ids(r) for r in self.records]
+        for n, ids in enumerate(self.prompts, 1):
+            if max(ids) >= mcfg.vocab_size:
+                raise D.DataError(f"--sample_prompts: {cfg.sample_prompts}: prompt {n} encodes to id {max(ids)} "
+                                  f"with {self.tok.path}, outside the model's vocabulary [0, {mcfg.vocab_size})")
+        self.stop_ids = end_ids(cfg, mcfg, self.tok)
+        self.path = os.path.join(cfg.out_dir, "samples.jsonl")
+        if rank == 0:
+            keep_rows_up_to(self.path, start_step)
+
+    def sample(self, sharded, step: int):
+        """Completes every prompt; rank 0 prints them and appends them to samples.jsonl with the step."""
+        t0 = time.perf_counter()
+        completions = generate(sharded, self.prompts, self.max_new_tokens, set(self.stop_ids))
+        if self.rank != 0:
+            return
+        rows = []
+        for record, ids in zip(self.records, completions):
+            text_ids = ids[:-1] if ids[-1] in self.stop_ids else ids
+            rows.append(dict(step=step, prompt=record.get("text", record.get("messages")),
+                             completion=self.tok.decode(text_ids), ids=ids))
+        with open(self.path, "a") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        print(f"samples at step {step} ({len(rows)} prompts, {time.perf_counter() - t0:.1f} s, {self.path}):", flush=True)
+        for row in rows:
+            prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
+            print(f"  {shorten(prompt)!r} -> {shorten(row['completion'])!r}", flush=True)
+
+
+def keep_rows_up_to(path: str, step: int):
+    """samples.jsonl of a resumed run keeps the evaluations it has already done (step <= `step`): the
+    steps after are sampled again. A line torn by a crash is dropped."""
+    kept = []
+    if step and os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    if json.loads(line)["step"] <= step:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):
+                    pass
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
