@@ -19,6 +19,7 @@ import json
 import model as M
 import checks
 import metrics
+import sample
 import train as T
 
 GIB = 2**30
@@ -126,6 +127,14 @@ ASSUMPTIONS = {
                        "only the last block's copy back, which its own backward waits for, is exposed",
     "adamw": "on the GPU: memory-bound: 32 B per parameter of the slice (read + write fp32 master, m, v, "
              "gradient) at 80% of HBM",
+    "sample_chars_per_token": (4, "--sample_prompts: the planner has no tokenizer; a prompt's tokens are taken as its "
+                                  "characters / 4 (Llama 3's tokenizer on English prose, an assumption), chat markup "
+                                  "not counted"),
+    "sampling": "--sample_prompts, per evaluation (sample.py): at most --sample_tokens passes over the model (the "
+                "prompts' prefill gives the first new token), each all-gathering every unit once, as training's "
+                "forward does. Each pass runs the prompts one after another through each gathered unit: the "
+                "prefill's matmuls at the training matmul efficiency, then per new token every prompt reads every "
+                "gathered weight from HBM once (at 80% of HBM bandwidth); with --prefetch the gathers overlap that",
     "mfu_convention": "MFU = tokens/s x train.flops_per_token (6(N-emb) + 12 L H Dh T) / peak; recompute, the "
                       "tied head's matmul and the chunked cross-entropy's recomputed logits are executed FLOPs "
                       "that cost time but are not counted in MFU",
@@ -458,6 +467,32 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
                 micro_steps=micro_steps, bandwidth_gbps=bandwidth / 1e9, **host)
 
 
+def sampling_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int, n_prompts: int, prompt_tokens: int) -> dict:
+    """Seconds --sample_prompts adds to each evaluation (ASSUMPTIONS sampling), and what it moves and holds:
+    the bytes all-gathered per GPU buffer, and the KV cache each rank holds (every rank runs every prompt)."""
+    numels = [padded(n, world) for n in unit_numels(mcfg)]
+    gathered_bytes = COMPUTE_BYTES * (sum(numels) + (numels[0] if mcfg.tie_embeddings else 0))  # a tied head: embedding again
+    bandwidth = 1e9 * (gpu["ib_gbps"] if cfg.nnodes > 1 else gpu["nvlink_gbps"])
+    gather_s = (world - 1) / world * gathered_bytes / bandwidth
+    prefill_flops = 2 * M.count_params(mcfg)["total"] * n_prompts * prompt_tokens
+    prefill_s = prefill_flops / (peak_flops(gpu) * matmul_efficiency(gpu["family"], mcfg.dim))
+    decode_s = n_prompts * gathered_bytes / (0.8e9 * gpu["hbm_gbps"])
+    def one_pass(compute_s):
+        return max(gather_s, compute_s) if cfg.prefetch else gather_s + compute_s
+    kv_bytes = 2 * mcfg.n_layers * mcfg.n_kv_heads * mcfg.head_dim * COMPUTE_BYTES * n_prompts * (prompt_tokens + cfg.sample_tokens)
+    return dict(sampling_s=one_pass(prefill_s) + (cfg.sample_tokens - 1) * one_pass(decode_s),
+                sampling_passes=cfg.sample_tokens, sampling_gathered_gb=cfg.sample_tokens * gathered_bytes / 1e9,
+                sampling_gather_s_per_pass=gather_s, sampling_prefill_s=prefill_s, sampling_decode_s_per_pass=decode_s,
+                sampling_kv_cache_gib=kv_bytes / GIB, sampling_prompts=n_prompts, sampling_prompt_tokens=prompt_tokens)
+
+
+def prompt_sizes(cfg) -> tuple[int, int]:
+    """(prompts, tokens of the longest) of --sample_prompts, the tokens estimated from characters."""
+    records = sample.read_prompts(cfg.sample_prompts)
+    chars = max(len(r["text"]) if "text" in r else sum(len(m["content"]) for m in r["messages"]) for r in records)
+    return len(records), -(-chars // ASSUMPTIONS["sample_chars_per_token"][0])
+
+
 # ----------------------------------------------------------------------------------------------
 # The plan, the checks, the table
 # ----------------------------------------------------------------------------------------------
@@ -519,7 +554,8 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
         host_gib_per_gpu=host_gib_per_gpu, host_gib_by_part_per_gpu={k: v / GIB for k, v in host.items()},
         host_gib_per_node=host_gib_per_gpu * cfg.nproc_per_node, host_usable_gib_per_node=host_usable_gib,
         host_fits=host_gib_per_gpu * cfg.nproc_per_node <= host_usable_gib,
-        partial_checkpointing=partial_checkpointing(mcfg, cfg), assumptions=assumptions)
+        partial_checkpointing=partial_checkpointing(mcfg, cfg), assumptions=assumptions,
+        **(sampling_time(mcfg, cfg, gpu, world, *prompt_sizes(cfg)) if cfg.sample_prompts else {}))
 
 
 def check(cfg) -> list[str]:
@@ -548,6 +584,13 @@ def check(cfg) -> list[str]:
             errors.append(f"--{name}: must be >= 0, got {getattr(cfg, name)}")
     if not cfg.init_from and cfg.model not in M.PRESETS:
         errors.append(f"--model: unknown preset {cfg.model!r}; known: {', '.join(M.PRESETS)}")
+    if cfg.sample_tokens < 1:
+        errors.append(f"--sample_tokens: must be >= 1, got {cfg.sample_tokens}")
+    elif cfg.sample_prompts:
+        try:
+            sample.read_prompts(cfg.sample_prompts)
+        except sample.D.DataError as e:
+            errors.append(str(e))
     return errors
 
 
@@ -599,6 +642,16 @@ def table(p: dict, cfg) -> str:
     if cfg.offload_activations:
         lines.append("offload copies: assumed to overlap the compute on a side stream, each block's backward "
                      "prefetching the previous block's input; the last block's copy back is exposed")
+    if cfg.sample_prompts:
+        lines.append(f"--sample_prompts per evaluation (predicted): {p['sampling_prompts']} prompts of ~"
+                     f"{p['sampling_prompt_tokens']} tokens, {cfg.sample_tokens} passes over the model, each "
+                     f"all-gathering {p['sampling_gathered_gb'] / cfg.sample_tokens:,.1f} GB ("
+                     f"{p['sampling_gather_s_per_pass']:.2f} s) against {p['sampling_decode_s_per_pass']:.2f} s of "
+                     f"weight reads per new token (prefill {p['sampling_prefill_s']:.2f} s) -> "
+                     f"{p['sampling_s']:,.1f} s"
+                     + (f", {100 * p['sampling_s'] / (cfg.eval_every * p['step_time_s']):.1f}% of the "
+                        f"{cfg.eval_every} steps between evaluations" if cfg.eval_every else "")
+                     + f"; KV cache {p['sampling_kv_cache_gib']:.2f} GiB per GPU")
     if cfg.train_tokens:
         lines.append(f"{cfg.train_tokens:,.0f} tokens: {p['hours']:,.0f} h ({p['hours'] / 24:.1f} days) on "
                      f"{p['world']} GPUs = ${p['cost_usd']:,.0f} at ${cfg.gpu_hour_usd:.2f}/GPU-hour")
