@@ -589,7 +589,7 @@ def check(cfg) -> list[str]:
     elif cfg.sample_prompts:
         try:
             sample.read_prompts(cfg.sample_prompts)
-        except sample.D.DataError as e:
+        except ValueError as e:  # data.DataError: the file and line
             errors.append(str(e))
     return errors
 
