@@ -6,12 +6,11 @@ import json
 import os
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from common import hf_model, learnable_tokens, ours_from_hf, run_train, save_hf, small_config
 from dist_worker import live_tensor_bytes
-from test_data import CHATS, TEXTS, hf_tokenizer, write_jsonl
+from test_data import TEXTS, hf_tokenizer, write_jsonl
 
 import checkpoint as C
 import checks
