@@ -388,9 +388,14 @@ def hf_file_of_tensors(folder: str) -> dict:
     if os.path.isfile(index):
         try:
             with open(index) as f:
-                paths = sorted({os.path.join(folder, v) for v in json.load(f)["weight_map"].values()})
-        except (ValueError, KeyError, AttributeError) as e:
+                tensor_files = list(json.load(f)["weight_map"].items())  # (tensor name, file name)
+        except (ValueError, KeyError, AttributeError, TypeError) as e:
             raise ValueError(f"--init_from: {index} is not a safetensors index ({e!r}); download it again") from None
+        for name, fname in tensor_files:  # a file of this folder (links are fine: the Hub's cache is made of them)
+            if not D.is_plain_name(fname):
+                raise ValueError(f"--init_from: {index} names {fname!r} as the file of {name}, which is not a file "
+                                 f"name in {folder} (a '/' or '..'); download the model again")
+        paths = sorted({os.path.join(folder, fname) for _, fname in tensor_files})
     elif os.path.isfile(single):
         paths = [single]
     else:

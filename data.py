@@ -34,6 +34,7 @@ import fcntl
 import gettext
 import glob
 import hashlib
+import importlib.metadata
 import itertools
 import json
 import multiprocessing
@@ -62,7 +63,7 @@ class Tokenizer:
     """The few things prepare needs from either kind of tokenizer."""
 
     def __init__(self, path: str):
-        self.path = path
+        self.path, self.jinja2_checked = path, False
         if path.endswith(".model") and os.path.isfile(path):
             import sentencepiece as spm
             self.kind, self.sp = "sentencepiece", spm.SentencePieceProcessor(model_file=path)
@@ -127,7 +128,7 @@ class Tokenizer:
         # A template: render growing prefixes; message i's text is what it adds to the rendering.
         out, before = [], ""
         for i, m in enumerate(messages):
-            text = self.hf.apply_chat_template(messages[:i + 1], tokenize=False)
+            text = self.render_chat(messages[:i + 1])
             if not text.startswith(before):
                 raise DataError(f"--tokenizer: {self.path}: its chat template renders a conversation's "
                                 f"prefix differently from the whole; assistant spans cannot be masked")
@@ -155,18 +156,30 @@ class Tokenizer:
         if "text" in record:
             return [self.bos_id] + self.encode([record["text"]], specials=False)[0]
         if self.chat_template:
-            text = self.hf.apply_chat_template(record["messages"], tokenize=False, add_generation_prompt=True)
+            text = self.render_chat(record["messages"], add_generation_prompt=True)
             return self.encode([text], specials=True)[0]
         segments = self.chat_segments(record["messages"])
         segments += [("<|start_header_id|>", False, True), ("assistant", False, False), ("<|end_header_id|>\n\n", False, True)]
         return [self.bos_id] + [i for text, _, markup in segments for i in self.encode([text], markup)[0]]
 
+    def render_chat(self, messages: list, add_generation_prompt: bool = False) -> str:
+        """The chat template's text for `messages`. The template is code that comes with the tokenizer,
+        which transformers runs in jinja2's sandbox: whatever it raises (its own raise_exception, a syntax
+        error, an attribute the sandbox refuses) is this chat's error, one line."""
+        if not self.jinja2_checked:
+            check_jinja2(importlib.metadata.version("jinja2"))
+            self.jinja2_checked = True
+        try:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 (any error of the template's code)
+            why = " ".join(f"{type(e).__name__}: {e}".split())
+            raise DataError(f"the chat template of {self.path} failed on this chat ({why})") from None
+
     def content_span(self, messages: list, i: int, before: str, piece: str):
         """(start, end) of message i's content in its rendered piece, found by rendering a placeholder in
         its place: searching for the content would also match it inside the markup. None if the
         template changes the content beyond trimming it."""
-        probe = self.hf.apply_chat_template(messages[:i] + [dict(messages[i], content=CONTENT_PLACEHOLDER)],
-                                            tokenize=False)
+        probe = self.render_chat(messages[:i] + [dict(messages[i], content=CONTENT_PLACEHOLDER)])
         if not probe.startswith(before) or probe.count(CONTENT_PLACEHOLDER) != 1:
             return None
         head, tail = probe[len(before):].split(CONTENT_PLACEHOLDER)
@@ -175,6 +188,19 @@ class Tokenizer:
                 and piece[lo:hi] in (messages[i]["content"], messages[i]["content"].strip())):
             return None
         return lo, hi
+
+
+def version_tuple(version: str) -> tuple:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def check_jinja2(version: str):
+    """Chat templates come with tokenizers and are rendered in jinja2's sandbox; releases before 3.1.6
+    let a template escape it (CVE-2024-56326, CVE-2025-27516). requirements.txt asks for 3.1.6; an older
+    jinja2 already installed is refused before the first template is rendered rather than trusted."""
+    if version_tuple(version) < (3, 1, 6):
+        raise DataError(f"chat templates need jinja2 >= 3.1.6 (this is {version}, whose sandbox a "
+                        f"template can escape); pip install 'jinja2>=3.1.6'")
 
 
 def sentencepiece_markup(sp):
@@ -194,19 +220,38 @@ def train_tokenizer(inputs: list, vocab_size: int, out: str):
     import sentencepiece as spm
     if not out.endswith(".model"):
         raise DataError(f"--out: {out} must end in .model")
+    if vocab_size < 1:
+        raise DataError(f"--vocab_size: must be >= 1, got {vocab_size}")
     def lines():  # sentencepiece drops "sentences" over 4 KB: feed it lines, not whole documents
         for _, doc in parse_records(read_records(inputs, collections.Counter()), False, collections.Counter()):
             texts = [doc["text"]] if "text" in doc else [m["content"] for m in doc["messages"]]
             for text in texts:
                 yield from (line for line in text.split("\n") if line.strip())
     prefix = out[:-len(".model")] + ".tmp"  # the model records its prefix: no pid, so re-runs are identical
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=lines(), model_prefix=prefix, vocab_size=vocab_size, model_type="bpe",
-        byte_fallback=True, character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        user_defined_symbols=list(CHAT_TOKENS), normalization_rule_name="identity",
-        remove_extra_whitespaces=False, add_dummy_prefix=False, split_digits=True, num_threads=1, minloglevel=2)
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=lines(), model_prefix=prefix, vocab_size=vocab_size, model_type="bpe",
+            byte_fallback=True, character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+            user_defined_symbols=list(CHAT_TOKENS), normalization_rule_name="identity",
+            remove_extra_whitespaces=False, add_dummy_prefix=False, split_digits=True, num_threads=1, minloglevel=2)
+    except RuntimeError as e:  # a failed check in sentencepiece's C++: its source line, then the reason
+        raise DataError(sentencepiece_error(str(e), vocab_size)) from None
     os.replace(prefix + ".model", out)
     os.remove(prefix + ".vocab")
+
+
+def sentencepiece_error(message: str, vocab_size: int) -> str:
+    """sentencepiece's training error as one line naming the flag, with the size it says would work."""
+    reason = message.rsplit("] ", 1)[-1].strip()
+    too_many = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", reason)
+    if too_many:
+        return (f"--vocab_size: {vocab_size:,} is more pieces than --input yields; at most {too_many[1]} can be "
+                f"learned from it (use --vocab_size {too_many[1]} or less, or give more text)")
+    too_few = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", reason)
+    if too_few:
+        return (f"--vocab_size: {vocab_size:,} is fewer pieces than --input's characters, the 256 byte pieces and "
+                f"the markers need ({too_few[1]}); use --vocab_size {too_few[1]} or more")
+    return f"--input: sentencepiece could not train a tokenizer: {reason or message}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -657,9 +702,34 @@ def read_meta(folder: str, flag: str) -> dict:
                 and all(isinstance(record.get(k), int) for k in ("n_tokens", "max_token_id"))):
             raise bad(f"shard {i} needs 'tokens' (a file name), 'mask' (a file name or null), "
                       f"'n_tokens' and 'max_token_id' (integers)")
+        for key in ("tokens", "mask"):
+            name = record[key]
+            if name is None:
+                continue
+            if not is_plain_name(name):
+                raise bad(f"shard {i} names {name!r} as its {key} file, which is not a file name in {folder} "
+                          f"(a '/' or '..')")
+            path = os.path.join(folder, name)
+            if os.path.islink(path) and not is_inside(os.path.realpath(path), folder):
+                raise DataError(f"{flag}: {path} is a link to {os.path.realpath(path)}, outside {folder}: a "
+                                f"prepared folder's shards must be in it (copy the file in)")
     if len({record["mask"] is None for record in shards}) > 1:
         raise bad("has shards with a mask and shards without")
     return meta
+
+
+# A file name read from a folder's own JSON (meta.json's shards here, a safetensors index's weight_map in
+# checkpoint.py) names a file in that folder: such folders are downloaded and copied, so a name must not
+# lead anywhere else. A prepared folder's shards must also really be in it (prepare never writes a link);
+# a Hugging Face folder's files may be links, because the Hub's cache is made of them.
+def is_plain_name(name) -> bool:
+    """One path component: no '/', not '.' or '..', not absolute, no NUL."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+
+def is_inside(real_path: str, folder: str) -> bool:
+    folder = os.path.realpath(folder)
+    return os.path.commonpath([real_path, folder]) == folder
 
 
 class TokenWindows:

@@ -4,6 +4,7 @@ meta.json, control tokens forged by text, a prepare whose worker dies or whose d
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -217,3 +218,106 @@ def test_a_document_over_the_size_limit_is_refused_naming_the_file(corpus, tmp_p
     assert proc.stderr.strip().splitlines() == [
         f"error: {where}: a document over --max_document_mb 1 MB; split it into smaller documents, or raise the limit"]
     D.prepare([path], corpus["sp"], str(tmp_path / "p2"), quiet=True)  # the default limit (64 MB) takes it
+
+
+# -- 6. what comes with a folder: file names in meta.json, the chat template, the tokenizer's size --------
+
+@pytest.mark.parametrize("case", ["parent", "absolute", "subfolder", "mask", "link out"])
+def test_a_shard_file_name_in_meta_json_must_be_a_file_in_its_folder(prepared, tmp_path, case):
+    """meta.json comes with a downloaded or copied folder: a name in it that leads elsewhere (a real .npy
+    there, so that reading it would succeed) is refused, naming meta.json or the link."""
+    path, shard = os.path.join(prepared, "meta.json"), os.path.join(prepared, "tokens-00000.npy")
+    outside = str(tmp_path / "outside.npy")
+    np.save(outside, np.load(shard))
+    meta = json.load(open(path))
+    key, name = "tokens", {"parent": "../outside.npy", "absolute": outside, "subfolder": "sub/tokens-00000.npy",
+                           "mask": "../outside.npy", "link out": "tokens-00000.npy"}[case]
+    if case == "subfolder":
+        os.makedirs(os.path.join(prepared, "sub"))
+        np.save(os.path.join(prepared, name), np.load(shard))
+    if case == "mask":
+        key = "mask"
+    if case == "link out":
+        os.remove(shard)
+        os.symlink(outside, shard)
+    meta["shards"][0][key] = name
+    open(path, "w").write(json.dumps(meta))
+    with pytest.raises(D.DataError) as e:
+        D.TokenData(prepared)
+    if case == "link out":
+        assert str(e.value) == (f"--data: {shard} is a link to {outside}, outside {prepared}: a prepared folder's "
+                                f"shards must be in it (copy the file in)")
+    else:
+        assert str(e.value) == (f"--data: {path} shard 0 names {name!r} as its {key} file, which is not a file "
+                                f"name in {prepared} (a '/' or '..'); run data.py prepare again")
+
+
+def test_a_link_to_a_file_inside_the_folder_is_read(prepared):
+    shard = os.path.join(prepared, "tokens-00000.npy")
+    expected = np.load(shard)
+    os.replace(shard, os.path.join(prepared, "kept-00000.npy"))
+    os.symlink("kept-00000.npy", shard)  # relative, inside the folder
+    data = D.TokenData(prepared)
+    assert np.array_equal(data.read(0, len(expected))[0], expected)
+
+
+def chat_tokenizer(corpus, tmp_path, template: str) -> str:
+    """The corpus's Hugging Face tokenizer with another chat template."""
+    folder = shutil.copytree(corpus["hf"], tmp_path / "tok")
+    config = json.load(open(folder / "tokenizer_config.json"))
+    json.dump(dict(config, chat_template=template), open(folder / "tokenizer_config.json", "w"))
+    return str(folder)
+
+
+LOOP = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>"
+        "{% endfor %}")
+
+
+@pytest.mark.parametrize("template,error", [
+    ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}" + LOOP,
+     "TemplateError: System role not supported"),
+    ("{% for m in messages %}{{ m['content'] }", "TemplateSyntaxError: unexpected '}'"),
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}" + LOOP,  # the sandbox stops it
+     "SecurityError: access to attribute '__class__' of 'str' object is unsafe."),
+    ("{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}",
+     'TypeError: can only concatenate str (not "int") to str'),
+], ids=["raise_exception", "syntax", "sandbox", "type"])
+def test_a_chat_template_error_is_one_line_naming_the_file_and_record(corpus, tmp_path, template, error):
+    tokenizer = chat_tokenizer(corpus, tmp_path, template)
+    with pytest.raises(D.DataError) as e:
+        D.prepare([corpus["chat"]], tokenizer, str(tmp_path / "p"), quiet=True)
+    assert str(e.value) == f"{corpus['chat']}:1: the chat template of {tokenizer} failed on this chat ({error})"
+    with pytest.raises(D.DataError) as e:  # a --sample_prompts chat, rendered for a reply
+        D.Tokenizer(tokenizer).prompt_ids({"messages": CHATS[0][:2]})
+    assert str(e.value) == f"the chat template of {tokenizer} failed on this chat ({error})"
+
+
+def test_jinja2_with_the_sandbox_fixes_is_required():
+    """transformers renders a tokenizer's chat template (code that comes with the model) in jinja2's
+    sandbox; releases before 3.1.6 let a template escape it."""
+    text = open(os.path.join(ROOT, "requirements.txt")).read()
+    floor = re.search(r"^jinja2>=([\d.]+)$", text, re.M)
+    assert floor and D.version_tuple(floor[1]) >= (3, 1, 6), "requirements.txt must ask for jinja2>=3.1.6"
+    D.check_jinja2("3.1.6")
+    D.check_jinja2("3.2.0rc1")
+    with pytest.raises(D.DataError, match=r"^chat templates need jinja2 >= 3\.1\.6 \(this is 3\.1\.5, "
+                                          r"whose sandbox a template can escape\); pip install 'jinja2>=3\.1\.6'$"):
+        D.check_jinja2("3.1.5")
+
+
+@pytest.mark.parametrize("vocab_size,message", [
+    (4000, "--vocab_size: 4,000 is more pieces than --input yields; at most 356 can be learned from it "
+           "(use --vocab_size 356 or less, or give more text)"),
+    (100, "--vocab_size: 100 is fewer pieces than --input's characters, the 256 byte pieces and the markers need "
+          "(282); use --vocab_size 282 or more"),
+    (0, "--vocab_size: must be >= 1, got 0"),
+])
+def test_a_vocabulary_the_corpus_cannot_fill_is_one_line(tmp_path, capsys, vocab_size, message):
+    path = write_jsonl(tmp_path / "tiny.jsonl", [{"text": "hello world, a tiny corpus"},
+                                                 {"text": "another line of text here"}])
+    with pytest.raises(SystemExit) as e:
+        D.main(["train-tokenizer", "--input", path, "--vocab_size", str(vocab_size),
+                "--out", str(tmp_path / "t.model")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {message}"]
+    assert os.listdir(tmp_path) == ["tiny.jsonl"]  # nothing half-written

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from common import hf_model, run_train, save_hf, small_config
 
+import checkpoint as C
 import model as M
 
 
@@ -112,3 +113,45 @@ def test_config_that_is_not_plain_llama_is_refused(changes):
     M.config_from_hf(hf)  # the plain Llama form is accepted...
     with pytest.raises(ValueError, match="^config.json: .* not"):  # ...and one change away from it is not
         M.config_from_hf({k: v for k, v in dict(hf, **changes).items() if v is not None})
+
+
+def write_index(folder, weight_map):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return os.path.join(folder, "model.safetensors.index.json")
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "ABSOLUTE", "sub/model.safetensors", "..", 5])
+def test_a_weight_map_file_name_must_be_a_file_in_the_folder(tmp_path, name):
+    """The index comes with a downloaded folder: a name in it that leads elsewhere (to a real safetensors
+    file there, which reading would accept) is refused before any file is opened, as one line."""
+    save_file({"model.norm.weight": torch.ones(4)}, str(tmp_path / "outside.safetensors"))
+    name = str(tmp_path / "outside.safetensors") if name == "ABSOLUTE" else name
+    folder = str(tmp_path / "model")
+    index = write_index(folder, {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                                 "model.norm.weight": name})
+    with pytest.raises(ValueError) as e:
+        C.hf_file_of_tensors(folder)
+    assert str(e.value) == (f"--init_from: {index} names {name!r} as the file of model.norm.weight, which is not "
+                            f"a file name in {folder} (a '/' or '..'); download the model again")
+
+
+def test_an_index_that_is_not_a_json_object_is_one_line(tmp_path):
+    folder = str(tmp_path / "model")
+    index = write_index(folder, {})
+    open(index, "w").write("[]")
+    with pytest.raises(ValueError, match=f"^--init_from: {index} is not a safetensors index"):
+        C.hf_file_of_tensors(folder)
+
+
+def test_files_that_are_links_as_in_the_hub_cache_are_read(llama_folders, tmp_path):
+    """huggingface_hub's cache: snapshots/<commit>/ holds links into ../../blobs/, one per file."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    os.makedirs(blobs)
+    os.makedirs(snapshot)
+    for name in os.listdir(llama_folders[1]):
+        shutil.copy(os.path.join(llama_folders[1], name), blobs / f"blob-{name}")
+        os.symlink(f"../../blobs/blob-{name}", snapshot / name)
+    files = C.hf_file_of_tensors(str(snapshot))
+    assert files == {k: str(snapshot / os.path.basename(v)) for k, v in C.hf_file_of_tensors(llama_folders[1]).items()}
