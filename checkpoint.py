@@ -261,6 +261,31 @@ def resume_candidates(root: str) -> list[str]:
     return [p for p in paths if os.path.basename(p) <= latest]  # zero-padded names sort as steps
 
 
+def finished_run(cfg) -> str | None:
+    """What to say instead of training when the checkpoint a resume would start from is already at --steps:
+    re-running a finished run's command (launch.sh again, a requeued job) trains, saves and exports nothing.
+    Only manifests are read: no process group, no weights. None when there is something to do."""
+    if cfg.resume != "auto" or cfg.from_ckpt or cfg.steps == 0:  # --steps 0 exports the newest checkpoint
+        return None
+    try:
+        candidates = resume_candidates(os.path.join(cfg.out_dir, "checkpoints"))
+    except (CheckpointError, OSError):
+        return None  # setup says what is wrong
+    for path in candidates:
+        try:
+            step = check_manifest(path, None, None, None)["step"]
+        except (CheckpointError, AttributeError, KeyError, TypeError):
+            continue  # damaged: resume passes it by too
+        if not isinstance(step, int) or step < cfg.steps:
+            return None
+        done = f" of {cfg.steps}" if step == cfg.steps else f", beyond --steps {cfg.steps}"
+        message = f"already at step {step}{done} ({path}); raise --steps to continue"
+        if cfg.export_hf and not (os.path.isdir(cfg.export_hf) and os.listdir(cfg.export_hf)):
+            message += f"; to export it: python train.py --from_ckpt {path} --export_hf {cfg.export_hf}"
+        return message
+    return None
+
+
 def is_complete(path: str) -> bool:
     try:
         check_manifest(path, None, None, None)  # a readable manifest of this format

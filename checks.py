@@ -1,6 +1,7 @@
 """What can be wrong before any work starts, found on every rank before any process group exists, as
 one line each: the flags, the model's config (a preset, config.json, or a checkpoint's manifest), and
 the safetensors headers of --init_from. train.py's setup stops on the first list that is not empty."""
+import difflib
 import json
 import os
 
@@ -74,6 +75,47 @@ def check_config(cfg, world: int) -> list[str]:
     if cfg.export_hf and os.path.isdir(cfg.export_hf) and os.listdir(cfg.export_hf):
         errors.append(f"--export_hf: {cfg.export_hf} exists and is not empty; remove it or choose another")
     return errors + sample.check_flags(cfg)  # --sample_prompts and --sample_tokens
+
+
+def config_warnings(cfg) -> list[str]:
+    """Flags that are allowed but probably not meant, one line each (rank 0 prints them)."""
+    warnings = []
+    if cfg.steps > 0 and not cfg.from_ckpt and cfg.warmup_steps >= cfg.steps:  # lr_at never leaves warmup
+        warnings.append(f"--warmup_steps {cfg.warmup_steps} is not below --steps {cfg.steps}: the whole run is warmup; "
+                        f"the learning rate rises to {cfg.lr * cfg.steps / cfg.warmup_steps:g} at the last step "
+                        f"(--lr {cfg.lr:g}) and never follows --schedule {cfg.schedule}; lower --warmup_steps")
+    return warnings
+
+
+# What other trainers (Hugging Face Trainer, nanoGPT, Megatron-LM) call some of these flags: an unknown
+# flag is looked up here first, then by spelling.
+OTHER_TRAINERS_FLAGS = {
+    "max_steps": "steps", "max_iters": "steps", "train_iters": "steps", "num_train_epochs": "steps",
+    "preset": "model", "model_name_or_path": "init_from", "load": "init_from",
+    "learning_rate": "lr", "warmup_iters": "warmup_steps", "lr_warmup_iters": "warmup_steps",
+    "lr_scheduler_type": "schedule", "max_grad_norm": "grad_clip", "clip_grad": "grad_clip",
+    "per_device_train_batch_size": "micro_batch_size", "global_batch_size": "batch_size",
+    "gradient_accumulation_steps": "batch_size", "block_size": "seq_len", "seq_length": "seq_len",
+    "max_seq_length": "seq_len", "output_dir": "out_dir", "save": "out_dir", "save_steps": "ckpt_every",
+    "save_interval": "ckpt_every", "save_total_limit": "keep_ckpts", "logging_steps": "log_every",
+    "log_interval": "log_every", "eval_steps": "eval_every", "eval_interval": "eval_every",
+    "gradient_checkpointing": "ac", "resume_from_checkpoint": "resume", "bf16": "dtype",
+}
+
+
+def unknown_flag_message(unknown: list[str], known: list[str]) -> str:
+    """One line for what the command line parser did not recognize (`unknown`, as parse_known_args
+    returns it: an unknown flag, with its value after it when not written --flag=value)."""
+    flag = next((arg for arg in unknown if arg.startswith("-")), None)
+    if flag is None:
+        return f"unexpected argument {unknown[0]!r}: flags are --name value or --name=value"
+    flag = flag.split("=", 1)[0]
+    name = flag.lstrip("-").replace("-", "_")  # --out-dir: the dashes of other tools
+    nearest = (OTHER_TRAINERS_FLAGS.get(name) or (name if name in known else None)
+               or next(iter(difflib.get_close_matches(name, known, n=1)), None))
+    if nearest:
+        return f"unrecognized flag {flag}; did you mean --{nearest}?"
+    return f"unrecognized flag {flag}; python train.py --help lists the flags"
 
 
 def model_config(cfg) -> M.ModelConfig:

@@ -901,7 +901,7 @@ def main(argv=None):
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train-tokenizer", help="train a sentencepiece BPE tokenizer (byte fallback)")
     p.add_argument("--input", nargs="+", required=True)
-    p.add_argument("--vocab_size", type=int, required=True)
+    p.add_argument("--vocab_size", type=int, required=True, help="pieces (a small corpus yields few: the error says how many)")
     p.add_argument("--out", required=True, help="PATH.model")
     p = sub.add_parser("prepare", help="tokenize and pack into .npy shards + meta.json")
     p.add_argument("--input", nargs="+", required=True)

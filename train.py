@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import checkpoint as C
-from checks import check_run  # every flag and input checked before any work starts
+from checks import check_run, config_warnings, unknown_flag_message  # every flag and input checked before work
 import data as D
 import metrics
 import model as M
@@ -134,16 +134,32 @@ class TrainConfig:
 
 
 def parse_args(argv=None) -> TrainConfig:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The config from the command line (--steps 5 or --steps=5). A bad value or an unknown flag is a
+    ValueError of one line; an unknown flag names the nearest one (checks.py)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="python train.py [--flag value ...]", exit_on_error=False)
     for f in fields(TrainConfig):
-        kind = type(f.default)
-        if kind is bool:  # --prefetch false / --prefetch true / --plan (alone: true)
-            kind = lambda s: {"true": True, "1": True, "false": False, "0": False}[s.lower()]  # noqa: E731
-            parser.add_argument(f"--{f.name}", type=kind, nargs="?", const=True, default=f.default,
-                                help=f.metadata["help"])
-            continue
-        parser.add_argument(f"--{f.name}", type=kind, default=f.default, help=f.metadata["help"])
-    return TrainConfig(**vars(parser.parse_args(argv)))
+        shown = str(f.default).lower() if type(f.default) is bool else str(f.default) or "unset"
+        help_text = f"{f.metadata['help']} (default: {shown.replace('%', '%%')})"  # argparse formats help with %
+        if type(f.default) is bool:  # --prefetch false / --prefetch true / --plan (alone: true)
+            parser.add_argument(f"--{f.name}", type=true_or_false, nargs="?", const=True, default=f.default,
+                                help=help_text)
+        else:
+            parser.add_argument(f"--{f.name}", type=type(f.default), default=f.default, help=help_text)
+    try:
+        args, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ValueError(str(e)) from None
+    if unknown:
+        raise ValueError(unknown_flag_message(unknown, [f.name for f in fields(TrainConfig)]))
+    return TrainConfig(**vars(args))
+
+
+def true_or_false(text: str) -> bool:
+    value = {"true": True, "1": True, "false": False, "0": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true, false, 1 or 0, got {text!r}")
+    return value
 
 
 # ================================================================================================
@@ -791,6 +807,9 @@ def setup(cfg: TrainConfig):
     mcfg, hf_files, errors = check_run(cfg, int(os.environ.get("WORLD_SIZE", 1)), state_bytes_per_param)  # checks.py
     if errors:
         fail("; ".join(errors))
+    if os.environ.get("RANK", "0") == "0":
+        for warning in config_warnings(cfg):  # allowed, but probably not meant
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
 
     windows = eval_windows = None
     if cfg.steps > 0 and not cfg.from_ckpt:
@@ -843,7 +862,10 @@ def catch_stop_signals() -> list:
 
 
 def main(argv=None):
-    cfg = parse_args(argv)
+    try:
+        cfg = parse_args(argv)
+    except ValueError as e:
+        fail(str(e))
     if cfg.plot:
         try:
             print(f"wrote {metrics.plot_metrics(cfg.plot)}")
@@ -853,6 +875,11 @@ def main(argv=None):
     if cfg.plan:
         import plan
         plan.main(cfg)
+        return
+    finished = C.finished_run(cfg)  # re-running a finished run's command: say so; train, save, export nothing
+    if finished:
+        if os.environ.get("RANK", "0") == "0":
+            print(finished, flush=True)
         return
     owns_group = not dist.is_initialized()  # a caller's group (bench/) is the caller's to destroy
     global fault_hook

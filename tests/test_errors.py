@@ -1,7 +1,15 @@
 """Bad input gets one clear line naming the flag or file, on every rank, before any work: never a hang."""
+import os
+import subprocess
+import sys
+from dataclasses import fields
+
 import numpy as np
 import pytest
-from common import run_train
+from common import ROOT, run_train
+
+import checks
+import train as T
 
 
 @pytest.fixture
@@ -57,3 +65,66 @@ def test_not_a_token_array(tmp_path, tokens):
     path = tokens(np.zeros((4, 4), np.float32))
     proc = run_train([f"--data={path}", f"--out_dir={tmp_path}"], check=False, timeout=120)
     assert proc.returncode != 0 and "must be a 1-D integer array" in proc.stderr
+
+
+# -- the command line, as a newcomer meets it (in-process: train.parse_args, checks.config_warnings) ------------
+
+def test_help_shows_every_flags_default(capsys):
+    with pytest.raises(SystemExit) as e:
+        T.parse_args(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
+    assert text.count("(default: ") == len(fields(T.TrainConfig))
+    for expected in ["--steps STEPS optimizer steps (0: no training, e.g. to convert --init_from to --export_hf) "
+                     "(default: 200)",
+                     "--lr LR peak learning rate (default: 0.001)",
+                     "--prefetch [PREFETCH] all-gather the next unit while the current one computes (default: true)",
+                     "--init_from INIT_FROM Hugging Face Llama folder (config.json + *.safetensors) to start from "
+                     "(default: unset)",
+                     "after warmup: 'cosine' (to 10% of --lr at --steps) or 'constant' (default: cosine)"]:
+        assert expected in text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--max_steps", "5"], "unrecognized flag --max_steps; did you mean --steps?"),
+    (["--max_steps=5"], "unrecognized flag --max_steps; did you mean --steps?"),
+    (["--preset", "llama3-8b"], "unrecognized flag --preset; did you mean --model?"),
+    (["--learning_rate=1e-4"], "unrecognized flag --learning_rate; did you mean --lr?"),
+    (["--seqlen", "512"], "unrecognized flag --seqlen; did you mean --seq_len?"),
+    (["--out-dir", "x"], "unrecognized flag --out-dir; did you mean --out_dir?"),
+    (["--zzz", "1"], "unrecognized flag --zzz; python train.py --help lists the flags"),
+    (["--steps", "5", "10"], "unexpected argument '10': flags are --name value or --name=value"),
+    (["--steps", "five"], "argument --steps: invalid int value: 'five'"),
+    (["--prefetch", "maybe"], "argument --prefetch: expected true, false, 1 or 0, got 'maybe'"),
+])
+def test_a_bad_or_unknown_flag_is_one_line_naming_the_nearest(argv, message):
+    with pytest.raises(ValueError) as e:
+        T.parse_args(argv)
+    assert str(e.value) == message
+
+
+def test_both_flag_spellings_still_parse():
+    assert T.parse_args(["--steps=5", "--lr", "1e-4"]).steps == 5
+    assert T.parse_args(["--steps", "5"]).steps == 5
+    cfg = T.parse_args(["--prefetch", "false", "--plan", "--doc_mask=0"])
+    assert (cfg.prefetch, cfg.plan, cfg.doc_mask) == (False, True, False)
+
+
+def test_an_unknown_flag_exits_2_with_one_line():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--max_steps", "5"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["error: unrecognized flag --max_steps; did you mean --steps?"]
+
+
+def test_warmup_as_long_as_the_run_is_a_warning_not_an_error(tmp_path):
+    cfg = T.parse_args(["--steps=10", "--warmup_steps=20", f"--out_dir={tmp_path}"])
+    assert checks.check_config(cfg, 1) == []
+    assert checks.config_warnings(cfg) == [
+        "--warmup_steps 20 is not below --steps 10: the whole run is warmup; the learning rate rises to 0.0005 at "
+        "the last step (--lr 0.001) and never follows --schedule cosine; lower --warmup_steps"]
+    assert checks.config_warnings(T.parse_args(["--steps=20", "--warmup_steps=20"]))[0].startswith(
+        "--warmup_steps 20 is not below --steps 20: the whole run is warmup; the learning rate rises to 0.001 at the "
+        "last step (--lr 0.001)")
+    assert checks.config_warnings(T.parse_args(["--steps=21", "--warmup_steps=20"])) == []
+    assert checks.config_warnings(T.parse_args(["--steps=0", "--warmup_steps=20"])) == []  # a conversion

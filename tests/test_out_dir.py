@@ -14,6 +14,7 @@ from common import ROOT, model_and_tokens, read_metrics, run_train
 from test_launch import free_port, start_launch, start_node, wait_all, wait_for_steps, worker_pids
 
 import checkpoint as C  # noqa: E402
+import train as T  # noqa: E402
 
 BASE = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=float32", "--steps=6", "--lr=3e-3",
         "--warmup_steps=2", "--seed=4", "--timeout_min=1"]
@@ -162,3 +163,37 @@ def test_a_committing_rename_is_followed_by_an_fsync_of_its_folder(tmp_path, mon
     monkeypatch.setattr(os, "fsync", recording_fsync)
     C.write_atomic(str(tmp_path / "latest"), "step_00000001\n")
     assert synced == [str(tmp_path / "latest.tmp"), str(tmp_path)]
+
+
+def file_times(root) -> dict:
+    return {os.path.join(d, n): os.stat(os.path.join(d, n)).st_mtime_ns for d, _, names in os.walk(root) for n in names}
+
+
+def test_rerunning_a_finished_run_says_so_and_touches_nothing(files, tmp_path):
+    """launch.sh again, or a requeued job, after the last step: one line, exit 0, and no step, save, metrics
+    line or export over the first one. One process (python train.py), the cheapest run there is. The first
+    run's --warmup_steps is above --steps: rank 0 warns, once."""
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *BASE, *files, "--steps=2", "--warmup_steps=20",
+           f"--out_dir={tmp_path}", f"--export_hf={tmp_path / 'hf'}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stderr.count("warning: --warmup_steps 20 is not below --steps 2: the whole run is warmup") == 1
+    before = file_times(tmp_path)
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.splitlines() == [f"already at step 2 of 2 ({tmp_path / 'checkpoints' / 'step_00000002'}); "
+                                         f"raise --steps to continue"]
+    assert file_times(tmp_path) == before
+    # What the message says when --steps is below the checkpoint, or when --export_hf names a folder not
+    # yet written (a finished run is exported with --from_ckpt), decided from the manifest alone:
+    ckpt = tmp_path / "checkpoints" / "step_00000002"
+    args = BASE + files + [f"--out_dir={tmp_path}"]
+    assert C.finished_run(T.parse_args(args + ["--steps=1"])) == (
+        f"already at step 2, beyond --steps 1 ({ckpt}); raise --steps to continue")
+    assert C.finished_run(T.parse_args(args + ["--steps=2", f"--export_hf={tmp_path / 'new'}"])) == (
+        f"already at step 2 of 2 ({ckpt}); raise --steps to continue; to export it: python train.py "
+        f"--from_ckpt {ckpt} --export_hf {tmp_path / 'new'}")
+    for more in (["--steps=3"], ["--steps=0"], ["--steps=2", "--resume=never", "--overwrite"],
+                 ["--steps=2", f"--from_ckpt={ckpt}", f"--export_hf={tmp_path / 'new'}"]):
+        assert C.finished_run(T.parse_args(args + more)) is None, more
