@@ -40,8 +40,10 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
 import sys
 import sysconfig
+import tempfile
 import time
 
 import numpy as np
@@ -49,6 +51,19 @@ import numpy as np
 META_FORMAT = "llama-zero3-tokens/1"
 CHAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 CONTENT_PLACEHOLDER = "\x00content\x00"  # rendered in a message's place to find where its content goes
+# The Llama 3 header format a chat is rendered in without a template of the tokenizer's (Tokenizer.chat_segments),
+# as a chat template: an export of a sentencepiece tokenizer carries it, so a server renders chats as trained.
+HEADER_FORMAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                          "{{ m['content'] }}<|eot_id|>{% endfor %}"
+                          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+# A Hugging Face tokenizer's files: what an export copies from an --init_from folder, when there.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                      "chat_template.jinja", "chat_template.json", "added_tokens.json")
+# English, French, the chat markup, digits, whitespace runs, symbols, emoji, CJK and a control character:
+# an exported tokenizer must encode this exactly as the one that prepared the data (write_hf_tokenizer).
+ENCODING_PROBE = ("The lessee shall pay 1,250.00 EUR on the 1st. Le bailleur a résilié le contrat à défaut de paiement ; "
+                  "« Où est-il ? » <|start_header_id|>user<|end_header_id|>\n\nBonjour\t  !<|eot_id|> "
+                  "x<|eot_id|>y  ☃ ℃ ½ 😀 中文 \x00 \r\n end")
 
 
 class DataError(ValueError):
@@ -109,6 +124,18 @@ class Tokenizer:
             is_marker = self.markup.fullmatch(part) is not None
             ids += [i for c in part for i in self.sp.encode(c)] if is_marker else self.sp.encode(part)
         return ids
+
+    def piece_id(self, piece: str) -> int | None:
+        """The id of a token spelled `piece` (a chat marker), or None when the vocabulary has none."""
+        if self.kind == "sentencepiece":
+            i = self.sp.piece_to_id(piece)
+            return None if i == self.sp.unk_id() and piece != self.sp.id_to_piece(i) else i
+        return self.hf.get_vocab().get(piece)
+
+    def end_ids(self) -> list:
+        """Where generation stops: EOS (a document ends), then <|eot_id|> (a chat turn ends) when it has one."""
+        eot = self.piece_id(CHAT_TOKENS[2])
+        return [self.eos_id] + ([eot] if eot is not None and eot != self.eos_id else [])
 
     def decode(self, ids) -> str:
         return self.sp.decode(list(ids)) if self.kind == "sentencepiece" else self.hf.decode(list(ids))
@@ -201,6 +228,62 @@ def check_jinja2(version: str):
     if version_tuple(version) < (3, 1, 6):
         raise DataError(f"chat templates need jinja2 >= 3.1.6 (this is {version}, whose sandbox a "
                         f"template can escape); pip install 'jinja2>=3.1.6'")
+
+
+def copy_hf_tokenizer_files(folder: str, out: str) -> list:
+    """Copies a Hugging Face tokenizer's files (those of HF_TOKENIZER_FILES it has) into `out`: contents only,
+    so each new file's mode follows the umask. Returns their names."""
+    names = [n for n in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+    for name in names:
+        shutil.copyfile(os.path.join(folder, name), os.path.join(out, name))
+    return names
+
+
+def write_hf_tokenizer(path: str, sha256: str, out: str) -> list:
+    """Writes into `out` the files transformers' AutoTokenizer loads for the tokenizer that prepared the data
+    (`path` and `sha256` as meta.json records them): a Hugging Face tokenizer's files are copied; a
+    sentencepiece model is converted. Returns the tokenizer's end ids. DataError when the tokenizer is no
+    longer there as it was, or its conversion would not encode as it does."""
+    if not os.path.exists(path):
+        raise DataError(f"the tokenizer that prepared --data, {path}, is not there")
+    tok = Tokenizer(path)
+    if tok.sha256 != sha256:
+        raise DataError(f"{path} has changed since it prepared --data (another SHA-256)")
+    if tok.kind == "huggingface":
+        copy_hf_tokenizer_files(path if os.path.isdir(path) else os.path.dirname(path), out)
+    else:
+        sentencepiece_to_hf(tok, out)
+    return tok.end_ids()
+
+
+def sentencepiece_to_hf(tok: Tokenizer, out: str):
+    """tokenizer.json and tokenizer_config.json for a sentencepiece model: transformers converts it (its
+    SpmConverter follows the model's own normalization, byte fallback and user-defined pieces; it reads
+    the .model with protobuf), BOS is added as data.py adds it, and the chat template is the header format
+    chats were rendered in. The conversion is then held to sentencepiece on ENCODING_PROBE: a transformers
+    that converts differently gives no tokenizer, never a wrong one. A literal "<s>" or "</s>" in text is
+    the one difference left: transformers reads it as the control token (as Llama 3's reads
+    "<|begin_of_text|>"), sentencepiece as text."""
+    from transformers import AutoTokenizer
+    sp = tok.sp
+    config = {"tokenizer_class": "TokenizersBackend", "bos_token": sp.id_to_piece(sp.bos_id()),
+              "eos_token": sp.id_to_piece(sp.eos_id()), "unk_token": sp.id_to_piece(sp.unk_id()),
+              "add_bos_token": True, "add_eos_token": False}
+    if all(tok.piece_id(t) is not None for t in CHAT_TOKENS):
+        config["chat_template"] = HEADER_FORMAT_TEMPLATE
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copyfile(tok.path, os.path.join(tmp, "tokenizer.model"))
+        with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
+            json.dump(config, f)
+        try:
+            hf = AutoTokenizer.from_pretrained(tmp)
+        except Exception as e:  # noqa: BLE001 (what fails depends on the transformers version: name it, go on)
+            raise DataError(f"transformers could not convert {tok.path} ({type(e).__name__}: {e}; it needs the "
+                            f"protobuf package)") from None
+    expected = [sp.bos_id()] + tok.encode([ENCODING_PROBE], True)[0]
+    if hf(ENCODING_PROBE)["input_ids"] != expected:
+        raise DataError(f"transformers' conversion of {tok.path} encodes differently from sentencepiece")
+    hf.save_pretrained(out)
 
 
 def sentencepiece_markup(sp):

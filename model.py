@@ -183,12 +183,20 @@ def config_from_hf(hf: dict) -> ModelConfig:
         eos_id=eos[0] if isinstance(eos, list) else eos, init_std=hf.get("initializer_range", 0.02))
 
 
-def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
-    """The published Llama 3.x form, which every transformers version reads."""
+# A source config.json's keys for what config_to_hf writes in another spelling (transformers 5 writes
+# `rope_parameters` and `dtype`): dropped, so the two spellings cannot disagree.
+HF_RESPELLED = ("rope_parameters", "rope_scaling", "rope_theta", "dtype", "torch_dtype")
+
+
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, source: dict | None = None, eos_ids: list | None = None) -> dict:
+    """The published Llama 3.x form, which every transformers version reads. `source`: the config.json the
+    weights came from (an --init_from folder): its other fields are kept, and its list of end ids too when
+    it starts with cfg.eos_id (Llama 3.1 Instruct lists <|end_of_text|>, <|eom_id|>, <|eot_id|>; training
+    needs only the first). `eos_ids`: the tokenizer's end ids, for a model without a source."""
     rope_scaling = None
     if cfg.rope_scaling:
         rope_scaling = dict(cfg.rope_scaling, rope_type="llama3")
-    return {
+    ours = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
@@ -199,6 +207,14 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype) -> dict:
         "initializer_range": cfg.init_std, "pretraining_tp": 1, "use_cache": True,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if eos_ids and eos_ids[0] == cfg.eos_id:
+        ours["eos_token_id"] = list(eos_ids) if len(eos_ids) > 1 else cfg.eos_id
+    if source is None:
+        return ours
+    source_eos = source.get("eos_token_id")
+    if isinstance(source_eos, list) and source_eos and source_eos[0] == cfg.eos_id:
+        ours["eos_token_id"] = source_eos
+    return dict({k: v for k, v in source.items() if k not in HF_RESPELLED}, **ours)
 
 
 # ----------------------------------------------------------------------------------------------
