@@ -117,14 +117,19 @@ def rank_file(rank: int, world: int) -> str:
     return f"rank{rank:05d}-of-{world:05d}.safetensors"
 
 
-def write_safetensors_streaming(path: str, tensors: list) -> tuple[str, int]:
-    """Writes [(name, 1-D fp32 tensor)] in the safetensors format (u64 header length, JSON header,
-    raw little-endian data), one tensor at a time, so host memory holds one tensor and not the rank's
-    whole state; hashes the bytes as they are written. Returns (sha256, size)."""
-    header, offset = {}, 0
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def write_safetensors_streaming(path: str, tensors: list, metadata: dict | None = None) -> tuple[str, int]:
+    """Writes [(name, tensor)] in the safetensors format (u64 header length, JSON header, raw little-endian
+    data), each tensor in its own dtype and shape, one at a time, so host memory holds one tensor and not
+    the rank's whole state; hashes the bytes as they are written. Returns (sha256, size). Opened with
+    open(), so the file's mode follows the process's umask (safetensors' save_file makes 0600 files)."""
+    header, offset = ({"__metadata__": metadata} if metadata else {}), 0
     for name, t in tensors:
-        header[name] = {"dtype": "F32", "shape": [t.numel()], "data_offsets": [offset, offset + 4 * t.numel()]}
-        offset += 4 * t.numel()
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     header_bytes = json.dumps(header).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # the format aligns the data to 8 bytes
     digest = hashlib.sha256()
@@ -133,11 +138,11 @@ def write_safetensors_streaming(path: str, tensors: list) -> tuple[str, int]:
             f.write(chunk)
             digest.update(chunk)
         for _, t in tensors:
-            data = t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+            data = t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()  # bf16 too: as bytes
             f.write(data)
             digest.update(data)
         f.flush()
-        os.fsync(f.fileno())  # on disk before rank 0 may call the checkpoint complete
+        os.fsync(f.fileno())  # on disk before rank 0 may call the checkpoint (or the export) complete
     return digest.hexdigest(), 8 + len(header_bytes) + offset
 
 
@@ -334,14 +339,15 @@ def check_manifest(path: str, cfg, mcfg, windows) -> dict:
     return manifest
 
 
-def load_checkpoint(path: str, manifest: dict, units: list):
+def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = False):
     """Fills this rank's slices from the checkpoint, whatever world size saved it: the flat layout of a
     unit does not depend on W, so a new slice [a, b) is read from the old rank files that cover it.
-    Each file read is checked against the manifest's size and SHA-256 first."""
+    Each file read is checked against the manifest's size and SHA-256 first. `master_only`: the fp32
+    master slices alone (a new phase starts with a fresh optimizer, whichever one saved the checkpoint)."""
     from safetensors import safe_open
     old_world = manifest["world_size"]
     saved_state = manifest.get("optimizer_state", ["exp_avg", "exp_avg_sq"])
-    if saved_state != list(units[0].optimizer_state):
+    if not master_only and saved_state != list(units[0].optimizer_state):
         raise CheckpointError(f"checkpoint {path}: saved with optimizer state {', '.join(saved_state)}, this run's "
                               f"optimizer keeps {', '.join(units[0].optimizer_state)}")
     for unit in units:
@@ -367,7 +373,7 @@ def load_checkpoint(path: str, manifest: dict, units: list):
                 verified.add(fname)
             a, b = max(lo, old_rank * old_shard), min(hi, (old_rank + 1) * old_shard)
             with safe_open(fpath, framework="pt") as f:
-                for kind, tensor in saved_tensors(unit):
+                for kind, tensor in saved_tensors(unit)[:1] if master_only else saved_tensors(unit):
                     piece = f.get_slice(f"{unit.name}.{kind}")[a - old_rank * old_shard:b - old_rank * old_shard]
                     tensor[a - unit.shard_start:b - unit.shard_start] = piece.to(tensor.device)
 
@@ -398,6 +404,63 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: boo
             print(f"warning: not using {path}; trying the previous checkpoint", file=sys.stderr, flush=True)
     raise CheckpointError(f"no intact checkpoint in {os.path.join(cfg.out_dir, 'checkpoints')}; "
                           f"--resume never --overwrite true starts over")
+
+
+# ================================================================================================
+# Phases: a new run from one of our checkpoints' weights (--init_from), or a checkpoint to export (--from_ckpt)
+# ================================================================================================
+
+def find_checkpoint(path: str) -> str | None:
+    """The step_* folder `path` means when it is one of ours: a checkpoint folder (it holds manifest.json),
+    or an --out_dir, meaning the checkpoint its checkpoints/latest names (without `latest`, its newest
+    complete one). None when it is neither."""
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        return path
+    root = os.path.join(path, "checkpoints")
+    candidates = resume_candidates(root)  # `latest` first; it names a complete checkpoint (saved before it)
+    if os.path.isfile(os.path.join(root, "latest")) or not candidates:
+        return candidates[0] if candidates else None
+    return next((p for p in candidates if is_complete(p)), candidates[0])
+
+
+def check_checkpoint_files(path: str, flag: str) -> dict:
+    """What can be checked of a checkpoint cheaply on every rank before any work: a readable manifest of
+    this format, and every rank file there with the size the manifest records. Their SHA-256 is checked
+    as they are read (load_weights), as on resume. Returns the manifest."""
+    try:
+        manifest = check_manifest(path, None, None, None)
+        for fname, expect in manifest["files"].items():
+            fpath = os.path.join(path, fname)
+            if not os.path.isfile(fpath):
+                raise CheckpointError(f"checkpoint {path}: {fname} is missing")
+            if os.path.getsize(fpath) != expect["bytes"]:
+                raise CheckpointError(f"checkpoint {path}: {fname} has {os.path.getsize(fpath)} bytes, the manifest "
+                                      f"says {expect['bytes']} (truncated?)")
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{flag}: checkpoint {path}: manifest.json lacks {e}") from None
+    except CheckpointError as e:
+        raise CheckpointError(f"{flag}: {e}") from None
+    return manifest
+
+
+def load_weights(path: str, units: list, flag: str) -> int:
+    """The fp32 master slices of the checkpoint `path`, re-sliced for this run's world size, and no
+    optimizer state: --init_from (a new phase: step 1, a fresh optimizer and data position) and
+    --from_ckpt. Each rank verifies the files it reads (size, SHA-256) and all agree before any step.
+    Returns the checkpoint's step."""
+    error, manifest = "", None
+    try:
+        manifest = check_manifest(path, None, None, None)
+        load_checkpoint(path, manifest, units, master_only=True)
+    except (CheckpointError, OSError, ValueError, KeyError) as e:
+        error = str(e) if isinstance(e, CheckpointError) else f"checkpoint {path}: unreadable ({e})"
+    failed_by_rank = torch.zeros(dist.get_world_size(), dtype=torch.int64)
+    all_gather_flat(failed_by_rank, torch.tensor([int(bool(error))]), group=group)
+    failed = [r for r, bad in enumerate(failed_by_rank.tolist()) if bad]
+    if failed:
+        raise CheckpointError(f"{flag}: " + (error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} "
+                                                      f"cannot use it"))
+    return manifest["step"]
 
 
 # ================================================================================================
@@ -503,10 +566,117 @@ def gather_full_unit(unit) -> torch.Tensor:
     return full
 
 
-def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, shard_gb: float, rank: int):
-    """config.json + model*.safetensors (+ index when sharded), loadable by from_pretrained. Units are
-    grouped into files of at most `shard_gb`; rank 0 holds at most one file's tensors at a time."""
-    from safetensors.torch import save_file
+def check_export_tensors(config: dict, shapes: dict):
+    """What transformers' LlamaForCausalLM builds from `config` (on the meta device: no memory) must have
+    exactly the tensors `shapes` ({HF name: shape}) names: from_pretrained drops a tensor it does not know
+    with only a warning, so a fork's extra parameter (a QK-norm) would be served as another model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(LlamaConfig.from_dict(config))
+    built = {name: tuple(p.shape) for name, p in hf.named_parameters()}  # tied embeddings: listed once
+    extra, missing = sorted(shapes.keys() - built.keys()), sorted(built.keys() - shapes.keys())
+    reshaped = sorted(n for n in shapes.keys() & built.keys() if tuple(shapes[n]) != built[n])
+    where = "the LlamaForCausalLM that transformers builds from the exported config.json"
+    if extra:
+        raise ValueError(f"--export_hf: tensor {extra[0]}{more(extra)} of this model is not in {where}: from_pretrained "
+                         f"would drop it and serve another model; a model with parameters a Llama lacks cannot be "
+                         f"exported as one (model.config_to_hf describes what the export is)")
+    if missing:
+        raise ValueError(f"--export_hf: {where} has {missing[0]}{more(missing)}, which this model lacks")
+    if reshaped:
+        raise ValueError(f"--export_hf: tensor {reshaped[0]}{more(reshaped)} has shape {tuple(shapes[reshaped[0]])} "
+                         f"here and {built[reshaped[0]]} in {where}")
+
+
+def export_origin(train: dict, depth: int = 0) -> dict:
+    """Where an export's files other than the weights come from, for the run whose TrainConfig is `train`
+    (asdict, or a manifest's "train"): {"hf_folder": the Hugging Face folder its first weights came from
+    (its config.json, generation_config.json and tokenizer files go with the model) or None, "tokenizer":
+    run_tokenizer's}. A run started from one of our checkpoints (a phase) has the origin of the run that
+    saved it, followed back through the manifests; so has --from_ckpt (a conversion)."""
+    init = train.get("from_ckpt") or train.get("init_from") or ""
+    if init and not os.path.isfile(os.path.join(init, "config.json")) and depth < 100:
+        try:
+            checkpoint = find_checkpoint(init)
+            with open(os.path.join(checkpoint, "manifest.json")) as f:
+                return export_origin(json.load(f)["train"], depth + 1)
+        except (CheckpointError, OSError, ValueError, KeyError, TypeError):
+            pass  # that run's folder is gone: what this run's own --data says
+    hf_folder = init if init and os.path.isfile(os.path.join(init, "config.json")) else None
+    return {"hf_folder": hf_folder, "tokenizer": run_tokenizer(train)}
+
+
+def run_tokenizer(train: dict) -> dict | None:
+    """The tokenizer a run's --data was prepared with, as its meta.json records it ({path, kind, sha256}),
+    or None (a token .npy names none). The one place the export reads --data."""
+    data = train.get("data") or ""
+    folder = os.path.join(train.get("out_dir") or "", "sample", "train") if data == "sample" else data
+    try:
+        with open(os.path.join(folder, "meta.json")) as f:
+            tokenizer = json.load(f)["tokenizer"]
+        return {k: tokenizer[k] for k in ("path", "kind", "sha256")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def export_tokenizer(origin: dict, folder: str) -> tuple[list | None, str]:
+    """Writes the tokenizer's files into `folder`: an --init_from folder's are copied; else the tokenizer
+    that prepared --data is written (data.write_hf_tokenizer). Returns (its end ids or None, what was
+    written, for the log). Without one, the export holds none and a warning says so."""
+    source = origin.get("hf_folder")
+    if source and any(os.path.isfile(os.path.join(source, n)) for n in ("tokenizer.json", "tokenizer.model")):
+        return None, f"tokenizer files copied from {source}: {', '.join(D.copy_hf_tokenizer_files(source, folder))}"
+    tokenizer = origin.get("tokenizer")
+    why = "--data is a token .npy, which names no tokenizer"
+    if tokenizer:
+        try:
+            end_ids = D.write_hf_tokenizer(tokenizer["path"], tokenizer["sha256"], folder)
+            return end_ids, f"tokenizer from {tokenizer['path']}"
+        except D.DataError as e:
+            why = str(e)
+    print(f"warning: --export_hf: no tokenizer files in the export ({why}); copy the tokenizer's files into it "
+          f"before loading it with AutoTokenizer", file=sys.stderr, flush=True)
+    return None, "no tokenizer"
+
+
+def read_json(path: str):
+    """The JSON in `path`, or None when there is no such file."""
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def finish_export(folder: str, mcfg: M.ModelConfig, dtype: torch.dtype, origin: dict, shapes: dict) -> str:
+    """Everything of an export but the weights: the tokenizer, config.json (the --init_from folder's, with
+    what this model defines written over it; its end-id list kept), generation_config.json (the folder's,
+    sampling defaults included; else the tokenizer's BOS and end ids), and the check that transformers
+    builds exactly the exported tensors from that config.json. Returns what export_tokenizer wrote."""
+    end_ids, tokenizer_note = export_tokenizer(origin, folder)
+    source = origin.get("hf_folder")
+    source_config = read_json(os.path.join(source, "config.json")) if source else None
+    config = M.config_to_hf(mcfg, dtype, source=source_config, eos_ids=end_ids)
+    check_export_tensors(config, shapes)
+    generation = read_json(os.path.join(source, "generation_config.json")) if source else None
+    generation = generation or {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    for name, content in (("config.json", config), ("generation_config.json", generation)):
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(content, f, indent=2)
+    return tokenizer_note
+
+
+def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, shard_gb: float, rank: int,
+              origin: dict) -> str:
+    """A folder that from_pretrained and AutoTokenizer load as is: model*.safetensors (+ index when
+    sharded), config.json, generation_config.json and the tokenizer (finish_export). Written to
+    OUT.partial and renamed: the folder appears complete or not at all. Units are grouped into files of at
+    most `shard_gb`; rank 0 holds at most one file's tensors at a time. Returns (on rank 0) a note on the
+    tokenizer; an export that cannot be made raises CheckpointError on every rank, leaving no folder."""
+    shapes = {hf_name(slot.name): slot.shape for unit in units for slot in unit.slots}
+    try:  # every rank, before any gather: the plain config.json of this model (finish_export checks the real one)
+        check_export_tensors(M.config_to_hf(mcfg, dtype), shapes)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     max_bytes = int(shard_gb * 1e9)
     bytes_per = torch.tensor([], dtype=dtype).element_size()
     files, size = [[]], 0
@@ -523,27 +693,34 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
     weight_map, total_bytes = {}, 0
     for i, file_units in enumerate(files):
         fname = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        tensors = {}
+        tensors = []
         for unit in file_units:
             full = gather_full_unit(unit)
             if rank == 0:
                 for slot in unit.slots:
                     piece = full[slot.offset:slot.offset + math.prod(slot.shape)].view(slot.shape)
-                    tensors[hf_name(slot.name)] = piece.to(dtype).cpu().clone()
+                    tensors.append((hf_name(slot.name), piece.to(dtype).cpu().clone()))
             del full
         if rank == 0:
-            save_file(tensors, os.path.join(tmp, fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in tensors})
-            total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+            write_safetensors_streaming(os.path.join(tmp, fname), tensors, metadata={"format": "pt"})
+            weight_map.update({name: fname for name, _ in tensors})
+            total_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
+    done, error, note = torch.zeros((), dtype=torch.int64), "", ""
     if rank == 0:
-        if len(files) > 1:
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2)
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(M.config_to_hf(mcfg, dtype), f, indent=2)
-        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-            json.dump({"bos_token_id": mcfg.bos_id, "eos_token_id": mcfg.eos_id}, f, indent=2)
-        if os.path.isdir(out):
-            os.rmdir(out)  # checked empty before training started
-        os.replace(tmp, out)  # the folder appears complete or not at all
-    dist.barrier()
+        try:
+            if len(files) > 1:
+                with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                    json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2)
+            note = finish_export(tmp, mcfg, dtype, origin, shapes)
+            if os.path.isdir(out):
+                os.rmdir(out)  # checked empty before training started
+            os.replace(tmp, out)  # the folder appears complete or not at all
+            fsync_dir(os.path.dirname(os.path.abspath(out)))
+            done.fill_(1)
+        except (OSError, ValueError) as e:
+            error = str(e) if isinstance(e, ValueError) else f"--export_hf: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+            shutil.rmtree(tmp, ignore_errors=True)
+    dist.broadcast(done, src=0, group=group)
+    if not done:
+        raise CheckpointError(error or f"--export_hf: rank 0 could not write {out} (its error says why)")
+    return note

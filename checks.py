@@ -4,6 +4,9 @@ the safetensors headers of --init_from. train.py's setup stops on the first list
 import difflib
 import json
 import os
+from dataclasses import asdict
+
+import torch
 
 import checkpoint as C
 import model as M
@@ -35,10 +38,8 @@ def check_config(cfg, world: int) -> list[str]:
             errors.append(f"--{name}: must be in [0, 1), got {getattr(cfg, name)}")
     if cfg.adam_eps <= 0:
         errors.append(f"--adam_eps: must be > 0, got {cfg.adam_eps}")
-    if not cfg.init_from and cfg.model not in M.PRESETS:
+    if cfg.model and cfg.model not in M.PRESETS:
         errors.append(f"--model: unknown preset {cfg.model!r}; known: {', '.join(M.PRESETS)}")
-    if cfg.init_from and not os.path.isfile(os.path.join(cfg.init_from, "config.json")):
-        errors.append(f"--init_from: {os.path.join(cfg.init_from, 'config.json')} does not exist")
     for name in ("data", "eval_data"):
         path = getattr(cfg, name)
         if trains and path not in ("sample", "auto", "") and not os.path.exists(path):
@@ -57,8 +58,6 @@ def check_config(cfg, world: int) -> list[str]:
         errors.append(f"--ckpt_timeout_min: must be > 0, got {cfg.ckpt_timeout_min}")
     if cfg.keep_ckpts < 2 or cfg.ckpt_every < 0:
         errors.append(f"--keep_ckpts must be >= 2 and --ckpt_every >= 0, got {cfg.keep_ckpts}, {cfg.ckpt_every}")
-    if cfg.from_ckpt and not os.path.isfile(os.path.join(cfg.from_ckpt, "manifest.json")):
-        errors.append(f"--from_ckpt: {os.path.join(cfg.from_ckpt, 'manifest.json')} does not exist")
     if cfg.from_ckpt and not cfg.export_hf:
         errors.append("--from_ckpt: give --export_hf DIR too (a checkpoint is loaded to be exported)")
     try:  # writable now, not after a day of training
@@ -118,14 +117,78 @@ def unknown_flag_message(unknown: list[str], known: list[str]) -> str:
     return f"unrecognized flag {flag}; python train.py --help lists the flags"
 
 
+def checkpoint_source(cfg) -> str | None:
+    """The checkpoint folder --from_ckpt means, or --init_from when it is not a Hugging Face folder: a
+    step_* folder, or an --out_dir meaning its checkpoints/latest (checkpoint.find_checkpoint)."""
+    flag, path = ("--from_ckpt", cfg.from_ckpt) if cfg.from_ckpt else ("--init_from", cfg.init_from)
+    if not path or (flag == "--init_from" and os.path.isfile(os.path.join(path, "config.json"))):
+        return None
+    if not os.path.isdir(path):
+        raise C.CheckpointError(f"{flag}: {path} does not exist" if not os.path.exists(path) else
+                                f"{flag}: {path} is not a folder")
+    try:
+        found = C.find_checkpoint(path)
+    except C.CheckpointError as e:
+        raise C.CheckpointError(f"{flag}: {e}") from None
+    if found is None:
+        neither = "a Hugging Face folder (no config.json) nor " if flag == "--init_from" else ""
+        raise C.CheckpointError(f"{flag}: {path} is neither {neither}one of our checkpoints (no manifest.json, and no "
+                                f"checkpoints/step_* folder in it)")
+    return found
+
+
+# What a preset takes from the prepared data's tokenizer (data.open_data), so a checkpoint of a preset differs
+# from the preset there; any other difference means another model.
+DATA_DECIDES = ("vocab_size", "bos_id", "eos_id")
+
+
 def model_config(cfg) -> M.ModelConfig:
-    if cfg.from_ckpt:
-        with open(os.path.join(cfg.from_ckpt, "manifest.json")) as f:
-            return M.ModelConfig(**json.load(f)["model"])
+    """The model: a checkpoint's (manifest.json's "model", for --from_ckpt and --init_from one of ours: a
+    --model given beside it must describe the same model), an --init_from folder's config.json, or a preset."""
+    checkpoint = checkpoint_source(cfg)
+    if checkpoint:
+        flag = "--from_ckpt" if cfg.from_ckpt else "--init_from"
+        try:
+            with open(os.path.join(checkpoint, "manifest.json")) as f:
+                mcfg = M.ModelConfig(**json.load(f)["model"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise C.CheckpointError(f"{flag}: checkpoint {checkpoint}: manifest.json has no readable model ({e})") from None
+        if cfg.model and not cfg.from_ckpt:
+            preset, saved = asdict(M.PRESETS[cfg.model]()), asdict(mcfg)
+            diff = [f"{k} {preset[k]} vs {v}" for k, v in saved.items() if k not in DATA_DECIDES and preset[k] != v]
+            if diff:
+                raise C.CheckpointError(f"--model: {cfg.model} is not the model of --init_from {checkpoint}, which "
+                                        f"decides the model (its manifest.json): they differ in {', '.join(diff)}; "
+                                        f"leave out --model")
+        return mcfg
     if cfg.init_from:
         with open(os.path.join(cfg.init_from, "config.json")) as f:
             return M.config_from_hf(json.load(f))
-    return M.PRESETS[cfg.model]()
+    return M.PRESETS[cfg.model or "tiny"]()
+
+
+def check_export(mcfg: M.ModelConfig) -> list[str]:
+    """--export_hf: what transformers builds from this model's config.json must be this model, found now
+    rather than after the training (checkpoint.check_export_tensors; export_hf checks again)."""
+    with torch.device("meta"):
+        shapes = {C.hf_name(n): tuple(p.shape) for n, p in M.Llama(mcfg).named_parameters()}
+    try:
+        C.check_export_tensors(M.config_to_hf(mcfg, torch.float32), shapes)
+    except ValueError as e:
+        return [str(e)]
+    return []
+
+
+def check_phase_tokenizer(cfg, checkpoint: str) -> list[str]:
+    """A new phase from one of our checkpoints trains on data of the model's tokenizer: the one that
+    prepared the data of the run that saved it (or of its own origin), when both are known."""
+    with open(os.path.join(checkpoint, "manifest.json")) as f:
+        theirs = C.export_origin(json.load(f)["train"])["tokenizer"]
+    ours = C.run_tokenizer(asdict(cfg))
+    if ours and theirs and ours["sha256"] != theirs["sha256"]:
+        return [f"--data: {cfg.data} was tokenized with {ours['path']}, and the model of --init_from {checkpoint} was "
+                f"trained on data tokenized with {theirs['path']}, another tokenizer; prepare the data with that one"]
+    return []
 
 
 def host_memory_available_bytes() -> int | None:
@@ -153,22 +216,36 @@ def check_host_memory(cfg, mcfg: M.ModelConfig, world: int, state_bytes_per_para
 
 
 def check_run(cfg, world: int, state_bytes_per_param: int):
-    """Returns (model config, {HF tensor name: file} or None, errors)."""
+    """Returns (model config, where the first weights come from, errors). The weights: None (seeded),
+    {HF tensor name: file} (an --init_from Hugging Face folder), or a checkpoint folder (--from_ckpt, or
+    --init_from one of ours: its manifest and file sizes checked here, its SHA-256 as it is read)."""
     errors = check_config(cfg, world)
-    mcfg = hf_files = None
+    mcfg = weights = None
     if not errors:
         try:
+            weights = checkpoint_source(cfg)
             mcfg = model_config(cfg)
+        except C.CheckpointError as e:
+            errors.append(str(e))
         except (KeyError, json.JSONDecodeError) as e:
             errors.append(f"--init_from: cannot read config.json: {e}")
         except ValueError as e:  # config.json describes a model this code does not build
             errors.append(f"--init_from: {e}")
     if mcfg is not None:
         errors += M.check_model_config(mcfg) or check_host_memory(cfg, mcfg, world, state_bytes_per_param)
-    if not errors and cfg.init_from and not cfg.from_ckpt:
+    if not errors and weights is not None:
+        try:
+            C.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from")
+        except C.CheckpointError as e:
+            errors.append(str(e))
+    if not errors and weights is not None and cfg.init_from and cfg.steps > 0 and not cfg.from_ckpt:
+        errors += check_phase_tokenizer(cfg, weights)
+    if not errors and cfg.init_from and weights is None and not cfg.from_ckpt:
         try:  # headers only: a bad weight file is one line here, not a traceback at load
-            hf_files = C.hf_file_of_tensors(cfg.init_from)
-            C.check_hf_tensors(hf_files, mcfg, cfg.init_from)
+            weights = C.hf_file_of_tensors(cfg.init_from)
+            C.check_hf_tensors(weights, mcfg, cfg.init_from)
         except (ValueError, FileNotFoundError) as e:
             errors.append(str(e))
-    return mcfg, hf_files, errors
+    if not errors and cfg.export_hf:
+        errors += check_export(mcfg)
+    return mcfg, weights, errors

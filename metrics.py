@@ -191,7 +191,7 @@ def startup_line(cfg, sharded, start_step: int) -> str:
             f"batch {cfg.batch_size} x {cfg.seq_len} = {cfg.batch_size * cfg.seq_len:,} tokens/step | "
             f"accumulation {cfg.batch_size // (world * cfg.micro_batch_size)} | ac {cfg.ac} | {str(sharded.compute_dtype).removeprefix('torch.')} | "
             f"attention: {M.attention_kernel(device, sharded.compute_dtype, cfg.doc_mask)}")
-    if start_step:
+    if start_step and not cfg.from_ckpt:  # --from_ckpt: setup names the checkpoint it read
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun's, on this node
         line += (f"\nresumed from {os.path.join(cfg.out_dir, 'checkpoints', f'step_{start_step:08d}')} at step "
                  f"{start_step}" + (f" (torchrun restart {restarts} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS')})"

@@ -543,7 +543,7 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
                                           "solved from these anchors, linear in the model dim between them"),
                        anchors=[a[-1] for a in published_anchors() if a[0] == family])
     return dict(
-        model=cfg.init_from or cfg.model, params=M.count_params(mcfg)["total"], world=world, gpu=cfg.gpu,
+        model=cfg.init_from or cfg.model or "tiny", params=M.count_params(mcfg)["total"], world=world, gpu=cfg.gpu,
         state_gib_per_gpu=phases[peak_phase]["state"] / GIB, peak_gib_per_gpu=peak_gib, peak_phase=peak_phase,
         usable_gib=r["usable_gib"], fits=r["fits"],
         memory_gib={k: v / GIB for k, v in phases[peak_phase].items()},
@@ -582,7 +582,7 @@ def check(cfg) -> list[str]:
     for name in ("train_tokens", "gpu_hour_usd", "ce_chunk"):
         if getattr(cfg, name) < 0:
             errors.append(f"--{name}: must be >= 0, got {getattr(cfg, name)}")
-    if not cfg.init_from and cfg.model not in M.PRESETS:
+    if cfg.model and cfg.model not in M.PRESETS:
         errors.append(f"--model: unknown preset {cfg.model!r}; known: {', '.join(M.PRESETS)}")
     if cfg.sample_tokens < 1:
         errors.append(f"--sample_tokens: must be >= 1, got {cfg.sample_tokens}")
@@ -689,6 +689,8 @@ def main(cfg):
         try:
             mcfg = checks.model_config(cfg)
             errors += M.check_model_config(mcfg)
+        except checks.C.CheckpointError as e:  # --init_from one of our checkpoints: its manifest
+            errors.append(str(e))
         except (OSError, KeyError, json.JSONDecodeError) as e:
             errors.append(f"--init_from: cannot read config.json: {e}")
         except ValueError as e:  # config.json describes a model this code does not build

@@ -40,7 +40,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from typing import Callable, NamedTuple
 
@@ -68,8 +68,11 @@ def opt(default, help):
 
 @dataclass
 class TrainConfig:
-    model: str = opt("tiny", f"preset: {', '.join(M.PRESETS)} (ignored with --init_from)")
-    init_from: str = opt("", "Hugging Face Llama folder (config.json + *.safetensors) to start from")
+    model: str = opt("", f"preset: {', '.join(M.PRESETS)}; tiny when not given (ignored with --init_from a Hugging "
+                         f"Face folder; with --init_from a checkpoint of ours, it must be that checkpoint's model)")
+    init_from: str = opt("", "weights to start from: a Hugging Face Llama folder (config.json + *.safetensors), or one of "
+                             "our checkpoints (a step_* folder, or an --out_dir: its latest) for a new phase: its "
+                             "weights only, step 1, a fresh optimizer and data position, any world size")
     data: str = opt("sample", "a folder from data.py prepare, a 1-D .npy token file, or 'sample' (the built-in "
                               "English + French corpus and tokenizer, built once under OUT_DIR/sample)")
     doc_mask: bool = opt(True, "packed documents do not attend to each other and RoPE restarts in each")
@@ -112,7 +115,8 @@ class TrainConfig:
     keep_ckpts: int = opt(3, "keep the newest K checkpoints (at least 2)")
     resume: str = opt("auto", "'auto': continue from the newest intact checkpoint in --out_dir; 'never'")
     overwrite: bool = opt(False, "with --resume never: delete --out_dir's checkpoints and metrics first")
-    from_ckpt: str = opt("", "a checkpoint folder to load instead of training (use with --export_hf)")
+    from_ckpt: str = opt("", "a checkpoint folder (or an --out_dir: its latest) to load instead of training "
+                             "(use with --export_hf)")
     max_skipped_steps: int = opt(0, "steps with a non-finite loss or gradient norm to skip before stopping")
     timeout_min: float = opt(10.0, "a collective waiting longer than this (a dead or hung rank) ends the run")
     ckpt_timeout_min: float = opt(60.0, "the same for the collectives around a checkpoint save or resume, which wait for "
@@ -442,16 +446,20 @@ def init_unit_random(unit: Unit, index: int, seed: int, std: float):
     unit.master_shard.copy_(full[unit.shard_start:unit.shard_start + unit.shard_numel])
 
 
-def init_weights(cfg: TrainConfig, mcfg: M.ModelConfig, units: list[Unit], hf_files: dict):
-    """Seeded random weights, or this rank's slices read from --init_from (checkpoint.load_unit_from_hf
-    reads only the rows that cover each slice)."""
-    if not cfg.init_from:
+def init_weights(cfg: TrainConfig, mcfg: M.ModelConfig, units: list[Unit], weights: dict | str | None):
+    """Seeded random weights (`weights` None); this rank's slices of an --init_from Hugging Face folder
+    (`weights` {HF tensor name: file}: checkpoint.load_unit_from_hf reads only the rows that cover each
+    slice); or of one of our checkpoints (`weights` its folder: a new phase starts from its fp32 master
+    weights, re-sliced for this world size, with a fresh optimizer)."""
+    if weights is None:
         for i, unit in enumerate(units):
             init_unit_random(unit, i, cfg.seed, mcfg.init_std)
-        return
-    open_files = {}
-    for unit in units:
-        C.load_unit_from_hf(unit, hf_files, open_files)
+    elif isinstance(weights, str):
+        C.load_weights(weights, units, "--init_from")
+    else:
+        open_files = {}
+        for unit in units:
+            C.load_unit_from_hf(unit, weights, open_files)
 
 
 # ================================================================================================
@@ -804,7 +812,7 @@ def setup(cfg: TrainConfig):
     a checkpoint, --init_from or the seed). Returns (sharded, windows, eval_windows, step, position):
     the last step done (0 on a fresh start) and the data position after it."""
     state_bytes_per_param = 4 * (2 + len(OPTIMIZER_STATE))  # fp32 master, gradient, optimizer state
-    mcfg, hf_files, errors = check_run(cfg, int(os.environ.get("WORLD_SIZE", 1)), state_bytes_per_param)  # checks.py
+    mcfg, weights, errors = check_run(cfg, int(os.environ.get("WORLD_SIZE", 1)), state_bytes_per_param)  # checks.py
     if errors:
         fail("; ".join(errors))
     if os.environ.get("RANK", "0") == "0":
@@ -827,13 +835,22 @@ def setup(cfg: TrainConfig):
         if os.path.exists(os.path.join(cfg.out_dir, "metrics.jsonl")):
             os.remove(os.path.join(cfg.out_dir, "metrics.jsonl"))
     dist.barrier()
-    # A checkpoint wins over --init_from: re-running the same command continues the run.
-    candidates = [cfg.from_ckpt] if cfg.from_ckpt else C.resume_candidates(ckpt_root) if cfg.resume == "auto" else []
+    if cfg.from_ckpt:  # weights to export, not to train
+        step = C.load_weights(weights, sharded.units, "--from_ckpt")
+        if rank == 0:
+            print(f"read checkpoint {weights} (step {step})", flush=True)
+        sharded.refresh_compute_shards()
+        return sharded, windows, eval_windows, step, 0
+    # A checkpoint in --out_dir wins over --init_from: re-running the same command continues the run.
+    candidates = C.resume_candidates(ckpt_root) if cfg.resume == "auto" else []
     if candidates:
-        step, position = C.resume(cfg, mcfg, sharded.units, windows, rank, candidates, fallback=not cfg.from_ckpt)
+        step, position = C.resume(cfg, mcfg, sharded.units, windows, rank, candidates, fallback=True)
         sharded.refresh_compute_shards()
         return sharded, windows, eval_windows, step, position
-    init_weights(cfg, mcfg, sharded.units, hf_files)
+    init_weights(cfg, mcfg, sharded.units, weights)
+    if isinstance(weights, str) and rank == 0:
+        print(f"started from the weights of checkpoint {weights} (a new phase: step 1, a fresh optimizer and data "
+              f"position)", flush=True)
     sharded.refresh_compute_shards()
     return sharded, windows, eval_windows, 0, 0
 
@@ -940,9 +957,13 @@ def main(argv=None):
             break
     else:  # not stopped by a signal
         if cfg.export_hf:
-            C.export_hf(sharded.units, sharded.model.cfg, cfg.export_hf, sharded.compute_dtype, cfg.export_shard_gb, rank)
+            try:
+                note = C.export_hf(sharded.units, sharded.model.cfg, cfg.export_hf, sharded.compute_dtype,
+                                   cfg.export_shard_gb, rank, C.export_origin(asdict(cfg)))
+            except C.CheckpointError as e:
+                fail(str(e))
             if rank == 0:
-                print(f"exported a Hugging Face folder to {cfg.export_hf}", flush=True)
+                print(f"exported a Hugging Face folder to {cfg.export_hf} ({note})", flush=True)
     log.close()
     if owns_group:
         dist.destroy_process_group()  # every group, the checkpoint group too

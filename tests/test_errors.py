@@ -24,7 +24,7 @@ def tokens(tmp_path):
 CASES = [
     (["--batch_size=10", "--micro_batch_size=4"], "--batch_size: 10 is not a multiple of world size x --micro_batch_size = 2 x 4 = 8"),
     (["--model=llama9"], "--model: unknown preset 'llama9'"),
-    (["--init_from=/nonexistent"], "--init_from: /nonexistent/config.json does not exist"),
+    (["--init_from=/nonexistent"], "--init_from: /nonexistent does not exist"),
     (["--data=/nonexistent.npy"], "--data: /nonexistent.npy does not exist"),
     (["--ac=some"], "--ac: 'some' is not one of none, full, selective"),
     (["--dtype=float16"], "--dtype: 'float16' is not one of auto, bfloat16, float32"),
@@ -32,7 +32,7 @@ CASES = [
     (["--out_dir=/proc/version/out"], "--out_dir: /proc/version/out is not writable"),
     (["--keep_ckpts=1"], "--keep_ckpts must be >= 2"),
     (["--resume=maybe"], "--resume: 'maybe' is not one of auto, never"),
-    (["--from_ckpt=/nonexistent"], "--from_ckpt: /nonexistent/manifest.json does not exist"),
+    (["--from_ckpt=/nonexistent"], "--from_ckpt: /nonexistent does not exist"),
 ]
 
 

@@ -1,0 +1,158 @@
+"""--export_hf writes a folder a server loads as is: the weights, config.json and generation_config.json with
+the source's end ids and sampling defaults, the tokenizer (copied from an --init_from folder, or converted
+from a data.py sentencepiece model to the same ids), files with the process's umask, and never a model
+that transformers would load as another one (a fork's extra parameter)."""
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+from common import ROOT, hf_model, ours_from_hf, save_hf, small_config
+from test_data import CHATS, TEXTS, hf_tokenizer
+
+import data as D
+
+# Each kind of text the ids must agree on: French, English, chat markup, digits and whitespace runs,
+# symbols, emoji, CJK (byte fallback: not in a 400-piece vocabulary) and control characters.
+SAMPLES = TEXTS + [
+    "<|start_header_id|>user<|end_header_id|>\n\nTraduis : the contract is void.<|eot_id|>",
+    "x<|eot_id|>y  <|end_header_id|>",
+    "  deux  espaces\tet\ttabs\n\n\r\n 12345 67.890 ",
+    "☃ ℃ ½ ‰ 😀 中文 한국어 \x00\x07 end",
+]
+
+
+def run_python(args, umask=None, check=True):
+    """train.py in one process (no torchrun: W = 1), with the given umask."""
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), umask=-1 if umask is None else umask)
+    if check and proc.returncode != 0:
+        raise AssertionError(proc.stderr[-4000:])
+    return proc
+
+
+def test_a_sentencepiece_tokenizer_exports_to_the_same_ids(tmp_path):
+    """data.py's own tokenizer (byte fallback, identity normalization, the chat markers as pieces), written
+    for transformers: AutoTokenizer encodes every sample to data.py's ids, adds BOS as prepare does, decodes
+    back, renders chats as data.py did, and the end ids are EOS then <|eot_id|>."""
+    from transformers import AutoTokenizer
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in TEXTS * 30), encoding="utf-8")
+    model = str(tmp_path / "tok.model")
+    D.train_tokenizer([str(corpus)], 400, model)
+    tok = D.Tokenizer(model)
+    out = tmp_path / "hf"
+    out.mkdir()
+    end_ids = D.write_hf_tokenizer(model, tok.sha256, str(out))
+    hf = AutoTokenizer.from_pretrained(str(out))
+    for text in SAMPLES:
+        ids = tok.encode([text], True)[0]
+        assert hf(text, add_special_tokens=False)["input_ids"] == ids, text
+        assert hf(text)["input_ids"] == [tok.bos_id] + ids  # a prompt starts as every training document does
+        assert hf.decode(ids) == text
+    assert any(i in tok.sp.encode("中") for i in range(3, 259))  # byte fallback was exercised
+    assert end_ids == [tok.eos_id, tok.piece_id("<|eot_id|>")] and hf.eos_token_id == tok.eos_id
+    for chat in CHATS:
+        rendered = "".join(text for text, _, _ in tok.chat_segments(chat))
+        assert hf.apply_chat_template(chat, tokenize=False) == hf.bos_token + rendered
+
+
+def test_a_changed_tokenizer_is_not_exported(tmp_path):
+    model = tmp_path / "tok.model"
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(TEXTS * 20), encoding="utf-8")
+    D.train_tokenizer([str(corpus)], 300, str(model))
+    with pytest.raises(D.DataError, match="has changed since it prepared --data"):
+        D.write_hf_tokenizer(str(model), "0" * 64, str(tmp_path))
+    with pytest.raises(D.DataError, match="is not there"):
+        D.write_hf_tokenizer(str(tmp_path / "gone.model"), "0" * 64, str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def instruct_folder(tmp_path_factory):
+    """A tiny Llama saved the way Llama-3.1-Instruct is: three end ids in config.json, a generation_config.json
+    with sampling defaults, and a tokenizer (tokenizer.json, tokenizer_config.json with a chat template,
+    special_tokens_map.json)."""
+    root = tmp_path_factory.mktemp("instruct")
+    cfg = small_config(rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                         original_max_position_embeddings=8))
+    ref = hf_model(cfg, seed=4)
+    folder = save_hf(ref, str(root / "model"))
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config.update(eos_token_id=[2, 5, 7], pad_token_id=0)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    generation = {"bos_token_id": 1, "eos_token_id": [2, 5, 7], "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump(generation, f)
+    tokenizer = hf_tokenizer(root / "tokenizer")
+    for name in os.listdir(tokenizer):
+        shutil.copyfile(os.path.join(tokenizer, name), os.path.join(folder, name))
+    with open(os.path.join(folder, "special_tokens_map.json"), "w") as f:
+        json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}, f)
+    return folder, cfg, ref, generation
+
+
+def test_an_export_from_a_hugging_face_folder_is_a_complete_model_folder(instruct_folder, tmp_path):
+    """--init_from X --steps 0 --export_hf OUT, under umask 027: OUT holds X's tokenizer files, config.json
+    with X's three end ids and its other fields, X's generation_config.json, every file mode 0640; and
+    transformers' model loaded from OUT computes the logits ours computes from X."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    folder, cfg, ref, generation = instruct_folder
+    out = tmp_path / "hf"
+    proc = run_python(["train.py", f"--init_from={folder}", "--steps=0", "--dtype=float32", f"--export_hf={out}",
+                       f"--out_dir={tmp_path / 'run'}"], umask=0o027)
+    assert f"exported a Hugging Face folder to {out} (tokenizer files copied from {folder}" in proc.stdout
+    for name in os.listdir(out):
+        assert stat.S_IMODE(os.stat(out / name).st_mode) == 0o640, name  # safetensors' save_file made 0600
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o750
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (out / name).read_bytes() == open(os.path.join(folder, name), "rb").read(), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == [2, 5, 7] and config["pad_token_id"] == 0
+    assert json.loads((out / "generation_config.json").read_text()) == generation
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    assert tokenizer("Le contrat")["input_ids"] == AutoTokenizer.from_pretrained(folder)("Le contrat")["input_ids"]
+    assert "<|start_header_id|>" in tokenizer.apply_chat_template(CHATS[0], tokenize=False)
+    tokens = torch.arange(20).view(2, 10) * 4 % cfg.vocab_size
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert loaded.generation_config.eos_token_id == [2, 5, 7] and loaded.generation_config.temperature == 0.6
+    with torch.no_grad():
+        theirs, ours = loaded(tokens).logits, ours_from_hf(cfg, ref)(tokens)
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+FORK = """
+import sys
+sys.path.insert(0, {root!r})
+import model as M
+import train
+
+
+class QKNormAttention(M.Attention):  # a fork's change: a norm on the queries, a parameter a Llama lacks
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.q_norm = M.RMSNorm(cfg.head_dim, cfg.norm_eps)
+
+
+M.Attention = QKNormAttention
+train.main(sys.argv[1:])
+"""
+
+
+def test_a_fork_with_a_parameter_llama_lacks_is_refused_before_any_work(tmp_path):
+    """Loaded by transformers, such an export drops q_norm with a warning and computes another model: the
+    check that LlamaForCausalLM, built from the exported config.json on the meta device, has exactly the
+    exported tensors refuses it, before the first step (not after days of training), and no folder appears."""
+    out = tmp_path / "hf"
+    proc = run_python(["-c", FORK.format(root=ROOT), "--model=tiny", "--steps=0", f"--export_hf={out}",
+                       f"--out_dir={tmp_path / 'run'}"], check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert ("error: --export_hf: tensor model.layers.0.self_attn.q_norm.weight (and 3 more) of this model is not in "
+            "the LlamaForCausalLM that transformers builds from the exported config.json") in proc.stderr
+    assert not out.exists() and not os.path.exists(f"{out}.partial")
