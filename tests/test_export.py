@@ -72,6 +72,17 @@ def test_a_changed_tokenizer_is_not_exported(tmp_path):
         D.write_hf_tokenizer(str(tmp_path / "gone.model"), "0" * 64, str(tmp_path))
 
 
+def test_without_a_tokenizer_the_export_says_so_in_one_line(tmp_path, capsys):
+    """A run on a bare .npy names no tokenizer: the export holds none, and one warning line says so."""
+    import checkpoint as C
+    origin = C.export_origin({"init_from": "", "data": str(tmp_path / "tokens.npy"), "out_dir": str(tmp_path)})
+    assert origin == {"hf_folder": None, "tokenizer": None}
+    assert C.export_tokenizer(origin, str(tmp_path)) == (None, "no tokenizer")
+    assert capsys.readouterr().err == ("warning: --export_hf: no tokenizer files in the export (--data is a token .npy, "
+                                       "which names no tokenizer); copy the tokenizer's files into it before loading "
+                                       "it with AutoTokenizer\n")
+
+
 @pytest.fixture(scope="module")
 def instruct_folder(tmp_path_factory):
     """A tiny Llama saved the way Llama-3.1-Instruct is: three end ids in config.json, a generation_config.json
@@ -107,7 +118,6 @@ def test_an_export_from_a_hugging_face_folder_is_a_complete_model_folder(instruc
     out = tmp_path / "hf"
     proc = run_python(["train.py", f"--init_from={folder}", "--steps=0", "--dtype=float32", f"--export_hf={out}",
                        f"--out_dir={tmp_path / 'run'}"], umask=0o027)
-    assert f"exported a Hugging Face folder to {out} (tokenizer files copied from {folder}" in proc.stdout
     for name in os.listdir(out):
         assert stat.S_IMODE(os.stat(out / name).st_mode) == 0o640, name  # safetensors' save_file made 0600
     assert stat.S_IMODE(os.stat(out).st_mode) == 0o750
@@ -116,6 +126,7 @@ def test_an_export_from_a_hugging_face_folder_is_a_complete_model_folder(instruc
     config = json.loads((out / "config.json").read_text())
     assert config["eos_token_id"] == [2, 5, 7] and config["pad_token_id"] == 0
     assert json.loads((out / "generation_config.json").read_text()) == generation
+    assert f"exported a Hugging Face folder to {out} (tokenizer files copied from {folder}" in proc.stdout
     tokenizer = AutoTokenizer.from_pretrained(str(out))
     assert tokenizer("Le contrat")["input_ids"] == AutoTokenizer.from_pretrained(folder)("Le contrat")["input_ids"]
     assert "<|start_header_id|>" in tokenizer.apply_chat_template(CHATS[0], tokenize=False)
