@@ -58,6 +58,9 @@ def check_config(cfg, world: int) -> list[str]:
         errors.append(f"--ckpt_timeout_min: must be > 0, got {cfg.ckpt_timeout_min}")
     if cfg.keep_ckpts < 2 or cfg.ckpt_every < 0:
         errors.append(f"--keep_ckpts must be >= 2 and --ckpt_every >= 0, got {cfg.keep_ckpts}, {cfg.ckpt_every}")
+    for flag, path in (("--init_from", cfg.init_from), ("--from_ckpt", cfg.from_ckpt)):
+        if path and not os.path.exists(path):
+            errors.append(f"{flag}: {path} does not exist")
     if cfg.from_ckpt and not cfg.export_hf:
         errors.append("--from_ckpt: give --export_hf DIR too (a checkpoint is loaded to be exported)")
     try:  # writable now, not after a day of training
@@ -124,8 +127,7 @@ def checkpoint_source(cfg) -> str | None:
     if not path or (flag == "--init_from" and os.path.isfile(os.path.join(path, "config.json"))):
         return None
     if not os.path.isdir(path):
-        raise C.CheckpointError(f"{flag}: {path} does not exist" if not os.path.exists(path) else
-                                f"{flag}: {path} is not a folder")
+        raise C.CheckpointError(f"{flag}: {path} is not a folder")
     try:
         found = C.find_checkpoint(path)
     except C.CheckpointError as e:

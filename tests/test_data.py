@@ -326,7 +326,8 @@ def test_training_on_a_prepared_folder_takes_its_vocabulary_and_logs_eval_loss(c
     assert [("eval_loss" in m) for m in metrics] == [False, True, True]
     assert all(np.isfinite(m["eval_loss"]) for m in metrics[1:])
     config = json.load(open(os.path.join(out, "hf", "config.json")))
-    assert (config["vocab_size"], config["bos_token_id"], config["eos_token_id"]) == (400, 1, 2)
+    tok = D.Tokenizer(corpus["sp"])  # the end ids: EOS, and <|eot_id|> (it closes a chat turn): the export's too
+    assert (config["vocab_size"], config["bos_token_id"], config["eos_token_id"]) == (400, 1, [2, tok.piece_id("<|eot_id|>")])
 
 
 def test_a_model_with_another_vocabulary_is_refused(corpus, tmp_path):
