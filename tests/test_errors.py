@@ -79,8 +79,9 @@ def test_help_shows_every_flags_default(capsys):
                      "(default: 200)",
                      "--lr LR peak learning rate (default: 0.001)",
                      "--prefetch [PREFETCH] all-gather the next unit while the current one computes (default: true)",
-                     "--init_from INIT_FROM Hugging Face Llama folder (config.json + *.safetensors) to start from "
-                     "(default: unset)",
+                     "--init_from INIT_FROM weights to start from: a Hugging Face Llama folder (config.json + "
+                     "*.safetensors), or one of our checkpoints",
+                     "any world size (default: unset)",
                      "after warmup: 'cosine' (to 10% of --lr at --steps) or 'constant' (default: cosine)"]:
         assert expected in text
 
