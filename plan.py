@@ -11,10 +11,16 @@ checkpointing policy (--ac, --ac_blocks, --ac_rest), and what --offload_optimize
 derived from published runs), against the bytes the collectives move, plus, with --offload_optimizer, the
 PCIe copies and the CPU update. `partial_checkpointing` finds the fewest --ac blocks that fit. Every
 constant is in GPUS or ASSUMPTIONS, with where it comes from; `plan()` returns them all.
+
+It also predicts a checkpoint save from the bytes each rank writes and --fs_write_gbps, and from it how
+long before a time limit a stop request must arrive (launch.sbatch's --signal). A configuration that does
+not fit ends --plan with an error naming the nearest one that does (`nearest_fit`).
 """
 
 import dataclasses
+import itertools
 import json
+import math
 
 import model as M
 import checks
@@ -135,6 +141,18 @@ ASSUMPTIONS = {
                 "forward does. Each pass runs the prompts one after another through each gathered unit: the "
                 "prefill's matmuls at the training matmul efficiency, then per new token every prompt reads every "
                 "gathered weight from HBM once (at 80% of HBM bandwidth); with --prefetch the gathers overlap that",
+    "fs_write_gbps": "--fs_write_gbps, checkpoint write bandwidth per rank, every rank writing at once: default "
+                     "0.45 GB/s, the slower of two CPU measurements on a local disk (0.45 at W=1, 0.67 per rank at "
+                     "W=2; bench/checkpoint_io.py, BENCHMARKS.md). A shared filesystem under 16 writers may be "
+                     "slower or faster: run bench/checkpoint_io.py --out_dir on it and pass what it prints",
+    "checkpoint_header_bytes_per_tensor": (128, "checkpoint.write_safetensors_streaming's JSON header: one entry per "
+                                                "tensor (name, dtype, shape, offsets), under 128 B each"),
+    "stop_margin": (1.25, "assumption: the lead time a stop request needs is the predicted worst case x 1.25, for "
+                          "the error in the step time and the filesystem's bandwidth"),
+    "stop_worst_case": "a stop request (SIGUSR1) that lands just after a step's stop check, as a periodic save "
+                       "(--ckpt_every) begins, waits for that save, the next step, its evaluation (--eval_every; "
+                       "each of --eval_batches counted as a training step, an upper bound for a forward, plus "
+                       "--sample_prompts' sampling) and the stop's own save",
     "mfu_convention": "MFU = tokens/s x train.flops_per_token (6(N-emb) + 12 L H Dh T) / peak; recompute, the "
                       "tied head's matmul and the chunked cross-entropy's recomputed logits are executed FLOPs "
                       "that cost time but are not counted in MFU",
@@ -256,6 +274,16 @@ def host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int) -> dict:
     state = state_bytes() * sum(padded(n, world) for n in unit_numels(mcfg)) / world if cfg.offload_optimizer else 0
     activations = sum(b for b, off in block_kept_bytes(mcfg, cfg) if off)
     return dict(state=state, activations=activations)
+
+
+def host_usable_gib_per_node(cfg) -> float:
+    return GPUS[cfg.gpu]["host_memory_gib_per_node"] * ASSUMPTIONS["host_usable_fraction"][0]
+
+
+def host_fits(mcfg: M.ModelConfig, cfg) -> bool:
+    """What a node's GPUs offload together fits in its usable host memory."""
+    world = cfg.nnodes * cfg.nproc_per_node
+    return sum(host_bytes_per_gpu(mcfg, cfg, world).values()) / GIB * cfg.nproc_per_node <= host_usable_gib_per_node(cfg)
 
 
 def logits_bytes(mcfg: M.ModelConfig, cfg) -> float:
@@ -494,6 +522,35 @@ def prompt_sizes(cfg) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Checkpoints, and the stop before a time limit
+# ----------------------------------------------------------------------------------------------
+
+def checkpoint_bytes_per_rank(mcfg: M.ModelConfig, world: int) -> int:
+    """The file checkpoint.save_checkpoint writes on each rank: every unit's fp32 master slice and optimizer
+    state slices (4 B each per padded parameter / W; gradients are not saved), and the safetensors header
+    (at most checkpoint_header_bytes_per_tensor each, a bound)."""
+    numels = unit_numels(mcfg)
+    tensors_per_unit = 1 + len(T.OPTIMIZER_STATE)
+    data = 4 * tensors_per_unit * sum(padded(n, world) for n in numels) // world
+    return 8 + ASSUMPTIONS["checkpoint_header_bytes_per_tensor"][0] * tensors_per_unit * len(numels) + data
+
+
+def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: float = 0.0) -> dict:
+    """Seconds a save takes at --fs_write_gbps per rank (every rank writes its file at once), and how long
+    before a time limit a stop request must arrive to be saved (ASSUMPTIONS stop_worst_case, stop_margin),
+    rounded up to a whole minute for launch.sbatch's --signal=USR1@N. `sampling_s`: what --sample_prompts
+    adds to each evaluation."""
+    world = cfg.nnodes * cfg.nproc_per_node
+    ckpt_bytes = checkpoint_bytes_per_rank(mcfg, world)
+    save_s = ckpt_bytes / (1e9 * cfg.fs_write_gbps)
+    eval_s = cfg.eval_batches * step_time_s + sampling_s if cfg.eval_every else 0.0
+    periodic_save_s = save_s if cfg.ckpt_every else 0.0
+    lead_s = ASSUMPTIONS["stop_margin"][0] * (periodic_save_s + step_time_s + eval_s + save_s)
+    return dict(checkpoint_gb_per_rank=ckpt_bytes / 1e9, save_s=save_s, eval_s=eval_s, stop_lead_s=lead_s,
+                signal_lead_s=60 * math.ceil(lead_s / 60))
+
+
+# ----------------------------------------------------------------------------------------------
 # The plan, the checks, the table
 # ----------------------------------------------------------------------------------------------
 
@@ -512,15 +569,15 @@ def fit_and_speed(mcfg: M.ModelConfig, cfg) -> dict:
 
 
 def partial_checkpointing(mcfg: M.ModelConfig, cfg) -> dict | None:
-    """The largest partial checkpointing that fits for these flags: the smallest --ac_blocks k (the most
-    blocks running --ac_rest instead of --ac), scanning k = 0, 1, ..., n_layers; None when --ac and
-    --ac_rest are the same policy or nothing fits even with every block on --ac."""
+    """The largest partial checkpointing that fits for these flags (in GPU and host memory): the smallest
+    --ac_blocks k (the most blocks running --ac_rest instead of --ac), scanning k = 0, 1, ..., n_layers; None
+    when --ac and --ac_rest are the same policy or nothing fits even with every block on --ac."""
     if cfg.ac == cfg.ac_rest:
         return None
     for k in range(mcfg.n_layers + 1):
         trial = dataclasses.replace(cfg, ac_blocks=k)
         r = fit_and_speed(mcfg, trial)
-        if r["fits"]:
+        if r["fits"] and host_fits(mcfg, trial):
             return dict(ac_blocks=k, ac=cfg.ac, ac_rest=cfg.ac_rest, peak_gib_per_gpu=r["peak_gib"],
                         step_time_s=r["time"]["step_time_s"], tokens_per_sec_per_gpu=r["tokens_per_sec_per_gpu"],
                         mfu=r["mfu"])
@@ -528,16 +585,19 @@ def partial_checkpointing(mcfg: M.ModelConfig, cfg) -> dict | None:
 
 
 def plan(mcfg: M.ModelConfig, cfg) -> dict:
-    """The whole prediction for one configuration, as plain numbers (what --plan_json writes)."""
+    """The whole prediction for one configuration, as plain numbers (what --plan_json writes). Hours and
+    dollars only for a configuration that fits, in GPU and in host memory (None otherwise)."""
     gpu, world = GPUS[cfg.gpu], cfg.nnodes * cfg.nproc_per_node
     r = fit_and_speed(mcfg, cfg)
     phases, peak_phase, peak_gib, time = r["phases"], r["peak_phase"], r["peak_gib"], r["time"]
     tokens_per_sec_per_gpu = r["tokens_per_sec_per_gpu"]
-    hours = cfg.train_tokens / (tokens_per_sec_per_gpu * world) / 3600
+    fits_host = host_fits(mcfg, cfg)
+    hours = cfg.train_tokens / (tokens_per_sec_per_gpu * world) / 3600 if r["fits"] and fits_host else None
     family = gpu["family"]
     host = host_bytes_per_gpu(mcfg, cfg, world)
     host_gib_per_gpu = sum(host.values()) / GIB
-    host_usable_gib = gpu["host_memory_gib_per_node"] * ASSUMPTIONS["host_usable_fraction"][0]
+    host_usable_gib = host_usable_gib_per_node(cfg)
+    sampling = sampling_time(mcfg, cfg, gpu, world, *prompt_sizes(cfg)) if cfg.sample_prompts else {}
     assumptions = dict(ASSUMPTIONS, gpu=dict(gpu, peak_bf16_flops=peak_flops(gpu)),
                        matmul_efficiency=(matmul_efficiency(family, mcfg.dim),
                                           "solved from these anchors, linear in the model dim between them"),
@@ -549,13 +609,91 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
         memory_gib={k: v / GIB for k, v in phases[peak_phase].items()},
         memory_by_phase_gib={p: {k: v / GIB for k, v in parts.items()} for p, parts in phases.items()},
         **time, tokens_per_sec_per_gpu=tokens_per_sec_per_gpu, mfu=r["mfu"],
-        hours=hours, cost_usd=hours * world * cfg.gpu_hour_usd,
+        hours=hours, cost_usd=None if hours is None else hours * world * cfg.gpu_hour_usd,
         block_policies=block_policies(mcfg, cfg), offload_optimizer=cfg.offload_optimizer,
         host_gib_per_gpu=host_gib_per_gpu, host_gib_by_part_per_gpu={k: v / GIB for k, v in host.items()},
         host_gib_per_node=host_gib_per_gpu * cfg.nproc_per_node, host_usable_gib_per_node=host_usable_gib,
-        host_fits=host_gib_per_gpu * cfg.nproc_per_node <= host_usable_gib,
-        partial_checkpointing=partial_checkpointing(mcfg, cfg), assumptions=assumptions,
-        **(sampling_time(mcfg, cfg, gpu, world, *prompt_sizes(cfg)) if cfg.sample_prompts else {}))
+        host_fits=fits_host, **sampling, **stop_lead_time(mcfg, cfg, time["step_time_s"], sampling.get("sampling_s", 0.0)),
+        partial_checkpointing=partial_checkpointing(mcfg, cfg), assumptions=assumptions)
+
+
+# ----------------------------------------------------------------------------------------------
+# A configuration that does not fit: the nearest one that does
+# ----------------------------------------------------------------------------------------------
+
+def memory_savers(cfg) -> list[list[dict]]:
+    """The flag changes that lower memory, each a list of alternatives: a smaller micro-batch (each size
+    that divides the batch, nearest first), every block recomputed (--ac full), the block inputs in host
+    memory (with --ac full), a bf16 reduce-scatter, the optimizer state in host memory."""
+    world = cfg.nnodes * cfg.nproc_per_node
+    savers = [[dict(micro_batch_size=m) for m in range(cfg.micro_batch_size - 1, 0, -1)
+               if cfg.batch_size % (world * m) == 0]]
+    if cfg.ac != "full" or cfg.ac_blocks != -1:
+        savers.append([dict(ac="full", ac_blocks=-1)])
+    if not cfg.offload_activations:
+        savers.append([dict(offload_activations=True)])
+    if cfg.reduce_dtype != "bfloat16":
+        savers.append([dict(reduce_dtype="bfloat16")])
+    if not cfg.offload_optimizer:
+        savers.append([dict(offload_optimizer=True)])
+    return [alternatives for alternatives in savers if alternatives]
+
+
+def fewest_recomputed_blocks(mcfg: M.ModelConfig, cfg):
+    """cfg with partial checkpointing where every block running --ac leaves memory to spare."""
+    if cfg.ac_blocks == -1:
+        best = partial_checkpointing(mcfg, cfg)
+        if best and best["ac_blocks"] < mcfg.n_layers:
+            return dataclasses.replace(cfg, ac_blocks=best["ac_blocks"])
+    return cfg
+
+
+def nearest_fit(mcfg: M.ModelConfig, cfg):
+    """The configuration nearest to cfg that fits in GPU and in host memory: the fewest memory_savers (of
+    those, the most tokens/s/GPU), then partial checkpointing where it leaves room; on cfg's nodes, else
+    on 2, 4 or 8 times as many. None when nothing tried fits."""
+    for nnodes in (cfg.nnodes, 2 * cfg.nnodes, 4 * cfg.nnodes, 8 * cfg.nnodes):
+        base = dataclasses.replace(cfg, nnodes=nnodes)
+        savers = memory_savers(base)
+        for n_changes in range(len(savers) + 1):
+            fitting = []
+            for chosen in itertools.combinations(savers, n_changes):
+                for changes in itertools.product(*chosen):
+                    trial = dataclasses.replace(base, **{k: v for change in changes for k, v in change.items()})
+                    if check(trial) or (trial.offload_activations and trial.ac != "full"):
+                        continue  # not a configuration the trainer accepts
+                    if fit_and_speed(mcfg, trial)["fits"] and host_fits(mcfg, trial):
+                        fitting.append(fewest_recomputed_blocks(mcfg, trial))
+            if fitting:
+                return max(fitting, key=lambda c: fit_and_speed(mcfg, c)["tokens_per_sec_per_gpu"])
+    return None
+
+
+def changed_flags(cfg, other) -> str:
+    """The flags of `other` that differ from cfg's, as they would be typed (--ac_rest with --ac_blocks)."""
+    names = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(other, f.name)]
+    if "ac_blocks" in names and other.ac_blocks >= 0 and "ac_rest" not in names:
+        names.insert(names.index("ac_blocks") + 1, "ac_rest")
+    values = {name: getattr(other, name) for name in names}
+    return " ".join(f"--{name} {str(v).lower() if isinstance(v, bool) else v}" for name, v in values.items())
+
+
+def not_fitting_message(mcfg: M.ModelConfig, cfg, p: dict, nearest) -> str:
+    """--plan's error line for a configuration that does not fit: what does not, and the nearest that does."""
+    what = []
+    if not p["fits"]:
+        what.append(f"peak {p['peak_gib_per_gpu']:.1f} GiB per GPU ({p['peak_phase']}) of {p['usable_gib']:.1f}")
+    if not p["host_fits"]:
+        what.append(f"{p['host_gib_per_node']:,.0f} GiB of host memory per node of "
+                    f"{p['host_usable_gib_per_node']:,.0f} usable")
+    message = f"--plan: this configuration does not fit: {' and '.join(what)} (predicted)"
+    if nearest is None:
+        return (message + "; nothing the planner tried fits (a smaller --micro_batch_size, --ac full, "
+                          "--offload_activations, --reduce_dtype bfloat16, --offload_optimizer, up to 8 x --nnodes)")
+    q = plan(mcfg, nearest)
+    cost = f", {q['hours']:,.0f} h = ${q['cost_usd']:,.0f}" if cfg.train_tokens else ""
+    return (message + f"; the nearest that fits: {changed_flags(cfg, nearest)} (peak {q['peak_gib_per_gpu']:.1f} "
+                      f"GiB, {q['tokens_per_sec_per_gpu']:,.0f} tokens/s/GPU{cost}, predicted)")
 
 
 def check(cfg) -> list[str]:
@@ -579,6 +717,8 @@ def check(cfg) -> list[str]:
     if not errors and cfg.batch_size % (world * cfg.micro_batch_size):
         errors.append(f"--batch_size: {cfg.batch_size} is not a multiple of world size x --micro_batch_size "
                       f"= {world} x {cfg.micro_batch_size} = {world * cfg.micro_batch_size}")
+    if cfg.fs_write_gbps <= 0:
+        errors.append(f"--fs_write_gbps: must be > 0 (GB/s per rank), got {cfg.fs_write_gbps}")
     for name in ("train_tokens", "gpu_hour_usd", "ce_chunk"):
         if getattr(cfg, name) < 0:
             errors.append(f"--{name}: must be >= 0, got {getattr(cfg, name)}")
@@ -652,7 +792,13 @@ def table(p: dict, cfg) -> str:
                      + (f", {100 * p['sampling_s'] / (cfg.eval_every * p['step_time_s']):.1f}% of the "
                         f"{cfg.eval_every} steps between evaluations" if cfg.eval_every else "")
                      + f"; KV cache {p['sampling_kv_cache_gib']:.2f} GiB per GPU")
-    if cfg.train_tokens:
+    lines.append(f"checkpoint (predicted): {p['checkpoint_gb_per_rank']:.1f} GB per rank, {p['save_s']:.0f} s at "
+                 f"{cfg.fs_write_gbps:g} GB/s per rank (--fs_write_gbps; bench/checkpoint_io.py measures yours) | "
+                 f"a stop request needs {p['stop_lead_s']:.0f} s before a time limit ("
+                 f"{'a periodic save in progress, ' if cfg.ckpt_every else ''}the step, "
+                 f"{'its evaluation, ' if cfg.eval_every else ''}the stop's save, x {ASSUMPTIONS['stop_margin'][0]}): "
+                 f"#SBATCH --signal=USR1@{p['signal_lead_s']}")
+    if p["hours"] is not None and cfg.train_tokens:
         lines.append(f"{cfg.train_tokens:,.0f} tokens: {p['hours']:,.0f} h ({p['hours'] / 24:.1f} days) on "
                      f"{p['world']} GPUs = ${p['cost_usd']:,.0f} at ${cfg.gpu_hour_usd:.2f}/GPU-hour")
     best = p["partial_checkpointing"]
@@ -683,7 +829,8 @@ def table(p: dict, cfg) -> str:
 
 
 def main(cfg):
-    """`train.py --plan true`: check the flags, print the table, write --plan_json."""
+    """`train.py --plan true`: check the flags, print the table, write --plan_json; a configuration that does
+    not fit (GPU or host memory) ends in one error line naming the nearest that does, exit code 2."""
     errors = check(cfg)
     if not errors:
         try:
@@ -699,7 +846,12 @@ def main(cfg):
         T.fail("; ".join(errors))
     p = plan(mcfg, cfg)
     print(table(p, cfg), flush=True)
+    fits = p["fits"] and p["host_fits"]
+    nearest = None if fits else nearest_fit(mcfg, cfg)
+    p["nearest_fit"] = changed_flags(cfg, nearest) if nearest else None
     if cfg.plan_json:
         with open(cfg.plan_json, "w") as f:
             json.dump(p, f, indent=1)
         print(f"wrote {cfg.plan_json}", flush=True)
+    if not fits:  # exit 2: no hours or dollars for it, and what would fit instead
+        T.fail(not_fitting_message(mcfg, cfg, p, nearest))
