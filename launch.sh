@@ -7,8 +7,13 @@
 #                                        run the same command on every node (c10d rendezvous on MASTER_ADDR)
 #   srun --nodes 2 --ntasks-per-node 1 ./launch.sh ...
 #                                        under SLURM: NNODES and MASTER_ADDR come from the job (launch.sbatch)
-#   ./launch.sh --check                  all-reduce bus bandwidth across the same ranks (bench/comm_check.py)
+#   ./launch.sh --check                  all-reduce bus bandwidth across the same ranks, in the training backend
+#                                        (NCCL on GPUs) and in gloo, the checkpoint group's (bench/comm_check.py)
 # Overridable: NPROC_PER_NODE, NNODES, MASTER_ADDR, MASTER_PORT (29500), RDZV_ID, MAX_RESTARTS (3), PYTHON.
+# Under SLURM, NNODES is the job's (an exported NNODES that differs from SLURM_NNODES is an error: each node
+# would otherwise wait for a different number of nodes). RDZV_ID, the name of the rendezvous on
+# MASTER_ADDR, is SLURM_JOB_ID under SLURM, else derived from --out_dir's absolute path: two runs on one
+# MASTER_ADDR never join each other's rendezvous, and every node of one run must name the same --out_dir.
 #
 # Restarts are torchrun's own (--max-restarts): when a rank dies, every node's torchrun stops its workers,
 # meets the others again in the same rendezvous and starts them; train.py resumes from the newest intact
@@ -21,23 +26,35 @@
 # train.py writes its error line to $ZERO3_FATAL_FILE and this script stops torchrun and exits 2.
 #
 # Stopping (preemption, Ctrl-C): SIGTERM, SIGINT or SIGUSR1 to this script, to its process group, or to
-# every process of the job (SLURM's --signal) ends in one "save and stop" request to the workers:
-# torchrun runs in its own process group and ignores SIGUSR1, this script passes the request on as SIGUSR1
-# to the workers (every half second: a worker still starting up cannot act on it yet), and train.py saves
-# at the next step boundary and exits 0; it ignores repeats. Nothing kills the workers while they save (a 70B save is 53 GB per rank). Should torchrun itself
-# get SIGTERM, it waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT (set to 600 s here) before killing them.
+# every process of the job (SLURM signals every process of a job step) ends in one "save and stop" request
+# to the workers, and exit code 0 once they saved. torchrun runs in its own process group, ignores SIGUSR1
+# and has SIGTERM and SIGINT blocked, so it never acts on them: it would pass them to the workers, SIGKILL
+# them 30 s later (mid-save: torch before pytorch/pytorch#172596, merged March 2026, has no
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT) and exit 1 even when they saved (torch 2.13 too). This script passes the
+# request on as SIGUSR1 to the workers (every half second: a worker still starting up cannot act on it
+# yet), and train.py saves at the next step boundary and exits 0; it ignores repeats. The workers inherit
+# the mask; train.py unblocks both signals first thing. Nothing kills the workers while they save (a 70B
+# save is 53 GB per rank).
 #
 # InfiniBand / RoCE. NCCL uses InfiniBand by itself when it finds the HCAs; set these when it does not:
 #   NCCL_IB_HCA=mlx5_0,mlx5_1,...  the HCAs to use     NCCL_SOCKET_IFNAME=eth0  the bootstrap interface
 #   NCCL_IB_GID_INDEX=3            RoCE v2 only        NCCL_DEBUG=INFO  the log says NET/IB (good) or NET/Socket (TCP)
-# They pass through from the environment. A collective stuck longer than --timeout_min (a dead or hung
-# peer) ends the process: torch's default NCCL error handling does that, nothing to set.
+# The checkpoint collectives run in a gloo group (CPU, TCP), which picks the interface the hostname resolves
+# to (127.0.1.1 on many nodes): set GLOO_SOCKET_IFNAME=eth0 (an exact interface name, or a comma-separated
+# list; not NCCL's prefix syntax) beside NCCL_SOCKET_IFNAME. All of these pass through from the environment
+# to every worker; `--check` exercises both groups. A collective stuck longer than --timeout_min (a dead or
+# hung peer) ends the process: torch's default NCCL error handling does that, nothing to set.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)  # train.py's folder; relative paths in the flags stay the caller's
 PYTHON=${PYTHON:-python3}
 
 if [ -n "${SLURM_JOB_ID:-}" ]; then
-  NNODES=${NNODES:-${SLURM_NNODES:-1}}
+  if [ -n "${NNODES:-}" ] && [ "$NNODES" != "${SLURM_NNODES:-1}" ]; then
+    echo "launch.sh: NNODES=$NNODES, but this SLURM job has SLURM_NNODES=${SLURM_NNODES:-1} nodes; unset NNODES" \
+         "(under SLURM it comes from the job) or submit the job with --nodes $NNODES" >&2
+    exit 2
+  fi
+  NNODES=${SLURM_NNODES:-1}
   MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
   RDZV_ID=${RDZV_ID:-$SLURM_JOB_ID}
 fi
@@ -54,8 +71,19 @@ fi
 
 if [ "$NNODES" -gt 1 ]; then
   : "${MASTER_ADDR:?set MASTER_ADDR (address of the first node) for a multi-node run}"
+  if [ -z "${RDZV_ID:-}" ]; then  # one per run: a hash of --out_dir's absolute path (train.py's default: out)
+    out_dir=out
+    previous=
+    for arg in "$@"; do
+      [ "$previous" = --out_dir ] && out_dir=$arg
+      case "$arg" in --out_dir=*) out_dir=${arg#--out_dir=} ;; esac
+      previous=$arg
+    done
+    case "$out_dir" in /*) ;; *) out_dir="$PWD/$out_dir" ;; esac
+    RDZV_ID=llama-zero3-$(printf '%s' "$out_dir" | cksum | cut -d ' ' -f 1)
+  fi
   RENDEZVOUS=(--nnodes "$NNODES" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"
-              --rdzv_id "${RDZV_ID:-llama-zero3}")
+              --rdzv_id "$RDZV_ID")
 else
   RENDEZVOUS=(--standalone)
 fi
@@ -65,14 +93,18 @@ if [ "${1:-}" = "--check" ]; then
 fi
 
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}
 ZERO3_FATAL_FILE=$(mktemp "${TMPDIR:-/tmp}/launch-fatal.XXXXXX")
 export ZERO3_FATAL_FILE
 trap 'rm -f "$ZERO3_FATAL_FILE"' EXIT
 
+# torchrun with SIGTERM and SIGINT blocked (see "Stopping" above): a signal mask, unlike a handler, survives
+# exec and torchrun's own signal.signal calls.
+BLOCK_STOP_SIGNALS='import os, signal, sys
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGINT])
+os.execv(sys.executable, [sys.executable] + sys.argv[1:])'
 set -m  # the next background job gets its own process group: a signal to ours does not reach torchrun
-( trap '' USR1; exec "$PYTHON" -m torch.distributed.run "${RENDEZVOUS[@]}" --nproc_per_node "$NPROC_PER_NODE" \
-    --max-restarts "$MAX_RESTARTS" "$HERE/train.py" "$@" ) &
+( trap '' USR1; exec "$PYTHON" -c "$BLOCK_STOP_SIGNALS" -m torch.distributed.run "${RENDEZVOUS[@]}" \
+    --nproc_per_node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS" "$HERE/train.py" "$@" ) &
 TORCHRUN=$!
 set +m
 echo "launch.sh: torchrun is pid $TORCHRUN; to stop at once, without saving: pkill -9 -P $TORCHRUN; kill -9 $TORCHRUN" >&2
@@ -89,7 +121,7 @@ while kill -0 "$TORCHRUN" 2>/dev/null; do
     pkill -USR1 -P "$TORCHRUN" || true
   fi
   if [ -s "$ZERO3_FATAL_FILE" ]; then  # train.py failed in a way a restart repeats: stop torchrun's restarts
-    kill -TERM "$TORCHRUN" 2>/dev/null || true
+    kill -HUP "$TORCHRUN" 2>/dev/null || true  # torchrun handles SIGHUP as it would SIGTERM: stops its workers
     wait "$TORCHRUN" 2>/dev/null || true
     echo "launch.sh: train.py stopped with an error a restart would repeat (above); not restarting" >&2
     exit 2

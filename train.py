@@ -881,6 +881,9 @@ def catch_stop_signals() -> list:
 
 
 def main(argv=None):
+    # launch.sh starts torchrun with SIGTERM and SIGINT blocked, so that torchrun never acts on them, and the
+    # workers inherit the mask: unblocked, they end a worker still starting up, as under a plain torchrun.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM, signal.SIGINT])
     try:
         cfg = parse_args(argv)
     except ValueError as e:

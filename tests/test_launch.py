@@ -156,12 +156,16 @@ def worker_pids(launch_pid):
 
 
 @pytest.mark.parametrize("sig,to", [(signal.SIGTERM, "group"), (signal.SIGUSR1, "group"),
-                                    (signal.SIGUSR1, "every process")])
+                                    (signal.SIGUSR1, "every process"), (signal.SIGTERM, "every process")],
+                         ids=["TERM-group", "USR1-group", "USR1-every-process", "TERM-every-process"])
 def test_preemption_saves_and_exits_zero(files, reference, tmp_path, sig, to):
     """A scheduler's stop request while the workers are mid-step, each step longer than torchrun's grace
     period (TORCH_ELASTIC_SHUTDOWN_TIMEOUT=1 here: a 70B step plus a 53 GB save are longer than its 30 s
-    default). 'group': kill -SIG -PGID of launch.sh, as a terminal or `kill -- -PID` does; 'every
-    process': launch.sh, torchrun and each worker, as SLURM's --signal does."""
+    default, which torch before 2026 does not let one change). 'group': kill -SIG -PGID of launch.sh, as a
+    terminal or `kill -- -PID` does; 'every process': launch.sh, torchrun and each worker, as SLURM does
+    with --signal (USR1) and at preemption or a time limit (TERM). Each must save and exit 0 (afterok
+    depends on it). The resume after the stop is checked once, for SLURM's --signal: it does not depend on
+    which signal stopped the run."""
     out = tmp_path / "run"
     args = BASE + files + [f"--out_dir={out}", "--ckpt_every=0"]
     with open(tmp_path / "log", "w") as log:
@@ -177,12 +181,26 @@ def test_preemption_saves_and_exits_zero(files, reference, tmp_path, sig, to):
         codes = wait_all([proc], 120)
     text = (tmp_path / "log").read_text()
     assert codes == [0], text[-3000:]
+    assert "SignalException" not in text, text[-3000:]  # torchrun never acted on the signal
     stopped = int(text.split("stopping at step ")[1].split()[0])
     assert 2 <= stopped < 6, text[-3000:]
     assert (out / "checkpoints" / f"step_{stopped:08d}" / "manifest.json").exists()
-    with open(tmp_path / "rerun.log", "w") as log:
-        assert wait_all([start_launch(args, log, NPROC_PER_NODE="2")], 180) == [0]
-    assert [m["loss"] for m in read_metrics(out)] == reference
+    if (sig, to) == (signal.SIGUSR1, "every process"):
+        with open(tmp_path / "rerun.log", "w") as log:
+            assert wait_all([start_launch(args, log, NPROC_PER_NODE="2")], 180) == [0]
+        assert [m["loss"] for m in read_metrics(out)] == reference
+
+
+def test_check_all_reduces_in_both_groups(tmp_path):
+    """`./launch.sh --check` runs the all-reduce in the training group and in a gloo group like the checkpoint
+    group (on CPU both are gloo, two groups all the same), on the interface GLOO_SOCKET_IFNAME names."""
+    with open(tmp_path / "log", "w") as log:
+        codes = wait_all([start_launch(["--check"], log, NPROC_PER_NODE="2", GLOO_SOCKET_IFNAME="lo")], 120)
+    text = (tmp_path / "log").read_text()
+    assert codes == [0], text[-3000:]
+    assert "all-reduce over 2 ranks (gloo, 2 per node)" in text
+    assert "all-reduce over 2 ranks in the checkpoint group (gloo, CPU, GLOO_SOCKET_IFNAME=lo)" in text
+    assert "all-reduce results correct on every rank, in both groups" in text
 
 
 def sbatch_train_args() -> list[str]:
@@ -191,9 +209,21 @@ def sbatch_train_args() -> list[str]:
     return shlex.split(text.split("TRAIN_ARGS=(")[1].split(")")[0], comments=True)
 
 
-def sbatch_setting(name: str) -> int:
+def sbatch_setting(name: str) -> str:
     with open(os.path.join(ROOT, "launch.sbatch")) as f:
-        return int(next(line.split("=")[1] for line in f if line.startswith(f"#SBATCH --{name}=")))
+        return next(line.split("=", 1)[1].strip() for line in f if line.startswith(f"#SBATCH --{name}="))
+
+
+def sbatch_plan() -> dict:
+    """The planner on exactly launch.sbatch's TRAIN_ARGS, at the job's size; Meta-Llama-3-70B-Instruct is the
+    llama3-70b preset."""
+    args = sbatch_train_args()
+    i = args.index("--init_from")
+    flags = args[:i] + ["--model", "llama3-70b"] + args[i + 2:]
+    flags += ["--nnodes", sbatch_setting("nodes"), "--nproc_per_node", sbatch_setting("gpus-per-node"),
+              "--gpu", "h100", "--plan"]
+    cfg = T.parse_args(flags)
+    return P.plan(checks.model_config(cfg), cfg)
 
 
 def test_sbatch_runs_the_readme_recipe_and_it_fits():
@@ -202,22 +232,118 @@ def test_sbatch_runs_the_readme_recipe_and_it_fits():
         readme = f.read()
     command = readme.split("NNODES=2 MASTER_ADDR=node0 ./launch.sh --init_from")[1].split("\n\n")[0]
     assert ["--init_from"] + shlex.split(command.replace("\\\n", " ")) == args
-    # The planner on exactly these flags, at the job's size; Meta-Llama-3-70B-Instruct is the llama3-70b preset.
-    i = args.index("--init_from")
-    flags = args[:i] + ["--model", "llama3-70b"] + args[i + 2:]
-    flags += ["--nnodes", str(sbatch_setting("nodes")), "--nproc_per_node", str(sbatch_setting("gpus-per-node")),
-              "--gpu", "h100", "--plan"]
-    cfg = T.parse_args(flags)
-    prediction = P.plan(checks.model_config(cfg), cfg)
-    assert prediction["fits"], prediction
+    prediction = sbatch_plan()
+    assert prediction["fits"] and prediction["host_fits"], prediction
+
+
+def test_sbatch_stop_signal_comes_early_enough_to_save():
+    """SLURM's --signal=USR1@N must leave time for what the planner says a stop takes for TRAIN_ARGS: a
+    periodic save in progress, the step, its evaluation and the stop's own save (53 GB per rank)."""
+    signal_name, lead_s = sbatch_setting("signal").split("@")
+    assert signal_name == "USR1"
+    assert int(lead_s) >= sbatch_plan()["stop_lead_s"]
+
+
+def run_sbatch(tmp_path, saved_before: int, saved_after: int, exit_code: int, check_fails: bool = False):
+    """launch.sbatch with stand-ins for srun and scontrol that record their arguments. The srun stand-in
+    fails the network check if asked, and 'trains' by pointing OUT_DIR/checkpoints/latest at step
+    saved_after and exiting with exit_code. --out_dir is moved into tmp_path. Returns (exit code, stdout +
+    stderr, srun's calls, scontrol's calls)."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    if saved_before:
+        (out / "checkpoints" / "latest").write_text(f"step_{saved_before:08d}\n")
+    (tmp_path / "srun").write_text(f"""#!/bin/bash
+echo "$@" >> {tmp_path}/srun.calls
+case "$*" in *--check*) exit {int(check_fails)} ;; esac
+echo step_{saved_after:08d} > {out}/checkpoints/latest
+exit {exit_code}
+""")
+    (tmp_path / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/scontrol.calls\n')
+    for stand_in in ("srun", "scontrol"):
+        (tmp_path / stand_in).chmod(0o755)
+    with open(os.path.join(ROOT, "launch.sbatch")) as f:
+        script = f.read().replace("/shared/runs/llama70b-ft", str(out))
+    (tmp_path / "job.sbatch").write_text(script)
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", SLURM_JOB_ID="777")
+    proc = subprocess.run(["bash", str(tmp_path / "job.sbatch")], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=30)
+    calls = [(tmp_path / f"{name}.calls").read_text().splitlines() if (tmp_path / f"{name}.calls").exists() else []
+             for name in ("srun", "scontrol")]
+    return proc.returncode, proc.stdout + proc.stderr, *calls
+
+
+@pytest.mark.parametrize("saved_before,saved_after,exit_code,requeued", [
+    (400, 12400, 0, True),      # stopped before the time limit with steps left: continue in a new allocation
+    (28400, 28600, 0, False),   # --steps reached
+    (400, 600, 2, False),       # an error a restart repeats
+    (400, 600, 1, True),        # torchrun's restarts gave up, but this allocation moved the run forward
+    (400, 400, 1, False),       # nothing saved beyond where it started: it would fail the same way again
+])
+def test_sbatch_requeues_itself_until_the_run_is_done(tmp_path, saved_before, saved_after, exit_code, requeued):
+    code, log, srun_calls, scontrol_calls = run_sbatch(tmp_path, saved_before, saved_after, exit_code)
+    assert code == exit_code, log
+    assert scontrol_calls == (["requeue 777"] if requeued else []), log
+    # Both steps end every node's task when one fails (a bad flag on one node must not leave the other
+    # waiting in the rendezvous until it times out).
+    assert srun_calls == ["--kill-on-bad-exit=1 ./launch.sh --check",
+                          "--kill-on-bad-exit=1 ./launch.sh " + " ".join(sbatch_train_args()).replace(
+                              "/shared/runs/llama70b-ft", str(tmp_path / "run"))]
+    if saved_after >= 28600:
+        assert "the run is finished: step 28600 of 28600" in log
 
 
 def test_sbatch_stops_when_the_check_fails(tmp_path):
-    """`set -eu`: a failed `srun ./launch.sh --check` must not go on to train. srun is a stand-in here
-    that fails the check and records what it was asked to run."""
-    (tmp_path / "srun").write_text('#!/bin/bash\necho "$@" >> "$SRUN_LOG"\n[ "$2" != --check ]\n')
-    (tmp_path / "srun").chmod(0o755)
-    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", SRUN_LOG=str(tmp_path / "calls"))
-    proc = subprocess.run(["bash", os.path.join(ROOT, "launch.sbatch")], env=env, cwd=ROOT, capture_output=True)
-    assert proc.returncode != 0
-    assert (tmp_path / "calls").read_text().splitlines() == ["./launch.sh --check"]
+    """`set -eu`: a failed `srun ./launch.sh --check` must not go on to train."""
+    code, log, srun_calls, scontrol_calls = run_sbatch(tmp_path, 0, 0, 0, check_fails=True)
+    assert code != 0 and scontrol_calls == []
+    assert srun_calls == ["--kill-on-bad-exit=1 ./launch.sh --check"], log
+
+
+def fake_python(tmp_path) -> str:
+    """A stand-in for $PYTHON: reports no GPU, and writes the arguments it is run with (torchrun's) to
+    $ARGS_FILE, one per line."""
+    path = tmp_path / "python"
+    path.write_text('#!/bin/bash\ncase "$*" in *device_count*) echo 0; exit 0 ;; esac\n'
+                    'printf "%s\\n" "$@" > "$ARGS_FILE"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+def launch_dry(tmp_path, args, **env):
+    """./launch.sh with the stand-in python, from tmp_path: (exit code, stderr, the arguments torchrun got)."""
+    args_file = tmp_path / "torchrun.args"
+    args_file.unlink(missing_ok=True)
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("SLURM_") and k not in ("NNODES", "MASTER_ADDR", "RDZV_ID", "NPROC_PER_NODE")}
+    proc = subprocess.run([LAUNCH, *args], env=dict(clean, PYTHON=fake_python(tmp_path), ARGS_FILE=str(args_file), **env),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    return proc.returncode, proc.stderr, args_file.read_text().splitlines() if args_file.exists() else []
+
+
+def flag_value(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_rendezvous_is_one_per_run_and_nodes_are_the_jobs(tmp_path):
+    """Without SLURM the rendezvous id comes from --out_dir, so two runs on one MASTER_ADDR stay apart while
+    every node of one run (same --out_dir, however it is spelt) meets the others; under SLURM it is the job
+    id, and an exported NNODES other than the job's is refused before anything starts."""
+    two_nodes = dict(NNODES="2", MASTER_ADDR="127.0.0.1")
+    ids = {}
+    for name, args in (("run_a", ["--out_dir", "run_a"]), ("run_a=", ["--out_dir=run_a"]),
+                       ("run_a absolute", ["--lr", "1e-4", "--out_dir", str(tmp_path / "run_a")]),
+                       ("run_b", ["--out_dir", "run_b"]), ("default", []), ("check", ["--check"])):
+        code, err, torchrun = launch_dry(tmp_path, args, **two_nodes)
+        assert code == 0, err
+        ids[name] = flag_value(torchrun, "--rdzv_id")
+    assert ids["run_a"] == ids["run_a="] == ids["run_a absolute"]
+    assert len({ids["run_a"], ids["run_b"], ids["default"]}) == 3
+    assert ids["check"] == ids["default"]  # --check has no --out_dir: train.py's default, out
+    slurm = dict(SLURM_JOB_ID="4242", SLURM_NNODES="2", MASTER_ADDR="127.0.0.1")
+    code, err, torchrun = launch_dry(tmp_path, ["--out_dir", "run_a"], **slurm)
+    assert code == 0 and flag_value(torchrun, "--rdzv_id") == "4242" and flag_value(torchrun, "--nnodes") == "2", err
+    code, err, torchrun = launch_dry(tmp_path, ["--out_dir", "run_a"], NNODES="1", **slurm)
+    assert code == 2 and torchrun == [], err
+    assert err.strip().splitlines() == ["launch.sh: NNODES=1, but this SLURM job has SLURM_NNODES=2 nodes; unset "
+                                        "NNODES (under SLURM it comes from the job) or submit the job with --nodes 1"]
