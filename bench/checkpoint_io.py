@@ -1,10 +1,14 @@
-"""Checkpoint save and load throughput, GB/s per rank (a benchmark, not a test).
+"""Checkpoint save and load throughput, GB/s per rank, on the filesystem of --out_dir (a benchmark, not a test).
 
-    torchrun --standalone --nproc_per_node 2 bench/checkpoint_io.py --init_from DIR --out_dir /tmp/ckpt_io
+    torchrun --standalone --nproc_per_node 8 bench/checkpoint_io.py --model llama3.2-3b --out_dir /shared/ckpt_io
 
-Saves the state of the model in --init_from (fp32 master + m + v slices, 12 B/param/W) three times
-and loads it back three times (SHA-256 verification included, as on every resume); prints the best of
-each. Run bench/hf_import_memory.sh first for a 248M-parameter HF folder.
+Saves a model's training state (fp32 master + m + v slices, 12 B/param/W) with checkpoint.save_checkpoint
+three times and loads it back three times (SHA-256 verification included, as on every resume); prints the
+best of each. Any train.py model flag works: a --model preset is initialised from the seed (no Hugging Face
+folder needed), --init_from DIR loads one. Point --out_dir at the filesystem your runs write to, with as
+many ranks per node as training has (they write at once), and a model big enough that a save takes
+seconds: the save's GB/s per rank is what `train.py --plan --fs_write_gbps` wants. The benchmark refuses
+a folder that already holds checkpoints/ and removes what it wrote.
 """
 import os
 import shutil
@@ -18,12 +22,16 @@ import checkpoint as C  # noqa: E402
 import train as T  # noqa: E402
 
 cfg = T.parse_args(sys.argv[1:] + ["--steps=0"])
+ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
+if os.path.exists(ckpt_root):  # every rank sees it (or --out_dir is not shared: setup says so next)
+    T.fail(f"--out_dir: {ckpt_root} exists; this benchmark deletes what it writes there, so point it at "
+           f"a folder without checkpoints (on the filesystem to measure)")
 sharded = T.setup(cfg)[0]
 mcfg, units, rank, world = sharded.model.cfg, sharded.units, sharded.rank, sharded.world
-nbytes = sum((1 + len(u.optimizer_state)) * u.shard_numel * 4 for u in units)
 save_s, load_s = [], []
 for _ in range(3):
-    shutil.rmtree(os.path.join(cfg.out_dir, "checkpoints"), ignore_errors=True) if rank == 0 else None
+    if rank == 0:
+        shutil.rmtree(ckpt_root, ignore_errors=True)
     dist.barrier()
     t0 = time.perf_counter()
     path = C.save_checkpoint(cfg, mcfg, units, 1, rank, world, None)
@@ -34,8 +42,13 @@ for _ in range(3):
     C.load_checkpoint(path, manifest, units)
     dist.barrier()
     load_s.append(time.perf_counter() - t0)
+nbytes = manifest["files"][C.rank_file(rank, world)]["bytes"]  # this rank's file, as written
 if rank == 0:
-    print(f"W={world}: {nbytes / 1e9:.3f} GB per rank | save {nbytes / min(save_s) / 1e9:.2f} GB/s per rank "
+    shutil.rmtree(ckpt_root, ignore_errors=True)
+    save_gbps = nbytes / min(save_s) / 1e9
+    print(f"W={world}: {nbytes / 1e9:.3f} GB per rank | save {save_gbps:.2f} GB/s per rank "
           f"({min(save_s):.2f} s, incl. fsync and commit) | load {nbytes / min(load_s) / 1e9:.2f} GB/s per rank "
-          f"({min(load_s):.2f} s, incl. SHA-256)")
+          f"({min(load_s):.2f} s, incl. SHA-256) | plan with --fs_write_gbps {save_gbps:.2f} "
+          f"(at W={world}, {int(os.environ.get('LOCAL_WORLD_SIZE', 1))} per node)", flush=True)
 dist.destroy_process_group()
+os._exit(0)  # as train.py: no interpreter teardown after destroy_process_group

@@ -54,3 +54,19 @@ def test_gpu_benchmark_sizes_the_model_to_the_gpu():
     assert sizes["h200"] > sizes["h100"] >= 4
     assert G.layers_that_fit(8192, 8, 81559 * 2**20, "h100") == 32  # one node: the whole 8B
     assert G.planner_gpu("NVIDIA H200") == "h200" and G.planner_gpu("NVIDIA H100 80GB HBM3") == "h100"
+
+
+def test_checkpoint_io_measures_a_folder_without_a_hugging_face_model(tmp_path):
+    """bench/checkpoint_io.py on a preset initialised from the seed, one process: GB/s per rank for the
+    folder given, the bytes the planner predicts for it, and nothing left behind in that folder."""
+    sys.path.insert(0, ROOT)
+    import model as M
+    import plan as P
+    out = tmp_path / "fs"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "checkpoint_io.py"), "--model", "tiny",
+                           "--out_dir", str(out)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    predicted_gb = P.checkpoint_bytes_per_rank(M.PRESETS["tiny"](), 1) / 1e9
+    assert f"W=1: {predicted_gb:.3f} GB per rank | save " in proc.stdout and "--fs_write_gbps" in proc.stdout
+    assert not (out / "checkpoints").exists()
