@@ -191,18 +191,6 @@ def test_preemption_saves_and_exits_zero(files, reference, tmp_path, sig, to):
         assert [m["loss"] for m in read_metrics(out)] == reference
 
 
-def test_check_all_reduces_in_both_groups(tmp_path):
-    """`./launch.sh --check` runs the all-reduce in the training group and in a gloo group like the checkpoint
-    group (on CPU both are gloo, two groups all the same), on the interface GLOO_SOCKET_IFNAME names."""
-    with open(tmp_path / "log", "w") as log:
-        codes = wait_all([start_launch(["--check"], log, NPROC_PER_NODE="2", GLOO_SOCKET_IFNAME="lo")], 120)
-    text = (tmp_path / "log").read_text()
-    assert codes == [0], text[-3000:]
-    assert "all-reduce over 2 ranks (gloo, 2 per node)" in text
-    assert "all-reduce over 2 ranks in the checkpoint group (gloo, CPU, GLOO_SOCKET_IFNAME=lo)" in text
-    assert "all-reduce results correct on every rank, in both groups" in text
-
-
 def sbatch_train_args() -> list[str]:
     with open(os.path.join(ROOT, "launch.sbatch")) as f:
         text = f.read()

@@ -36,13 +36,17 @@ def test_cost_is_logged_per_gpu_hour(tmp_path):
 
 
 def test_launch_check_measures_all_reduce_bandwidth():
-    env = dict(os.environ, NPROC_PER_NODE="2", PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    """In the training group and in a gloo group like the checkpoint group (on CPU both are gloo, two groups
+    all the same), on the interface GLOO_SOCKET_IFNAME names."""
+    env = dict(os.environ, NPROC_PER_NODE="2", PYTHON=sys.executable, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     proc = subprocess.run([os.path.join(ROOT, "launch.sh"), "--check"], capture_output=True, text=True, env=env,
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "all-reduce over 2 ranks (gloo" in proc.stdout and "all-reduce results correct on every rank" in proc.stdout
+    assert "all-reduce over 2 ranks (gloo, 2 per node)" in proc.stdout
+    assert "all-reduce over 2 ranks in the checkpoint group (gloo, CPU, GLOO_SOCKET_IFNAME=lo)" in proc.stdout
+    assert "all-reduce results correct on every rank, in both groups" in proc.stdout
     lines = [line for line in proc.stdout.splitlines() if "bus bandwidth" in line]
-    assert len(lines) == 3 and all(float(line.split()[-2]) > 0 for line in lines)
+    assert len(lines) == 4 and all(float(line.split()[-2]) > 0 for line in lines)
 
 
 def test_mem_gb_is_each_steps_own_peak(tmp_path, monkeypatch):
