@@ -335,7 +335,7 @@ def test_checkpoint_bytes_per_rank_are_what_the_trainer_writes(tmp_path):
     assert predicted - header_bound < written <= predicted  # the data exactly, the header within its bound
 
 
-def test_stop_lead_time_covers_a_save_the_step_an_evaluation_and_the_stops_save():
+def test_stop_lead_time_covers_a_save_the_step_an_evaluation_and_the_stops_save(tmp_path):
     p = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4)
     assert p["checkpoint_gb_per_rank"] == pytest.approx(12 * 70.55e9 / 16 / 1e9, rel=1e-3)  # master, m, v: 52.9 GB
     save_s = p["checkpoint_gb_per_rank"] / 0.45  # --fs_write_gbps default
@@ -346,6 +346,11 @@ def test_stop_lead_time_covers_a_save_the_step_an_evaluation_and_the_stops_save(
     quick = predict(**RECOMMENDED_70B, ckpt_every=0, eval_every=0, fs_write_gbps=0.9)
     assert quick["stop_lead_s"] == pytest.approx(1.25 * (p["step_time_s"] + save_s / 2))
     assert f"#SBATCH --signal=USR1@{p['signal_lead_s']}" in P.table(p, config(**RECOMMENDED_70B, ckpt_every=200))
+    # --sample_prompts samples at each evaluation, before the stop check: its time is part of the evaluation.
+    (tmp_path / "p.jsonl").write_text('{"text": "Bonjour"}\n' * 4)
+    sampled = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4,
+                      sample_prompts=tmp_path / "p.jsonl")
+    assert sampled["stop_lead_s"] == pytest.approx(p["stop_lead_s"] + 1.25 * sampled["sampling_s"])
 
 
 def test_cli_writes_json_with_the_required_keys(tmp_path):
