@@ -136,7 +136,8 @@ class TrainConfig:
     train_tokens: float = opt(0.0, "--plan: tokens to train on, for hours and cost (0: one epoch of nothing)")
     plan_json: str = opt("", "--plan: also write the prediction as JSON here")
     fs_write_gbps: float = opt(0.45, "--plan: checkpoint write bandwidth per rank of --out_dir's filesystem, GB/s "
-                                     "(0.45: measured on local disk, BENCHMARKS.md; bench/checkpoint_io.py measures yours)")
+                                     "(the default: measured on a local disk, BENCHMARKS.md; bench/checkpoint_io.py "
+                                     "measures yours)")
 
 
 def parse_args(argv=None) -> TrainConfig:
