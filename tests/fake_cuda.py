@@ -1,0 +1,693 @@
+"""train.train_step on fake CUDA: the trainer's CUDA path, run as one rank of W on a CPU-only torch.
+
+    python tests/fake_cuda.py OUT.json [--rank R] [--world W] [--flash] [--model_json JSON] -- TRAIN_FLAGS
+
+runs one optimizer step of train.py's own ShardedModel and train_step with --device cuda, as rank R of W,
+at any shape (70B included: no tensor has memory), and writes what ran and how much device memory it
+held to OUT.json. Build the shim first (`build_shim`, what tests/test_fake_cuda.py and bench/fake_memory.py
+do): it must be loaded before `import torch`, so every run is a fresh process.
+
+What is real: train.py, model.py and offload.py unmodified (gather/free through storage resize, prefetch,
+backward boundaries, checkpointing, the reduce-scatter hooks, fused AdamW, both offloads), autograd, and
+every op's output shape, dtype and device (FakeTensorMode). What stands in:
+  - CUDA itself: tests/fake_cuda_shim.cpp (a device guard and hooks; no kernel runs, nothing is computed);
+  - streams, events and record_stream: FakeStream / FakeEvent below, which count what they are asked;
+  - NCCL: torch's fake process group, which moves nothing; CHECKED_COLLECTIVES adds the checks NCCL makes
+    (shapes, dtypes, device) and fails the run on a collective NCCL would refuse;
+  - the attention kernels. On fake CUDA, SDPA can only take its math path (the CPU build cannot choose a
+    CUDA kernel), which holds B x H x T x T scores: `modelled_sdpa` makes the choice CUDA's SDPA makes
+    (flash for unmasked bf16/fp16, memory-efficient for a mask with K/V at full heads, math otherwise) and
+    calls that kernel's own aten op, whose meta function gives its outputs and whose autograd node saves
+    what the real one saves. `--flash` installs a stand-in `flash_attn` package whose ops have the real
+    ones' names and signatures (flash-attn 2.7), so the varlen path and the selective policy's saved ops
+    run. Backward kernels' scratch memory (fp32 dq accumulators, expanded dk/dv) is a MODEL, see
+    `kernel_workspace_bytes`;
+  - data: `Windows`, token ids without meaning (with --doc_mask, several documents per row), and the one
+    host read of the step (`.tolist()`), answered with plausible numbers.
+Device memory is counted as torch.cuda.memory_allocated counts it (`DeviceMemory`): each storage an op
+creates on the device, rounded up to 512 B, until it is freed or resized (the gathered buffers are
+resized). Not modelled: the caching allocator's fragmentation, CUDA/NCCL's own memory, memory a
+record_stream keeps until its stream catches up.
+"""
+import argparse
+import collections
+import contextlib
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+import weakref
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SHIM_SOURCE = os.path.join(HERE, "fake_cuda_shim.cpp")
+
+
+# ------------------------------------------------------------------------------------------------
+# The shim: built in one process, loaded before `import torch` in another
+# ------------------------------------------------------------------------------------------------
+
+def build_shim(build_dir: str) -> str:
+    """Compiles tests/fake_cuda_shim.cpp against the installed torch's headers and libraries, once per
+    source and torch version (cached in build_dir). Returns the .so's path; raises RuntimeError with one
+    line when there is no compiler or it fails."""
+    import torch  # only for its paths and ABI: this process never loads the shim
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler (g++ or $CXX) to build tests/fake_cuda_shim.cpp")
+    with open(SHIM_SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + torch.__version__.encode() + torch.__file__.encode()).hexdigest()[:16]
+    path = os.path.join(build_dir, f"fake_cuda_{key}.so")
+    if os.path.exists(path):
+        return path
+    os.makedirs(build_dir, exist_ok=True)
+    torch_dir = os.path.dirname(torch.__file__)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    cmd = [compiler, "-shared", "-fPIC", "-O1", "-std=c++20", "-w",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           f"-I{torch_dir}/include", SHIM_SOURCE, f"-L{torch_dir}/lib", "-lc10", "-ltorch_cpu",
+           f"-Wl,-rpath,{torch_dir}/lib", "-o", tmp]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{compiler} could not build tests/fake_cuda_shim.cpp: "
+                           f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    os.replace(tmp, path)  # atomic: two builds at once leave one good file
+    return path
+
+
+def run(shim: str, out_json: str, train_flags: list[str], world: int, rank: int = 0, flash: bool = False,
+        model_json: str = "", timeout: float = 1800) -> dict:
+    """One fake-CUDA step in a fresh process (the shim must be loaded before torch is). Returns OUT.json."""
+    cmd = [sys.executable, os.path.abspath(__file__), out_json, "--shim", shim, "--world", str(world),
+           "--rank", str(rank)] + (["--flash"] if flash else []) + (["--model_json", model_json] if model_json else [])
+    proc = subprocess.run(cmd + ["--"] + train_flags, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
+    if proc.returncode != 0:
+        raise AssertionError(f"fake-CUDA step failed ({proc.returncode}): {' '.join(train_flags)}\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    with open(out_json) as f:
+        return json.load(f)
+
+
+# Everything below runs in the child process, after load_shim().
+used = collections.Counter()  # what the step asked of CUDA and NCCL: the tests' evidence that a branch ran
+
+
+def load_shim(path: str):
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # its static registrations run now, before torch asks
+
+
+# ------------------------------------------------------------------------------------------------
+# Streams, events, pinned memory
+# ------------------------------------------------------------------------------------------------
+
+class FakeEvent:
+    def __init__(self, *args, **kwargs):
+        used["event created"] += 1
+        self.recorded = False
+
+    def record(self, stream=None):
+        used["event recorded"] += 1
+        self.recorded = True
+
+    def synchronize(self):
+        assert self.recorded, "an event is waited for before it was recorded (CUDA returns at once: a race)"
+        used["event synchronized"] += 1
+
+    def query(self):
+        return True
+
+
+class FakeStream:
+    def __init__(self, device=None, priority=0):
+        import torch
+        used["stream created"] += 1
+        self.device = torch.device(device if device is not None else "cuda:0")
+
+    def wait_stream(self, other):
+        assert isinstance(other, FakeStream)
+        used["stream waits for stream"] += 1
+
+    def wait_event(self, event):
+        assert isinstance(event, FakeEvent) and event.recorded, "a stream waits for an event never recorded"
+        used["stream waits for event"] += 1
+
+    def synchronize(self):
+        used["stream synchronized"] += 1
+
+
+class Streams:
+    """torch.cuda.current_stream / torch.cuda.stream: the default stream until a `with stream(s)`."""
+
+    def __init__(self):
+        self.default, self.current = FakeStream(), None
+        used["stream created"] -= 1  # the default stream is not one the code made
+
+    def current_stream(self, device=None):
+        return self.current or self.default
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        used["code run on a side stream"] += 1
+        previous, self.current = self.current, s
+        try:
+            yield
+        finally:
+            self.current = previous
+
+
+def record_stream(tensor, stream):
+    assert tensor.is_cuda and isinstance(stream, FakeStream), "record_stream needs a CUDA tensor and stream"
+    used["record_stream"] += 1
+
+
+CUDA_KERNELS = None  # a torch.library.Library("aten", "IMPL"), alive as long as its registrations
+
+
+def no_kernel(*args, **kwargs):
+    raise RuntimeError("fake CUDA has no kernels: this op should have been answered by FakeTensorMode")
+
+
+def install_cuda_stand_ins():
+    global CUDA_KERNELS
+    import torch
+    import torch._subclasses.fake_impls as fake_impls
+    import torch._subclasses.fake_tensor as fake_tensor
+    # FakeTensorMode creates one real tensor on a new device "to initialise the context": there is none.
+    fake_tensor.init_gpu_context = lambda device: None
+    CUDA_KERNELS = torch.library.Library("aten", "IMPL")
+    streams = Streams()
+    torch.cuda.Stream, torch.cuda.Event = FakeStream, FakeEvent
+    torch.cuda.current_stream, torch.cuda.stream = streams.current_stream, streams.stream
+    torch.cuda.synchronize = lambda device=None: used.update(["device synchronized"])
+    torch.Tensor.record_stream = record_stream
+
+    # x.pin_memory(): FakeTensorMode has no implementation; a fake CPU tensor of the same shape is one.
+    def fake_pin_memory(mode, func, x, device=None):
+        with fake_tensor.in_kernel_invocation_manager(mode):
+            meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
+        return fake_tensor.FakeTensor(mode, meta, torch.device("cpu"))
+    fake_impls.op_implementations_dict[torch.ops.aten._pin_memory.default] = fake_pin_memory
+    # An op with a CPU kernel and a composite fallback (silu_backward) has a CUDA kernel too in a CUDA build;
+    # in this CPU build a CUDA tensor would take the fallback, decomposed into 6 ops and their temporaries
+    # (+3 x 448 MiB in a 70B block's backward). Registering a CUDA kernel restores one op; FakeTensorMode
+    # answers it before any kernel runs.
+    for name in torch._C._dispatch_get_all_op_names():
+        has = torch._C._dispatch_has_kernel_for_dispatch_key
+        if name.startswith("aten::") and has(name, "CPU") and has(name, "CompositeImplicitAutograd"):
+            CUDA_KERNELS.impl(name[len("aten::"):], no_kernel, "CUDA")
+
+
+def install_host_read(values: list):
+    """The step's one host read, `.tolist()` of (loss, grad_norm): fake tensors have no values. Answered
+    with plausible numbers (a grad norm above --grad_clip, so the clipping branch runs too); each read,
+    `.item()` included, is counted."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def tolist(t):
+        used["host reads"] += 1
+        assert t.dim() == 1 and t.numel() == len(values), f"an unexpected host read of {tuple(t.shape)}"
+        return list(values)
+
+    def item(t):
+        used["host reads"] += 1
+        return values[0]
+    FakeTensor.tolist, FakeTensor.item = tolist, item
+
+
+# ------------------------------------------------------------------------------------------------
+# Device memory, as torch.cuda.memory_allocated counts it
+# ------------------------------------------------------------------------------------------------
+
+def allocated(nbytes: int) -> int:
+    return -(-nbytes // 512) * 512  # the caching allocator's block rounding
+
+
+class DeviceMemory:
+    """Live bytes on the (fake) CUDA device: every storage seen in an op's output on CUDA, from then until
+    it dies, resized (UntypedStorage.resize_, which no dispatch mode sees, is wrapped) or not. Keeps the
+    peak, the peak of each phase of the step, and at the peak what was alive: (bytes, what made it, where)."""
+
+    def __init__(self):
+        self.live = {}           # id(storage) -> [weakref, bytes, label]
+        self.current = self.peak = 0
+        self.at_peak = []
+        self.peak_by_phase = {}  # "layers.79 backward" -> most bytes alive while it ran
+        self.where = "setup"     # the step's phase, set by the stage wrappers (`label_phases`)
+        self.workspace, self.workspace_label = 0, ""  # a kernel's scratch memory while it runs
+        self.taken_over = None   # (weakref, key) of a gradient an accumulation was counted in place of
+        self.snapshot_phase, self.at_phase_peak = None, []  # also what was alive at one phase's peak
+
+    def add(self, storage, label: str):
+        key = id(storage)
+        if key in self.live:
+            return
+        nbytes = allocated(storage.nbytes())
+        self.live[key] = [weakref.ref(storage, lambda _, key=key: self.drop(key)), nbytes, label]
+        self.current += nbytes
+        self.update_peak()
+
+    def drop(self, key):
+        entry = self.live.pop(key, None)
+        if entry:
+            self.current -= entry[1]
+
+    def resized(self, storage):
+        entry = self.live.get(id(storage))
+        if entry:
+            nbytes = allocated(storage.nbytes())
+            self.current += nbytes - entry[1]
+            entry[1] = nbytes
+            self.update_peak()
+
+    def accumulated_in_place(self, old, new, label: str):
+        """Autograd summing two gradients of one tensor (old + new, `old` held by nothing else) adds in
+        place on a plain tensor, but allocates a third tensor for a FakeTensor (any tensor subclass). Counted
+        as on CUDA: the sum takes over old's memory. Checked at the next op: if old is still alive after
+        all (held elsewhere), CUDA would have allocated too, and its bytes are counted again."""
+        entry = self.live.get(id(old))
+        if entry is None:
+            return self.add(new, label)
+        self.check_taken_over()
+        entry[1], freed = 0, entry[1]
+        self.current -= freed
+        self.add(new, label)
+        self.taken_over = (weakref.ref(old), id(old), freed)
+
+    def check_taken_over(self):
+        if self.taken_over:
+            ref, key, nbytes = self.taken_over
+            self.taken_over = None
+            if ref() is not None and key in self.live:
+                used["accumulations counted out of place after all"] += 1
+                self.live[key][1] = nbytes
+                self.current += nbytes
+                self.update_peak()
+
+    def update_peak(self):
+        now = self.current + self.workspace
+        if now > self.peak_by_phase.get(self.where, 0):
+            self.peak_by_phase[self.where] = now
+            if self.where == self.snapshot_phase:
+                self.at_phase_peak = [(nbytes, label) for _, nbytes, label in self.live.values() if nbytes]
+        if now > self.peak:
+            self.peak = now
+            self.at_peak = [(nbytes, label) for _, nbytes, label in self.live.values() if nbytes]
+            if self.workspace:
+                self.at_peak.append((self.workspace, f"{self.workspace_label} @{self.where}"))
+
+
+def kernel_workspace_bytes(func, args) -> tuple[int, str]:
+    """Scratch memory a CUDA attention backward allocates and frees inside the kernel (a MODEL, from the
+    kernels' sources, not measured): FlashAttention-2's backward (flash_attn's and the one SDPA vendors)
+    accumulates dq in fp32 (B x T x H x D, T rounded up to 128) and, when K/V have fewer heads than Q,
+    computes dk and dv at all H heads (bf16) before summing them; the memory-efficient kernel accumulates
+    dq in fp32 too."""
+    import torch
+    name = str(func)
+    if "flash_attn_backward" in name or "flash_attn_varlen_backward" in name:  # (dout, q, k, ...), (B,T,H,D) or (BT,H,D)
+        q, k = args[1], args[2]
+        tokens, heads, dim = q.numel() // (q.shape[-1] * q.shape[-2]), q.shape[-2], q.shape[-1]
+        kv_heads = k.shape[-2]
+    elif func in (torch.ops.aten._scaled_dot_product_flash_attention_backward.default,
+                  torch.ops.aten._scaled_dot_product_efficient_attention_backward.default):  # (grad, q, k, ...), (B,H,T,D)
+        q, k = args[1], args[2]
+        tokens, heads, dim, kv_heads = q.shape[0] * q.shape[2], q.shape[1], q.shape[3], k.shape[1]
+    else:
+        return 0, ""
+    rounded = -(-tokens // 128) * 128
+    workspace = 4 * rounded * heads * dim
+    if kv_heads != heads and "efficient" not in name:
+        workspace += 2 * 2 * tokens * heads * dim
+    return allocated(workspace), f"workspace of {name}"
+
+
+def is_gradient_accumulation(func, args, out) -> bool:
+    """The autograd engine summing two gradients of one tensor: old + new, in backward, with grad mode
+    off (a checkpoint's recompute runs with it on), both dense and alike. In this model's backward no
+    derivative formula adds two tensors itself (checked: the adds seen come from nodes whose formulas
+    have none: PowBackward0, MulBackward0, ViewBackward0, ToCopyBackward0, MmBackward0)."""
+    import torch
+    if func is not torch.ops.aten.add.Tensor or torch.is_grad_enabled() or torch._C._current_autograd_node() is None:
+        return False
+    old, new = args[0], args[1]
+    return (isinstance(new, torch.Tensor) and old.is_cuda and old.shape == new.shape == out.shape
+            and old.dtype == out.dtype and old.is_contiguous() and len(args) == 2)
+
+
+def make_memory_mode(memory: DeviceMemory, pinned: weakref.WeakSet):
+    """The dispatch mode that feeds DeviceMemory and counts host<->device copies (and checks that those
+    meant to be asynchronous read or write pinned host memory: from pageable memory CUDA waits)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    aten = torch.ops.aten
+
+    def host_side_pinned(t):
+        return t.untyped_storage() in pinned
+
+    class MemoryMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            memory.check_taken_over()
+            workspace, label = kernel_workspace_bytes(func, args)
+            if workspace:
+                memory.workspace, memory.workspace_label = workspace, label
+                memory.update_peak()
+            out = func(*args, **kwargs)
+            memory.workspace = 0
+            if kwargs.get("pin_memory") or func is aten._pin_memory.default:  # a factory's pin_memory=True, x.pin_memory()
+                used["pinned host allocations"] += 1
+                pinned.add(out.untyped_storage())
+            if func is aten._to_copy.default and kwargs.get("non_blocking"):
+                src, device = args[0], kwargs.get("device")
+                if src.device.type == "cpu" and device is not None and device.type == "cuda":
+                    assert host_side_pinned(src), "an asynchronous host-to-device copy from pageable memory"
+                    used["async copies host to device"] += 1
+            if func is aten.copy_.default and (args[2:] or [kwargs.get("non_blocking")])[0]:
+                dst, src = args[0], args[1]
+                if dst.device.type != src.device.type:
+                    host = dst if dst.device.type == "cpu" else src
+                    assert host_side_pinned(host), "an asynchronous copy between host and device in pageable memory"
+                    used["async copies " + ("device to host" if host is dst else "host to device")] += 1
+            if is_gradient_accumulation(func, args, out):
+                used["gradient accumulations counted in place"] += 1
+                memory.accumulated_in_place(args[0].untyped_storage(), out.untyped_storage(),
+                                            f"{func} {tuple(out.shape)} {str(out.dtype)[6:]} @{memory.where}")
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                    memory.add(t.untyped_storage(), f"{func} {tuple(t.shape)} {str(t.dtype)[6:]} @{memory.where}")
+            return out
+    return MemoryMode()
+
+
+def watch_resizes(memory: DeviceMemory):
+    import torch
+    real_resize = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        out = real_resize(storage, size)
+        memory.resized(storage)
+        return out
+    torch.UntypedStorage.resize_ = resize_
+
+
+# ------------------------------------------------------------------------------------------------
+# Collectives, with the checks NCCL makes
+# ------------------------------------------------------------------------------------------------
+
+def check_collective(name: str, out, inp, world: int):
+    """What NCCL refuses (torch's ProcessGroupNCCL checks): tensors off the current CUDA device,
+    non-contiguous, of different dtypes, or whose sizes are not W to 1."""
+    import torch
+    for t in (out, inp):
+        assert isinstance(t, torch.Tensor) and t.device == torch.device("cuda", 0), \
+            f"{name}: a tensor on {t.device}, not the rank's CUDA device"
+        assert t.is_contiguous(), f"{name}: a non-contiguous tensor"
+    assert out.dtype == inp.dtype, f"{name}: output {out.dtype}, input {inp.dtype}"
+    big, small = (out, inp) if name == "all-gather" else (inp, out)
+    assert big.numel() == world * small.numel(), \
+        f"{name}: {big.numel()} elements is not W = {world} x {small.numel()}"
+
+
+def install_checked_collectives(train_module, world: int):
+    import torch
+    import torch.distributed as dist
+    real_gather, real_scatter, real_all_reduce = (train_module.all_gather_flat, train_module.reduce_scatter_flat,
+                                                  dist.all_reduce)
+
+    class Work:
+        def __init__(self, work, name):
+            self.work, self.name = work, name
+            used[f"{name} started"] += 1
+
+        def wait(self):
+            used[f"{self.name} waited"] += 1
+            return self.work.wait()
+
+    def collective(name, real):
+        def checked(out, inp, *args, async_op=False, **kwargs):
+            check_collective(name, out, inp, world)
+            used[f"{name} bytes"] += (out if name == "all-gather" else inp).numel() * out.element_size()
+            work = real(out, inp, *args, async_op=async_op, **kwargs)
+            if not async_op:
+                used[f"{name} sync"] += 1
+                return work
+            return Work(work, name)
+        return checked
+
+    def all_reduce(tensor, *args, **kwargs):
+        assert tensor.device == torch.device("cuda", 0), f"all-reduce: a tensor on {tensor.device} (NCCL: CUDA only)"
+        used["all-reduce"] += 1
+        return real_all_reduce(tensor, *args, **kwargs)
+    train_module.all_gather_flat = collective("all-gather", real_gather)
+    train_module.reduce_scatter_flat = collective("reduce-scatter", real_scatter)
+    dist.all_reduce = all_reduce
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention kernels
+# ------------------------------------------------------------------------------------------------
+
+def install_sdpa_model():
+    """F.scaled_dot_product_attention on CUDA tensors: the kernel CUDA's SDPA picks for these arguments
+    (torch 2.13, sm90, no dropout, head dim <= 256): flash for no mask and bf16/fp16 (grouped K/V
+    allowed), memory-efficient for a mask or fp32 with K/V at the query's head count, math otherwise.
+    A model of torch's choice, the same rules model.sdpa_expands_kv encodes; not asked of a GPU."""
+    import torch
+    import torch.nn.functional as F
+    real_sdpa, aten = F.scaled_dot_product_attention, torch.ops.aten
+
+    def modelled_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                      enable_gqa=False):
+        if not query.is_cuda:
+            return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                             scale=scale, enable_gqa=enable_gqa)
+        same_heads = key.shape[1] == query.shape[1]
+        if attn_mask is None and query.dtype in (torch.bfloat16, torch.float16) and query.shape[-1] <= 256:
+            used["attention: SDPA flash"] += 1
+            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+        if same_heads:
+            used["attention: SDPA memory-efficient"] += 1
+            return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, query.requires_grad,
+                                                                dropout_p, is_causal, scale=scale)[0]
+        used["attention: SDPA math"] += 1
+        return real_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)
+    F.scaled_dot_product_attention = modelled_sdpa
+
+
+def install_flash_attn_stand_in():
+    """A `flash_attn` package for fake CUDA: flash_attn_func and flash_attn_varlen_func as flash-attn 2.7
+    writes them (an autograd.Function around torch ops named flash_attn::_flash_attn_forward etc., which
+    save q, k, v, out and the softmax log-sum-exp), with shapes-only kernels. Installed before model.py is
+    imported; train.py then finds the ops for the selective policy as it would find flash-attn's."""
+    import types
+    import torch
+    lib = "flash_attn"
+    common = ("float dropout_p, float softmax_scale, bool causal, SymInt window_size_left, "
+              "SymInt window_size_right, float softcap, Tensor? alibi_slopes")
+    torch.library.define(f"{lib}::_flash_attn_forward", f"(Tensor q, Tensor k, Tensor v, {common}, "
+                         "bool return_softmax) -> (Tensor, Tensor, Tensor, Tensor)")
+    torch.library.define(f"{lib}::_flash_attn_varlen_forward", f"(Tensor q, Tensor k, Tensor v, "
+                         "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
+                         f"{common}, bool return_softmax) -> (Tensor, Tensor, Tensor, Tensor)")
+    torch.library.define(f"{lib}::_flash_attn_backward", "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+                         "Tensor softmax_lse, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
+                         f"{common}, bool deterministic) -> Tensor")
+    torch.library.define(f"{lib}::_flash_attn_varlen_backward", "(Tensor dout, Tensor q, Tensor k, Tensor v, "
+                         "Tensor out, Tensor softmax_lse, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
+                         "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
+                         f"{common}, bool deterministic) -> Tensor")
+
+    def forward_outputs(q, lse_shape):
+        return (torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32), q.new_empty(0),
+                q.new_empty(2, dtype=torch.int64))
+
+    @torch.library.register_fake(f"{lib}::_flash_attn_forward")
+    def _(q, k, v, *args):
+        B, T, H, _ = q.shape
+        return forward_outputs(q, (B, H, T))
+
+    @torch.library.register_fake(f"{lib}::_flash_attn_varlen_forward")
+    def _(q, k, v, cu_q, cu_k, max_q, max_k, *args):
+        return forward_outputs(q, (q.shape[1], q.shape[0]))
+
+    for name in ("_flash_attn_backward", "_flash_attn_varlen_backward"):
+        torch.library.register_fake(f"{lib}::{name}")(
+            lambda dout, q, *args: q.new_empty((q.shape[-2], q.numel() // (q.shape[-1] * q.shape[-2])),
+                                               dtype=torch.float32))  # softmax_d
+    ops = torch.ops.flash_attn
+
+    class FlashAttnFunc(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, varlen):
+            scale = q.shape[-1] ** -0.5
+            rest = (0.0, scale, True, -1, -1, 0.0, None)
+            if varlen is None:
+                used["attention: flash_attn"] += 1
+                out, lse, _, _ = ops._flash_attn_forward(q, k, v, *rest, False)
+            else:
+                used["attention: flash_attn varlen"] += 1
+                out, lse, _, _ = ops._flash_attn_varlen_forward(q, k, v, *varlen, *rest, False)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.varlen, ctx.rest = varlen, rest
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+            if ctx.varlen is None:
+                ops._flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, *ctx.rest, False)
+            else:
+                ops._flash_attn_varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, *ctx.varlen, *ctx.rest, False)
+            return dq, dk, dv, None
+
+    def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, **kwargs):
+        assert causal and dropout_p == 0.0
+        return FlashAttnFunc.apply(q, k, v, None)
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False, **kwargs):
+        assert causal and dropout_p == 0.0
+        return FlashAttnFunc.apply(q, k, v, (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k))
+    sys.modules["flash_attn"] = types.SimpleNamespace(flash_attn_func=flash_attn_func,
+                                                      flash_attn_varlen_func=flash_attn_varlen_func,
+                                                      __version__="2.7.4 (fake-CUDA stand-in)")
+
+
+# ------------------------------------------------------------------------------------------------
+# The step
+# ------------------------------------------------------------------------------------------------
+
+class Windows:
+    """train.micro_batches' view of the data: (inputs, targets) of (micro, seq_len) token ids. With
+    `documents` > 1, each row packs that many documents (an EOS ends each), so --doc_mask builds a layout."""
+
+    class Data:
+        def __init__(self, eos_id):
+            self.eos_id = eos_id
+
+    def __init__(self, seq_len: int, vocab_size: int, eos_id: int, documents: int):
+        self.seq_len, self.vocab_size, self.documents = seq_len, vocab_size, documents
+        self.data = Windows.Data(eos_id)
+
+    def micro_batch(self, position, accum_index, rank, world, micro):
+        import numpy as np
+        rng = np.random.default_rng([position, accum_index, rank])
+        tokens = rng.integers(0, self.vocab_size, size=(micro, self.seq_len + 1))
+        tokens[tokens == self.data.eos_id] = (self.data.eos_id + 1) % self.vocab_size
+        if self.documents > 1:  # document ends at irregular places, the first well inside the row
+            for row in range(micro):
+                ends = np.sort(rng.choice(np.arange(8, self.seq_len - 8), self.documents - 1, replace=False))
+                tokens[row, ends] = self.data.eos_id
+        return tokens[:, :-1], tokens[:, 1:].copy()
+
+
+def label_phases(sharded, memory: DeviceMemory):
+    """Names the stage running (forward) or about to run its backward in DeviceMemory's labels."""
+    import train as T
+    names = ["embed"] + [f"layers.{i}" for i in range(len(sharded.stages) - 2)] + ["head"]
+
+    def labelled(run, name):
+        def run_labelled(x, batch):
+            memory.where = f"{name} forward"
+            return run(x, batch)
+        return run_labelled
+    sharded.stages = [T.Stage(labelled(s.run, n), s.forward_units, s.backward_units) for s, n in zip(sharded.stages, names)]
+    on_backward = sharded.on_backward
+
+    def on_backward_labelled(k):
+        on_backward(k)
+        memory.where = f"{names[k]} backward"
+    sharded.on_backward = on_backward_labelled
+
+
+def by_label(alive: list) -> list:
+    """[bytes, label] summed over tensors of the same label, largest first."""
+    total = collections.Counter()
+    for nbytes, label in alive:
+        total[label] += nbytes
+    return sorted(([n, label] for label, n in total.items()), reverse=True)
+
+
+def planned(mcfg, cfg, world: int) -> dict:
+    """plan.py's memory by phase for the same flags, with the bytes torch would count as allocated: every
+    part but CUDA/NCCL's own and the allocator's slack."""
+    import dataclasses
+    import plan as P
+    cfg = dataclasses.replace(cfg, nnodes=1, nproc_per_node=world)
+    phases = P.memory_by_phase(mcfg, cfg, world)
+    allocated_by_phase = {p: sum(v for k, v in parts.items() if k not in ("context_and_nccl", "fragmentation"))
+                          for p, parts in phases.items()}
+    peak_phase = max(allocated_by_phase, key=allocated_by_phase.get)
+    return dict(phases=phases, allocated_by_phase=allocated_by_phase, peak_phase=peak_phase,
+                allocated_bytes=allocated_by_phase[peak_phase])
+
+
+def child(argv):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out_json")
+    parser.add_argument("--shim", required=True)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--flash", action="store_true")
+    parser.add_argument("--model_json", default="", help="a model.ModelConfig as JSON, instead of --model's preset")
+    parser.add_argument("--documents", type=int, default=4, help="documents per row (--doc_mask)")
+    parser.add_argument("--snapshot", default="", help="also record what is alive at this phase's peak, e.g. "
+                                                       "'layers.79 backward'")
+    args, train_flags = parser.parse_known_args(argv)
+    train_flags = [f for f in train_flags if f != "--"]
+    t0 = time.time()
+    load_shim(args.shim)
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    install_cuda_stand_ins()
+    install_sdpa_model()
+    if args.flash:
+        install_flash_attn_stand_in()
+    sys.path.insert(0, ROOT)
+    import checks
+    import model as M
+    import train as T
+    assert (M.flash_attn_func is not None) == args.flash
+    install_checked_collectives(T, args.world)
+    cfg = T.parse_args(train_flags + ["--device", "cuda"])
+    mcfg = M.ModelConfig(**json.loads(args.model_json)) if args.model_json else checks.model_config(cfg)
+    install_host_read([2.5, 2 * cfg.grad_clip if cfg.grad_clip else 1.0])  # loss, grad norm: clipped
+    dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
+    memory, pinned = DeviceMemory(), weakref.WeakSet()
+    memory.snapshot_phase = args.snapshot
+    watch_resizes(memory)
+    device = torch.device("cuda", 0)
+    with FakeTensorMode(allow_non_fake_inputs=True), make_memory_mode(memory, pinned):
+        sharded = T.ShardedModel(cfg, mcfg, args.rank, args.world, device)
+        sharded.refresh_compute_shards()
+        state_bytes = memory.current
+        label_phases(sharded, memory)
+        windows = Windows(cfg.seq_len, mcfg.vocab_size, mcfg.eos_id, args.documents if cfg.doc_mask else 1)
+        memory.where = "step"
+        T.train_step(cfg, sharded, windows, 1, 0)
+    dtype = T.compute_dtype(cfg.dtype, device)
+    result = dict(flags=train_flags, world=args.world, rank=args.rank, flash=args.flash, model=vars(mcfg),
+                  peak_bytes=memory.peak, state_bytes=state_bytes, end_bytes=memory.current,
+                  peak_by_phase=memory.peak_by_phase,
+                  alive_at_peak=by_label(memory.at_peak), alive_at_phase_peak=by_label(memory.at_phase_peak),
+                  attention_kernel=M.attention_kernel(device, dtype, cfg.doc_mask),
+                  used=dict(used), plan=planned(mcfg, cfg, args.world), seconds=time.time() - t0,
+                  units=[dict(name=u.name, padded_numel=u.padded_numel, shard_numel=u.shard_numel) for u in sharded.units])
+    with open(args.out_json, "w") as f:
+        json.dump(result, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    child(sys.argv[1:])
