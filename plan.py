@@ -113,6 +113,12 @@ ASSUMPTIONS = {
                          "CPU, then 2 B per element host->GPU: neither overlaps GPU compute (the trainer's "
                          "first version). CPU throughput per GPU = min(per-core rate x cores "
                          "per GPU x host_cpu_efficiency, host memory bandwidth per GPU / bytes per element)",
+    "attention": "memory: flash-attn (flash_attn_varlen_func for --doc_mask) or, where it does not import, "
+                 "SDPA, whose memory-efficient kernel takes --doc_mask's T x T mask (per micro-batch, all of a "
+                 "step's alive at once) and K/V repeated to the query's heads (model.sdpa_expands_kv). --plan "
+                 "cannot see the GPU machines and the trainer falls back to SDPA silently: each memory part is "
+                 "the larger of the two (plan.memory_by_phase). Checked against train_step on fake CUDA "
+                 "(tests/test_fake_cuda.py, bench/fake_memory.py)",
     "hbm_gbps": "HBM bandwidth (datasheet)",
     "cuda_context_and_nccl_gib": (1.0, "assumption: CUDA context ~0.5 GiB + NCCL buffers ~0.5 GiB, outside "
                                        "torch.cuda.max_memory_allocated"),
@@ -190,25 +196,37 @@ def reduce_hook_bytes(unit_numel: int, compute_bytes: int, reduce_bytes: int) ->
     return (compute_bytes + copy) * unit_numel
 
 
-def unit_gradient_bytes(unit_numel: int, last_param_numel: int, in_flight_numel: int, reduce_bytes: int) -> dict:
+def unit_gradient_bytes(unit_numel: int, last_param_numel: int, in_flight_numel: int, reduce_bytes: int,
+                        world: int) -> dict:
     """Gradient bytes of one unit's backward at the larger of its two moments, by part: split's backward
     concatenating the parameters' gradients while the previous unit's reduce-scatter (in_flight_numel
-    elements) is in flight, or the hook's cast. fp32 reduce: the cast wins for a unit reduced first
-    (the head: 6 B per parameter against 4); otherwise the concatenation does."""
+    elements, see in_flight_reduce_bytes) is in flight, or the hook's cast and the output slice it
+    allocates for its own reduce-scatter. fp32 reduce: the cast wins for a unit reduced first (the head:
+    6 B per parameter against 4); otherwise the concatenation does."""
     concat = dict(gradients=COMPUTE_BYTES * grad_peak_numel(unit_numel, last_param_numel),
-                  reduce_buffers=reduce_bytes * in_flight_numel)
+                  reduce_buffers=in_flight_reduce_bytes(in_flight_numel, reduce_bytes, world))
     cast_total = reduce_hook_bytes(unit_numel, COMPUTE_BYTES, reduce_bytes)
-    cast = dict(gradients=COMPUTE_BYTES * unit_numel, reduce_buffers=cast_total - COMPUTE_BYTES * unit_numel)
+    cast = dict(gradients=COMPUTE_BYTES * unit_numel,
+                reduce_buffers=cast_total - COMPUTE_BYTES * unit_numel + reduce_bytes * unit_numel / world)
     return max(concat, cast, key=lambda parts: sum(parts.values()))
 
 
-def block_activation_bytes_per_token(mcfg: M.ModelConfig) -> dict:
-    """Bytes per token one block keeps for backward under each policy (bf16, FlashAttention-2), counted
-    from model.py: what each op's autograd node saves, shared tensors counted once."""
+def in_flight_reduce_bytes(unit_numel: int, reduce_bytes: int, world: int) -> float:
+    """A reduce-scatter in flight (train.Unit._reduce_scatter_grad): the unit's whole gradient in
+    --reduce_dtype, its input, and this rank's slice of the sum, its output, both alive until it completes."""
+    return reduce_bytes * unit_numel * (1 + 1 / world)
+
+
+def block_activation_bytes_per_token(mcfg: M.ModelConfig, expanded_kv: bool = False) -> dict:
+    """Bytes per token one block keeps for backward under each policy (bf16), counted from model.py: what
+    each op's autograd node saves, shared tensors counted once. Attention saves q, k, v, its output and
+    the softmax statistics; with `expanded_kv` (SDPA's memory-efficient kernel for --doc_mask, which
+    takes K/V only at the query's head count: model.sdpa_expands_kv) k and v are saved at H heads."""
     d, h, kv, dh, f = mcfg.dim, mcfg.n_heads, mcfg.n_kv_heads, mcfg.head_dim, mcfg.ffn_dim
+    kv_saved = h if expanded_kv else kv
     norm = 4 * d + 2 * d + 4        # RMSNorm: x.float() (fp32, saved by pow), normalized bf16, rsqrt (fp32)
     none = (2 * norm + 2 * d + 2 * d  # both norms, and their outputs (the q/k/v and gate/up matmul inputs)
-            + 2 * h * dh + 4 * kv * dh + 2 * h * dh + 4 * h  # attention: q, k (after RoPE), v; out, lse
+            + 2 * h * dh + 4 * kv_saved * dh + 2 * h * dh + 4 * h  # attention: q, k (after RoPE), v; out, lse
             + 4 * 2 * f)             # silu input (gate), silu(gate), up, down_proj input
     matmul_outputs = 2 * (h * dh + 2 * kv * dh + d + 2 * f + d)  # q, k, v, o, gate, up, down
     selective = 2 * d + matmul_outputs + 2 * h * dh + 4 * h      # + block input, attention out + lse
@@ -229,41 +247,44 @@ def offloaded_blocks(mcfg: M.ModelConfig, cfg) -> int:
     return mcfg.n_layers if cfg.ac_blocks < 0 else min(cfg.ac_blocks, mcfg.n_layers)
 
 
-def block_kept_bytes(mcfg: M.ModelConfig, cfg) -> list[tuple[int, bool]]:
+def block_kept_bytes(mcfg: M.ModelConfig, cfg, expanded_kv: bool = False) -> list[tuple[int, bool]]:
     """(bytes kept for backward, offloaded?) of each block, in forward order."""
-    per_token, tokens = block_activation_bytes_per_token(mcfg), cfg.micro_batch_size * cfg.seq_len
+    per_token, tokens = block_activation_bytes_per_token(mcfg, expanded_kv), cfg.micro_batch_size * cfg.seq_len
     n_offloaded = offloaded_blocks(mcfg, cfg)
     return [(tokens * per_token[p], i < n_offloaded) for i, p in enumerate(block_policies(mcfg, cfg))]
 
 
-def saved_activation_bytes(mcfg: M.ModelConfig, cfg, blocks: int) -> float:
+def saved_activation_bytes(mcfg: M.ModelConfig, cfg, blocks: int, expanded_kv: bool = False) -> float:
     """What the first `blocks` blocks keep for backward on the GPU, each by its policy (--ac, --ac_blocks,
     --ac_rest); of the offloaded ones only ~2 blocks' are in transit."""
-    kept = block_kept_bytes(mcfg, cfg)[:blocks]
+    kept = block_kept_bytes(mcfg, cfg, expanded_kv)[:blocks]
     offloaded = [b for b, off in kept if off]
     return sum(b for b, off in kept if not off) + sum(offloaded[:2])
 
 
-def recompute_bytes(mcfg: M.ModelConfig, cfg, policy: str = "") -> float:
+def recompute_bytes(mcfg: M.ModelConfig, cfg, policy: str = "", expanded_kv: bool = False,
+                    offloaded: bool = False) -> float:
     """A block at the start of its backward: what its recompute brings back (and the first activation
-    gradients, of silu(gate) and up, 2 x F wide). `policy`: the block's (default --ac)."""
-    per_token = block_activation_bytes_per_token(mcfg)
+    gradients, of silu(gate) and up, 2 x F wide). `policy`: the block's (default --ac). Offloaded
+    (offload.OffloadedCheckpoint), the recomputed block's output stays alive through its backward too."""
+    per_token = block_activation_bytes_per_token(mcfg, expanded_kv)
     recompute = {"none": 0, "full": per_token["none"],
                  "selective": per_token["none"] - per_token["selective_reused"]}[policy or cfg.ac]
-    return cfg.micro_batch_size * cfg.seq_len * (recompute + 2 * 2 * mcfg.ffn_dim)
+    output = COMPUTE_BYTES * mcfg.dim if offloaded else 0
+    return cfg.micro_batch_size * cfg.seq_len * (recompute + 2 * 2 * mcfg.ffn_dim + output)
 
 
-def recompute_peak_bytes(mcfg: M.ModelConfig, cfg) -> float:
+def recompute_peak_bytes(mcfg: M.ModelConfig, cfg, expanded_kv: bool = False) -> float:
     """Activations at the worst block's recompute: backward runs the blocks last to first, so block i
     recomputes while blocks 0..i keep what they saved (the later ones are done). One policy for all: the
     last block, as it always was; partial checkpointing: the largest over the blocks."""
-    kept, peak, on_gpu, offloaded = block_kept_bytes(mcfg, cfg), 0, 0, []
+    kept, peak, on_gpu, offloaded = block_kept_bytes(mcfg, cfg, expanded_kv), 0, 0, []
     for (b, off), p in zip(kept, block_policies(mcfg, cfg)):  # saved_activation_bytes(i + 1), incrementally
         if off:
             offloaded.append(b)
         else:
             on_gpu += b
-        peak = max(peak, on_gpu + sum(offloaded[:2]) + recompute_bytes(mcfg, cfg, p))
+        peak = max(peak, on_gpu + sum(offloaded[:2]) + recompute_bytes(mcfg, cfg, p, expanded_kv, off))
     return peak
 
 
@@ -286,51 +307,96 @@ def host_fits(mcfg: M.ModelConfig, cfg) -> bool:
     return sum(host_bytes_per_gpu(mcfg, cfg, world).values()) / GIB * cfg.nproc_per_node <= host_usable_gib_per_node(cfg)
 
 
-def logits_bytes(mcfg: M.ModelConfig, cfg) -> float:
-    """One cross-entropy chunk in the head's backward: fp32 logits, their gradient, the bf16 logits."""
+def ce_chunk_tokens(cfg) -> int:
     tokens = cfg.micro_batch_size * cfg.seq_len
-    chunk = min(cfg.ce_chunk, tokens) if cfg.ce_chunk else tokens
-    return chunk * mcfg.vocab_size * (4 + 4 + 2)
+    return min(cfg.ce_chunk, tokens) if cfg.ce_chunk else tokens
 
 
-def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int) -> dict:
+def logits_bytes(mcfg: M.ModelConfig, cfg) -> float:
+    """One cross-entropy chunk at its softmax's backward (model.head_loss): the fp32 log-softmax output
+    (saved), its gradient and the fp32 logits' gradient, 12 B per chunk x vocab element. The bf16 logits
+    and their fp32 copy are gone by then (the log-softmax saves its output, not its input)."""
+    return ce_chunk_tokens(cfg) * mcfg.vocab_size * (4 + 4 + 4)
+
+
+def head_backward_bytes(mcfg: M.ModelConfig, cfg, head: int, emb: int, world: int) -> dict:
+    """The head's backward (gradients, reduce buffers, logits) at the worst of its three moments:
+      - a chunk's softmax backward: logits_bytes, and the head weight's gradient summed over the chunks
+        before it (compute dtype, vocab x dim; none for the first chunk);
+      - the chunk's weight-gradient matmul: its bf16 logits gradient (2 B per chunk x vocab), and two weight
+        gradients, the sum so far and this chunk's, which autograd then adds in place;
+      - the hook, the logits gone: split's concatenation or the cast to --reduce_dtype (unit_gradient_bytes;
+        the head is reduced first, nothing is in flight). Tied, the head is the final norm alone and its
+        matmul's gradient goes to the embedding unit, split's concatenation included, where it waits.
+    Untied, the weight is lm_head (in the head unit); tied, it is the embedding's."""
+    cbytes, rbytes = COMPUTE_BYTES, REDUCE_BYTES[cfg.reduce_dtype]
+    weight = mcfg.vocab_size * mcfg.dim
+    earlier_chunks = 1 if cfg.micro_batch_size * cfg.seq_len > ce_chunk_tokens(cfg) else 0
+    softmax = dict(gradients=cbytes * weight * earlier_chunks, reduce_buffers=0, logits=logits_bytes(mcfg, cfg))
+    matmul = dict(gradients=cbytes * weight * (1 + earlier_chunks), reduce_buffers=0,
+                  logits=cbytes * ce_chunk_tokens(cfg) * mcfg.vocab_size)
+    hook = (dict(gradients=cbytes * (2 * emb + 2 * head), reduce_buffers=0) if mcfg.tie_embeddings
+            else unit_gradient_bytes(head, head - mcfg.dim, 0, rbytes, world))
+    return max(softmax, matmul, dict(hook, logits=0), key=lambda parts: sum(parts.values()))
+
+
+def document_mask_bytes(mcfg: M.ModelConfig, cfg, world: int) -> float:
+    """SDPA's block-diagonal mask (--doc_mask without flash-attn): micro_batch x T x T in the compute
+    dtype (rows padded to a multiple of 8, model.document_mask) per micro-batch; train.micro_batches
+    builds every micro-batch of the step before the first runs, so all of them are alive."""
+    micro_steps = max(1, cfg.batch_size // (world * cfg.micro_batch_size))
+    return micro_steps * cfg.micro_batch_size * cfg.seq_len * (-(-cfg.seq_len // 8) * 8) * COMPUTE_BYTES
+
+
+def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | None = None) -> dict:
     """Bytes per GPU by part at the three moments memory peaks in a micro-batch: the head's backward
-    (logits, every block's saved activations), a block's backward once its recompute is done (the last
-    block; with partial checkpointing the worst one, recompute_peak_bytes), and the last block's at its
-    end, when its gradient is summed (the recomputed tensors are gone by then)."""
+    (logits, every block's saved activations; head_backward_bytes), a block's backward once its
+    recompute is done (the last block; with partial checkpointing the worst one, recompute_peak_bytes),
+    and the last block's at its end, when its gradient is summed (the recomputed tensors are gone by
+    then). `flash_attn`: whether flash-attn imports on the GPU machines; without it --doc_mask runs
+    SDPA's memory-efficient kernel, with K/V expanded to all heads and a T x T mask. None (what --plan
+    uses): each part the larger of the two, since the trainer falls back to SDPA without a word
+    (ASSUMPTIONS attention)."""
+    if flash_attn is None:
+        both = [memory_by_phase(mcfg, cfg, world, flash) for flash in (True, False)]
+        return {p: {k: max(b[p][k] for b in both) for k in both[0][p]} for p in both[0]}
     numels = unit_numels(mcfg)
     emb, block, head = (padded(n, world) for n in (numels[0], numels[1], numels[-1]))
     cbytes, rbytes = COMPUTE_BYTES, REDUCE_BYTES[cfg.reduce_dtype]
     tied, layers, tokens = mcfg.tie_embeddings, mcfg.n_layers, cfg.micro_batch_size * cfg.seq_len
+    expanded_kv = cfg.doc_mask and not flash_attn
+    mask = document_mask_bytes(mcfg, cfg, world) if expanded_kv else 0
     prefetched = block if cfg.prefetch else 0  # the previous unit's all-gather, started as this one runs
+    # ... and its input, this rank's slice cast to the compute dtype (train.Unit.gather_input), alive until it
+    # completes; --offload_optimizer gathers from the compute-dtype copy the state keeps, no cast
+    sending = 0 if cfg.offload_optimizer else prefetched / world
     in_flight = max(head, block)  # the head's gradient is reduced while the last block runs backward
-    reduce_buffers = rbytes * in_flight  # Unit._reduce_scatter_grad: the whole gradient in --reduce_dtype
+    reduce_buffers = in_flight_reduce_bytes(in_flight, rbytes, world)
     waiting = cbytes * emb * tied  # tied: the head's part of the embedding gradient waits for the embedding's
     # --offload_optimizer: the fp32 state lives in host memory; the GPU keeps a compute-dtype copy of its slices
     persistent = cbytes if cfg.offload_optimizer else state_bytes()
 
     def phase(gathered, gradients, reduce, activations, logits=0.0):
-        dynamic = dict(gathered_weights=cbytes * gathered, gradients=gradients,
-                       reduce_buffers=reduce, activations=activations, logits=logits)
+        dynamic = dict(gathered_weights=cbytes * (gathered + sending), gradients=gradients,
+                       reduce_buffers=reduce, activations=activations + mask, logits=logits)
         return dict(state=persistent * sum(padded(n, world) for n in numels) / world,
                     context_and_nccl=ASSUMPTIONS["cuda_context_and_nccl_gib"][0] * GIB, **dynamic,
                     fragmentation=ASSUMPTIONS["fragmentation"][0] * sum(dynamic.values()))
 
-    # The head is reduced first (nothing in flight). Tied, it is the final norm alone and its matmul's
-    # gradient goes to the embedding unit, split's concatenation included, where it waits.
-    head_grads = (dict(gradients=cbytes * (2 * emb + 2 * head), reduce_buffers=0) if tied
-                  else unit_gradient_bytes(head, head - mcfg.dim, 0, rbytes))
-    block_grads = unit_gradient_bytes(block, mcfg.dim * mcfg.ffn_dim, in_flight, rbytes)
+    head_parts = head_backward_bytes(mcfg, cfg, head, emb, world)
+    block_grads = unit_gradient_bytes(block, mcfg.dim * mcfg.ffn_dim, in_flight, rbytes, world)
     head_saved = tokens * (4 + 2 + 2) * mcfg.dim  # final norm: fp32 input, normalized, output
+    input_gradient = tokens * cbytes * mcfg.dim  # the gradient of the stage's input, on its way to the stage before
+    saved = saved_activation_bytes(mcfg, cfg, layers, expanded_kv)
     return {
-        "head backward": phase(head + emb * tied + prefetched, head_grads["gradients"], head_grads["reduce_buffers"],
-                               saved_activation_bytes(mcfg, cfg, layers) + head_saved, logits_bytes(mcfg, cfg)),
+        "head backward": phase(head + emb * tied + prefetched, head_parts["gradients"], head_parts["reduce_buffers"],
+                               saved + head_saved + input_gradient, head_parts["logits"]),
         "block recompute": phase(block + prefetched, cbytes * mcfg.dim * mcfg.ffn_dim + waiting, reduce_buffers,
-                                 recompute_peak_bytes(mcfg, cfg)),
+                                 recompute_peak_bytes(mcfg, cfg, expanded_kv) + input_gradient),
         "block gradient sum": phase(block + prefetched, block_grads["gradients"] + waiting,
                                     block_grads["reduce_buffers"],
                                     # its own saved tensors are gone; its input's gradient is not
-                                    saved_activation_bytes(mcfg, cfg, layers - 1) + tokens * 2 * mcfg.dim),
+                                    saved_activation_bytes(mcfg, cfg, layers - 1, expanded_kv) + input_gradient),
     }
 
 

@@ -12,7 +12,7 @@ backward boundaries, checkpointing, the reduce-scatter hooks, fused AdamW, both 
 every op's output shape, dtype and device (FakeTensorMode). What stands in:
   - CUDA itself: tests/fake_cuda_shim.cpp (a device guard and hooks; no kernel runs, nothing is computed);
   - streams, events and record_stream: FakeStream / FakeEvent below, which count what they are asked;
-  - NCCL: torch's fake process group, which moves nothing; CHECKED_COLLECTIVES adds the checks NCCL makes
+  - NCCL: torch's fake process group, which moves nothing; `check_collective` adds the checks NCCL makes
     (shapes, dtypes, device) and fails the run on a collective NCCL would refuse;
   - the attention kernels. On fake CUDA, SDPA can only take its math path (the CPU build cannot choose a
     CUDA kernel), which holds B x H x T x T scores: `modelled_sdpa` makes the choice CUDA's SDPA makes
@@ -26,8 +26,12 @@ every op's output shape, dtype and device (FakeTensorMode). What stands in:
     host read of the step (`.tolist()`), answered with plausible numbers.
 Device memory is counted as torch.cuda.memory_allocated counts it (`DeviceMemory`): each storage an op
 creates on the device, rounded up to 512 B, until it is freed or resized (the gathered buffers are
-resized). Not modelled: the caching allocator's fragmentation, CUDA/NCCL's own memory, memory a
-record_stream keeps until its stream catches up.
+resized). Two things a CPU build does differently from a CUDA one are put back as CUDA does them, or
+they would add 1.4 GiB and 2 GiB at 70B that no GPU allocates: silu_backward takes a composite fallback
+on a CUDA tensor (6 ops and their temporaries instead of one kernel: `install_cuda_stand_ins`), and
+autograd sums two gradients of one tensor out of place for a FakeTensor, in place for a plain tensor
+(`DeviceMemory.accumulated_in_place`). Not modelled: the caching allocator's fragmentation, CUDA/NCCL's
+own memory, memory a record_stream keeps until its stream catches up.
 """
 import argparse
 import collections
@@ -39,7 +43,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 import weakref
 
@@ -58,8 +61,8 @@ def build_shim(build_dir: str) -> str:
     line when there is no compiler or it fails."""
     import torch  # only for its paths and ABI: this process never loads the shim
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not compiler:
-        raise RuntimeError("no C++ compiler (g++ or $CXX) to build tests/fake_cuda_shim.cpp")
+    if not compiler or not shutil.which(compiler):
+        raise RuntimeError(f"no C++ compiler ({compiler or 'g++ or $CXX'}) to build tests/fake_cuda_shim.cpp")
     with open(SHIM_SOURCE, "rb") as f:
         key = hashlib.sha256(f.read() + torch.__version__.encode() + torch.__file__.encode()).hexdigest()[:16]
     path = os.path.join(build_dir, f"fake_cuda_{key}.so")
@@ -401,12 +404,12 @@ def watch_resizes(memory: DeviceMemory):
 # Collectives, with the checks NCCL makes
 # ------------------------------------------------------------------------------------------------
 
-def check_collective(name: str, out, inp, world: int):
-    """What NCCL refuses (torch's ProcessGroupNCCL checks): tensors off the current CUDA device,
+def check_collective(name: str, out, inp, world: int, device):
+    """What NCCL refuses (torch's ProcessGroupNCCL checks): tensors off the rank's CUDA device,
     non-contiguous, of different dtypes, or whose sizes are not W to 1."""
     import torch
     for t in (out, inp):
-        assert isinstance(t, torch.Tensor) and t.device == torch.device("cuda", 0), \
+        assert isinstance(t, torch.Tensor) and t.device == device, \
             f"{name}: a tensor on {t.device}, not the rank's CUDA device"
         assert t.is_contiguous(), f"{name}: a non-contiguous tensor"
     assert out.dtype == inp.dtype, f"{name}: output {out.dtype}, input {inp.dtype}"
@@ -432,7 +435,7 @@ def install_checked_collectives(train_module, world: int):
 
     def collective(name, real):
         def checked(out, inp, *args, async_op=False, **kwargs):
-            check_collective(name, out, inp, world)
+            check_collective(name, out, inp, world, torch.device("cuda", 0))
             used[f"{name} bytes"] += (out if name == "all-gather" else inp).numel() * out.element_size()
             work = real(out, inp, *args, async_op=async_op, **kwargs)
             if not async_op:
@@ -617,13 +620,13 @@ def by_label(alive: list) -> list:
     return sorted(([n, label] for label, n in total.items()), reverse=True)
 
 
-def planned(mcfg, cfg, world: int) -> dict:
+def planned(mcfg, cfg, world: int, flash_attn: bool) -> dict:
     """plan.py's memory by phase for the same flags, with the bytes torch would count as allocated: every
     part but CUDA/NCCL's own and the allocator's slack."""
     import dataclasses
     import plan as P
     cfg = dataclasses.replace(cfg, nnodes=1, nproc_per_node=world)
-    phases = P.memory_by_phase(mcfg, cfg, world)
+    phases = P.memory_by_phase(mcfg, cfg, world, flash_attn)
     allocated_by_phase = {p: sum(v for k, v in parts.items() if k not in ("context_and_nccl", "fragmentation"))
                           for p, parts in phases.items()}
     peak_phase = max(allocated_by_phase, key=allocated_by_phase.get)
@@ -682,7 +685,7 @@ def child(argv):
                   peak_by_phase=memory.peak_by_phase,
                   alive_at_peak=by_label(memory.at_peak), alive_at_phase_peak=by_label(memory.at_phase_peak),
                   attention_kernel=M.attention_kernel(device, dtype, cfg.doc_mask),
-                  used=dict(used), plan=planned(mcfg, cfg, args.world), seconds=time.time() - t0,
+                  used=dict(used), plan=planned(mcfg, cfg, args.world, args.flash), seconds=time.time() - t0,
                   units=[dict(name=u.name, padded_numel=u.padded_numel, shard_numel=u.shard_numel) for u in sharded.units])
     with open(args.out_json, "w") as f:
         json.dump(result, f, indent=1)

@@ -12,14 +12,10 @@
 namespace {
 struct FakeCUDAHooks : at::CUDAHooksInterface {
   FakeCUDAHooks(at::CUDAHooksArgs) {}
-  void init() const override {}
-  bool isBuilt() const override { return true; }  // what at::accelerator asks: CUDA is the accelerator
-  bool hasCUDA() const override { return true; }
-  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
-  bool isPinnedPtr(const void*) const override { return true; }
-  at::Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
-  c10::DeviceIndex current_device() const override { return 0; }
-  int getNumGPUs() const override { return 1; }
+  bool isBuilt() const override { return true; }  // at::accelerator: CUDA is the accelerator
+  void init() const override {}                    // lazy CUDA init: nothing to initialise
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }  // the autograd engine asks
+  at::Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }  // pin_memory=True
 };
 }  // namespace
 

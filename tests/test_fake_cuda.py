@@ -1,0 +1,133 @@
+"""The CUDA path of train_step, run on fake CUDA (tests/fake_cuda.py): every CUDA branch the flags select
+runs, every collective is one NCCL would accept, attention takes the kernel model.attention_kernel names,
+and the peak device memory is what plan.py predicts for the same flags.
+
+Each scenario is one optimizer step as rank 0 of W in a fresh process (the shim must be loaded before
+torch); they cover --ac none/selective/full, partial checkpointing, both offloads, --doc_mask, the
+flash_attn stand-in on and off and both --reduce_dtype, at W = 2..4, and the two-node 70B recipe's flags
+at 70B widths (4 blocks: the widths decide the memory per block, not the depth)."""
+import json
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fake_cuda  # noqa: E402
+
+# 1B-ish widths, 3 blocks: large enough that every part plan.py counts is visible, small enough to be quick.
+SMALL = dict(vocab_size=32000, dim=1024, n_layers=3, n_heads=8, n_kv_heads=2, head_dim=128, ffn_dim=3584,
+             max_seq_len=8192, bos_id=1, eos_id=2)
+WIDE_70B = dict(vocab_size=128256, dim=8192, n_layers=4, n_heads=64, n_kv_heads=8, head_dim=128, ffn_dim=28672,
+                max_seq_len=8192, bos_id=128000, eos_id=128001)
+
+# (name, model, W, flash_attn stand-in, flags, relative tolerance against the planner)
+SCENARIOS = [
+    ("ac none, SDPA flash, fp32 reduce", SMALL, 2, False,
+     "--seq_len 2048 --batch_size 4 --micro_batch_size 1 --ac none --doc_mask false", 0.05),
+    ("ac selective, doc mask on SDPA memory-efficient, bf16 reduce", SMALL, 3, False,
+     "--seq_len 2048 --batch_size 6 --micro_batch_size 1 --ac selective --doc_mask true --reduce_dtype bfloat16", 0.05),
+    ("ac full, activations offloaded, flash_attn varlen", SMALL, 4, True,
+     "--seq_len 2048 --batch_size 8 --micro_batch_size 1 --ac full --offload_activations true --doc_mask true", 0.05),
+    ("optimizer and activations offloaded, partial checkpointing, flash_attn", SMALL, 2, True,
+     "--seq_len 2048 --batch_size 4 --micro_batch_size 1 --ac full --offload_activations true --ac_blocks 2 "
+     "--ac_rest selective --offload_optimizer true --doc_mask false --reduce_dtype bfloat16", 0.05),
+    ("the two-node 70B recipe's flags at 70B widths", WIDE_70B, 16, True,
+     "--seq_len 8192 --batch_size 16 --micro_batch_size 1 --ac full --offload_activations true "
+     "--reduce_dtype bfloat16", 0.02),
+]
+
+KERNEL_COUNTERS = {  # model.attention_kernel's words -> what tests/fake_cuda.py counts when it runs
+    "flash_attn varlen": "attention: flash_attn varlen", "flash_attn": "attention: flash_attn",
+    "SDPA flash": "attention: SDPA flash", "SDPA memory-efficient": "attention: SDPA memory-efficient"}
+
+
+@pytest.fixture(scope="module")
+def shim():
+    build_dir = os.environ.get("FAKE_CUDA_BUILD_DIR", os.path.join(os.path.expanduser("~"), ".cache", "llama-zero3"))
+    try:
+        return fake_cuda.build_shim(build_dir)
+    except RuntimeError as e:
+        pytest.skip(f"fake CUDA not available: {e}")
+
+
+@pytest.fixture(scope="module")
+def results(shim, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fake_cuda")
+    return {name: fake_cuda.run(shim, str(out / f"{i}.json"), flags.split(), world, flash=flash,
+                                model_json=json.dumps(model))
+            for i, (name, model, world, flash, flags, _) in enumerate(SCENARIOS)}
+
+
+def flag(flags: str, name: str, default: str) -> str:
+    words = flags.split()
+    return words[words.index(name) + 1] if name in words else default
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s[0] for s in SCENARIOS])
+def test_cuda_branches_collectives_attention_and_memory(results, scenario):
+    name, model, world, flash, flags, tolerance = scenario
+    r, used = results[name], results[name]["used"]
+    layers, n_units = model["n_layers"], model["n_layers"] + 2
+    micro_batches = int(flag(flags, "--batch_size", "16")) // (world * int(flag(flags, "--micro_batch_size", "4")))
+    policies = ([flag(flags, "--ac", "selective")] * int(flag(flags, "--ac_blocks", str(layers)))
+                + [flag(flags, "--ac_rest", "none")] * layers)[:layers]
+    offloaded = policies.count("full") if flag(flags, "--offload_activations", "false") == "true" else 0
+
+    # Collectives (each checked as NCCL checks it, in the run): per micro-batch every unit is all-gathered for
+    # forward and every block again for backward (the head stays gathered, the embedding's backward needs no
+    # weights), every unit's gradient reduce-scattered once; every asynchronous one waited for.
+    assert used["all-gather started"] == used["all-gather waited"] == micro_batches * (n_units + layers)
+    assert used["reduce-scatter started"] == used["reduce-scatter waited"] == micro_batches * n_units
+    assert used["host reads"] == 1  # the step's one sync: (loss, grad norm) for the clip and the skip decision
+
+    # Attention: the kernel model.attention_kernel names for these flags, and only that one.
+    kernel = next(counter for words, counter in KERNEL_COUNTERS.items() if r["attention_kernel"].startswith(words))
+    assert {k for k in used if k.startswith("attention: ")} == {kernel}, (r["attention_kernel"], used)
+    assert used[kernel] >= micro_batches * layers
+
+    # --offload_activations: each offloaded block's input goes to pinned memory on the copy stream and comes
+    # back on it, the compute stream waiting for an event; record_stream keeps both copies' memory.
+    if offloaded:
+        assert used["stream created"] == 1
+        assert used["code run on a side stream"] == used["record_stream"] == 2 * offloaded * micro_batches
+        assert used["event recorded"] - used.get("event synchronized", 0) == offloaded * micro_batches
+        assert used["stream waits for event"] == offloaded * micro_batches
+    else:
+        assert used.get("stream created", 0) == used.get("record_stream", 0) == 0
+    # --offload_optimizer: the fp32 state in pinned memory; each reduce-scattered slice copied down without
+    # waiting and added once its event has passed; the bf16 copies of the slices refreshed from pinned memory.
+    if flag(flags, "--offload_optimizer", "false") == "true":
+        assert used["event synchronized"] == n_units * micro_batches
+        assert used["async copies device to host"] >= n_units * micro_batches + offloaded * micro_batches
+        assert used["pinned host allocations"] >= n_units * (4 + micro_batches)
+        assert used["async copies host to device"] >= n_units
+    else:
+        assert used.get("event synchronized", 0) == 0
+
+    # Peak device memory: what plan.py predicts for the same flags, attention and W.
+    ratio = r["peak_bytes"] / r["plan"]["allocated_bytes"]
+    assert math.isclose(ratio, 1, rel_tol=tolerance), (ratio, r["peak_by_phase"], r["plan"]["allocated_by_phase"])
+
+
+def test_a_collective_nccl_would_refuse_fails_the_run():
+    import torch
+    device = torch.device("meta")  # the check itself is device-agnostic; the runs use cuda:0
+    gather_out, shard = torch.empty(8, device=device), torch.empty(4, device=device)
+    fake_cuda.check_collective("all-gather", gather_out, shard, world=2, device=device)
+    with pytest.raises(AssertionError, match="not W = 3"):
+        fake_cuda.check_collective("all-gather", gather_out, shard, world=3, device=device)
+    with pytest.raises(AssertionError, match="output torch.bfloat16, input torch.float32"):
+        fake_cuda.check_collective("reduce-scatter", torch.empty(4, dtype=torch.bfloat16, device=device),
+                                   gather_out, world=2, device=device)
+    with pytest.raises(AssertionError, match="not the rank's CUDA device"):
+        fake_cuda.check_collective("all-gather", gather_out, torch.empty(4), world=2, device=device)
+
+
+def test_no_compiler_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler") as e:
+        fake_cuda.build_shim(str(tmp_path))
+    assert "\n" not in str(e.value)
