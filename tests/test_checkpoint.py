@@ -141,8 +141,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(three_checkpoints,
 
 def test_checkpoint_of_another_model_is_refused(files, three_checkpoints):
     cmd, newest = three_checkpoints
-    proc = run_train([a for a in cmd if not a.startswith("--init_from")] + [f"--init_from={files['other']}"],
-                     nproc=2, check=False)
+    proc = run_train([a for a in cmd if not a.startswith("--init_from")] + [f"--init_from={files['other']}", "--steps=7"],
+                     nproc=2, check=False)  # --steps 7: a resume (at --steps 6 the run is finished and says so)
     assert proc.returncode != 0
     assert f"checkpoint {newest}: saved for another model (differs in n_layers)" in proc.stderr
     assert "error: no intact checkpoint in" in proc.stderr
