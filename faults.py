@@ -1,6 +1,6 @@
 """Fault injection, for the tests only: train.py and checkpoint.py call `hook` at two points (each
-micro-batch's loss, each rank's checkpoint file written) when ZERO3_FAULT is set, and not at all
-otherwise.
+micro-batch's loss, each rank's checkpoint file written) when ZERO3_FAULT is set together with
+ZERO3_ALLOW_FAULTS=1 (the tests set both), and not at all otherwise.
 
     ZERO3_FAULT=KIND:STEP[:RANK[:SECONDS]]   (every rank when RANK is left out or empty; STEP is 1-based)
       kill_mid_step  SIGKILL in the middle of step STEP, before its first backward
@@ -11,14 +11,54 @@ otherwise.
     ZERO3_FAULT=slow:SECONDS                 every step takes SECONDS longer (on its first micro-batch)
     ZERO3_FAULT_ONCE=FILE                    a fault fires once: FILE records that it did, so a restarted
                                              job runs clean
+    ZERO3_ALLOW_FAULTS=1                     the test-only allowance: without it a ZERO3_FAULT left over in
+                                             a shell is ignored with a warning (a `nan:3` would look exactly
+                                             like a real divergence)
 """
 import os
 import signal
+import sys
 import time
 
 MID_STEP = ("kill_mid_step", "nan", "hang")
 IN_SAVE = ("kill_in_save", "slow_save")
 last_slow_step = None  # `slow` sleeps once per step, not once per micro-batch
+
+
+def spec_error(value: str) -> str | None:
+    """What is wrong with a ZERO3_FAULT value, as one line, or None when hook can read it."""
+    spec = value.split(":")
+    usage = f"ZERO3_FAULT={value!r} is not KIND:STEP[:RANK[:SECONDS]] or slow:SECONDS (faults.py)"
+    try:
+        if spec[0] == "slow":
+            return None if len(spec) == 2 and float(spec[1]) >= 0 else usage
+        if spec[0] not in MID_STEP + IN_SAVE or not 2 <= len(spec) <= 4 or int(spec[1]) < 1:
+            return usage
+        if len(spec) > 2 and spec[2]:
+            int(spec[2])
+        if len(spec) > 3:
+            float(spec[3])
+    except ValueError:
+        return usage
+    return None
+
+
+def allowed_hook(env=os.environ):
+    """The hook train.py installs: None without ZERO3_FAULT, and None with a warning (rank 0) when the
+    test-only allowance ZERO3_ALLOW_FAULTS=1 is missing. A malformed value that would be honoured is a
+    ValueError of one line (train.py: exit 2), not a traceback at the step it names."""
+    value = env.get("ZERO3_FAULT", "")
+    if not value:
+        return None
+    if env.get("ZERO3_ALLOW_FAULTS") != "1":
+        if env.get("RANK", "0") == "0":
+            print(f"warning: ZERO3_FAULT={value} is ignored: fault injection is for the tests, which also set "
+                  f"ZERO3_ALLOW_FAULTS=1; unset ZERO3_FAULT", file=sys.stderr, flush=True)
+        return None
+    error = spec_error(value)
+    if error:
+        raise ValueError(error)
+    return hook
 
 
 def hook(where: str, step: int, rank: int, loss=None):

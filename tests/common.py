@@ -12,6 +12,10 @@ sys.path.insert(0, ROOT)
 
 import model as M  # noqa: E402
 
+# The tests inject faults (ZERO3_FAULT, faults.py); train.py honours them only with this allowance, which
+# every process the tests start inherits from here.
+os.environ["ZERO3_ALLOW_FAULTS"] = "1"
+
 
 def small_config(**overrides) -> M.ModelConfig:
     """A model small enough for CPU tests that still exercises GQA, several blocks and RoPE."""

@@ -64,3 +64,22 @@ def test_hung_rank_ends_the_job_within_the_timeout(files, tmp_path):
     assert proc.returncode != 0
     assert seconds < 90, seconds  # 6 s collective timeout, then torchrun stops the stuck rank
     assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-2000:]
+
+
+def test_a_leftover_fault_is_ignored_without_the_tests_allowance(files, tmp_path):
+    # A shell that kept ZERO3_FAULT from a test session: production runs must not honour it, or `nan:1`
+    # looks exactly like a real divergence. One process, no torchrun: the decision is made before any step.
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *BASE, "--steps=2", "--warmup_steps=1", *files]
+    env = {k: v for k, v in os.environ.items() if k != "ZERO3_ALLOW_FAULTS"}
+    proc = subprocess.run(cmd + [f"--out_dir={tmp_path / 'leftover'}"], capture_output=True, text=True, timeout=300,
+                          env=dict(env, OMP_NUM_THREADS="1", ZERO3_FAULT="nan:1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("warning: ZERO3_FAULT=nan:1 is ignored: fault injection is for the tests") == 1
+    assert all(m["loss"] is not None for m in read_metrics(tmp_path / "leftover"))
+    # With the allowance, a malformed value is one line before any work, not a traceback at step 1.
+    proc = subprocess.run(cmd + [f"--out_dir={tmp_path / 'malformed'}"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", ZERO3_FAULT="nan:three"))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("error: ZERO3_FAULT='nan:three' is not KIND:STEP[:RANK[:SECONDS]] or slow:SECONDS "
+                                   "(faults.py)"), proc.stderr[-3000:]
+    assert not os.path.exists(tmp_path / "malformed" / "metrics.jsonl")
