@@ -100,6 +100,63 @@ def claim_out_dir(out_dir: str, rank: int, world: int, device):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+# --resume never --overwrite true deletes the folder's checkpoints and metrics once per run. torchrun's
+# --max-restarts (launch.sh's restarts) and a SLURM requeue run the same command again: such a restart of
+# the run that did the overwrite resumes what it saved since, instead of deleting days of training. Rank 0
+# records who overwrote in OUT_DIR/.overwritten; a restart (a restart count > 0) of that same run (the
+# SLURM job, else torchrun's rendezvous) skips the overwrite. The same command started afresh by hand has
+# no restart count, and overwrites again.
+OVERWRITE_MARKER = ".overwritten"
+
+
+def run_identity(env) -> str:
+    """What stays the same across this run's restarts: the SLURM job (a requeue keeps its id), else
+    torchrun's rendezvous id (launch.sh's RDZV_ID; a uuid per `torchrun --standalone`); "" for neither."""
+    if env.get("SLURM_JOB_ID"):
+        return f"SLURM job {env['SLURM_JOB_ID']}"
+    return f"torchrun rendezvous {env['TORCHELASTIC_RUN_ID']}" if env.get("TORCHELASTIC_RUN_ID") else ""
+
+
+def restart_count(env) -> int:
+    """How many times this run has been started again: by torchrun (--max-restarts) or by SLURM (requeue)."""
+    counts = [env.get(name, "0") for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")]
+    return max(int(c) if c.isdigit() else 0 for c in counts)
+
+
+def restart_after_overwrite(out_dir: str, env) -> str | None:
+    """Why this process must not overwrite (a line for the log), or None when it must: it is a restart of
+    the run whose overwrite OUT_DIR/.overwritten records."""
+    run, restarts = run_identity(env), restart_count(env)
+    if not (run and restarts):
+        return None
+    try:
+        with open(os.path.join(out_dir, OVERWRITE_MARKER)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("run") != run:
+        return None
+    return (f"--overwrite: nothing deleted: this is restart {restarts} of the run ({run}) that overwrote {out_dir} "
+            f"at {marker.get('time')}; it resumes from its own checkpoints")
+
+
+def overwrite_once(out_dir: str, env=os.environ) -> str | None:
+    """Rank 0, --resume never --overwrite true: deletes OUT_DIR's checkpoints and metrics.jsonl, then
+    records this run as the one that did, unless this is a restart of that run. Returns the line
+    restart_after_overwrite gives when nothing was deleted."""
+    kept = restart_after_overwrite(out_dir, env)
+    if kept:
+        return kept
+    shutil.rmtree(os.path.join(out_dir, "checkpoints"), ignore_errors=True)
+    if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+        os.remove(os.path.join(out_dir, "metrics.jsonl"))
+    # Written after the deletion: a crash between the two overwrites again on the restart, never the reverse.
+    write_atomic(os.path.join(out_dir, OVERWRITE_MARKER),
+                 json.dumps({"run": run_identity(env), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                             "host": socket.gethostname(), "pid": os.getpid()}) + "\n")
+    return None
+
+
 # ================================================================================================
 # Own checkpoints: each rank writes its slices; rank 0 commits atomically; resume re-slices for any W
 # ================================================================================================

@@ -36,7 +36,6 @@ import argparse
 import datetime
 import math
 import os
-import shutil
 import signal
 import sys
 import time
@@ -833,10 +832,10 @@ def setup(cfg: TrainConfig):
     C.claim_out_dir(cfg.out_dir, rank, world, device)
     sharded = ShardedModel(cfg, mcfg, rank, world, device)
     ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
-    if cfg.resume == "never" and cfg.overwrite and rank == 0:
-        shutil.rmtree(ckpt_root, ignore_errors=True)
-        if os.path.exists(os.path.join(cfg.out_dir, "metrics.jsonl")):
-            os.remove(os.path.join(cfg.out_dir, "metrics.jsonl"))
+    if cfg.resume == "never" and cfg.overwrite and rank == 0:  # once per run: its restarts resume (checkpoint.py)
+        kept = C.overwrite_once(cfg.out_dir)
+        if kept:
+            print(kept, flush=True)
     dist.barrier()
     if cfg.from_ckpt:  # weights to export, not to train
         step = C.load_weights(weights, sharded.units, "--from_ckpt")
@@ -845,7 +844,8 @@ def setup(cfg: TrainConfig):
         sharded.refresh_compute_shards()
         return sharded, windows, eval_windows, step, 0
     # A checkpoint in --out_dir wins over --init_from: re-running the same command continues the run.
-    candidates = C.resume_candidates(ckpt_root) if cfg.resume == "auto" else []
+    # After --overwrite, what is left is this run's own: a restart's checkpoints (overwrite_once).
+    candidates = C.resume_candidates(ckpt_root) if cfg.resume == "auto" or cfg.overwrite else []
     if candidates:
         step, position = C.resume(cfg, mcfg, sharded.units, windows, rank, candidates, fallback=True)
         sharded.refresh_compute_shards()

@@ -197,3 +197,46 @@ def test_rerunning_a_finished_run_says_so_and_touches_nothing(files, tmp_path):
     for more in (["--steps=3"], ["--steps=0"], ["--steps=2", "--resume=never", "--overwrite"],
                  ["--steps=2", f"--from_ckpt={ckpt}", f"--export_hf={tmp_path / 'new'}"]):
         assert C.finished_run(T.parse_args(args + more)) is None, more
+
+
+def test_a_restart_after_overwrite_resumes_instead_of_deleting_the_run(files, tmp_path):
+    """--resume never --overwrite true, then a crash: torchrun's restart (launch.sh's MAX_RESTARTS) runs the
+    same command again, and it must resume from the run's checkpoints, not delete them and start at step 1."""
+    out = tmp_path / "run"
+    os.makedirs(out / "checkpoints" / "step_00000099")  # an earlier run's, for the first attempt to delete
+    (out / "metrics.jsonl").write_text('{"step": 99}\n')
+    once = tmp_path / "fired"
+    env = dict(os.environ, NPROC_PER_NODE="2", MAX_RESTARTS="1", PYTHON=sys.executable, OMP_NUM_THREADS="1",
+               ZERO3_FAULT="kill_mid_step:5:0", ZERO3_FAULT_ONCE=str(once))
+    cmd = BASE + files + [f"--out_dir={out}", "--ckpt_every=2", "--resume=never", "--overwrite=true"]
+    proc = subprocess.run([os.path.join(ROOT, "launch.sh"), *cmd], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and once.exists(), proc.stderr[-3000:]
+    assert "at step 4 (torchrun restart 1 of 1)" in proc.stdout, proc.stdout[-3000:]
+    assert "--overwrite: nothing deleted: this is restart 1 of the run (torchrun rendezvous " in proc.stdout
+    assert ckpts(out) == ["step_00000002", "step_00000004", "step_00000006"]  # step_99 went in the first attempt
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_overwrite_happens_once_per_run_whoever_restarts_it(tmp_path):
+    """The decision, for each way a run is started again (in-process: no training)."""
+    def used():
+        os.makedirs(tmp_path / "checkpoints" / "step_00000004", exist_ok=True)
+        (tmp_path / "metrics.jsonl").write_text("{}\n")
+
+    def overwrites(**env) -> bool:
+        used()
+        kept = C.overwrite_once(str(tmp_path), env)
+        deleted = not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+        assert deleted == (kept is None), kept
+        return deleted
+    torchrun = dict(TORCHELASTIC_RUN_ID="r1")
+    assert overwrites(**torchrun, TORCHELASTIC_RESTART_COUNT="0")      # the first attempt
+    assert not overwrites(**torchrun, TORCHELASTIC_RESTART_COUNT="1")  # torchrun's restart of it
+    assert overwrites(TORCHELASTIC_RUN_ID="r2", TORCHELASTIC_RESTART_COUNT="1")  # another run's restart
+    assert overwrites(**torchrun, TORCHELASTIC_RESTART_COUNT="0")      # the same command afresh, by hand
+    slurm = dict(SLURM_JOB_ID="77", TORCHELASTIC_RUN_ID="77")
+    assert overwrites(**slurm, SLURM_RESTART_COUNT="0")
+    assert not overwrites(**slurm, SLURM_RESTART_COUNT="1")  # requeued: a new torchrun, its restart count 0
+    assert not overwrites(**slurm, SLURM_RESTART_COUNT="1", TORCHELASTIC_RESTART_COUNT="2")
+    assert overwrites(SLURM_JOB_ID="78", SLURM_RESTART_COUNT="1")  # a requeue of a job that never overwrote
+    assert overwrites()  # plain python train.py: no restarts
