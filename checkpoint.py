@@ -21,7 +21,7 @@ import shutil
 import socket
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import torch
 import torch.distributed as dist
@@ -167,7 +167,35 @@ def overwrite_once(out_dir: str, env=os.environ) -> str | None:
 # keep: the position (windows consumed so far) is the data loader's whole state.
 
 CKPT_FORMAT = "llama-zero3-checkpoint/1"
-RESUME_MUST_MATCH = ("seq_len", "seed")  # the windows and their order depend on these
+
+# Resuming with other flags. The manifest keeps the run's TrainConfig ("train") and model ("model"); a
+# resume compares them with this run's, flag by flag (config_changes). Every TrainConfig field is in
+# exactly one of the three lists below (tests/test_checkpoint.py holds that: a new flag needs a decision).
+RESUME_MUST_MATCH = {  # the saved state means something else under another value: an error, no fallback
+    "init_from": "the weights this run started from (a resume reads the checkpoint's, not these)",
+    "data": "the token stream the saved data position counts in",
+    "seq_len": "the windows the saved data position counts",
+    "seed": "the data order",
+    "doc_mask": "what each token attends to",
+}
+RESUME_MAY_CHANGE = (  # the training goes on differently from here, deliberately: a warning on rank 0
+    "steps", "lr", "warmup_steps", "schedule", "weight_decay", "grad_clip", "adam_beta1", "adam_beta2", "adam_eps",
+    "batch_size", "dtype", "reduce_dtype", "eval_data", "eval_every", "eval_batches",
+)
+RESUME_NOT_COMPARED = (  # how the run runs (memory, speed, logs, where it writes), not what it trains; and
+    # --model, whose model (manifest "model") is compared field by field instead
+    "model", "micro_batch_size", "ac", "ac_blocks", "ac_rest", "offload_optimizer", "offload_activations", "ce_chunk",
+    "prefetch", "out_dir", "ckpt_every", "keep_ckpts", "resume", "overwrite", "from_ckpt", "max_skipped_steps",
+    "timeout_min", "ckpt_timeout_min", "gpu_hour_usd", "tensorboard", "plot", "export_hf", "export_shard_gb",
+    "log_every", "device", "sample_prompts", "sample_tokens", "plan", "nnodes", "nproc_per_node", "gpu",
+    "train_tokens", "plan_json", "fs_write_gbps",
+)
+PATH_FLAGS = ("init_from", "data", "eval_data")  # the same file under another spelling is the same value
+
+
+class ResumeMismatch(CheckpointError):
+    """An intact checkpoint saved under flags a resume must keep: an older one would be no better, so
+    resume stops here instead of falling back."""
 
 
 def rank_file(rank: int, world: int) -> str:
@@ -380,20 +408,58 @@ def check_manifest(path: str, cfg, mcfg, windows) -> dict:
         raise CheckpointError(f"checkpoint {path}: manifest.json is unreadable ({e})") from None
     if manifest.get("format") != CKPT_FORMAT:
         raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}, expected {CKPT_FORMAT!r}")
-    if mcfg is not None and manifest["model"] != asdict(mcfg):
+    if cfg is not None and mcfg is not None:
+        must, _ = config_changes(manifest, cfg, mcfg)
+        if must:
+            raise ResumeMismatch(f"--resume: checkpoint {path} (step {manifest.get('step')}) was saved under other "
+                                 f"values of what a resume must keep: {'; '.join(must)}. {WAY_FORWARD.format(path=path)}")
+    elif mcfg is not None and manifest["model"] != asdict(mcfg):
         diff = [k for k, v in asdict(mcfg).items() if manifest["model"].get(k) != v]
         raise CheckpointError(f"checkpoint {path}: saved for another model (differs in {', '.join(diff)})")
-    if cfg is not None:
-        for key in RESUME_MUST_MATCH:
-            if manifest["train"][key] != getattr(cfg, key):
-                raise CheckpointError(f"checkpoint {path}: saved with --{key} {manifest['train'][key]}, "
-                                      f"this run has {getattr(cfg, key)} (the data order would change)")
-        if windows is not None and manifest["data"] is not None:
-            try:
-                windows.check_state(manifest["data"])
-            except D.DataError as e:
-                raise CheckpointError(f"checkpoint {path}: {e}") from None
+    if cfg is not None and windows is not None and manifest["data"] is not None:
+        try:
+            windows.check_state(manifest["data"])
+        except D.DataError as e:  # the same --data path holds other tokens now: no older checkpoint fits either
+            raise ResumeMismatch(f"--resume: checkpoint {path}: {e}. {WAY_FORWARD.format(path=path)}") from None
     return manifest
+
+
+# A mismatch is the operator's to resolve; nothing here suggests a command that deletes checkpoints.
+WAY_FORWARD = ("Restore those flags to continue this run, or start a new phase from this checkpoint's weights "
+               "(step 1, a fresh optimizer and data position) in another folder: --init_from {path} --out_dir NEW_DIR")
+
+
+def same_value(key: str, saved, current) -> bool:
+    if saved == current:
+        return True
+    if key in PATH_FLAGS and isinstance(saved, str) and saved and current:
+        if os.path.normpath(saved) == os.path.normpath(current):
+            return True
+        try:
+            return os.path.samefile(saved, current)
+        except OSError:
+            return False
+    return False
+
+
+def config_changes(manifest: dict, cfg, mcfg) -> tuple[list[str], list[str]]:
+    """What differs between the checkpoint's manifest and this run's flags (`cfg`, a TrainConfig) and model
+    (`mcfg`): (what a resume must keep, each "--flag was A, now B (why)"; what may change, each "--flag
+    A -> B"). A field a manifest lacks (saved before the field existed) counts as its default."""
+    saved = {f.name: f.default for f in fields(cfg)} | (manifest.get("train") or {})
+    must, may = [], []
+    for key, why in RESUME_MUST_MATCH.items():
+        if not same_value(key, saved[key], getattr(cfg, key)):
+            must.append(f"--{key} was {saved[key]!r}, now {getattr(cfg, key)!r} ({why})")
+    model_fields = {f.name for f in fields(mcfg)}
+    saved_model = asdict(M.ModelConfig(**{k: v for k, v in (manifest.get("model") or {}).items() if k in model_fields}))
+    model_diff = [f"{k} was {saved_model[k]}, now {v}" for k, v in asdict(mcfg).items() if saved_model[k] != v]
+    if model_diff:
+        must.append(f"the model (from --model, --init_from's config.json, --data's tokenizer): {', '.join(model_diff)}")
+    for key in RESUME_MAY_CHANGE:
+        if not same_value(key, saved[key], getattr(cfg, key)):
+            may.append(f"--{key} {saved[key]} -> {getattr(cfg, key)}")
+    return must, may
 
 
 def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = False):
@@ -437,30 +503,40 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
 
 def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: bool) -> tuple[int, int]:
     """Loads the newest intact checkpoint among `candidates`; returns its step and data position. All ranks agree on each
-    candidate (a damaged file seen by one rank rejects it for all), and with `fallback` an unusable
-    checkpoint is reported and the previous one tried."""
+    candidate (a damaged file seen by one rank rejects it for all), and with `fallback` a damaged
+    checkpoint is reported and the previous one tried, while one saved under flags a resume must keep
+    stops the resume (config_changes); flags that may change are a warning on rank 0."""
     for path in candidates:
-        error = ""
+        error, mismatch = "", False
         try:
             manifest = check_manifest(path, cfg if fallback else None, mcfg, windows)
             load_checkpoint(path, manifest, units)
+        except ResumeMismatch as e:  # intact, but saved under other flags: no older checkpoint is better
+            error, mismatch = str(e), True
         except (CheckpointError, OSError, ValueError, KeyError) as e:
             error = str(e) if isinstance(e, CheckpointError) else f"checkpoint {path}: unreadable ({e})"
-        # Every rank must agree: a flag per rank (reading 53 GB can outlast --timeout_min: the checkpoint group).
+        # Every rank must agree: a code per rank, 0 usable, 1 damaged, 2 mismatched (reading 53 GB can
+        # outlast --timeout_min: the checkpoint group).
         failed_by_rank = torch.zeros(dist.get_world_size(), dtype=torch.int64)
-        all_gather_flat(failed_by_rank, torch.tensor([int(bool(error))]), group=group)
+        all_gather_flat(failed_by_rank, torch.tensor([2 if mismatch else int(bool(error))]), group=group)
         failed = [r for r, bad in enumerate(failed_by_rank.tolist()) if bad]
         if not failed:
+            if rank == 0 and fallback:
+                changed = config_changes(manifest, cfg, mcfg)[1]
+                if changed:
+                    print(f"warning: resuming from {path} with changed flags: {', '.join(changed)}; the run continues "
+                          f"under the new values from step {manifest['step'] + 1}", file=sys.stderr, flush=True)
             data = manifest["data"] or {"position": 0}  # a conversion run (--steps 0) saved no data state
             return manifest["step"], data["position"]
+        if 2 in failed_by_rank.tolist() or not fallback:
+            raise CheckpointError(error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} cannot use it")
         if error:
             print(f"warning: {error}", file=sys.stderr, flush=True)
-        if not fallback:
-            raise CheckpointError(error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} cannot use it")
         if rank == 0:
             print(f"warning: not using {path}; trying the previous checkpoint", file=sys.stderr, flush=True)
-    raise CheckpointError(f"no intact checkpoint in {os.path.join(cfg.out_dir, 'checkpoints')}; "
-                          f"--resume never --overwrite true starts over")
+    root = os.path.join(cfg.out_dir, "checkpoints")
+    raise CheckpointError(f"no intact checkpoint in {root}: each one is damaged (the warnings above say how); nothing "
+                          f"was deleted. Repair or restore them, or start this run again in another --out_dir")
 
 
 # ================================================================================================
