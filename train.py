@@ -113,7 +113,8 @@ class TrainConfig:
     ckpt_every: int = opt(0, "save a checkpoint every N steps (0: only at the end); always one at the end")
     keep_ckpts: int = opt(3, "keep the newest K checkpoints (at least 2)")
     resume: str = opt("auto", "'auto': continue from the newest intact checkpoint in --out_dir; 'never'")
-    overwrite: bool = opt(False, "with --resume never: delete --out_dir's checkpoints and metrics first")
+    overwrite: bool = opt(False, "with --resume never: delete --out_dir's checkpoints and metrics first (once per run: "
+                                 "its restarts by torchrun or a SLURM requeue resume)")
     from_ckpt: str = opt("", "a checkpoint folder (or an --out_dir: its latest) to load instead of training "
                              "(use with --export_hf)")
     max_skipped_steps: int = opt(0, "steps with a non-finite loss or gradient norm to skip before stopping")
