@@ -11,7 +11,9 @@ of fp32 tensors shaped like master_shard, named by the optimizer).
   out_dir/checkpoints/latest                         "step_00000100", replaced atomically
   out_dir/checkpoints/.tmp-step_00000200/            a save in progress: never loaded
 """
+import contextlib
 import datetime
+import errno
 import fcntl
 import hashlib
 import json
@@ -55,38 +57,112 @@ class CheckpointError(Exception):
 # One run per --out_dir, in a folder every rank sees. Rank 0 holds an exclusive lock on OUT_DIR/.lock for
 # the whole run (the kernel drops it when the process dies, kill -9 included), and writes a random token
 # into it that every rank must read back: a node-local --out_dir fails here, not at the first save.
-out_dir_lock = None  # rank 0's open .lock file: closing it would release the lock
+# On some shared filesystems flock is node-local (Lustre mounted with localflock, NFS with local_lock=flock
+# or local_lock=all): a run on another node takes the same lock and writes its own token. So rank 0 reads
+# the token back before every save (check_out_dir_claim) and stops rather than write over the other run.
+out_dir_lock = None   # rank 0's open .lock file: closing it would release the lock
+out_dir_claim = None  # rank 0's (out_dir, token) while it holds the lock
+
+
+def write_error(path: str, e: OSError) -> str:
+    """`path: the system's words (what usually fixes it)`: one line for an OSError met writing to disk."""
+    hint = {errno.ENOSPC: "the filesystem is full, of bytes or of inodes: df -h and df -i say which",
+            errno.EDQUOT: "the disk quota is used up: quota -s shows it",
+            errno.EROFS: "the filesystem is mounted read-only",
+            errno.EACCES: "this user may not write there", errno.EPERM: "this user may not write there",
+            errno.EFBIG: "over the file size limit: ulimit -f"}.get(e.errno)
+    return f"{e.filename or path}: {e.strerror or e}" + (f" ({hint})" if hint else "")
+
+
+def open_no_follow(path: str, flags: int):
+    """os.open of a file in a folder others may write to, never through a symbolic link planted under
+    its name (which would truncate or lock whatever the link points at): ELOOP instead."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+
+
+def create_file(path: str, mode: str = "w"):
+    """A new file at `path` for a temporary write (a leftover of a crash, or a link, is removed first, not
+    followed), opened with `mode`."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), mode)
+
+
+def read_lock(path: str) -> tuple[str, str]:
+    """(token, holder) written in a .lock file: holder is "host H pid P since T"."""
+    with os.fdopen(open_no_follow(path, os.O_RDONLY)) as f:
+        token, _, holder = f.read().strip().partition(" ")
+    return token, holder
+
+
+def take_lock(path: str) -> tuple[int, str]:
+    """Rank 0: the exclusive flock on `path`, holding a new random token. Returns (token, ""), (0, "") when
+    another process holds the lock, or (-1, one line saying why the lock could not be taken)."""
+    global out_dir_lock
+    try:
+        fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return -1, f"--out_dir: {path} is a symbolic link; the lock is never taken through one: delete it"
+        return -1, f"--out_dir: cannot create the lock file {write_error(path, e)}"
+    f = os.fdopen(fd, "r+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return 0, ""
+    except OSError as e:  # ENOLCK, ENOSYS, EOPNOTSUPP: the filesystem does not lock
+        f.close()
+        return -1, (f"--out_dir: cannot lock {path}: {e.strerror or e}: the filesystem of --out_dir does not support "
+                    f"flock (Lustre mounted without the flock option, NFS mounted with nolock); mount it with "
+                    f"'-o flock' (Lustre) or with the lock service running (NFS), or choose another --out_dir")
+    try:
+        value = int.from_bytes(os.urandom(6), "little") + 1
+        f.seek(0)
+        f.truncate()
+        f.write(f"{value} host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    except OSError as e:
+        f.close()
+        return -1, f"--out_dir: cannot write the lock file {write_error(path, e)}"
+    out_dir_lock = f
+    return value, ""
+
+
+def stale_lock_hint(holder: str, path: str) -> str:
+    """How to tell a live holder from a stale lock (an NFS server keeps a dead client's lock until its
+    lease expires), from "host H pid P since T"."""
+    words = holder.split()
+    if len(words) >= 4 and words[0] == "host" and words[2] == "pid":
+        return f"; if no process {words[3]} runs on {words[1]}, the lock is stale: delete {path}"
+    return f"; if that run is gone, the lock is stale: delete {path}"
 
 
 def claim_out_dir(out_dir: str, rank: int, world: int, device):
-    global out_dir_lock
+    global out_dir_lock, out_dir_claim
     if out_dir_lock is not None:  # a caller running several trainings in one process (bench/): the last one ended
         out_dir_lock.close()
-        out_dir_lock = None
+        out_dir_lock = out_dir_claim = None
     path = os.path.join(out_dir, ".lock")
-    token = torch.zeros((), dtype=torch.int64, device=device)  # stays 0 if rank 0 cannot take the lock
+    # > 0: this run's token; 0: another run holds the lock; -1: rank 0 could not lock (its line says why)
+    token, error = torch.zeros((), dtype=torch.int64, device=device), ""
     if rank == 0:
-        f = open(path, "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            value = int.from_bytes(os.urandom(6), "little") + 1
-            f.seek(0)
-            f.truncate()
-            f.write(f"{value} host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            f.flush()
-            os.fsync(f.fileno())
-            out_dir_lock = f
-            token.fill_(value)
-        except BlockingIOError:
-            f.close()
+        value, error = take_lock(path)
+        token.fill_(value)
+        out_dir_claim = (out_dir, value) if value > 0 else None
     dist.broadcast(token, src=0)
+    if token.item() < 0:
+        raise CheckpointError(error or f"--out_dir: rank 0 could not lock {path} (its error says why)")
     try:
-        with open(path) as f:
-            token_seen, _, holder = f.read().strip().partition(" ")
+        token_seen, holder = read_lock(path)
     except OSError:
         token_seen, holder = "", ""
     if token.item() == 0:
-        raise CheckpointError(f"--out_dir: {out_dir} is in use by another run ({holder}); wait for it to end or choose another --out_dir")
+        raise CheckpointError(f"--out_dir: {out_dir} is in use by another run ({holder}); wait for it to end or choose "
+                              f"another --out_dir{stale_lock_hint(holder, path)}")
     seen_by_rank = torch.zeros(world, dtype=torch.int64, device=device)
     all_gather_flat(seen_by_rank, torch.tensor([int(token_seen == str(token.item()))], device=device))
     blind = [r for r, seen in enumerate(seen_by_rank.tolist()) if not seen]
@@ -99,6 +175,24 @@ def claim_out_dir(out_dir: str, rank: int, world: int, device):
             if name.startswith(".tmp-step_"):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
+
+
+def check_out_dir_claim(out_dir: str, step: int):
+    """Rank 0, before each save: OUT_DIR/.lock still holds this run's token, or another run took the
+    folder (flock is node-local there) and this one stops before either writes over the other's saves."""
+    if out_dir_claim is None or out_dir_claim[0] != out_dir:  # no claim: a test or tool saving on its own
+        return
+    path = os.path.join(out_dir, ".lock")
+    try:
+        token, holder = read_lock(path)
+    except OSError as e:
+        token, holder = "", f"nothing readable ({e.strerror or e})"
+    if token != str(out_dir_claim[1]):
+        raise CheckpointError(
+            f"--out_dir: {out_dir} was taken by another run while this one held its lock: {path} now names "
+            f"{holder or 'no run'}; flock on this filesystem does not keep nodes apart (Lustre mounted with "
+            f"localflock, NFS with local_lock=flock or local_lock=all): mount it with '-o flock' (Lustre) or "
+            f"local_lock=none (NFS), or give each run its own --out_dir. Step {step} was not saved; this run stops")
 
 # ================================================================================================
 # Own checkpoints: each rank writes its slices; rank 0 commits atomically; resume re-slices for any W
@@ -157,11 +251,16 @@ def sha256_file(path: str) -> str:
 def write_atomic(path: str, text: str):
     """Write beside, fsync, rename over: a reader sees the old file or the new one, never half of one."""
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with create_file(tmp) as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):  # a full disk leaves no half-written .tmp behind
+            os.unlink(tmp)
+        raise
     fsync_dir(os.path.dirname(path))
 
 
@@ -195,13 +294,25 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
     root = os.path.join(cfg.out_dir, "checkpoints")
     name = f"step_{step:08d}"
     tmp, final = os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
+    # Rank 0 checks the folder is still this run's and makes the temporary folder; the broadcast is also the
+    # barrier no rank writes before. A failure here is every rank's one line, not a traceback and a wait.
+    ready, my_error = torch.zeros((), dtype=torch.int64), ""
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier(group=group)
+        try:
+            check_out_dir_claim(cfg.out_dir, step)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            ready.fill_(1)
+        except CheckpointError as e:
+            my_error = str(e)
+        except OSError as e:
+            my_error = f"checkpoint {final} was not saved: rank 0 could not create {write_error(tmp, e)}{kept_note(root)}"
+    dist.broadcast(ready, src=0, group=group)
+    if not ready:
+        raise CheckpointError(my_error or f"checkpoint {final} was not saved: rank 0 could not prepare it (its error says why)")
     # What each rank tells rank 0, as numbers (nothing crosses the wire pickled): written or not, the
     # file's size, its SHA-256 as 32 byte values. An error's text stays with the rank that met it.
-    report, my_error = torch.zeros(34, dtype=torch.int64), ""
+    report = torch.zeros(34, dtype=torch.int64)
     try:
         tensors = [(f"{u.name}.{kind}", t) for u in units for kind, t in saved_tensors(u)]
         sha256, nbytes = write_safetensors_streaming(os.path.join(tmp, rank_file(rank, world)), tensors)
@@ -210,12 +321,13 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
             fault_hook("save", step, rank)
     except OSError as e:
         report.zero_()
-        my_error = f"rank {rank} could not write {os.path.join(tmp, rank_file(rank, world))}: {e.strerror or e}"
+        my_error = f"rank {rank} could not write {write_error(os.path.join(tmp, rank_file(rank, world)), e)}"
     reports = torch.zeros(world, 34, dtype=torch.int64)
     all_gather_flat(reports.view(-1), report, group=group)
     unwritten = [r for r in range(world) if not reports[r, 0]]
     saved = torch.zeros((), dtype=torch.int64)
     if rank == 0 and not unwritten:
+        renamed = False
         try:
             files = {rank_file(r, world): {"sha256": bytes(reports[r, 2:].tolist()).hex(), "bytes": int(reports[r, 1])}
                      for r in range(world)}
@@ -226,11 +338,15 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
             write_atomic(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1))
             shutil.rmtree(final, ignore_errors=True)  # a re-save of a step (after a fallback)
             os.replace(tmp, final)
+            renamed = True
             fsync_dir(root)
             write_atomic(os.path.join(root, "latest"), name + "\n")
             saved.fill_(1)
         except OSError as e:
-            my_error = f"rank 0 could not commit it: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+            my_error = f"rank 0 could not commit it: {write_error(tmp, e)}"
+            if renamed and latest_name(root) != name:  # complete, but `latest` does not name it: not saved
+                with contextlib.suppress(OSError):
+                    os.replace(final, tmp)  # removed below with the rest of a failed save
     if rank == 0 and saved:
         remove_old_checkpoints(root, cfg.keep_ckpts, final)
     elif rank == 0:
@@ -239,8 +355,22 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
     if not saved:
         why = my_error or (f"rank(s) {', '.join(map(str, unwritten))} could not write their files" if unwritten
                            else "rank 0 could not commit it")
-        raise CheckpointError(f"checkpoint {final} was not saved: {why}")
+        raise CheckpointError(f"checkpoint {final} was not saved: {why}{kept_note(root)}")
     return final
+
+
+def latest_name(root: str) -> str | None:
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def kept_note(root: str) -> str:
+    """What a failed save leaves to resume from: `latest` and the checkpoint it names are not touched."""
+    name = latest_name(root)
+    return f"; {os.path.join(root, 'latest')} still names {name}, untouched" if name else ""
 
 
 def list_checkpoints(root: str) -> list[str]:
