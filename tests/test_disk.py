@@ -1,17 +1,24 @@
 """Disk faults and shared-filesystem locks on --out_dir, in-process at W=1 (one gloo group over a HashStore):
 a full, read-only or forbidden disk at any point of a save, the metrics or the export is one line naming the
 path and its cause, with `latest` and the previous checkpoint untouched; another run that takes the folder
-is found at the next save; nothing is written through a symbolic link planted in the folder."""
+is found at the next save; nothing is written through a symbolic link planted in the folder. A network error
+while the processes connect exits 1, which torchrun retries."""
 import errno
 import os
+import signal
+import socket
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from common import small_config
+from common import ROOT, learnable_tokens, read_metrics, small_config
 
 import checkpoint as C
+import checks
+import metrics
 import train as T
 
 
@@ -143,3 +150,88 @@ def test_the_lock_is_never_taken_through_a_symbolic_link(one_process_group, tmp_
     assert str(e.value) == (f"--out_dir: {tmp_path / 'out' / '.lock'} is a symbolic link; the lock is never taken "
                             f"through one: delete it")
     assert victim.read_text() == "someone else's file\n"
+
+
+# -- the write probe, metrics.jsonl, and a start-up that meets the network -------------------------------------
+
+def test_the_write_probe_never_writes_through_a_planted_link(tmp_path, monkeypatch):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("someone else's file\n")
+    out = tmp_path / "out"
+    os.makedirs(out)
+    os.symlink(victim, out / f".write-test-{os.getpid()}")  # the name the probe had
+    cfg = T.parse_args([f"--out_dir={out}", "--steps=0"])
+    assert checks.check_config(cfg, 1) == []
+    monkeypatch.setattr(os, "urandom", lambda n: bytes(n))  # the name it has now, planted too
+    os.symlink(victim, out / f".write-test-{os.getpid()}-00000000")
+    assert checks.check_config(cfg, 1) == [f"--out_dir: {out} is not writable (File exists)"]
+    assert victim.read_text() == "someone else's file\n"
+
+
+@pytest.fixture
+def main_in_process(monkeypatch):
+    """train.main at W=1 in this process: its exit code, with fail()'s os._exit turned into SystemExit; the
+    signal handlers it installs are put back afterwards."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(os, "_exit", lambda code: sys.exit(code))
+
+    def run(argv):
+        try:
+            T.main(argv)
+        except SystemExit as e:
+            return e.code
+        return 0
+    yield run
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    if dist.is_initialized():  # a failed run leaves its group
+        dist.destroy_process_group()
+    C.group = None
+    if C.out_dir_lock is not None:
+        C.out_dir_lock.close()
+    C.out_dir_lock = C.out_dir_claim = None
+
+
+def test_a_full_disk_under_metrics_stops_every_rank_with_one_line(main_in_process, tmp_path, monkeypatch, capsys):
+    data = learnable_tokens(str(tmp_path / "tok.npy"), 512, n=2000)
+    argv = ["--model=tiny", "--dtype=float32", "--eval_every=0", "--seq_len=16", "--batch_size=2",
+            "--micro_batch_size=1", "--warmup_steps=1", "--steps=4", "--ckpt_every=2", f"--data={data}",
+            f"--out_dir={tmp_path / 'out'}"]
+    real_log_step = metrics.log_step
+
+    def full_at_step_3(cfg, row, f):
+        if row["step"] == 3:
+            f.write('{"step": 3, "lo')  # what fits before the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_log_step(cfg, row, f)
+    monkeypatch.setattr(metrics, "log_step", full_at_step_3)
+    assert main_in_process(argv) == 2
+    path = tmp_path / "out" / "metrics.jsonl"
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: --out_dir: cannot write {path}: No space left on device (the filesystem is full, of bytes or of "
+        f"inodes: df -h and df -i say which); the run stops without saving: once the file can be written, the same "
+        f"command resumes from the last checkpoint")
+    root = tmp_path / "out" / "checkpoints"
+    assert sorted(os.listdir(root)) == ["latest", "step_00000002"] and (root / "latest").read_text() == "step_00000002\n"
+    monkeypatch.setattr(metrics, "log_step", real_log_step)
+    assert main_in_process(argv) == 0  # space again: the same command resumes and the torn line is dropped
+    assert [m["step"] for m in read_metrics(tmp_path / "out")] == [1, 2, 3, 4]
+
+
+def test_a_network_error_while_starting_exits_1_for_torchrun_to_retry(tmp_path):
+    """Rank 1 of 2 whose MASTER_ADDR:MASTER_PORT has no store yet (the first node still starting): torch
+    raises DistNetworkError after --timeout_min. Exit code 1, and nothing in ZERO3_FATAL_FILE (which would
+    stop launch.sh's restarts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fatal = tmp_path / "fatal"
+    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               ZERO3_FATAL_FILE=str(fatal), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--steps=0", "--timeout_min=0.02",
+                           f"--out_dir={tmp_path / 'out'}"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert ours == [f"error: DistNetworkError while starting: The client socket has timed out after 1200ms while "
+                    f"trying to connect to (127.0.0.1, {port}); a restart may succeed"], proc.stderr[-3000:]
+    assert not fatal.exists()
