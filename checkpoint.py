@@ -814,9 +814,13 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
         files[-1].append(unit)
         size += unit.numel * bytes_per
     tmp = out.rstrip("/") + ".partial"
+    error = ""  # rank 0's first write error: it stops writing but gathers on, so no rank waits for it
     if rank == 0:  # a fresh folder: a crashed export's model.safetensors must not sit beside a new index
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = f"--export_hf: cannot create {write_error(tmp, e)}"
     weight_map, total_bytes = {}, 0
     for i, file_units in enumerate(files):
         fname = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
@@ -828,12 +832,17 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
                     piece = full[slot.offset:slot.offset + math.prod(slot.shape)].view(slot.shape)
                     tensors.append((hf_name(slot.name), piece.to(dtype).cpu().clone()))
             del full
-        if rank == 0:
-            write_safetensors_streaming(os.path.join(tmp, fname), tensors, metadata={"format": "pt"})
+        if rank == 0 and not error:
+            try:
+                write_safetensors_streaming(os.path.join(tmp, fname), tensors, metadata={"format": "pt"})
+            except OSError as e:
+                error = f"--export_hf: cannot write {write_error(os.path.join(tmp, fname), e)}"
             weight_map.update({name: fname for name, _ in tensors})
             total_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
-    done, error, note = torch.zeros((), dtype=torch.int64), "", ""
-    if rank == 0:
+    done, note = torch.zeros((), dtype=torch.int64), ""
+    if rank == 0 and error:
+        shutil.rmtree(tmp, ignore_errors=True)
+    elif rank == 0:
         try:
             if len(files) > 1:
                 with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
@@ -845,7 +854,7 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
             fsync_dir(os.path.dirname(os.path.abspath(out)))
             done.fill_(1)
         except (OSError, ValueError) as e:
-            error = str(e) if isinstance(e, ValueError) else f"--export_hf: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+            error = str(e) if isinstance(e, ValueError) else f"--export_hf: cannot write {write_error(tmp, e)}"
             shutil.rmtree(tmp, ignore_errors=True)
     dist.broadcast(done, src=0, group=group)
     if not done:

@@ -192,11 +192,15 @@ def main_in_process(monkeypatch):
     C.out_dir_lock = C.out_dir_claim = None
 
 
-def test_a_full_disk_under_metrics_stops_every_rank_with_one_line(main_in_process, tmp_path, monkeypatch, capsys):
+def tiny_run(tmp_path, *extra):
     data = learnable_tokens(str(tmp_path / "tok.npy"), 512, n=2000)
-    argv = ["--model=tiny", "--dtype=float32", "--eval_every=0", "--seq_len=16", "--batch_size=2",
+    return ["--model=tiny", "--dtype=float32", "--eval_every=0", "--seq_len=16", "--batch_size=2",
             "--micro_batch_size=1", "--warmup_steps=1", "--steps=4", "--ckpt_every=2", f"--data={data}",
-            f"--out_dir={tmp_path / 'out'}"]
+            f"--out_dir={tmp_path / 'out'}", *extra]
+
+
+def test_a_full_disk_under_metrics_stops_every_rank_with_one_line(main_in_process, tmp_path, monkeypatch, capsys):
+    argv = tiny_run(tmp_path)
     real_log_step = metrics.log_step
 
     def full_at_step_3(cfg, row, f):
@@ -235,3 +239,25 @@ def test_a_network_error_while_starting_exits_1_for_torchrun_to_retry(tmp_path):
     assert ours == [f"error: DistNetworkError while starting: The client socket has timed out after 1200ms while "
                     f"trying to connect to (127.0.0.1, {port}); a restart may succeed"], proc.stderr[-3000:]
     assert not fatal.exists()
+
+
+EXPORT_FAULTS = {
+    "folder: disk full": ("makedirs", "hf.partial", errno.ENOSPC,
+                          "cannot create {hf}.partial: No space left on device (the filesystem is full, of bytes or "
+                          "of inodes: df -h and df -i say which)"),
+    "weights: quota": ("fsync", "model.safetensors", errno.EDQUOT,
+                       "cannot write {hf}.partial/model.safetensors: Disk quota exceeded (the disk quota is used up: "
+                       "quota -s shows it)"),
+}
+
+
+@pytest.mark.parametrize("where", list(EXPORT_FAULTS))
+def test_a_disk_fault_in_the_export_is_one_line_and_leaves_no_folder(main_in_process, tmp_path, monkeypatch, capsys,
+                                                                     where):
+    hf = tmp_path / "hf"
+    name, suffix, code, why = EXPORT_FAULTS[where]
+    fault(monkeypatch, name, suffix, code)
+    assert main_in_process(tiny_run(tmp_path, "--steps=2", f"--export_hf={hf}")) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: --export_hf: {why.format(hf=hf)}"
+    assert not os.path.exists(hf) and not os.path.exists(f"{hf}.partial")
+    assert (tmp_path / "out" / "checkpoints" / "latest").read_text() == "step_00000002\n"  # saved before the export
