@@ -469,12 +469,47 @@ def check_manifest(path: str, cfg, mcfg, windows) -> dict:
     return manifest
 
 
+def check_manifest_numbers(path: str, manifest: dict):
+    """The numbers a load computes with, checked before any is used: a manifest is a file that may have been
+    copied, edited or damaged (a shard_numel of 0 divided by zero; a wrong one read the wrong elements)."""
+    def refuse(field, value, expected):
+        raise CheckpointError(f"checkpoint {path}: manifest.json: {field} is {value!r}, expected {expected} "
+                              f"(a damaged or edited manifest)")
+
+    def whole(value, least):
+        return type(value) is int and value >= least
+    step, world, units, files = (manifest.get(k) for k in ("step", "world_size", "units", "files"))
+    if not whole(step, 0):
+        refuse("step", step, "a whole number >= 0")
+    if not whole(world, 1):
+        refuse("world_size", world, "a whole number >= 1")
+    if not isinstance(units, dict) or not units:
+        refuse("units", units, "an object with each unit's numel and shard_numel")
+    for name, saved in units.items():
+        if not isinstance(saved, dict):
+            refuse(f"units.{name}", saved, "an object with the unit's numel and shard_numel")
+        numel = saved.get("numel")
+        if not whole(numel, 1):
+            refuse(f"units.{name}.numel", numel, "a whole number >= 1")
+        if saved.get("shard_numel") != -(-numel // world) or type(saved["shard_numel"]) is not int:
+            refuse(f"units.{name}.shard_numel", saved.get("shard_numel"),
+                   f"{-(-numel // world)}: numel {numel} over world_size {world}, rounded up")
+    rank_files = {rank_file(r, world) for r in range(world)}
+    if not isinstance(files, dict) or set(files) != rank_files:
+        refuse("files", sorted(files)[:2] if isinstance(files, dict) else files,
+               f"the {world} files {rank_file(0, world)} to {rank_file(world - 1, world)}")
+    for fname, expect in files.items():
+        if not (isinstance(expect, dict) and whole(expect.get("bytes"), 0) and isinstance(expect.get("sha256"), str)):
+            refuse(f"files.{fname}", expect, '{"sha256": "...", "bytes": a whole number}')
+
+
 def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = False):
     """Fills this rank's slices from the checkpoint, whatever world size saved it: the flat layout of a
     unit does not depend on W, so a new slice [a, b) is read from the old rank files that cover it.
     Each file read is checked against the manifest's size and SHA-256 first. `master_only`: the fp32
     master slices alone (a new phase starts with a fresh optimizer, whichever one saved the checkpoint)."""
     from safetensors import safe_open
+    check_manifest_numbers(path, manifest)
     old_world = manifest["world_size"]
     saved_state = manifest.get("optimizer_state", ["exp_avg", "exp_avg_sq"])
     if not master_only and saved_state != list(units[0].optimizer_state):
@@ -504,7 +539,12 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
             a, b = max(lo, old_rank * old_shard), min(hi, (old_rank + 1) * old_shard)
             with safe_open(fpath, framework="pt") as f:
                 for kind, tensor in saved_tensors(unit)[:1] if master_only else saved_tensors(unit):
-                    piece = f.get_slice(f"{unit.name}.{kind}")[a - old_rank * old_shard:b - old_rank * old_shard]
+                    key = f"{unit.name}.{kind}"
+                    if key not in f.keys() or f.get_slice(key).get_shape() != [old_shard]:
+                        raise CheckpointError(f"checkpoint {path}: {fname} holds {key} with shape "
+                                              f"{f.get_slice(key).get_shape() if key in f.keys() else 'none (missing)'}, "
+                                              f"the manifest's shard_numel says [{old_shard}]")
+                    piece = f.get_slice(key)[a - old_rank * old_shard:b - old_rank * old_shard]
                     tensor[a - unit.shard_start:b - unit.shard_start] = piece.to(tensor.device)
 
 
@@ -559,6 +599,7 @@ def check_checkpoint_files(path: str, flag: str) -> dict:
     as they are read (load_weights), as on resume. Returns the manifest."""
     try:
         manifest = check_manifest(path, None, None, None)
+        check_manifest_numbers(path, manifest)  # before a file name of its is joined to a path
         for fname, expect in manifest["files"].items():
             fpath = os.path.join(path, fname)
             if not os.path.isfile(fpath):

@@ -37,7 +37,7 @@ def one_process_group():
 
 def tiny_units():
     """What save_checkpoint reads of train.py's units: a name, sizes, the fp32 slices."""
-    return [SimpleNamespace(name=f"u{i}", numel=6, shard_numel=6, master_shard=torch.arange(6.0) + i,
+    return [SimpleNamespace(name=f"u{i}", numel=6, shard_numel=6, shard_start=0, master_shard=torch.arange(6.0) + i,
                             optimizer_state={"exp_avg": torch.zeros(6), "exp_avg_sq": torch.ones(6)})
             for i in range(2)]
 
@@ -216,7 +216,8 @@ def test_a_full_disk_under_metrics_stops_every_rank_with_one_line(main_in_proces
         f"inodes: df -h and df -i say which); the run stops without saving: once the file can be written, the same "
         f"command resumes from the last checkpoint")
     root = tmp_path / "out" / "checkpoints"
-    assert sorted(os.listdir(root)) == ["latest", "step_00000002"] and (root / "latest").read_text() == "step_00000002\n"
+    assert sorted(os.listdir(root)) == ["latest", "step_00000002"]
+    assert (root / "latest").read_text() == "step_00000002\n"
     monkeypatch.setattr(metrics, "log_step", real_log_step)
     assert main_in_process(argv) == 0  # space again: the same command resumes and the torn line is dropped
     assert [m["step"] for m in read_metrics(tmp_path / "out")] == [1, 2, 3, 4]
@@ -261,3 +262,55 @@ def test_a_disk_fault_in_the_export_is_one_line_and_leaves_no_folder(main_in_pro
     assert capsys.readouterr().err.splitlines()[-1] == f"error: --export_hf: {why.format(hf=hf)}"
     assert not os.path.exists(hf) and not os.path.exists(f"{hf}.partial")
     assert (tmp_path / "out" / "checkpoints" / "latest").read_text() == "step_00000002\n"  # saved before the export
+
+
+# -- a checkpoint's manifest is input: its numbers are checked before any is used ------------------------------
+
+def edit(manifest, change):
+    change(manifest)
+    return manifest
+
+
+MANIFEST_EDITS = {  # what is changed, and the line that names it
+    "shard_numel 0": (lambda m: m["units"]["u0"].update(shard_numel=0),
+                      "units.u0.shard_numel is 0, expected 6: numel 6 over world_size 1, rounded up"),
+    "shard_numel short": (lambda m: m["units"]["u1"].update(shard_numel=5),
+                          "units.u1.shard_numel is 5, expected 6: numel 6 over world_size 1, rounded up"),
+    "world_size 0": (lambda m: m.update(world_size=0), "world_size is 0, expected a whole number >= 1"),
+    "step a string": (lambda m: m.update(step="2"), "step is '2', expected a whole number >= 0"),
+    "a file outside": (lambda m: m.update(files={"../rank00000-of-00001.safetensors": {}}),
+                       "files is ['../rank00000-of-00001.safetensors'], expected the 1 files "
+                       "rank00000-of-00001.safetensors to rank00000-of-00001.safetensors"),
+    "bytes negative": (lambda m: m["files"]["rank00000-of-00001.safetensors"].update(bytes=-1),
+                       "files.rank00000-of-00001.safetensors is {'sha256': '{sha}', 'bytes': -1}, expected "
+                       "{\"sha256\": \"...\", \"bytes\": a whole number}"),
+}
+
+
+@pytest.mark.parametrize("what", list(MANIFEST_EDITS))
+def test_a_manifests_numbers_are_checked_before_use(one_process_group, tmp_path, what):
+    import json
+    path = save(tmp_path, 2)
+    manifest = json.loads(open(os.path.join(path, "manifest.json")).read())
+    sha = manifest["files"]["rank00000-of-00001.safetensors"]["sha256"]
+    change, why = MANIFEST_EDITS[what]
+    with pytest.raises(C.CheckpointError) as e:
+        C.load_checkpoint(path, edit(manifest, change), tiny_units())
+    assert str(e.value) == (f"checkpoint {path}: manifest.json: {why.replace('{sha}', sha)} (a damaged or edited "
+                            f"manifest)")
+
+
+def test_a_rank_files_tensor_of_another_length_is_refused(one_process_group, tmp_path):
+    """A rank file and manifest that agree (size, SHA-256) but whose tensors are shorter than shard_numel:
+    reading past their end was a shape error out of the copy."""
+    import json
+    path = save(tmp_path, 2)
+    fname = "rank00000-of-00001.safetensors"
+    short = [(f"u{i}.{kind}", torch.zeros(5)) for i in range(2) for kind in ("master_shard", "exp_avg", "exp_avg_sq")]
+    sha, nbytes = C.write_safetensors_streaming(os.path.join(path, fname), short)
+    manifest = json.loads(open(os.path.join(path, "manifest.json")).read())
+    manifest["files"][fname] = {"sha256": sha, "bytes": nbytes}
+    with pytest.raises(C.CheckpointError) as e:
+        C.load_checkpoint(path, manifest, tiny_units())
+    assert str(e.value) == (f"checkpoint {path}: {fname} holds u0.master_shard with shape [5], the manifest's "
+                            f"shard_numel says [6]")
