@@ -140,6 +140,14 @@ def test_a_held_lock_names_its_holder_and_how_to_clear_a_stale_one(one_process_g
         f"{tmp_path / '.lock'}")
 
 
+def test_a_lock_file_that_cannot_be_made_is_one_line(one_process_group, tmp_path, monkeypatch):
+    fault(monkeypatch, "open", ".lock", errno.EACCES)  # a folder of another user's, or one mounted read-only
+    with pytest.raises(C.CheckpointError) as e:
+        claim(tmp_path)
+    assert str(e.value) == (f"--out_dir: cannot create the lock file {tmp_path / '.lock'}: Permission denied (this "
+                            f"user may not write there)")
+
+
 def test_the_lock_is_never_taken_through_a_symbolic_link(one_process_group, tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("someone else's file\n")
