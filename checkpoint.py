@@ -74,6 +74,12 @@ def write_error(path: str, e: OSError) -> str:
     return f"{e.filename or path}: {e.strerror or e}" + (f" ({hint})" if hint else "")
 
 
+def unwritable(path: str, e: OSError) -> str:
+    """The line that stops a run whose metrics.jsonl or samples.jsonl cannot be written (train.py's stop all-reduce)."""
+    return (f"--out_dir: cannot write {write_error(path, e)}; the run stops without saving: once the file can be "
+            f"written, the same command resumes from the last checkpoint")
+
+
 def open_no_follow(path: str, flags: int):
     """os.open of a file in a folder others may write to, never through a symbolic link planted under
     its name (which would truncate or lock whatever the link points at): ELOOP instead."""

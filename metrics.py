@@ -87,7 +87,7 @@ class MetricsLog:
             try:
                 self.file, self.elapsed_before = open_metrics(cfg.out_dir, start_step)
             except OSError as e:
-                self.error = unwritable(os.path.join(cfg.out_dir, "metrics.jsonl"), e)
+                self.error = C.unwritable(os.path.join(cfg.out_dir, "metrics.jsonl"), e)
         if rank == 0 and cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -116,7 +116,7 @@ class MetricsLog:
         try:
             log_step(self.cfg, metrics, self.file)
         except OSError as e:  # a torn last line is dropped on resume
-            self.error = unwritable(os.path.join(self.cfg.out_dir, "metrics.jsonl"), e)
+            self.error = C.unwritable(os.path.join(self.cfg.out_dir, "metrics.jsonl"), e)
             self.file.close()
             self.file = None
             return
@@ -128,11 +128,6 @@ class MetricsLog:
         for f in (self.file, self.tensorboard):
             if f is not None:
                 f.close()
-
-
-def unwritable(path: str, e: OSError) -> str:
-    return (f"--out_dir: cannot write {C.write_error(path, e)}; the run stops without saving: once the file can be "
-            f"written, the same command resumes from the last checkpoint")
 
 
 def open_metrics(out_dir: str, start_step: int):

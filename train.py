@@ -950,12 +950,13 @@ def main(argv=None):
         if sampler and (step % cfg.eval_every == 0 or step == steps):
             sampler.sample(sharded, step)  # greedy completions of --sample_prompts (sample.py)
 
-        # One all-reduce: a stop signal on any rank; rank 0 unable to write metrics.jsonl (a full disk).
-        stop = torch.tensor([bool(stop_signals), bool(log.error)], dtype=torch.float32, device=device)
+        # One all-reduce: a stop signal on any rank; rank 0 unable to write metrics.jsonl or samples.jsonl.
+        unwritten = log.error or (sampler.error if sampler else "")
+        stop = torch.tensor([bool(stop_signals), bool(unwritten)], dtype=torch.float32, device=device)
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         signalled, unwritable = stop.tolist()
         if unwritable:
-            fail(log.error or "--out_dir: rank 0 cannot write metrics.jsonl (its error says why); the run stops without saving")
+            fail(unwritten or "--out_dir: rank 0 cannot write its metrics (its error says why); the run stops without saving")
         if signalled or step == steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
             try:
                 path = C.save_checkpoint(cfg, sharded.model.cfg, sharded.units, step, rank, sharded.world,

@@ -322,3 +322,18 @@ def test_a_rank_files_tensor_of_another_length_is_refused(one_process_group, tmp
         C.load_checkpoint(path, manifest, tiny_units())
     assert str(e.value) == (f"checkpoint {path}: {fname} holds u0.master_shard with shape [5], the manifest's "
                             f"shard_numel says [6]")
+
+
+def test_samples_jsonl_unwritable_is_kept_for_the_stop_not_raised(tmp_path, monkeypatch):
+    """Rank 0's Sampler keeps the error, as MetricsLog does; train.py's stop all-reduce carries it to every rank."""
+    import sample as S
+    os.makedirs(tmp_path / "samples.jsonl")  # what cannot be appended to, whoever runs the test (root too)
+    sampler = S.Sampler.__new__(S.Sampler)  # the prompts and tokenizer are not the point here
+    sampler.rank, sampler.records, sampler.prompts, sampler.stop_ids = 0, [{"text": "hi"}], [[1, 5]], [2]
+    sampler.max_new_tokens, sampler.tok = 4, SimpleNamespace(decode=lambda ids: "x")
+    sampler.path, sampler.error = str(tmp_path / "samples.jsonl"), ""
+    monkeypatch.setattr(S, "generate", lambda *args: [[1, 5, 7]])
+    sampler.sample(None, 3)
+    assert sampler.error == (f"--out_dir: cannot write {tmp_path / 'samples.jsonl'}: Is a directory; the run stops "
+                             f"without saving: once the file can be written, the same command resumes from the last "
+                             f"checkpoint")
