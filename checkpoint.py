@@ -11,7 +11,9 @@ of fp32 tensors shaped like master_shard, named by the optimizer).
   out_dir/checkpoints/latest                         "step_00000100", replaced atomically
   out_dir/checkpoints/.tmp-step_00000200/            a save in progress: never loaded
 """
+import contextlib
 import datetime
+import errno
 import fcntl
 import hashlib
 import json
@@ -55,38 +57,118 @@ class CheckpointError(Exception):
 # One run per --out_dir, in a folder every rank sees. Rank 0 holds an exclusive lock on OUT_DIR/.lock for
 # the whole run (the kernel drops it when the process dies, kill -9 included), and writes a random token
 # into it that every rank must read back: a node-local --out_dir fails here, not at the first save.
-out_dir_lock = None  # rank 0's open .lock file: closing it would release the lock
+# On some shared filesystems flock is node-local (Lustre mounted with localflock, NFS with local_lock=flock
+# or local_lock=all): a run on another node takes the same lock and writes its own token. So rank 0 reads
+# the token back before every save (check_out_dir_claim) and stops rather than write over the other run.
+out_dir_lock = None   # rank 0's open .lock file: closing it would release the lock
+out_dir_claim = None  # rank 0's (out_dir, token) while it holds the lock
+
+
+def write_error(path: str, e: OSError) -> str:
+    """`path: the system's words (what usually fixes it)`: one line for an OSError met writing to disk."""
+    hint = {errno.ENOSPC: "the filesystem is full, of bytes or of inodes: df -h and df -i say which",
+            errno.EDQUOT: "the disk quota is used up: quota -s shows it",
+            errno.EROFS: "the filesystem is mounted read-only",
+            errno.EACCES: "this user may not write there", errno.EPERM: "this user may not write there",
+            errno.EFBIG: "over the file size limit: ulimit -f"}.get(e.errno)
+    return f"{e.filename or path}: {e.strerror or e}" + (f" ({hint})" if hint else "")
+
+
+def unwritable(path: str, e: OSError) -> str:
+    """The line that stops a run whose metrics.jsonl or samples.jsonl cannot be written (train.py's stop all-reduce)."""
+    return (f"--out_dir: cannot write {write_error(path, e)}; the run stops without saving: once the file can be "
+            f"written, the same command resumes from the last checkpoint")
+
+
+def open_no_follow(path: str, flags: int):
+    """os.open of a file in a folder others may write to, never through a symbolic link planted under
+    its name (which would truncate or lock whatever the link points at): ELOOP instead."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+
+
+def create_file(path: str, mode: str = "w"):
+    """A new file at `path` for a temporary write (a leftover of a crash, or a link, is removed first, not
+    followed), opened with `mode`."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), mode)
+
+
+def read_lock(path: str) -> tuple[str, str]:
+    """(token, holder) written in a .lock file: holder is "host H pid P since T"."""
+    with os.fdopen(open_no_follow(path, os.O_RDONLY)) as f:
+        token, _, holder = f.read().strip().partition(" ")
+    return token, holder
+
+
+def take_lock(path: str) -> tuple[int, str]:
+    """Rank 0: the exclusive flock on `path`, holding a new random token. Returns (token, ""), (0, "") when
+    another process holds the lock, or (-1, one line saying why the lock could not be taken)."""
+    global out_dir_lock
+    try:
+        fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return -1, f"--out_dir: {path} is a symbolic link; the lock is never taken through one: delete it"
+        return -1, f"--out_dir: cannot create the lock file {write_error(path, e)}"
+    f = os.fdopen(fd, "r+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return 0, ""
+    except OSError as e:  # ENOLCK, ENOSYS, EOPNOTSUPP: the filesystem does not lock
+        f.close()
+        return -1, (f"--out_dir: cannot lock {path}: {e.strerror or e}: the filesystem of --out_dir does not support "
+                    f"flock (Lustre mounted without the flock option, NFS mounted with nolock); mount it with "
+                    f"'-o flock' (Lustre) or with the lock service running (NFS), or choose another --out_dir")
+    try:
+        value = int.from_bytes(os.urandom(6), "little") + 1
+        f.seek(0)
+        f.truncate()
+        f.write(f"{value} host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    except OSError as e:
+        f.close()
+        return -1, f"--out_dir: cannot write the lock file {write_error(path, e)}"
+    out_dir_lock = f
+    return value, ""
+
+
+def stale_lock_hint(holder: str, path: str) -> str:
+    """How to tell a live holder from a stale lock (an NFS server keeps a dead client's lock until its
+    lease expires), from "host H pid P since T"."""
+    words = holder.split()
+    if len(words) >= 4 and words[0] == "host" and words[2] == "pid":
+        return f"; if no process {words[3]} runs on {words[1]}, the lock is stale: delete {path}"
+    return f"; if that run is gone, the lock is stale: delete {path}"
 
 
 def claim_out_dir(out_dir: str, rank: int, world: int, device):
-    global out_dir_lock
+    global out_dir_lock, out_dir_claim
     if out_dir_lock is not None:  # a caller running several trainings in one process (bench/): the last one ended
         out_dir_lock.close()
-        out_dir_lock = None
+        out_dir_lock = out_dir_claim = None
     path = os.path.join(out_dir, ".lock")
-    token = torch.zeros((), dtype=torch.int64, device=device)  # stays 0 if rank 0 cannot take the lock
+    # > 0: this run's token; 0: another run holds the lock; -1: rank 0 could not lock (its line says why)
+    token, error = torch.zeros((), dtype=torch.int64, device=device), ""
     if rank == 0:
-        f = open(path, "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            value = int.from_bytes(os.urandom(6), "little") + 1
-            f.seek(0)
-            f.truncate()
-            f.write(f"{value} host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            f.flush()
-            os.fsync(f.fileno())
-            out_dir_lock = f
-            token.fill_(value)
-        except BlockingIOError:
-            f.close()
+        value, error = take_lock(path)
+        token.fill_(value)
+        out_dir_claim = (out_dir, value) if value > 0 else None
     dist.broadcast(token, src=0)
+    if token.item() < 0:
+        raise CheckpointError(error or f"--out_dir: rank 0 could not lock {path} (its error says why)")
     try:
-        with open(path) as f:
-            token_seen, _, holder = f.read().strip().partition(" ")
+        token_seen, holder = read_lock(path)
     except OSError:
         token_seen, holder = "", ""
     if token.item() == 0:
-        raise CheckpointError(f"--out_dir: {out_dir} is in use by another run ({holder}); wait for it to end or choose another --out_dir")
+        raise CheckpointError(f"--out_dir: {out_dir} is in use by another run ({holder}); wait for it to end or choose "
+                              f"another --out_dir{stale_lock_hint(holder, path)}")
     seen_by_rank = torch.zeros(world, dtype=torch.int64, device=device)
     all_gather_flat(seen_by_rank, torch.tensor([int(token_seen == str(token.item()))], device=device))
     blind = [r for r, seen in enumerate(seen_by_rank.tolist()) if not seen]
@@ -156,6 +238,23 @@ def overwrite_once(out_dir: str, env=os.environ) -> str | None:
                              "host": socket.gethostname(), "pid": os.getpid()}) + "\n")
     return None
 
+
+def check_out_dir_claim(out_dir: str, step: int):
+    """Rank 0, before each save: OUT_DIR/.lock still holds this run's token, or another run took the
+    folder (flock is node-local there) and this one stops before either writes over the other's saves."""
+    if out_dir_claim is None or out_dir_claim[0] != out_dir:  # no claim: a test or tool saving on its own
+        return
+    path = os.path.join(out_dir, ".lock")
+    try:
+        token, holder = read_lock(path)
+    except OSError as e:
+        token, holder = "", f"nothing readable ({e.strerror or e})"
+    if token != str(out_dir_claim[1]):
+        raise CheckpointError(
+            f"--out_dir: {out_dir} was taken by another run while this one held its lock: {path} now names "
+            f"{holder or 'no run'}; flock on this filesystem does not keep nodes apart (Lustre mounted with "
+            f"localflock, NFS with local_lock=flock or local_lock=all): mount it with '-o flock' (Lustre) or "
+            f"local_lock=none (NFS), or give each run its own --out_dir. Step {step} was not saved; this run stops")
 
 # ================================================================================================
 # Own checkpoints: each rank writes its slices; rank 0 commits atomically; resume re-slices for any W
@@ -242,11 +341,16 @@ def sha256_file(path: str) -> str:
 def write_atomic(path: str, text: str):
     """Write beside, fsync, rename over: a reader sees the old file or the new one, never half of one."""
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with create_file(tmp) as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):  # a full disk leaves no half-written .tmp behind
+            os.unlink(tmp)
+        raise
     fsync_dir(os.path.dirname(path))
 
 
@@ -280,13 +384,25 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
     root = os.path.join(cfg.out_dir, "checkpoints")
     name = f"step_{step:08d}"
     tmp, final = os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
+    # Rank 0 checks the folder is still this run's and makes the temporary folder; the broadcast is also the
+    # barrier no rank writes before. A failure here is every rank's one line, not a traceback and a wait.
+    ready, my_error = torch.zeros((), dtype=torch.int64), ""
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier(group=group)
+        try:
+            check_out_dir_claim(cfg.out_dir, step)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            ready.fill_(1)
+        except CheckpointError as e:
+            my_error = str(e)
+        except OSError as e:
+            my_error = f"checkpoint {final} was not saved: rank 0 could not create {write_error(tmp, e)}{kept_note(root)}"
+    dist.broadcast(ready, src=0, group=group)
+    if not ready:
+        raise CheckpointError(my_error or f"checkpoint {final} was not saved: rank 0 could not prepare it (its error says why)")
     # What each rank tells rank 0, as numbers (nothing crosses the wire pickled): written or not, the
     # file's size, its SHA-256 as 32 byte values. An error's text stays with the rank that met it.
-    report, my_error = torch.zeros(34, dtype=torch.int64), ""
+    report = torch.zeros(34, dtype=torch.int64)
     try:
         tensors = [(f"{u.name}.{kind}", t) for u in units for kind, t in saved_tensors(u)]
         sha256, nbytes = write_safetensors_streaming(os.path.join(tmp, rank_file(rank, world)), tensors)
@@ -295,12 +411,13 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
             fault_hook("save", step, rank)
     except OSError as e:
         report.zero_()
-        my_error = f"rank {rank} could not write {os.path.join(tmp, rank_file(rank, world))}: {e.strerror or e}"
+        my_error = f"rank {rank} could not write {write_error(os.path.join(tmp, rank_file(rank, world)), e)}"
     reports = torch.zeros(world, 34, dtype=torch.int64)
     all_gather_flat(reports.view(-1), report, group=group)
     unwritten = [r for r in range(world) if not reports[r, 0]]
     saved = torch.zeros((), dtype=torch.int64)
     if rank == 0 and not unwritten:
+        renamed = False
         try:
             files = {rank_file(r, world): {"sha256": bytes(reports[r, 2:].tolist()).hex(), "bytes": int(reports[r, 1])}
                      for r in range(world)}
@@ -311,11 +428,15 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
             write_atomic(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1))
             shutil.rmtree(final, ignore_errors=True)  # a re-save of a step (after a fallback)
             os.replace(tmp, final)
+            renamed = True
             fsync_dir(root)
             write_atomic(os.path.join(root, "latest"), name + "\n")
             saved.fill_(1)
         except OSError as e:
-            my_error = f"rank 0 could not commit it: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+            my_error = f"rank 0 could not commit it: {write_error(tmp, e)}"
+            if renamed and latest_name(root) != name:  # complete, but `latest` does not name it: not saved
+                with contextlib.suppress(OSError):
+                    os.replace(final, tmp)  # removed below with the rest of a failed save
     if rank == 0 and saved:
         remove_old_checkpoints(root, cfg.keep_ckpts, final)
     elif rank == 0:
@@ -324,8 +445,22 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
     if not saved:
         why = my_error or (f"rank(s) {', '.join(map(str, unwritten))} could not write their files" if unwritten
                            else "rank 0 could not commit it")
-        raise CheckpointError(f"checkpoint {final} was not saved: {why}")
+        raise CheckpointError(f"checkpoint {final} was not saved: {why}{kept_note(root)}")
     return final
+
+
+def latest_name(root: str) -> str | None:
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def kept_note(root: str) -> str:
+    """What a failed save leaves to resume from: `latest` and the checkpoint it names are not touched."""
+    name = latest_name(root)
+    return f"; {os.path.join(root, 'latest')} still names {name}, untouched" if name else ""
 
 
 def list_checkpoints(root: str) -> list[str]:
@@ -462,12 +597,47 @@ def config_changes(manifest: dict, cfg, mcfg) -> tuple[list[str], list[str]]:
     return must, may
 
 
+def check_manifest_numbers(path: str, manifest: dict):
+    """The numbers a load computes with, checked before any is used: a manifest is a file that may have been
+    copied, edited or damaged (a shard_numel of 0 divided by zero; a wrong one read the wrong elements)."""
+    def refuse(field, value, expected):
+        raise CheckpointError(f"checkpoint {path}: manifest.json: {field} is {value!r}, expected {expected} "
+                              f"(a damaged or edited manifest)")
+
+    def whole(value, least):
+        return type(value) is int and value >= least
+    step, world, units, files = (manifest.get(k) for k in ("step", "world_size", "units", "files"))
+    if not whole(step, 0):
+        refuse("step", step, "a whole number >= 0")
+    if not whole(world, 1):
+        refuse("world_size", world, "a whole number >= 1")
+    if not isinstance(units, dict) or not units:
+        refuse("units", units, "an object with each unit's numel and shard_numel")
+    for name, saved in units.items():
+        if not isinstance(saved, dict):
+            refuse(f"units.{name}", saved, "an object with the unit's numel and shard_numel")
+        numel = saved.get("numel")
+        if not whole(numel, 1):
+            refuse(f"units.{name}.numel", numel, "a whole number >= 1")
+        if saved.get("shard_numel") != -(-numel // world) or type(saved["shard_numel"]) is not int:
+            refuse(f"units.{name}.shard_numel", saved.get("shard_numel"),
+                   f"{-(-numel // world)}: numel {numel} over world_size {world}, rounded up")
+    rank_files = {rank_file(r, world) for r in range(world)}
+    if not isinstance(files, dict) or set(files) != rank_files:
+        refuse("files", sorted(files)[:2] if isinstance(files, dict) else files,
+               f"the {world} files {rank_file(0, world)} to {rank_file(world - 1, world)}")
+    for fname, expect in files.items():
+        if not (isinstance(expect, dict) and whole(expect.get("bytes"), 0) and isinstance(expect.get("sha256"), str)):
+            refuse(f"files.{fname}", expect, '{"sha256": "...", "bytes": a whole number}')
+
+
 def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = False):
     """Fills this rank's slices from the checkpoint, whatever world size saved it: the flat layout of a
     unit does not depend on W, so a new slice [a, b) is read from the old rank files that cover it.
     Each file read is checked against the manifest's size and SHA-256 first. `master_only`: the fp32
     master slices alone (a new phase starts with a fresh optimizer, whichever one saved the checkpoint)."""
     from safetensors import safe_open
+    check_manifest_numbers(path, manifest)
     old_world = manifest["world_size"]
     saved_state = manifest.get("optimizer_state", ["exp_avg", "exp_avg_sq"])
     if not master_only and saved_state != list(units[0].optimizer_state):
@@ -497,7 +667,12 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
             a, b = max(lo, old_rank * old_shard), min(hi, (old_rank + 1) * old_shard)
             with safe_open(fpath, framework="pt") as f:
                 for kind, tensor in saved_tensors(unit)[:1] if master_only else saved_tensors(unit):
-                    piece = f.get_slice(f"{unit.name}.{kind}")[a - old_rank * old_shard:b - old_rank * old_shard]
+                    key = f"{unit.name}.{kind}"
+                    if key not in f.keys() or f.get_slice(key).get_shape() != [old_shard]:
+                        raise CheckpointError(f"checkpoint {path}: {fname} holds {key} with shape "
+                                              f"{f.get_slice(key).get_shape() if key in f.keys() else 'none (missing)'}, "
+                                              f"the manifest's shard_numel says [{old_shard}]")
+                    piece = f.get_slice(key)[a - old_rank * old_shard:b - old_rank * old_shard]
                     tensor[a - unit.shard_start:b - unit.shard_start] = piece.to(tensor.device)
 
 
@@ -562,6 +737,7 @@ def check_checkpoint_files(path: str, flag: str) -> dict:
     as they are read (load_weights), as on resume. Returns the manifest."""
     try:
         manifest = check_manifest(path, None, None, None)
+        check_manifest_numbers(path, manifest)  # before a file name of its is joined to a path
         for fname, expect in manifest["files"].items():
             fpath = os.path.join(path, fname)
             if not os.path.isfile(fpath):
@@ -817,9 +993,13 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
         files[-1].append(unit)
         size += unit.numel * bytes_per
     tmp = out.rstrip("/") + ".partial"
+    error = ""  # rank 0's first write error: it stops writing but gathers on, so no rank waits for it
     if rank == 0:  # a fresh folder: a crashed export's model.safetensors must not sit beside a new index
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            error = f"--export_hf: cannot create {write_error(tmp, e)}"
     weight_map, total_bytes = {}, 0
     for i, file_units in enumerate(files):
         fname = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
@@ -831,12 +1011,17 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
                     piece = full[slot.offset:slot.offset + math.prod(slot.shape)].view(slot.shape)
                     tensors.append((hf_name(slot.name), piece.to(dtype).cpu().clone()))
             del full
-        if rank == 0:
-            write_safetensors_streaming(os.path.join(tmp, fname), tensors, metadata={"format": "pt"})
+        if rank == 0 and not error:
+            try:
+                write_safetensors_streaming(os.path.join(tmp, fname), tensors, metadata={"format": "pt"})
+            except OSError as e:
+                error = f"--export_hf: cannot write {write_error(os.path.join(tmp, fname), e)}"
             weight_map.update({name: fname for name, _ in tensors})
             total_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
-    done, error, note = torch.zeros((), dtype=torch.int64), "", ""
-    if rank == 0:
+    done, note = torch.zeros((), dtype=torch.int64), ""
+    if rank == 0 and error:
+        shutil.rmtree(tmp, ignore_errors=True)
+    elif rank == 0:
         try:
             if len(files) > 1:
                 with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
@@ -848,7 +1033,7 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
             fsync_dir(os.path.dirname(os.path.abspath(out)))
             done.fill_(1)
         except (OSError, ValueError) as e:
-            error = str(e) if isinstance(e, ValueError) else f"--export_hf: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+            error = str(e) if isinstance(e, ValueError) else f"--export_hf: cannot write {write_error(tmp, e)}"
             shutil.rmtree(tmp, ignore_errors=True)
     dist.broadcast(done, src=0, group=group)
     if not done:

@@ -65,8 +65,8 @@ def check_config(cfg, world: int) -> list[str]:
         errors.append("--from_ckpt: give --export_hf DIR too (a checkpoint is loaded to be exported)")
     try:  # writable now, not after a day of training
         os.makedirs(cfg.out_dir, exist_ok=True)
-        probe = os.path.join(cfg.out_dir, f".write-test-{os.getpid()}")
-        open(probe, "w").close()
+        probe = os.path.join(cfg.out_dir, f".write-test-{os.getpid()}-{os.urandom(4).hex()}")
+        os.close(C.open_no_follow(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))  # a new file, never a planted link
         os.remove(probe)
     except OSError as e:
         errors.append(f"--out_dir: {cfg.out_dir} is not writable ({e.strerror})")

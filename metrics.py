@@ -13,6 +13,7 @@ import time
 
 import torch
 
+import checkpoint as C
 import model as M
 
 # Dense BF16 peak FLOP/s by device name (no sparsity). Checked in order; None means unknown (CPU).
@@ -81,8 +82,12 @@ class MetricsLog:
         self.peak = peak_flops(device)
         self.file = self.tensorboard = None
         self.elapsed_before = 0.0  # time spent before a restart
+        self.error = ""  # rank 0: why metrics.jsonl cannot be written (a full disk); train.py stops every rank on it
         if rank == 0 and steps:
-            self.file, self.elapsed_before = open_metrics(cfg.out_dir, start_step)
+            try:
+                self.file, self.elapsed_before = open_metrics(cfg.out_dir, start_step)
+            except OSError as e:
+                self.error = C.unwritable(os.path.join(cfg.out_dir, "metrics.jsonl"), e)
         if rank == 0 and cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -108,7 +113,13 @@ class MetricsLog:
             elapsed = metrics["elapsed_s"]
             metrics["cost_usd"] = elapsed / 3600 * self.world * self.cfg.gpu_hour_usd
             metrics["projected_cost_usd"] = (elapsed + eta) / 3600 * self.world * self.cfg.gpu_hour_usd
-        log_step(self.cfg, metrics, self.file)
+        try:
+            log_step(self.cfg, metrics, self.file)
+        except OSError as e:  # a torn last line is dropped on resume
+            self.error = C.unwritable(os.path.join(self.cfg.out_dir, "metrics.jsonl"), e)
+            self.file.close()
+            self.file = None
+            return
         for key, value in metrics.items() if self.tensorboard else ():
             if key != "step" and value is not None:
                 self.tensorboard.add_scalar(key, value, step)
@@ -127,11 +138,11 @@ def open_metrics(out_dir: str, start_step: int):
         with open(path) as f:
             rows = [(line, parse_metrics_line(line)) for line in f if line.strip()]
         kept = [line for line, row in rows if row is not None and row["step"] <= start_step]
-    with open(path + ".tmp", "w") as f:
+    with C.create_file(path + ".tmp") as f:  # never through a link planted under the name
         f.writelines(kept)
     os.replace(path + ".tmp", path)
     elapsed_before = json.loads(kept[-1])["elapsed_s"] if kept else 0.0  # time spent before a restart
-    return open(path, "a"), elapsed_before
+    return os.fdopen(C.open_no_follow(path, os.O_WRONLY | os.O_APPEND), "a"), elapsed_before
 
 
 def parse_metrics_line(line: str):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import checkpoint as C
 import data as D
 import model as M
 
@@ -168,8 +169,12 @@ class Sampler:
                                   f"with {self.tok.path}, outside the model's vocabulary [0, {mcfg.vocab_size})")
         self.stop_ids = end_ids(cfg, mcfg, self.tok)
         self.path = os.path.join(cfg.out_dir, "samples.jsonl")
+        self.error = ""  # rank 0: why samples.jsonl cannot be written; train.py stops every rank on it
         if rank == 0:
-            keep_rows_up_to(self.path, start_step)
+            try:
+                keep_rows_up_to(self.path, start_step)
+            except OSError as e:
+                self.error = C.unwritable(self.path, e)
 
     def sample(self, sharded, step: int):
         """Completes every prompt; rank 0 prints them and appends them to samples.jsonl with the step."""
@@ -182,8 +187,11 @@ class Sampler:
             text_ids = ids[:-1] if ids[-1] in self.stop_ids else ids
             rows.append(dict(step=step, prompt=record.get("text", record.get("messages")),
                              completion=self.tok.decode(text_ids), ids=ids))
-        with open(self.path, "a") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        try:
+            with os.fdopen(C.open_no_follow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
+                f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        except OSError as e:  # a torn last line is dropped on resume (keep_rows_up_to)
+            self.error = C.unwritable(self.path, e)
         print(f"samples at step {step} ({len(rows)} prompts, {time.perf_counter() - t0:.1f} s, {self.path}):", flush=True)
         for row in rows:
             prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
@@ -202,6 +210,6 @@ def keep_rows_up_to(path: str, step: int):
                         kept.append(line)
                 except (ValueError, KeyError, TypeError):
                     pass
-    with open(path + ".tmp", "w") as f:
+    with C.create_file(path + ".tmp") as f:  # never through a link planted under the name
         f.writelines(kept)
     os.replace(path + ".tmp", path)

@@ -200,16 +200,17 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def fail(message: str):
+def fail(message: str, exit_code: int = 2):
     """One line, on every rank, and exit code 2: never a traceback wall or a hang. These errors come back
     on a restart (a bad flag, bad data, a non-finite loss), so launch.sh, which gives us ZERO3_FATAL_FILE,
-    stops torchrun from restarting when the line appears there."""
+    stops torchrun from restarting when the line appears there. Exit code 1 (a network error at start-up)
+    is left to torchrun's restarts."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    if os.environ.get("ZERO3_FATAL_FILE"):
+    if exit_code == 2 and os.environ.get("ZERO3_FATAL_FILE"):
         with open(os.environ["ZERO3_FATAL_FILE"], "a") as f:
             f.write(f"error: {message}\n")
-    os._exit(2)  # no interpreter teardown (see the end of this file)
+    os._exit(exit_code)  # no interpreter teardown (see the end of this file)
 
 
 # ================================================================================================
@@ -918,6 +919,9 @@ def main(argv=None):
         steps = 0 if cfg.from_ckpt else cfg.steps
         log = metrics.MetricsLog(cfg, sharded.model.cfg, sharded.world, sharded.device, sharded.rank, start_step, steps)
         sampler = sample.Sampler(cfg, sharded.model.cfg, sharded.rank, start_step) if cfg.sample_prompts and steps else None
+    except (dist.DistNetworkError, dist.DistStoreError) as e:  # a node or its port not up yet: a restart may work
+        first_line = str(e).strip().splitlines()[0].rstrip(".")
+        fail(f"{type(e).__name__} while starting: {first_line}; a restart may succeed", exit_code=1)
     except (D.DataError, KeyError, ValueError, FileNotFoundError, RuntimeError, C.CheckpointError) as e:
         fail(str(e).strip("'\""))
     rank, device = sharded.rank, sharded.device
@@ -950,9 +954,14 @@ def main(argv=None):
         if sampler and (step % cfg.eval_every == 0 or step == steps):
             sampler.sample(sharded, step)  # greedy completions of --sample_prompts (sample.py)
 
-        stop = torch.tensor(float(bool(stop_signals)), device=device)
+        # One all-reduce: a stop signal on any rank; rank 0 unable to write metrics.jsonl or samples.jsonl.
+        unwritten = log.error or (sampler.error if sampler else "")
+        stop = torch.tensor([bool(stop_signals), bool(unwritten)], dtype=torch.float32, device=device)
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        if stop.item() or step == steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
+        signalled, unwritable = stop.tolist()
+        if unwritable:
+            fail(unwritten or "--out_dir: rank 0 cannot write its metrics (its error says why); the run stops without saving")
+        if signalled or step == steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
             try:
                 path = C.save_checkpoint(cfg, sharded.model.cfg, sharded.units, step, rank, sharded.world,
                                          windows.state(position) if windows else None)
@@ -960,7 +969,7 @@ def main(argv=None):
                 fail(str(e))
             if rank == 0:
                 print(f"saved checkpoint {path}", flush=True)
-        if stop.item():
+        if signalled:
             if rank == 0:
                 print(f"stopping at step {step} on {signal.Signals(stop_signals[0]).name if stop_signals else 'a signal'}; "
                       f"re-run the same command to continue", flush=True)

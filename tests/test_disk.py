@@ -1,0 +1,339 @@
+"""Disk faults and shared-filesystem locks on --out_dir, in-process at W=1 (one gloo group over a HashStore):
+a full, read-only or forbidden disk at any point of a save, the metrics or the export is one line naming the
+path and its cause, with `latest` and the previous checkpoint untouched; another run that takes the folder
+is found at the next save; nothing is written through a symbolic link planted in the folder. A network error
+while the processes connect exits 1, which torchrun retries."""
+import errno
+import os
+import signal
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from common import ROOT, learnable_tokens, read_metrics, small_config
+
+import checkpoint as C
+import checks
+import metrics
+import train as T
+
+
+@pytest.fixture
+def one_process_group():
+    """A W=1 group as `python train.py` makes it, and the checkpoint group; destroyed afterwards."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    C.make_group(1.0)
+    yield
+    dist.destroy_process_group()
+    C.group = None
+    if C.out_dir_lock is not None:
+        C.out_dir_lock.close()
+    C.out_dir_lock = C.out_dir_claim = None
+
+
+def tiny_units():
+    """What save_checkpoint reads of train.py's units: a name, sizes, the fp32 slices."""
+    return [SimpleNamespace(name=f"u{i}", numel=6, shard_numel=6, shard_start=0, master_shard=torch.arange(6.0) + i,
+                            optimizer_state={"exp_avg": torch.zeros(6), "exp_avg_sq": torch.ones(6)})
+            for i in range(2)]
+
+
+def save(out, step):
+    cfg = T.parse_args([f"--out_dir={out}", "--keep_ckpts=3"])
+    return C.save_checkpoint(cfg, small_config(), tiny_units(), step, 0, 1, None)
+
+
+def fault(monkeypatch, name, suffix, code):
+    """os.NAME raises OSError(code) for a path (or an open file descriptor's path) ending in `suffix`."""
+    real = getattr(os, name)
+
+    def failing(target, *args, **kwargs):
+        path = os.readlink(f"/proc/self/fd/{target}") if isinstance(target, int) else os.fspath(target)
+        if path.endswith(suffix):
+            raise OSError(code, os.strerror(code), *([path] if not isinstance(target, int) else []))
+        return real(target, *args, **kwargs)
+    monkeypatch.setattr(os, name, failing)
+
+
+FAULTS = {  # where the save meets the fault, and what the line names
+    "makedirs: disk full": ("makedirs", ".tmp-step_00000004", errno.ENOSPC,
+                            "rank 0 could not create {tmp}: No space left on device (the filesystem is full, of "
+                            "bytes or of inodes: df -h and df -i say which)"),
+    "rank file: quota": ("fsync", "rank00000-of-00001.safetensors", errno.EDQUOT,
+                         "rank 0 could not write {tmp}/rank00000-of-00001.safetensors: Disk quota exceeded (the "
+                         "disk quota is used up: quota -s shows it)"),
+    "manifest: forbidden": ("open", "manifest.json.tmp", errno.EACCES,
+                            "rank 0 could not commit it: {tmp}/manifest.json.tmp: Permission denied (this user may "
+                            "not write there)"),
+    "latest: read-only": ("replace", "latest.tmp", errno.EROFS,
+                          "rank 0 could not commit it: {root}/latest.tmp: Read-only file system (the filesystem is "
+                          "mounted read-only)"),
+}
+
+
+@pytest.mark.parametrize("where", list(FAULTS))
+def test_a_disk_fault_in_a_save_is_one_line_and_latest_stays(one_process_group, tmp_path, monkeypatch, where):
+    root = tmp_path / "checkpoints"
+    save(tmp_path, 2)
+    name, suffix, code, why = FAULTS[where]
+    fault(monkeypatch, name, suffix, code)
+    with pytest.raises(C.CheckpointError) as e:
+        save(tmp_path, 4)
+    monkeypatch.undo()
+    why = why.format(tmp=root / ".tmp-step_00000004", root=root)
+    assert str(e.value) == (f"checkpoint {root / 'step_00000004'} was not saved: {why}; {root / 'latest'} still "
+                            f"names step_00000002, untouched")
+    # Nothing half-written is left or counted: no temporary folder or file, no step_4 that `latest` skips.
+    assert sorted(os.listdir(root)) == ["latest", "step_00000002"]
+    assert (root / "latest").read_text() == "step_00000002\n" and C.is_complete(str(root / "step_00000002"))
+
+
+# -- the out_dir's lock on shared filesystems ------------------------------------------------------------------
+
+def claim(out):
+    C.claim_out_dir(str(out), 0, 1, torch.device("cpu"))
+
+
+def test_a_run_that_took_the_folder_stops_the_next_save(one_process_group, tmp_path):
+    """flock is node-local on Lustre with localflock or NFS with local_lock=flock: a run on another node
+    takes the lock too and writes its token. This run's next save reads it and stops; nothing is written."""
+    claim(tmp_path)
+    save(tmp_path, 2)
+    (tmp_path / ".lock").write_text("77 host node-b pid 4242 since 2026-01-02 03:04:05\n")
+    with pytest.raises(C.CheckpointError) as e:
+        save(tmp_path, 4)
+    assert str(e.value) == (
+        f"--out_dir: {tmp_path} was taken by another run while this one held its lock: {tmp_path / '.lock'} now "
+        f"names host node-b pid 4242 since 2026-01-02 03:04:05; flock on this filesystem does not keep nodes apart "
+        f"(Lustre mounted with localflock, NFS with local_lock=flock or local_lock=all): mount it with '-o flock' "
+        f"(Lustre) or local_lock=none (NFS), or give each run its own --out_dir. Step 4 was not saved; this run stops")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["latest", "step_00000002"]
+
+
+def test_a_filesystem_without_flock_is_one_line_naming_the_mount_option(one_process_group, tmp_path, monkeypatch):
+    def no_locks(f, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr(C.fcntl, "flock", no_locks)
+    with pytest.raises(C.CheckpointError) as e:
+        claim(tmp_path)
+    assert str(e.value) == (
+        f"--out_dir: cannot lock {tmp_path / '.lock'}: No locks available: the filesystem of --out_dir does not "
+        f"support flock (Lustre mounted without the flock option, NFS mounted with nolock); mount it with '-o flock' "
+        f"(Lustre) or with the lock service running (NFS), or choose another --out_dir")
+
+
+def test_a_held_lock_names_its_holder_and_how_to_clear_a_stale_one(one_process_group, tmp_path):
+    import fcntl
+    with open(tmp_path / ".lock", "w") as held:  # another open file: flock conflicts within a process too
+        held.write("5 host node-a pid 4242 since 2026-01-02 03:04:05\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(C.CheckpointError) as e:
+            claim(tmp_path)
+    assert str(e.value) == (
+        f"--out_dir: {tmp_path} is in use by another run (host node-a pid 4242 since 2026-01-02 03:04:05); wait for "
+        f"it to end or choose another --out_dir; if no process 4242 runs on node-a, the lock is stale: delete "
+        f"{tmp_path / '.lock'}")
+
+
+def test_a_lock_file_that_cannot_be_made_is_one_line(one_process_group, tmp_path, monkeypatch):
+    fault(monkeypatch, "open", ".lock", errno.EACCES)  # a folder of another user's, or one mounted read-only
+    with pytest.raises(C.CheckpointError) as e:
+        claim(tmp_path)
+    assert str(e.value) == (f"--out_dir: cannot create the lock file {tmp_path / '.lock'}: Permission denied (this "
+                            f"user may not write there)")
+
+
+def test_the_lock_is_never_taken_through_a_symbolic_link(one_process_group, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("someone else's file\n")
+    os.makedirs(tmp_path / "out")
+    os.symlink(victim, tmp_path / "out" / ".lock")
+    with pytest.raises(C.CheckpointError) as e:
+        claim(tmp_path / "out")
+    assert str(e.value) == (f"--out_dir: {tmp_path / 'out' / '.lock'} is a symbolic link; the lock is never taken "
+                            f"through one: delete it")
+    assert victim.read_text() == "someone else's file\n"
+
+
+# -- the write probe, metrics.jsonl, and a start-up that meets the network -------------------------------------
+
+def test_the_write_probe_never_writes_through_a_planted_link(tmp_path, monkeypatch):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("someone else's file\n")
+    out = tmp_path / "out"
+    os.makedirs(out)
+    os.symlink(victim, out / f".write-test-{os.getpid()}")  # the name the probe had
+    cfg = T.parse_args([f"--out_dir={out}", "--steps=0"])
+    assert checks.check_config(cfg, 1) == []
+    monkeypatch.setattr(os, "urandom", lambda n: bytes(n))  # the name it has now, planted too
+    os.symlink(victim, out / f".write-test-{os.getpid()}-00000000")
+    assert checks.check_config(cfg, 1) == [f"--out_dir: {out} is not writable (File exists)"]
+    assert victim.read_text() == "someone else's file\n"
+
+
+@pytest.fixture
+def main_in_process(monkeypatch):
+    """train.main at W=1 in this process: its exit code, with fail()'s os._exit turned into SystemExit; the
+    signal handlers it installs are put back afterwards."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
+    monkeypatch.setattr(os, "_exit", lambda code: sys.exit(code))
+
+    def run(argv):
+        try:
+            T.main(argv)
+        except SystemExit as e:
+            return e.code
+        return 0
+    yield run
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    if dist.is_initialized():  # a failed run leaves its group
+        dist.destroy_process_group()
+    C.group = None
+    if C.out_dir_lock is not None:
+        C.out_dir_lock.close()
+    C.out_dir_lock = C.out_dir_claim = None
+
+
+def tiny_run(tmp_path, *extra):
+    data = learnable_tokens(str(tmp_path / "tok.npy"), 512, n=2000)
+    return ["--model=tiny", "--dtype=float32", "--eval_every=0", "--seq_len=16", "--batch_size=2",
+            "--micro_batch_size=1", "--warmup_steps=1", "--steps=4", "--ckpt_every=2", f"--data={data}",
+            f"--out_dir={tmp_path / 'out'}", *extra]
+
+
+def test_a_full_disk_under_metrics_stops_every_rank_with_one_line(main_in_process, tmp_path, monkeypatch, capsys):
+    argv = tiny_run(tmp_path)
+    real_log_step = metrics.log_step
+
+    def full_at_step_3(cfg, row, f):
+        if row["step"] == 3:
+            f.write('{"step": 3, "lo')  # what fits before the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_log_step(cfg, row, f)
+    monkeypatch.setattr(metrics, "log_step", full_at_step_3)
+    assert main_in_process(argv) == 2
+    path = tmp_path / "out" / "metrics.jsonl"
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: --out_dir: cannot write {path}: No space left on device (the filesystem is full, of bytes or of "
+        f"inodes: df -h and df -i say which); the run stops without saving: once the file can be written, the same "
+        f"command resumes from the last checkpoint")
+    root = tmp_path / "out" / "checkpoints"
+    assert sorted(os.listdir(root)) == ["latest", "step_00000002"]
+    assert (root / "latest").read_text() == "step_00000002\n"
+    monkeypatch.setattr(metrics, "log_step", real_log_step)
+    assert main_in_process(argv) == 0  # space again: the same command resumes and the torn line is dropped
+    assert [m["step"] for m in read_metrics(tmp_path / "out")] == [1, 2, 3, 4]
+
+
+def test_a_network_error_while_starting_exits_1_for_torchrun_to_retry(tmp_path):
+    """Rank 1 of 2 whose MASTER_ADDR:MASTER_PORT has no store yet (the first node still starting): torch
+    raises DistNetworkError after --timeout_min. Exit code 1, and nothing in ZERO3_FATAL_FILE (which would
+    stop launch.sh's restarts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fatal = tmp_path / "fatal"
+    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               ZERO3_FATAL_FILE=str(fatal), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--steps=0", "--timeout_min=0.02",
+                           f"--out_dir={tmp_path / 'out'}"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert ours == [f"error: DistNetworkError while starting: The client socket has timed out after 1200ms while "
+                    f"trying to connect to (127.0.0.1, {port}); a restart may succeed"], proc.stderr[-3000:]
+    assert not fatal.exists()
+
+
+EXPORT_FAULTS = {
+    "folder: disk full": ("makedirs", "hf.partial", errno.ENOSPC,
+                          "cannot create {hf}.partial: No space left on device (the filesystem is full, of bytes or "
+                          "of inodes: df -h and df -i say which)"),
+    "weights: quota": ("fsync", "model.safetensors", errno.EDQUOT,
+                       "cannot write {hf}.partial/model.safetensors: Disk quota exceeded (the disk quota is used up: "
+                       "quota -s shows it)"),
+}
+
+
+@pytest.mark.parametrize("where", list(EXPORT_FAULTS))
+def test_a_disk_fault_in_the_export_is_one_line_and_leaves_no_folder(main_in_process, tmp_path, monkeypatch, capsys,
+                                                                     where):
+    hf = tmp_path / "hf"
+    name, suffix, code, why = EXPORT_FAULTS[where]
+    fault(monkeypatch, name, suffix, code)
+    assert main_in_process(tiny_run(tmp_path, "--steps=2", f"--export_hf={hf}")) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"error: --export_hf: {why.format(hf=hf)}"
+    assert not os.path.exists(hf) and not os.path.exists(f"{hf}.partial")
+    assert (tmp_path / "out" / "checkpoints" / "latest").read_text() == "step_00000002\n"  # saved before the export
+
+
+# -- a checkpoint's manifest is input: its numbers are checked before any is used ------------------------------
+
+def edit(manifest, change):
+    change(manifest)
+    return manifest
+
+
+MANIFEST_EDITS = {  # what is changed, and the line that names it
+    "shard_numel 0": (lambda m: m["units"]["u0"].update(shard_numel=0),
+                      "units.u0.shard_numel is 0, expected 6: numel 6 over world_size 1, rounded up"),
+    "shard_numel short": (lambda m: m["units"]["u1"].update(shard_numel=5),
+                          "units.u1.shard_numel is 5, expected 6: numel 6 over world_size 1, rounded up"),
+    "world_size 0": (lambda m: m.update(world_size=0), "world_size is 0, expected a whole number >= 1"),
+    "step a string": (lambda m: m.update(step="2"), "step is '2', expected a whole number >= 0"),
+    "a file outside": (lambda m: m.update(files={"../rank00000-of-00001.safetensors": {}}),
+                       "files is ['../rank00000-of-00001.safetensors'], expected the 1 files "
+                       "rank00000-of-00001.safetensors to rank00000-of-00001.safetensors"),
+    "bytes negative": (lambda m: m["files"]["rank00000-of-00001.safetensors"].update(bytes=-1),
+                       "files.rank00000-of-00001.safetensors is {'sha256': '{sha}', 'bytes': -1}, expected "
+                       "{\"sha256\": \"...\", \"bytes\": a whole number}"),
+}
+
+
+@pytest.mark.parametrize("what", list(MANIFEST_EDITS))
+def test_a_manifests_numbers_are_checked_before_use(one_process_group, tmp_path, what):
+    import json
+    path = save(tmp_path, 2)
+    manifest = json.loads(open(os.path.join(path, "manifest.json")).read())
+    sha = manifest["files"]["rank00000-of-00001.safetensors"]["sha256"]
+    change, why = MANIFEST_EDITS[what]
+    with pytest.raises(C.CheckpointError) as e:
+        C.load_checkpoint(path, edit(manifest, change), tiny_units())
+    assert str(e.value) == (f"checkpoint {path}: manifest.json: {why.replace('{sha}', sha)} (a damaged or edited "
+                            f"manifest)")
+
+
+def test_a_rank_files_tensor_of_another_length_is_refused(one_process_group, tmp_path):
+    """A rank file and manifest that agree (size, SHA-256) but whose tensors are shorter than shard_numel:
+    reading past their end was a shape error out of the copy."""
+    import json
+    path = save(tmp_path, 2)
+    fname = "rank00000-of-00001.safetensors"
+    short = [(f"u{i}.{kind}", torch.zeros(5)) for i in range(2) for kind in ("master_shard", "exp_avg", "exp_avg_sq")]
+    sha, nbytes = C.write_safetensors_streaming(os.path.join(path, fname), short)
+    manifest = json.loads(open(os.path.join(path, "manifest.json")).read())
+    manifest["files"][fname] = {"sha256": sha, "bytes": nbytes}
+    with pytest.raises(C.CheckpointError) as e:
+        C.load_checkpoint(path, manifest, tiny_units())
+    assert str(e.value) == (f"checkpoint {path}: {fname} holds u0.master_shard with shape [5], the manifest's "
+                            f"shard_numel says [6]")
+
+
+def test_samples_jsonl_unwritable_is_kept_for_the_stop_not_raised(tmp_path, monkeypatch):
+    """Rank 0's Sampler keeps the error, as MetricsLog does; train.py's stop all-reduce carries it to every rank."""
+    import sample as S
+    os.makedirs(tmp_path / "samples.jsonl")  # what cannot be appended to, whoever runs the test (root too)
+    sampler = S.Sampler.__new__(S.Sampler)  # the prompts and tokenizer are not the point here
+    sampler.rank, sampler.records, sampler.prompts, sampler.stop_ids = 0, [{"text": "hi"}], [[1, 5]], [2]
+    sampler.max_new_tokens, sampler.tok = 4, SimpleNamespace(decode=lambda ids: "x")
+    sampler.path, sampler.error = str(tmp_path / "samples.jsonl"), ""
+    monkeypatch.setattr(S, "generate", lambda *args: [[1, 5, 7]])
+    sampler.sample(None, 3)
+    assert sampler.error == (f"--out_dir: cannot write {tmp_path / 'samples.jsonl'}: Is a directory; the run stops "
+                             f"without saving: once the file can be written, the same command resumes from the last "
+                             f"checkpoint")
