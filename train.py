@@ -941,8 +941,8 @@ def main(argv=None):
         mem_gb = metrics.peak_mem_bytes(device) / 1e9  # before evaluation, which is not the step
         eval_loss = None
         if eval_windows is not None and (step % cfg.eval_every == 0 or step == steps):
-            eval_loss = evaluate(cfg, sharded, eval_windows)
-        log.step(step, loss, grad_norm, lr_at(cfg, step), step_time_s, mem_gb, eval_loss)
+            eval_loss = eval_windows.losses(partial(evaluate, cfg, sharded))  # each source's, and their weighted mean
+        log.step(step, loss, grad_norm, lr_at(cfg, step), step_time_s, mem_gb, eval_loss, windows.progress(position))
         if sampler and (step % cfg.eval_every == 0 or step == steps):
             sampler.sample(sharded, step)  # greedy completions of --sample_prompts (sample.py)
 
