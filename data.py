@@ -4,7 +4,8 @@ Commands:
 
     python data.py train-tokenizer --input a.txt b.jsonl --vocab_size 32000 --out tok.model
     python data.py prepare --input corpus/*.jsonl --tokenizer /models/Llama-3-70B-Instruct --out data/ --workers 16
-    python data.py sample --out out/sample        # the built-in English + French corpus, tokenizer, shards
+    python data.py sample --out out/sample        # the built-in English + French corpus, tokenizer, shards:
+                                                  # sources messages (catalogs, en + fr) and docstrings (en)
 
 Inputs: `.txt` (one document per file), `.jsonl` with `{"text": ...}` (one document per line), or chat
 `.jsonl` with `{"messages": [{"role": ..., "content": ...}, ...]}`. A chat is rendered with the
@@ -23,6 +24,9 @@ boundaries; a seeded permutation of all windows, drawn anew each epoch. Global b
 at stream positions P .. P + B - 1 (P = k * B when B never changed) whatever the world size W and the
 micro-batch size m: rank r reads, in accumulation step j, only the m windows at P + (j*W + r)*m. The
 loader's whole state is P, which each checkpoint stores.
+
+Mixes: `--data fr:0.6,en:0.4` interleaves the sources' windows by weight, position by position
+(MixedWindows); each source keeps its own order and epochs, and P still decides everything.
 """
 
 import argparse

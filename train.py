@@ -73,11 +73,12 @@ class TrainConfig:
     init_from: str = opt("", "weights to start from: a Hugging Face Llama folder (config.json + *.safetensors), or one of "
                              "our checkpoints (a step_* folder, or an --out_dir: its latest) for a new phase: its "
                              "weights only, step 1, a fresh optimizer and data position, any world size")
-    data: str = opt("sample", "a folder from data.py prepare, a 1-D .npy token file, or 'sample' (the built-in "
-                              "English + French corpus and tokenizer, built once under OUT_DIR/sample)")
+    data: str = opt("sample", "a folder from data.py prepare, a 1-D .npy token file, or several weighted, "
+                              "DIR[:WEIGHT][,DIR[:WEIGHT]...] (each global batch in those proportions); or 'sample' (the "
+                              "built-in English + French corpus and tokenizer, built once under OUT_DIR/sample: two sources)")
     doc_mask: bool = opt(True, "packed documents do not attend to each other and RoPE restarts in each")
-    eval_data: str = opt("auto", "held-out data like --data; 'auto': the sample's held-out part with --data "
-                                 "sample, else none")
+    eval_data: str = opt("auto", "held-out data like --data (several sources: eval_loss/NAME each, eval_loss their "
+                                 "weighted mean); 'auto': the sample's held-out part with --data sample, else none")
     eval_every: int = opt(50, "evaluate every N steps and at the end (0: never)")
     eval_batches: int = opt(4, "global batches of --eval_data per evaluation (the same ones every time)")
     sample_prompts: str = opt("", "a .jsonl of prompts ({\"text\": ...} or a chat {\"messages\": [...]}): each evaluation "
