@@ -17,7 +17,7 @@ import train
 SEQ = 8
 
 
-def mix(spec: str, seed: int = 3) -> D.MixedWindows:
+def mix(spec: str, seed: int = 3) -> "D.MixedWindows":
     sources = D.parse_sources(spec, "--data")
     return D.MixedWindows([n for n, _, _ in sources], [D.TokenWindows(D.TokenData(p), SEQ, seed) for _, p, _ in sources],
                           [w for _, _, w in sources])
