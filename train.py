@@ -80,7 +80,7 @@ class TrainConfig:
     eval_data: str = opt("auto", "held-out data like --data (several sources: eval_loss/NAME each, eval_loss their "
                                  "weighted mean); 'auto': the sample's held-out part with --data sample, else none")
     eval_every: int = opt(50, "evaluate every N steps and at the end (0: never)")
-    eval_batches: int = opt(4, "global batches of --eval_data per evaluation (the same ones every time)")
+    eval_batches: int = opt(4, "global batches of --eval_data (of each of its sources) per evaluation (the same ones every time)")
     sample_prompts: str = opt("", "a .jsonl of prompts ({\"text\": ...} or a chat {\"messages\": [...]}): each evaluation "
                                   "also completes them greedily, prints them and appends them to OUT_DIR/samples.jsonl")
     sample_tokens: int = opt(64, "--sample_prompts: new tokens per prompt at most (fewer when an end id comes)")
