@@ -3,6 +3,7 @@ those proportions, the same windows for any W and micro-batch; the loader's stat
 refuses another mix; --eval_data logs each source's loss and their weighted mean; bad input is one line."""
 import json
 import os
+import types
 
 import numpy as np
 import pytest
@@ -175,3 +176,17 @@ def test_a_mix_stopped_and_continued_logs_what_an_uninterrupted_run_logs(tmp_pat
                       f"mix is a new phase (--init_from the checkpoint starts one from its weights) "
                       f"({os.path.join(parts, 'checkpoints', 'step_00000004')})"]
     assert checks.check_config(config(data=f"{fr}:3,{en}:2", out_dir=parts, steps=6), 1) == []  # the same mix
+
+
+def test_each_sources_eval_loss_and_windows_reach_metrics_jsonl_the_console_and_tensorboard(tmp_path, capsys):
+    import torch
+    log = metrics.MetricsLog(config(out_dir=str(tmp_path)), small_config(), 1, torch.device("cpu"), 0, 0, 2)
+    scalars = []
+    log.tensorboard = types.SimpleNamespace(add_scalar=lambda key, value, step: scalars.append(key), close=lambda: None)
+    progress = dict(windows_by_source={"fr": 3, "en": 2}, epochs_by_source={"fr": 0.5, "en": 1.5})
+    log.step(1, 2.0, 1.0, 1e-3, 0.1, 1.0, {"eval_loss": 2.0, "eval_loss/fr": 1.5, "eval_loss/en": 2.75}, progress)
+    log.close()
+    row = read_metrics(str(tmp_path))[0]
+    assert row["windows_by_source"] == {"fr": 3, "en": 2} and (row["eval_loss/fr"], row["eval_loss/en"]) == (1.5, 2.75)
+    assert "| eval_loss 2.0000 | eval_loss/fr 1.5000 | eval_loss/en 2.7500 | epochs fr 0.50, en 1.50" in capsys.readouterr().out
+    assert {"eval_loss", "eval_loss/fr", "eval_loss/en", "windows_by_source/fr", "windows_by_source/en"} <= set(scalars)
