@@ -918,8 +918,7 @@ def export_origin(train: dict, depth: int = 0) -> dict:
 def run_tokenizer(train: dict) -> dict | None:
     """The tokenizer a run's --data was prepared with, as its meta.json records it ({path, kind, sha256}),
     or None (a token .npy names none). The one place the export reads --data."""
-    data = train.get("data") or ""
-    folder = os.path.join(train.get("out_dir") or "", "sample", "train") if data == "sample" else data
+    folder = D.first_prepared_folder(train.get("data") or "", train.get("out_dir") or "")  # a mix shares one tokenizer
     try:
         with open(os.path.join(folder, "meta.json")) as f:
             tokenizer = json.load(f)["tokenizer"]

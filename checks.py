@@ -9,6 +9,7 @@ from dataclasses import asdict
 import torch
 
 import checkpoint as C
+import data as D
 import model as M
 import sample
 
@@ -40,10 +41,13 @@ def check_config(cfg, world: int) -> list[str]:
         errors.append(f"--adam_eps: must be > 0, got {cfg.adam_eps}")
     if cfg.model and cfg.model not in M.PRESETS:
         errors.append(f"--model: unknown preset {cfg.model!r}; known: {', '.join(M.PRESETS)}")
-    for name in ("data", "eval_data"):
-        path = getattr(cfg, name)
-        if trains and path not in ("sample", "auto", "") and not os.path.exists(path):
-            errors.append(f"--{name}: {path} does not exist")
+    for name in ("data", "eval_data"):  # PATH[:WEIGHT][,PATH[:WEIGHT]...]: each source exists, each weight > 0
+        spec = getattr(cfg, name)
+        if trains and spec not in ("sample", "auto", ""):
+            try:
+                D.parse_sources(spec, f"--{name}")
+            except D.DataError as e:
+                errors.append(str(e))
     if cfg.eval_data == "sample" and cfg.data != "sample":
         errors.append("--eval_data: 'sample' evaluates the built-in sample's tokens; use it with --data sample")
     if cfg.ac_rest not in ("none", "selective") or cfg.ac_blocks < -1:
@@ -76,7 +80,25 @@ def check_config(cfg, world: int) -> list[str]:
                       f"from it, --overwrite true deletes them")
     if cfg.export_hf and os.path.isdir(cfg.export_hf) and os.listdir(cfg.export_hf):
         errors.append(f"--export_hf: {cfg.export_hf} exists and is not empty; remove it or choose another")
-    return errors + sample.check_flags(cfg)  # --sample_prompts and --sample_tokens
+    if trains and not errors:
+        errors += check_resume_mix(cfg)
+    return errors + sample.check_flags(cfg)
+
+
+def check_resume_mix(cfg) -> list[str]:
+    """A resume continues the --data mix its checkpoint was saved with; another mix is refused here, before
+    any work (the loader checks again, with each source's windows, when it resumes)."""
+    try:
+        candidates = C.resume_candidates(os.path.join(cfg.out_dir, "checkpoints")) if cfg.resume == "auto" else []
+        with open(os.path.join(candidates[0], "manifest.json")) as f:
+            state = json.load(f)["data"]
+        if not state:  # a conversion run saved none
+            return []
+    except (IndexError, OSError, ValueError, KeyError, TypeError, C.CheckpointError):
+        return []  # no checkpoint, or a damaged one: resume says so and falls back
+    sources = D.sample_sources(cfg.out_dir, "train") if cfg.data == "sample" else D.parse_sources(cfg.data, "--data")
+    mismatch = D.mix_mismatch(state, [n for n, _, _ in sources], [w for _, _, w in sources])
+    return [f"{mismatch} ({candidates[0]})"] if mismatch else []  # --sample_prompts and --sample_tokens
 
 
 def config_warnings(cfg) -> list[str]:

@@ -4,7 +4,8 @@ Commands:
 
     python data.py train-tokenizer --input a.txt b.jsonl --vocab_size 32000 --out tok.model
     python data.py prepare --input corpus/*.jsonl --tokenizer /models/Llama-3-70B-Instruct --out data/ --workers 16
-    python data.py sample --out out/sample        # the built-in English + French corpus, tokenizer, shards
+    python data.py sample --out out/sample        # the built-in English + French corpus, tokenizer, shards:
+                                                  # sources messages (catalogs, en + fr) and docstrings (en)
 
 Inputs: `.txt` (one document per file), `.jsonl` with `{"text": ...}` (one document per line), or chat
 `.jsonl` with `{"messages": [{"role": ..., "content": ...}, ...]}`. A chat is rendered with the
@@ -23,6 +24,9 @@ boundaries; a seeded permutation of all windows, drawn anew each epoch. Global b
 at stream positions P .. P + B - 1 (P = k * B when B never changed) whatever the world size W and the
 micro-batch size m: rank r reads, in accumulation step j, only the m windows at P + (j*W + r)*m. The
 loader's whole state is P, which each checkpoint stores.
+
+Mixes: `--data fr:0.6,en:0.4` interleaves the sources' windows by weight, position by position
+(MixedWindows); each source keeps its own order and epochs, and P still decides everything.
 """
 
 import argparse
@@ -31,12 +35,14 @@ import collections
 import concurrent.futures
 import dataclasses
 import fcntl
+import fractions
 import gettext
 import glob
 import hashlib
 import importlib.metadata
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -815,6 +821,16 @@ def is_inside(real_path: str, folder: str) -> bool:
     return os.path.commonpath([real_path, folder]) == folder
 
 
+def inputs_and_targets(rows: list):
+    """(inputs, targets) of windows [(tokens, mask or None)]: targets a mask excludes are -100."""
+    tokens = np.stack([t for t, _ in rows])
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].copy()
+    for row, (_, mask) in enumerate(rows):
+        if mask is not None:
+            targets[row, mask[1:] == 0] = -100
+    return inputs, targets
+
+
 class TokenWindows:
     """Windows of `seq_len + 1` tokens in a seeded, per-epoch order (see the module docstring)."""
 
@@ -833,16 +849,15 @@ class TokenWindows:
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
         return int(self._perm[pos]) * self.seq_len
 
+    def window(self, position: int):
+        """(tokens, mask or None) of the window at stream position `position`: seq_len + 1 tokens."""
+        return self.data.read(self._window_start(position), self.seq_len + 1)
+
     def micro_batch(self, position: int, accum_index: int, rank: int, world: int, micro: int):
         """(inputs, targets) int64 arrays (micro, seq_len) for the global batch that starts at stream
         position `position`. Targets the mask excludes (prompts of a chat) are -100."""
         first = position + (accum_index * world + rank) * micro
-        rows = [self.data.read(self._window_start(first + i), self.seq_len + 1) for i in range(micro)]
-        tokens = np.stack([t for t, _ in rows])
-        inputs, targets = tokens[:, :-1], tokens[:, 1:].copy()
-        if self.data.has_mask:
-            targets[np.stack([m for _, m in rows])[:, 1:] == 0] = -100
-        return inputs, targets
+        return inputs_and_targets([self.window(first + i) for i in range(micro)])
 
     def state(self, position: int) -> dict:
         """The loader's state after `position` windows: what a checkpoint stores."""
@@ -858,37 +873,222 @@ class TokenWindows:
         return state["position"]
 
 
+# ----------------------------------------------------------------------------------------------
+# Mixing sources: --data fr:0.6,en:0.4
+# ----------------------------------------------------------------------------------------------
+#
+# The mix is a fixed schedule over the mixed stream's positions, not a random draw: the first n positions hold
+# counts(n)[k] windows of source k, where the rounding of n x weight is done source by source (source 0
+# takes round(n * w0), source 1 round(rest * w1 / (w1 + w2 + ...)), ..., the last the rest). Each count
+# grows by 0 or 1 from n to n + 1, so position n is the window counts(n)[k] of the one source k whose count
+# grows. It is a function of n alone: the same windows for any W and micro-batch size, no collective, no
+# state beyond the position, and every global batch holds each source's share within a window or two.
+# Each source keeps its own seeded order and epochs (TokenWindows at position counts(n)[k]).
+
+SAMPLE_SOURCES = (("messages", 0.6), ("docstrings", 0.4))  # the built-in sample's two sources and weights
+
+
+def parse_sources(spec: str, flag: str) -> list[tuple[str, str, fractions.Fraction]]:
+    """[(name, path, weight)] of `PATH[:WEIGHT][,PATH[:WEIGHT]...]` (no weight: 1). The name is the folder's
+    name, or the file's without its extension; a repeated name gets -2, -3, ... DataError for an empty
+    source, a weight that is not a positive number, or a path that does not exist."""
+    sources, names = [], set()
+    for item in spec.split(","):
+        path, weight_text = item, "1"
+        if ":" in item and not os.path.exists(item):
+            path, _, weight_text = item.rpartition(":")
+        if not path.strip():
+            raise DataError(f"{flag}: {spec!r} has an empty source (expected PATH[:WEIGHT][,PATH[:WEIGHT]...])")
+        try:
+            weight = fractions.Fraction(weight_text.strip())
+        except (ValueError, ZeroDivisionError):
+            weight = None
+        if weight is None or weight <= 0:
+            raise DataError(f"{flag}: the weight {weight_text!r} of {path} is not a positive number")
+        if not os.path.exists(path):
+            raise DataError(f"{flag}: {path} does not exist")
+        base = os.path.basename(os.path.normpath(path))
+        name = base if os.path.isdir(path) else os.path.splitext(base)[0]
+        unique, k = name, 1
+        while unique in names:
+            k += 1
+            unique = f"{name}-{k}"
+        names.add(unique)
+        sources.append((unique, path, weight))
+    return sources
+
+
+def sample_sources(out_dir: str, part: str) -> list[tuple[str, str, fractions.Fraction]]:
+    """The built-in sample's sources: OUT_DIR/sample/{train,eval}/NAME with SAMPLE_SOURCES' weights."""
+    return [(name, os.path.join(out_dir, "sample", part, name), fractions.Fraction(str(weight)))
+            for name, weight in SAMPLE_SOURCES]
+
+
+def first_prepared_folder(spec: str, out_dir: str) -> str | None:
+    """The first source of --data that is a prepared folder (its meta.json names the tokenizer), or None."""
+    if spec == "sample":
+        return sample_sources(out_dir, "train")[0][1]
+    for item in spec.split(","):
+        path = item if os.path.exists(item) or ":" not in item else item.rpartition(":")[0]
+        if os.path.isfile(os.path.join(path, "meta.json")):
+            return path
+    return None
+
+
+def describe_mix(names: list, weights: list) -> str:
+    return ",".join(f"{name}:{float(weight):g}" for name, weight in zip(names, weights))
+
+
+def saved_sources(state: dict) -> list[dict]:
+    """A checkpoint's data state's sources; a state from before mixing (no "sources") is one source."""
+    return state.get("sources") or [dict(state, name=None, weight="1")]
+
+
+def mix_mismatch(state: dict, names: list, weights: list, flag: str = "--data") -> str | None:
+    """Why a run whose mix is `names` and `weights` cannot continue from the data state `state`, or None."""
+    saved = saved_sources(state)
+    total = sum(fractions.Fraction(w) for w in weights)
+    weights = [fractions.Fraction(w) / total for w in weights]
+    saved_weights = [fractions.Fraction(s["weight"]) for s in saved]
+    # One source has no mix to change: its folder may have moved (TokenWindows.check_state compares its tokens)
+    same_names = len(names) == 1 or all(s["name"] in (None, name) for s, name in zip(saved, names))
+    if len(saved) == len(names) and same_names and saved_weights == weights:
+        return None
+    saved_names = [s["name"] or "(one source)" for s in saved]
+    return (f"{flag}: the checkpoint was trained on the mix {describe_mix(saved_names, saved_weights)}, this run's "
+            f"is {describe_mix(names, weights)}: a new mix is a new phase (--init_from the checkpoint starts one "
+            f"from its weights)")
+
+
+class MixedWindows:
+    """The windows of one or more sources (TokenWindows), interleaved by weight (see the comment above).
+    One source is that source's windows, position for position."""
+
+    def __init__(self, names: list, sources: list, weights: list, flag: str = "--data"):
+        self.names, self.sources, self.flag = names, sources, flag
+        total = sum(weights)
+        self.weights = [fractions.Fraction(w) / total for w in weights]  # normalised
+        denominator = math.lcm(*(w.denominator for w in self.weights))
+        self.shares = [int(w * denominator) for w in self.weights]  # integers: exact rounding on any machine
+        self.rest = [sum(self.shares[k:]) for k in range(len(self.shares))]
+        self.seq_len = sources[0].seq_len
+        # make_batch's EOS id: a prepared source's (all share one tokenizer), else the model's
+        self.data = next((s.data for s in sources if s.data.meta), sources[0].data)
+
+    def counts(self, n: int) -> list[int]:
+        """Windows of each source among the first n positions of the mix."""
+        out, rest = [], n
+        for share, total in zip(self.shares[:-1], self.rest[:-1]):
+            count = (rest * share + total // 2) // total
+            out.append(count)
+            rest -= count
+        return out + [rest]
+
+    def source_of(self, position: int) -> tuple[int, int]:
+        """(source index, that source's own position) of the window at mix position `position`."""
+        before, after = position, position + 1
+        for k, (share, total) in enumerate(zip(self.shares[:-1], self.rest[:-1])):
+            count, count_after = (before * share + total // 2) // total, (after * share + total // 2) // total
+            if count_after > count:
+                return k, count
+            before, after = before - count, after - count_after
+        return len(self.sources) - 1, before
+
+    def micro_batch(self, position: int, accum_index: int, rank: int, world: int, micro: int):
+        """As TokenWindows.micro_batch, over the mix: rank r reads the m windows at P + (j*W + r)*m."""
+        first = position + (accum_index * world + rank) * micro
+        rows = []
+        for i in range(first, first + micro):
+            k, own_position = self.source_of(i)
+            rows.append(self.sources[k].window(own_position))
+        return inputs_and_targets(rows)
+
+    def progress(self, position: int) -> dict:
+        """What the metrics show after `position` windows: windows drawn and epochs, per source name."""
+        counts = self.counts(position)
+        return dict(windows_by_source=dict(zip(self.names, counts)),
+                    epochs_by_source={n: c / s.n_windows for n, c, s in zip(self.names, counts, self.sources)})
+
+    def losses(self, evaluate) -> dict:
+        """{"eval_loss": the weighted mean, "eval_loss/NAME": each source's (more than one source)}, where
+        evaluate(TokenWindows) is one source's mean loss."""
+        by_source = [evaluate(source) for source in self.sources]
+        if len(by_source) == 1:
+            return {"eval_loss": by_source[0]}
+        mean = sum(float(w) * loss for w, loss in zip(self.weights, by_source))
+        return {"eval_loss": mean, **{f"eval_loss/{n}": loss for n, loss in zip(self.names, by_source)}}
+
+    def state(self, position: int) -> dict:
+        """The loader's state after `position` windows: what a checkpoint stores (each source's own
+        position too, for reading; the mix position decides them)."""
+        return dict(position=position, sources=[
+            dict(name=name, weight=str(weight), **source.state(count))
+            for name, weight, source, count in zip(self.names, self.weights, self.sources, self.counts(position))])
+
+    def check_state(self, state: dict) -> int:
+        """The position to continue from, if `state` was saved by a loader over the same mix and windows.
+        A state from before mixing (one source, no "sources") continues a one-source run."""
+        saved = saved_sources(state)
+        mismatch = mix_mismatch(state, self.names, self.weights, self.flag)
+        if mismatch:
+            raise DataError(mismatch)
+        position = state["position"]
+        for name, source, s, count in zip(self.names, self.sources, saved, self.counts(position)):
+            try:
+                source.check_state(dict(s, position=count))
+            except DataError as e:
+                raise DataError(f"{e} (source {name}: {source.data.path})" if len(saved) > 1 else str(e)) from None
+        return position
+
+
 def open_data(cfg, mcfg):
-    """The training windows and the held-out ones (or None). A preset takes its vocabulary and BOS/EOS
-    ids from the prepared data's tokenizer; a model from --init_from must match it."""
-    data_path, eval_path = cfg.data, None if cfg.eval_data in ("auto", "") else cfg.eval_data
+    """The training windows and the held-out ones (or None), each a MixedWindows over the sources of --data
+    and --eval_data. A preset takes its vocabulary and BOS/EOS ids from the prepared data's tokenizer; a
+    model from --init_from must match it. Every source is checked against the model's vocabulary."""
+    eval_spec = None if cfg.eval_data in ("auto", "") else cfg.eval_data
     if cfg.data == "sample":
         folder = os.path.join(cfg.out_dir, "sample")
-        if not os.path.isfile(os.path.join(folder, "eval", "meta.json")) and os.environ.get("RANK", "0") == "0":
+        if not sample_is_built(folder) and os.environ.get("RANK", "0") == "0":
             print(f"building the built-in sample (corpus, tokenizer, shards) in {folder}", flush=True)
         build_sample(folder)
-        data_path = os.path.join(folder, "train")
-        if cfg.eval_data in ("auto", "sample"):
-            eval_path = os.path.join(folder, "eval")
-    data = TokenData(data_path, "--data")
-    if data.meta and not cfg.init_from:
-        mcfg = dataclasses.replace(mcfg, vocab_size=data.meta["vocab_size"], bos_id=data.meta["bos_id"],
-                                   eos_id=data.meta["eos_id"])
-    if data.meta and cfg.init_from and data.meta["tokenizer"]["kind"] == "huggingface":
-        model_tokenizer = os.path.join(cfg.init_from, "tokenizer.json")
-        if os.path.isfile(model_tokenizer) and Tokenizer(cfg.init_from).sha256 != data.meta["tokenizer"]["sha256"]:
-            raise DataError(f"--data: {data_path} was tokenized with {data.meta['tokenizer']['path']}, whose "
-                              f"tokenizer.json differs from {model_tokenizer}")
-    data.check_vocab(mcfg.vocab_size, "--data")
-    windows = TokenWindows(data, cfg.seq_len, cfg.seed, flag="--data")
+        sources = sample_sources(cfg.out_dir, "train")
+        eval_sources = sample_sources(cfg.out_dir, "eval") if cfg.eval_data in ("auto", "sample") else None
+    else:
+        sources = parse_sources(cfg.data, "--data")
+        eval_sources = parse_sources(eval_spec, "--eval_data") if eval_spec else None
+    train_data = [(name, TokenData(path, "--data"), weight) for name, path, weight in sources]
+    prepared = [(path, data) for (_, path, _), (_, data, _) in zip(sources, train_data) if data.meta]
+    if prepared and not cfg.init_from:
+        meta = prepared[0][1].meta
+        mcfg = dataclasses.replace(mcfg, vocab_size=meta["vocab_size"], bos_id=meta["bos_id"], eos_id=meta["eos_id"])
+    for path, data in prepared[1:]:  # one tokenizer for the whole mix
+        if data.meta["tokenizer"]["sha256"] != prepared[0][1].meta["tokenizer"]["sha256"]:
+            raise DataError(f"--data: {path} was tokenized with {data.meta['tokenizer']['path']}, {prepared[0][0]} "
+                            f"with {prepared[0][1].meta['tokenizer']['path']}: a mix needs one tokenizer")
+    for data_path, data in prepared:
+        if cfg.init_from and data.meta["tokenizer"]["kind"] == "huggingface":
+            model_tokenizer = os.path.join(cfg.init_from, "tokenizer.json")
+            if os.path.isfile(model_tokenizer) and Tokenizer(cfg.init_from).sha256 != data.meta["tokenizer"]["sha256"]:
+                raise DataError(f"--data: {data_path} was tokenized with {data.meta['tokenizer']['path']}, whose "
+                                f"tokenizer.json differs from {model_tokenizer}")
+    windows = mixed_windows(train_data, cfg, mcfg, "--data")
     eval_windows = None
-    if eval_path and cfg.eval_every:
-        eval_data = TokenData(eval_path, "--eval_data")
-        if data.meta and eval_data.meta and eval_data.meta["tokenizer"]["sha256"] != data.meta["tokenizer"]["sha256"]:
-            raise DataError(f"--eval_data: {eval_path} was tokenized with another tokenizer than --data {data_path}")
-        eval_data.check_vocab(mcfg.vocab_size, "--eval_data")
-        eval_windows = TokenWindows(eval_data, cfg.seq_len, cfg.seed, flag="--eval_data")
+    if eval_sources and cfg.eval_every:
+        eval_data = [(name, TokenData(path, "--eval_data"), weight) for name, path, weight in eval_sources]
+        for (_, path, _), (_, data, _) in zip(eval_sources, eval_data):
+            if prepared and data.meta and data.meta["tokenizer"]["sha256"] != prepared[0][1].meta["tokenizer"]["sha256"]:
+                raise DataError(f"--eval_data: {path} was tokenized with another tokenizer than --data {prepared[0][0]}")
+        eval_windows = mixed_windows(eval_data, cfg, mcfg, "--eval_data")
     return mcfg, windows, eval_windows
+
+
+def mixed_windows(sources: list, cfg, mcfg, flag: str) -> MixedWindows:
+    """The MixedWindows of [(name, TokenData, weight)], each source's ids checked against the vocabulary."""
+    for _, data, _ in sources:
+        data.check_vocab(mcfg.vocab_size, flag)
+    return MixedWindows([name for name, _, _ in sources],
+                        [TokenWindows(data, cfg.seq_len, cfg.seed, flag=flag) for _, data, _ in sources],
+                        [weight for _, _, weight in sources], flag)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -933,7 +1133,8 @@ def python_docstrings(max_chars: int = 2_000_000):
 
 def write_sample_corpus(folder: str, doc_chars: int = 2000):
     """text.jsonl (English and French documents), chat.jsonl (translation requests answered in French),
-    and the held-out eval_text.jsonl (every 50th document)."""
+    and the held-out eval_text.jsonl (every 50th document); the same documents by source as
+    messages.jsonl (the catalogs' English and French) and docstrings.jsonl (English), with their eval_*.jsonl."""
     os.makedirs(folder, exist_ok=True)
     pairs = list(message_catalogs())
     if not pairs:
@@ -946,10 +1147,18 @@ def write_sample_corpus(folder: str, doc_chars: int = 2000):
         if sum(map(len, fr)) >= doc_chars:
             docs += ["\n\n".join(en), "\n\n".join(fr)]
             en, fr = [], []
+    n_messages = len(docs)
     docs += list(python_docstrings())
-    with open(os.path.join(folder, "text.jsonl"), "w") as train, open(os.path.join(folder, "eval_text.jsonl"), "w") as held_out:
-        for i, doc in enumerate(docs):
-            (held_out if i % 50 == 49 else train).write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
+    files = {name: (open(os.path.join(folder, f"{name}.jsonl"), "w"), open(os.path.join(folder, f"eval_{name}.jsonl"), "w"))
+             for name in ("text",) + tuple(name for name, _ in SAMPLE_SOURCES)}
+    for i, doc in enumerate(docs):
+        line = json.dumps({"text": doc}, ensure_ascii=False) + "\n"
+        source = SAMPLE_SOURCES[0 if i < n_messages else 1][0]  # messages, then docstrings
+        for name in ("text", source):  # text.jsonl: both sources, what the tokenizer is trained on
+            files[name][1 if i % 50 == 49 else 0].write(line)
+    for pair in files.values():
+        for f in pair:
+            f.close()
     with open(os.path.join(folder, "chat.jsonl"), "w") as f:
         for english, french in pairs[::20]:
             if 40 <= len(english) <= 400:
@@ -960,19 +1169,26 @@ def write_sample_corpus(folder: str, doc_chars: int = 2000):
 
 
 def build_sample(folder: str, vocab_size: int = 4096, quiet: bool = True) -> str:
-    """The sample corpus, its tokenizer and its prepared train/ and eval/ folders under `folder`, built
-    once: every later run (and every other rank, which waits on the lock) finds them there."""
+    """The sample corpus, its tokenizer (trained on both sources) and each source's prepared folders
+    train/NAME and eval/NAME under `folder` (SAMPLE_SOURCES), built once: every later run (and every
+    other rank, which waits on the lock) finds them there."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not all(os.path.isfile(os.path.join(folder, d, "meta.json")) for d in ("train", "eval")):
+        if not sample_is_built(folder):
             write_sample_corpus(folder)
             text, tokenizer = os.path.join(folder, "text.jsonl"), os.path.join(folder, "tokenizer.model")
             train_tokenizer([text], vocab_size, tokenizer)
-            prepare([text], tokenizer, os.path.join(folder, "train"), overwrite=True, quiet=quiet)
-            prepare([os.path.join(folder, "eval_text.jsonl")], tokenizer, os.path.join(folder, "eval"),
-                    overwrite=True, quiet=quiet)
+            for name, _ in SAMPLE_SOURCES:
+                for part, prefix in (("train", ""), ("eval", "eval_")):
+                    prepare([os.path.join(folder, f"{prefix}{name}.jsonl")], tokenizer, os.path.join(folder, part, name),
+                            overwrite=True, quiet=quiet)
     return folder
+
+
+def sample_is_built(folder: str) -> bool:
+    return all(os.path.isfile(os.path.join(folder, part, name, "meta.json"))
+               for name, _ in SAMPLE_SOURCES for part in ("train", "eval"))
 
 
 # ----------------------------------------------------------------------------------------------

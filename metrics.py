@@ -54,7 +54,8 @@ def fmt_time(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-def log_step(cfg, metrics: dict, f):
+def log_step(cfg, metrics: dict, f, epochs_by_source: dict | None = None):
+    """One metrics.jsonl row, and the step line when due; `epochs_by_source` (once a source repeats) too."""
     f.write(json.dumps(metrics) + "\n")
     f.flush()
     s = metrics["step"]
@@ -67,7 +68,10 @@ def log_step(cfg, metrics: dict, f):
               f"mfu {mfu} | mem {metrics['mem_gb']:.2f} GB | elapsed {fmt_time(metrics['elapsed_s'])} | "
               f"eta {fmt_time(metrics['eta_s'])}" +
               (f" | ${metrics['cost_usd']:,.2f} of ${metrics['projected_cost_usd']:,.2f}" if "cost_usd" in metrics else "") +
-              (f" | eval_loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else ""),
+              (f" | eval_loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else "") +
+              "".join(f" | {key} {value:.4f}" for key, value in metrics.items() if key.startswith("eval_loss/")) +
+              (" | epochs " + ", ".join(f"{name} {e:.2f}" for name, e in epochs_by_source.items())
+               if epochs_by_source else ""),
               flush=True)
 
 
@@ -96,8 +100,11 @@ class MetricsLog:
             self.tensorboard = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
         self.start = time.perf_counter()
 
-    def step(self, step: int, loss, grad_norm, lr: float, step_time_s: float, mem_gb: float, eval_loss=None):
-        """Logs 1-based `step`; loss and grad_norm are None for a skipped step."""
+    def step(self, step: int, loss, grad_norm, lr: float, step_time_s: float, mem_gb: float, eval_loss=None,
+             progress=None):
+        """Logs 1-based `step`; loss and grad_norm are None for a skipped step. eval_loss: a number, or
+        {"eval_loss": ..., "eval_loss/SOURCE": ...} (data.MixedWindows.losses); progress: the loader's
+        windows_by_source and epochs_by_source (data.MixedWindows.progress)."""
         if self.file is None:
             return
         now = time.perf_counter() - self.start
@@ -107,22 +114,26 @@ class MetricsLog:
             step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
             mfu=None if self.peak is None else tokens_per_sec_per_gpu * self.flops_per_token / self.peak,
             mem_gb=mem_gb, step_time_s=step_time_s, elapsed_s=self.elapsed_before + now, eta_s=eta)
+        if progress is not None:
+            metrics["windows_by_source"] = progress["windows_by_source"]
         if eval_loss is not None:
-            metrics["eval_loss"] = eval_loss
+            metrics.update(eval_loss if isinstance(eval_loss, dict) else {"eval_loss": eval_loss})
         if self.cfg.gpu_hour_usd:  # GPU-hours so far (all restarts, downtime excluded) and at the end
             elapsed = metrics["elapsed_s"]
             metrics["cost_usd"] = elapsed / 3600 * self.world * self.cfg.gpu_hour_usd
             metrics["projected_cost_usd"] = (elapsed + eta) / 3600 * self.world * self.cfg.gpu_hour_usd
+        epochs = (progress or {}).get("epochs_by_source", {})
         try:
-            log_step(self.cfg, metrics, self.file)
+            log_step(self.cfg, metrics, self.file, epochs if any(e > 1 for e in epochs.values()) else None)
         except OSError as e:  # a torn last line is dropped on resume
             self.error = C.unwritable(os.path.join(self.cfg.out_dir, "metrics.jsonl"), e)
             self.file.close()
             self.file = None
             return
         for key, value in metrics.items() if self.tensorboard else ():
-            if key != "step" and value is not None:
-                self.tensorboard.add_scalar(key, value, step)
+            for name, number in (value.items() if isinstance(value, dict) else [(None, value)]):
+                if key != "step" and number is not None:
+                    self.tensorboard.add_scalar(f"{key}/{name}" if name else key, number, step)
 
     def close(self):
         for f in (self.file, self.tensorboard):
@@ -167,7 +178,8 @@ def plot_metrics(out_dir: str) -> str:
         raise RuntimeError(f"--plot: {path} does not exist")
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    panels = [("loss", ["loss", "eval_loss"]), ("learning rate", ["lr"]),
+    by_source = sorted({key for r in rows for key in r if key.startswith("eval_loss/")})  # a mix's sources
+    panels = [("loss", ["loss", "eval_loss", *by_source]), ("learning rate", ["lr"]),
               ("tokens/s/GPU", ["tokens_per_sec_per_gpu"]), ("MFU", ["mfu"]), ("peak memory (GB)", ["mem_gb"])]
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels)), sharex=True)
     for ax, (title, keys) in zip(axes, panels):

@@ -33,8 +33,9 @@ def run_tokenizer(cfg) -> str | None:
     None for a bare .npy without either. Raises DataError for a prepared folder whose meta.json is bad."""
     if cfg.data == "sample":
         return os.path.join(cfg.out_dir, "sample", "tokenizer.model")
-    if os.path.isdir(cfg.data):
-        return D.read_meta(cfg.data, "--data")["tokenizer"]["path"]
+    folder = D.first_prepared_folder(cfg.data, cfg.out_dir)  # a mix's sources share one tokenizer
+    if folder:
+        return D.read_meta(folder, "--data")["tokenizer"]["path"]
     if cfg.init_from and os.path.isfile(os.path.join(cfg.init_from, "tokenizer.json")):
         return cfg.init_from
     return None

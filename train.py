@@ -72,13 +72,14 @@ class TrainConfig:
     init_from: str = opt("", "weights to start from: a Hugging Face Llama folder (config.json + *.safetensors), or one of "
                              "our checkpoints (a step_* folder, or an --out_dir: its latest) for a new phase: its "
                              "weights only, step 1, a fresh optimizer and data position, any world size")
-    data: str = opt("sample", "a folder from data.py prepare, a 1-D .npy token file, or 'sample' (the built-in "
-                              "English + French corpus and tokenizer, built once under OUT_DIR/sample)")
+    data: str = opt("sample", "a folder from data.py prepare, a 1-D .npy token file, or several weighted, "
+                              "DIR[:WEIGHT][,DIR[:WEIGHT]...] (each global batch in those proportions); or 'sample' (the "
+                              "built-in English + French corpus and tokenizer, built once under OUT_DIR/sample: two sources)")
     doc_mask: bool = opt(True, "packed documents do not attend to each other and RoPE restarts in each")
-    eval_data: str = opt("auto", "held-out data like --data; 'auto': the sample's held-out part with --data "
-                                 "sample, else none")
+    eval_data: str = opt("auto", "held-out data like --data (several sources: eval_loss/NAME each, eval_loss their "
+                                 "weighted mean); 'auto': the sample's held-out part with --data sample, else none")
     eval_every: int = opt(50, "evaluate every N steps and at the end (0: never)")
-    eval_batches: int = opt(4, "global batches of --eval_data per evaluation (the same ones every time)")
+    eval_batches: int = opt(4, "global batches of --eval_data (of each of its sources) per evaluation (the same ones every time)")
     sample_prompts: str = opt("", "a .jsonl of prompts ({\"text\": ...} or a chat {\"messages\": [...]}): each evaluation "
                                   "also completes them greedily, prints them and appends them to OUT_DIR/samples.jsonl")
     sample_tokens: int = opt(64, "--sample_prompts: new tokens per prompt at most (fewer when an end id comes)")
@@ -949,8 +950,8 @@ def main(argv=None):
         mem_gb = metrics.peak_mem_bytes(device) / 1e9  # before evaluation, which is not the step
         eval_loss = None
         if eval_windows is not None and (step % cfg.eval_every == 0 or step == steps):
-            eval_loss = evaluate(cfg, sharded, eval_windows)
-        log.step(step, loss, grad_norm, lr_at(cfg, step), step_time_s, mem_gb, eval_loss)
+            eval_loss = eval_windows.losses(partial(evaluate, cfg, sharded))  # each source's, and their weighted mean
+        log.step(step, loss, grad_norm, lr_at(cfg, step), step_time_s, mem_gb, eval_loss, windows.progress(position))
         if sampler and (step % cfg.eval_every == 0 or step == steps):
             sampler.sample(sharded, step)  # greedy completions of --sample_prompts (sample.py)
 

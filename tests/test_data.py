@@ -340,14 +340,18 @@ def test_a_model_with_another_vocabulary_is_refused(corpus, tmp_path):
     assert f"error: --data: {prepared} was tokenized with a 400-token vocabulary; the model's has 97" in proc.stderr
 
 
-def test_the_builtin_sample_is_english_and_french(tmp_path):
+def test_the_builtin_sample_is_english_and_french_in_two_sources(tmp_path):
     folder = D.build_sample(str(tmp_path / "sample"))
-    meta = json.load(open(os.path.join(folder, "train", "meta.json")))
-    assert meta["documents"] > 1000 and meta["tokens"] > 1_000_000
+    metas = {name: json.load(open(os.path.join(folder, "train", name, "meta.json"))) for name in ("messages", "docstrings")}
+    assert sum(m["documents"] for m in metas.values()) > 1000 and sum(m["tokens"] for m in metas.values()) > 1_000_000
+    assert all(m["tokens"] > 200_000 for m in metas.values())
     docs = [json.loads(line)["text"] for line in open(os.path.join(folder, "text.jsonl"), encoding="utf-8")]
     french = sum(" le " in d and ("é" in d or "è" in d) for d in docs)
     english = sum(" the " in d for d in docs)
     assert french > 300 and english > 300, (french, english)
-    mtime = os.path.getmtime(os.path.join(folder, "train", "meta.json"))
+    docstrings = [json.loads(line)["text"] for line in open(os.path.join(folder, "docstrings.jsonl"), encoding="utf-8")]
+    assert not any(" le " in d and ("é" in d or "è" in d) for d in docstrings)  # the English source
+    assert all(os.path.isfile(os.path.join(folder, "eval", name, "meta.json")) for name in ("messages", "docstrings"))
+    mtime = os.path.getmtime(os.path.join(folder, "train", "messages", "meta.json"))
     D.build_sample(folder)  # cached: not rebuilt
-    assert os.path.getmtime(os.path.join(folder, "train", "meta.json")) == mtime
+    assert os.path.getmtime(os.path.join(folder, "train", "messages", "meta.json")) == mtime
