@@ -69,6 +69,22 @@ if [ "$GPUS" -eq 0 ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per CPU process: 2 processes on 2 cores
 fi
 
+# GPU memory and diagnosis (each can be overridden from the environment; none matters on CPU).
+# NVLS (NVLink SHARP, NVSwitch systems: H100/H200 HGX) makes NCCL bind multicast buffers outside PyTorch's
+# allocator, 1 GiB or more per communicator (NCCL's log: "NVLS Bind mem ... size 1073741824"); NVIDIA's own
+# launchers turn it off to save that memory (NeMo-Framework-Launcher#127, JAX-Toolbox#383). The planner
+# allows 1 GiB for the CUDA context and NCCL together, and the two-node recipe leaves ~2 GiB. ZeRO-3's
+# all-gathers and reduce-scatters run at NVLink bandwidth on NCCL's ring and P2P paths without it.
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+# Expandable segments: freed blocks of one size (a unit's gathered buffer comes and goes every step) do not
+# strand reserved memory the next size cannot use. Safe with train.py's storage resize_(0)/resize_ trick:
+# a CUDA storage's resize_ (ATen resize_bytes_cuda) is allocate-new + copy + free-old through the same
+# allocator, whatever it maps; FSDP2 frees its unsharded parameters the same way and torchtitan runs with
+# this setting. PYTORCH_ALLOC_CONF is torch 2.13's name (PYTORCH_CUDA_ALLOC_CONF is the deprecated one).
+if [ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]; then
+  export PYTORCH_ALLOC_CONF=expandable_segments:True
+fi
+
 if [ "$NNODES" -gt 1 ]; then
   : "${MASTER_ADDR:?set MASTER_ADDR (address of the first node) for a multi-node run}"
   if [ -z "${RDZV_ID:-}" ]; then  # one per run: a hash of --out_dir's absolute path (train.py's default: out)

@@ -919,6 +919,7 @@ def main(argv=None):
     rank, device = sharded.rank, sharded.device
     if rank == 0:
         print(metrics.startup_line(cfg, sharded, start_step), flush=True)
+    metrics.print_device_memory(cfg, sharded, "after set-up (its all-gathers made NCCL's buffers)", "state_gib")
     stop_signals, skipped = catch_stop_signals(), 0
 
     for step in range(start_step + 1, steps + 1):
@@ -943,6 +944,8 @@ def main(argv=None):
         if eval_windows is not None and (step % cfg.eval_every == 0 or step == steps):
             eval_loss = evaluate(cfg, sharded, eval_windows)
         log.step(step, loss, grad_norm, lr_at(cfg, step), step_time_s, mem_gb, eval_loss)
+        if step == start_step + 1:
+            metrics.print_device_memory(cfg, sharded, f"after step {step}", "peak_gib")
         if sampler and (step % cfg.eval_every == 0 or step == steps):
             sampler.sample(sharded, step)  # greedy completions of --sample_prompts (sample.py)
 

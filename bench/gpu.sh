@@ -19,6 +19,11 @@ else
         exit 2
     fi
 fi
+# As launch.sh: NCCL's NVLS buffers off, the allocator's expandable segments on. On a GPU the correctness
+# check then runs train.py's storage resize_(0)/resize_ trick under expandable segments (a wrong gather
+# shows as a loss or gradient off the oracle), and each run's peak is what a launch.sh run would have.
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+[ -n "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ] || export PYTORCH_ALLOC_CONF=expandable_segments:True
 export PYTHONUNBUFFERED=1
 exec timeout --signal=TERM --kill-after=20 "${BENCH_TIMEOUT_S:-480}" \
     "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" bench/gpu.py "$@"

@@ -289,11 +289,12 @@ def test_sbatch_stops_when_the_check_fails(tmp_path):
 
 
 def fake_python(tmp_path) -> str:
-    """A stand-in for $PYTHON: reports no GPU, and writes the arguments it is run with (torchrun's) to
-    $ARGS_FILE, one per line."""
+    """A stand-in for $PYTHON: reports $FAKE_GPUS GPUs (none by default),
+    and writes the arguments it is run with (torchrun's) to $ARGS_FILE, one per line, and its environment
+    to $ARGS_FILE.env."""
     path = tmp_path / "python"
-    path.write_text('#!/bin/bash\ncase "$*" in *device_count*) echo 0; exit 0 ;; esac\n'
-                    'printf "%s\\n" "$@" > "$ARGS_FILE"\n')
+    path.write_text('#!/bin/bash\ncase "$*" in *device_count*) echo "${FAKE_GPUS:-0}"; exit 0 ;; esac\n'
+                    'printf "%s\\n" "$@" > "$ARGS_FILE"\nenv > "$ARGS_FILE.env"\n')
     path.chmod(0o755)
     return str(path)
 
@@ -335,3 +336,24 @@ def test_rendezvous_is_one_per_run_and_nodes_are_the_jobs(tmp_path):
     assert code == 2 and torchrun == [], err
     assert err.strip().splitlines() == ["launch.sh: NNODES=1, but this SLURM job has SLURM_NNODES=2 nodes; unset "
                                         "NNODES (under SLURM it comes from the job) or submit the job with --nodes 1"]
+
+
+def launch_env(tmp_path) -> dict:
+    """The environment the last launch_dry's torchrun got."""
+    return dict(line.split("=", 1) for line in (tmp_path / "torchrun.args.env").read_text().splitlines() if "=" in line)
+
+
+def test_launch_leaves_the_gpu_memory_the_planner_counts(tmp_path):
+    """NCCL's NVLS buffers (outside the allocator, over the planner's 1 GiB for context and NCCL) are off, and
+    the allocator's expandable segments on (train.py's storage resize_ allocates and frees through the
+    allocator, which expandable segments do not change); a user's own settings win."""
+    code, err, torchrun = launch_dry(tmp_path, [], FAKE_GPUS="8")
+    env = launch_env(tmp_path)
+    assert code == 0, err
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    code, err, torchrun = launch_dry(tmp_path, [], FAKE_GPUS="8", NCCL_NVLS_ENABLE="1",
+                                     PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512")
+    env = launch_env(tmp_path)
+    assert code == 0, err
+    assert env["NCCL_NVLS_ENABLE"] == "1" and "PYTORCH_ALLOC_CONF" not in env
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"

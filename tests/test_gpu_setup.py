@@ -1,0 +1,51 @@
+"""First-run GPU hazards (issue 20, part 2), each as the decision the code makes, tested on a CPU: what the
+GPU memory line prints beside the planner, the process group bound to the rank's GPU, and what a CUDA
+machine does with flash-attn. What only a GPU can show runs in bench/gpu.sh."""
+import types
+
+import pytest
+import torch
+from common import small_config
+
+import metrics
+import plan as P
+import train as T
+
+GIB = 2**30
+
+
+def test_the_gpu_memory_line_puts_what_is_outside_the_allocator_beside_the_planners_allowance():
+    line = metrics.device_memory_line("after step 1", free_bytes=4 * GIB, total_bytes=80 * GIB,
+                                      reserved_bytes=73 * GIB, planned_gib=74.5, planned_context_gib=1.0)
+    assert line == ("GPU memory after step 1: 76.00 GiB in use of 80.00 (mem_get_info), 73.00 reserved by "
+                    "PyTorch's allocator, 3.00 outside it (CUDA context, NCCL, other processes) | planned 74.50 GiB, "
+                    "1.00 of it outside the allocator: 2.00 GiB more than the planner allows")
+    within = metrics.device_memory_line("after set-up", 70 * GIB, 80 * GIB, int(9.5 * GIB), 10.2, 1.0)
+    assert within.endswith("0.50 outside it (CUDA context, NCCL, other processes) | planned 10.20 GiB, 1.00 of it "
+                           "outside the allocator")
+    unknown_gpu = metrics.device_memory_line("after step 1", 4 * GIB, 80 * GIB, 73 * GIB, None, None)
+    assert "planned" not in unknown_gpu
+
+
+def test_the_gpu_memory_is_printed_by_rank_0_on_cuda_beside_the_planners_figure(monkeypatch, capsys):
+    """A stand-in for torch.cuda's queries: rank 0 prints after set-up and after step 1 with the planner's
+    state and peak for the run as launched (W=16, 8 per node, the H100 CUDA names); other ranks and CPU
+    runs print nothing."""
+    mcfg = small_config()
+    cfg = T.parse_args(["--seq_len", "64", "--batch_size", "16", "--micro_batch_size", "1"])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 19 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    sharded = types.SimpleNamespace(rank=0, world=16, device=torch.device("cuda", 0), model=types.SimpleNamespace(cfg=mcfg))
+    expected = P.run_memory_gib(mcfg, cfg, 16, 8, "NVIDIA H100 80GB HBM3")
+    two_nodes = P.fit_and_speed(mcfg, T.parse_args(["--seq_len", "64", "--batch_size", "16", "--micro_batch_size", "1",
+                                                    "--nnodes", "2", "--nproc_per_node", "8", "--gpu", "h100"]))
+    assert expected["peak_gib"] == two_nodes["peak_gib"] and expected["context_gib"] == 1.0
+    metrics.print_device_memory(cfg, sharded, "after step 1", "peak_gib")
+    assert capsys.readouterr().out == metrics.device_memory_line("after step 1", 60 * GIB, 80 * GIB, 19 * GIB,
+                                                                 expected["peak_gib"], 1.0) + "\n"
+    for quiet in (dict(sharded.__dict__, rank=1), dict(sharded.__dict__, device=torch.device("cpu"))):
+        metrics.print_device_memory(cfg, types.SimpleNamespace(**quiet), "after step 1", "peak_gib")
+    assert capsys.readouterr().out == ""
+    assert P.run_memory_gib(mcfg, cfg, 16, 8, "Some Other GPU") is None
