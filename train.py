@@ -186,11 +186,13 @@ def init_processes(cfg: TrainConfig):
     # after --timeout_min, and torch's default NCCL error handling (3: tear down without cleanup) turns that
     # into an exit, not a stuck process. Forcing the older mode 1 would make that exit slower.
     timeout = datetime.timedelta(minutes=cfg.timeout_min)
+    # device_id: NCCL connects here (eagerly), so a broken NCCL set-up fails at start, not at the first step.
+    bound = {"device_id": device} if use_cuda else {}
     if not dist.is_initialized():  # else made by a caller that runs several trainings in one process (bench/)
         if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, **bound)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bound)
     C.make_group(cfg.ckpt_timeout_min)  # saves and resumes wait longer: their own group (checkpoint.py)
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -862,6 +864,8 @@ def optimizer_threads(cfg, device: torch.device, local_world: int, cores: int) -
     """--offload_optimizer on GPUs: the optimizer runs on the CPU, over 16 B per parameter / W, and torchrun
     gives each worker one thread (OMP_NUM_THREADS=1). Each rank takes its share of the node's cores."""
     if cfg.offload_optimizer and device.type == "cuda":
+        if os.environ.get("ZERO3_NUMA_BINDING") == "exclusive":  # launch.sh: torchrun bound these cores to us alone
+            return max(1, cores)
         return max(1, cores // local_world)
     return None
 

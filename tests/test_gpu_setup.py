@@ -49,3 +49,27 @@ def test_the_gpu_memory_is_printed_by_rank_0_on_cuda_beside_the_planners_figure(
         metrics.print_device_memory(cfg, types.SimpleNamespace(**quiet), "after step 1", "peak_gib")
     assert capsys.readouterr().out == ""
     assert P.run_memory_gib(mcfg, cfg, 16, 8, "Some Other GPU") is None
+
+
+@pytest.mark.parametrize("device,rank_env", [("cuda", True), ("cuda", False), ("cpu", True)])
+def test_the_nccl_group_is_bound_to_the_ranks_gpu_so_its_set_up_fails_at_start(monkeypatch, device, rank_env):
+    """init_process_group(device_id=cuda:LOCAL_RANK) makes NCCL connect at once (a broken set-up fails before
+    the first step, not at its first collective); gloo on CPU gets no device."""
+    calls = []
+    monkeypatch.setattr(T.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(T.dist, "init_process_group", lambda backend, **kwargs: calls.append((backend, kwargs)))
+    monkeypatch.setattr(T.dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(T.dist, "get_world_size", lambda: 8)
+    monkeypatch.setattr(T.torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(T.C, "make_group", lambda timeout_min: None)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    if rank_env:
+        monkeypatch.setenv("RANK", "3")
+    else:
+        monkeypatch.delenv("RANK", raising=False)
+    rank, world, got = T.init_processes(T.parse_args(["--device", device]))
+    [(backend, kwargs)] = calls
+    if device == "cuda":
+        assert backend == "nccl" and kwargs["device_id"] == torch.device("cuda", 3) == got
+    else:
+        assert backend == "gloo" and "device_id" not in kwargs
