@@ -687,7 +687,7 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
     if rank == 0:  # a fresh folder: a crashed export's model.safetensors must not sit beside a new index
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    weight_map, total_bytes = {}, 0
+    weight_map, total_bytes, error = {}, 0, ""
     for i, file_units in enumerate(files):
         fname = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
         tensors = []
@@ -699,10 +699,22 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
                     tensors.append((hf_name(slot.name), piece.to(dtype).cpu().clone()))
             del full
         if rank == 0:
-            write_safetensors_streaming(os.path.join(tmp, fname), tensors, metadata={"format": "pt"})
-            weight_map.update({name: fname for name, _ in tensors})
-            total_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
-    done, error, note = torch.zeros((), dtype=torch.int64), "", ""
+            try:
+                write_safetensors_streaming(os.path.join(tmp, fname), tensors, metadata={"format": "pt"})
+                weight_map.update({name: fname for name, _ in tensors})
+                total_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
+            except OSError as e:
+                error = f"--export_hf: {e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+        # Paced per file: the other ranks wait here, on the CPU (gloo, --ckpt_timeout_min), while rank 0 writes,
+        # and queue the next file's all-gathers only then. Queued all at once, the last ones would wait on the
+        # GPU for rank 0's whole ~140 GB (70B) and NCCL's watchdog would end them after --timeout_min.
+        written = torch.tensor(int(not error))
+        dist.broadcast(written, src=0, group=group)
+        if not written:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(error or f"--export_hf: rank 0 could not write {fname} of {out} (its error says why)")
+    done, note = torch.zeros((), dtype=torch.int64), ""
     if rank == 0:
         try:
             if len(files) > 1:
