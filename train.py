@@ -823,6 +823,8 @@ def setup(cfg: TrainConfig):
     if os.environ.get("RANK", "0") == "0":
         for warning in config_warnings(cfg):  # allowed, but probably not meant
             print(f"warning: {warning}", file=sys.stderr, flush=True)
+        if "selective" in (cfg.ac, cfg.ac_rest) and M.flash_attn_unsaved_warning(SAVED_OPS):
+            print(f"warning: {M.flash_attn_unsaved_warning(SAVED_OPS)}", file=sys.stderr, flush=True)
 
     windows = eval_windows = None
     if cfg.steps > 0 and not cfg.from_ckpt:

@@ -73,3 +73,69 @@ def test_the_nccl_group_is_bound_to_the_ranks_gpu_so_its_set_up_fails_at_start(m
         assert backend == "nccl" and kwargs["device_id"] == torch.device("cuda", 3) == got
     else:
         assert backend == "gloo" and "device_id" not in kwargs
+
+
+def test_a_flash_attn_that_is_installed_but_does_not_import_is_kept_not_swallowed():
+    """Not installed (ModuleNotFoundError for flash_attn itself) is SDPA, as meant; anything else (an ABI
+    mismatch with this torch, its CUDA extension missing) is kept for checks.py to refuse on CUDA."""
+    import model as M
+    assert M.flash_attn_import_problem(ModuleNotFoundError("No module named 'flash_attn'", name="flash_attn")) is None
+    abi = ImportError(".../flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi")
+    assert M.flash_attn_import_problem(abi) == ("ImportError: .../flash_attn_2_cuda.so: undefined symbol: "
+                                                "_ZN3c104cuda9SetDeviceEi")
+    no_extension = ModuleNotFoundError("No module named 'flash_attn_2_cuda'", name="flash_attn_2_cuda")
+    assert M.flash_attn_import_problem(no_extension) == "ModuleNotFoundError: No module named 'flash_attn_2_cuda'"
+
+
+def test_model_keeps_the_import_error_of_a_broken_flash_attn(tmp_path):
+    """model.py's own import, against a flash_attn package whose import fails as a wheel built for another
+    torch does."""
+    import subprocess
+    import sys
+    from common import ROOT
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text(
+        "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')\n")
+    proc = subprocess.run([sys.executable, "-c", "import model; print(model.FLASH_ATTN_IMPORT_PROBLEM)"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert proc.stdout.strip() == "ImportError: flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi", proc.stderr
+
+
+@pytest.mark.parametrize("device,cuda_available,refused", [
+    ("auto", True, True), ("cuda", False, True), ("auto", False, False), ("cpu", True, False)])
+def test_a_broken_flash_attn_is_an_error_on_a_cuda_machine(monkeypatch, device, cuda_available, refused):
+    import checks
+    import model as M
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_available)
+    monkeypatch.setattr(M, "FLASH_ATTN_IMPORT_PROBLEM", "ImportError: flash_attn_2_cuda.so: undefined symbol: _ZN3c10")
+    errors = checks.check_flash_attn(T.parse_args(["--device", device]))
+    assert errors == ([("flash_attn is installed but does not import (ImportError: flash_attn_2_cuda.so: undefined "
+                        "symbol: _ZN3c10), so attention would silently run on SDPA: reinstall it for this torch (pip "
+                        "install 'flash-attn>=2.7' --no-build-isolation), or uninstall it (pip uninstall flash-attn) "
+                        "to use SDPA")] if refused else [])
+    monkeypatch.setattr(M, "FLASH_ATTN_IMPORT_PROBLEM", None)  # not installed, or installed and working
+    assert checks.check_flash_attn(T.parse_args(["--device", device])) == []
+
+
+def test_a_flash_attn_whose_attention_the_selective_policy_cannot_save_is_a_warning(monkeypatch):
+    """flash-attn 2.5/2.6 register no torch op: train.SAVED_OPS holds none of flash_attn's, and --ac selective
+    would recompute attention without a word. 2.7 registers both forward ops, which SAVED_OPS then holds."""
+    import sys
+    import model as M
+
+    class Op:  # what str() of a registered op overload gives
+        def __init__(self, name):
+            self.name = name
+
+        def __str__(self):
+            return self.name
+    monkeypatch.setattr(M, "flash_attn_func", lambda *args, **kwargs: None)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(__version__="2.6.3"))
+    assert M.flash_attn_unsaved_warning(T.SAVED_OPS) == (
+        "flash_attn 2.6.3 registers no torch op flash_attn::_flash_attn_varlen_forward (2.7 and later do): --ac "
+        "selective cannot save attention's output and recomputes attention in backward; pip install "
+        "'flash-attn>=2.7' --no-build-isolation")
+    v27 = set(T.SAVED_OPS) | {Op("flash_attn._flash_attn_forward.default"), Op("flash_attn._flash_attn_varlen_forward.default")}
+    assert M.flash_attn_unsaved_warning(v27) is None
+    monkeypatch.setattr(M, "flash_attn_func", None)  # not installed: SDPA, nothing to say
+    assert M.flash_attn_unsaved_warning(T.SAVED_OPS) is None
