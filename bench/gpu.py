@@ -360,9 +360,17 @@ def build_baseline(mcfg: M.ModelConfig, seq_len: int, accum: int, device, lr_cfg
 def environment(device) -> dict:
     import transformers
     env = dict(torch=torch.__version__, transformers=transformers.__version__, device=str(device),
-               world=dist.get_world_size(), flash_attn=M.flash_attn_func is not None)
+               world=dist.get_world_size(), flash_attn=M.flash_attn_func is not None,
+               # On a GPU: does the selective policy save flash_attn's attention (2.7+), did it fail to import,
+               # and what sits outside PyTorch's allocator after the correctness run (CUDA context, NCCL with
+               # NCCL_NVLS_ENABLE as gpu.sh sets it) against the planner's 1 GiB.
+               flash_attn_unsaved=M.flash_attn_unsaved_warning(T.SAVED_OPS),
+               flash_attn_import_problem=M.FLASH_ATTN_IMPORT_PROBLEM)
     if device.type == "cuda":
-        env.update(gpu=torch.cuda.get_device_name(device), memory_gib=torch.cuda.mem_get_info(device)[1] / GIB,
+        free, total = torch.cuda.mem_get_info(device)
+        env.update(gpu=torch.cuda.get_device_name(device), memory_gib=total / GIB,
+                   outside_allocator_gib=(total - free - torch.cuda.memory_reserved(device)) / GIB,
+                   nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), alloc_conf=os.environ.get("PYTORCH_ALLOC_CONF"),
                    cuda=torch.version.cuda, peak_bf16_tflops=(metrics.peak_flops(device) or 0) / 1e12)
     return env
 

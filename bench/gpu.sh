@@ -6,6 +6,10 @@
 #   bash bench/gpu.sh                      # on an H100/H200 node: paste the table into BENCHMARKS.md
 #   bash bench/gpu.sh --json out/gpu.json  # also every number as JSON
 #   bash bench/gpu.sh --dry-run            # no GPU: the same code on CPU, 2 gloo processes, tiny shapes
+# What only a GPU shows of issue 20's start-up hazards is in the "environment" line: the memory outside
+# PyTorch's allocator (CUDA context + NCCL, NVLS off) against the planner's 1 GiB, whether the selective
+# policy saves flash_attn's attention (flash_attn_unsaved: null) and whether flash_attn failed to import.
+# The group is made by train.init_processes, bound to the GPU: a broken NCCL fails before correctness.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
