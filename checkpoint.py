@@ -1013,14 +1013,21 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
         if rank == 0 and not error:
             try:
                 write_safetensors_streaming(os.path.join(tmp, fname), tensors, metadata={"format": "pt"})
+                weight_map.update({name: fname for name, _ in tensors})
+                total_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
             except OSError as e:
                 error = f"--export_hf: cannot write {write_error(os.path.join(tmp, fname), e)}"
-            weight_map.update({name: fname for name, _ in tensors})
-            total_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
+        # Paced per file: the other ranks wait here, on the CPU (gloo, --ckpt_timeout_min), while rank 0 writes,
+        # and queue the next file's all-gathers only then. Queued all at once, the last ones would wait on the
+        # GPU for rank 0's whole ~140 GB (70B) and NCCL's watchdog would end them after --timeout_min.
+        written = torch.tensor(int(not error))
+        dist.broadcast(written, src=0, group=group)
+        if not written:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(error or f"--export_hf: rank 0 could not write {out} (its error says why)")
     done, note = torch.zeros((), dtype=torch.int64), ""
-    if rank == 0 and error:
-        shutil.rmtree(tmp, ignore_errors=True)
-    elif rank == 0:
+    if rank == 0:
         try:
             if len(files) > 1:
                 with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:

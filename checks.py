@@ -239,11 +239,21 @@ def check_host_memory(cfg, mcfg: M.ModelConfig, world: int, state_bytes_per_para
             f"{available / 2**30:,.1f} GiB available; use more nodes, or train without --offload_optimizer"]
 
 
+def check_flash_attn(cfg) -> list[str]:
+    """On a CUDA machine, a flash_attn that is installed but does not import is an error, not a silent SDPA."""
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if not cuda or M.FLASH_ATTN_IMPORT_PROBLEM is None:
+        return []
+    return [f"flash_attn is installed but does not import ({M.FLASH_ATTN_IMPORT_PROBLEM}), so attention would "
+            f"silently run on SDPA: reinstall it for this torch (pip install 'flash-attn>=2.7' --no-build-isolation), "
+            f"or uninstall it (pip uninstall flash-attn) to use SDPA"]
+
+
 def check_run(cfg, world: int, state_bytes_per_param: int):
     """Returns (model config, where the first weights come from, errors). The weights: None (seeded),
     {HF tensor name: file} (an --init_from Hugging Face folder), or a checkpoint folder (--from_ckpt, or
     --init_from one of ours: its manifest and file sizes checked here, its SHA-256 as it is read)."""
-    errors = check_config(cfg, world)
+    errors = check_config(cfg, world) + check_flash_attn(cfg)
     mcfg = weights = None
     if not errors:
         try:

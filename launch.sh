@@ -63,10 +63,42 @@ MAX_RESTARTS=${MAX_RESTARTS:-3}
 for name in NNODES MAX_RESTARTS ${NPROC_PER_NODE:+NPROC_PER_NODE}; do
   [[ "${!name}" =~ ^[0-9]+$ ]] || { echo "launch.sh: $name must be a whole number, got '${!name}'" >&2; exit 2; }
 done
-GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+read -r GPUS NUMA_OK < <("$PYTHON" -c "import importlib.util, torch
+print(torch.cuda.device_count(), int(importlib.util.find_spec('torch.numa.binding') is not None))")
 NPROC_PER_NODE=${NPROC_PER_NODE:-$([ "$GPUS" -gt 0 ] && echo "$GPUS" || echo 2)}
 if [ "$GPUS" -eq 0 ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per CPU process: 2 processes on 2 cores
+fi
+
+# GPU memory and diagnosis (each can be overridden from the environment; none matters on CPU).
+# NVLS (NVLink SHARP, NVSwitch systems: H100/H200 HGX) makes NCCL bind multicast buffers outside PyTorch's
+# allocator, 1 GiB or more per communicator (NCCL's log: "NVLS Bind mem ... size 1073741824"); NVIDIA's own
+# launchers turn it off to save that memory (NeMo-Framework-Launcher#127, JAX-Toolbox#383). The planner
+# allows 1 GiB for the CUDA context and NCCL together, and the two-node recipe leaves ~2 GiB. ZeRO-3's
+# all-gathers and reduce-scatters run at NVLink bandwidth on NCCL's ring and P2P paths without it.
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+# Expandable segments: freed blocks of one size (a unit's gathered buffer comes and goes every step) do not
+# strand reserved memory the next size cannot use. Safe with train.py's storage resize_(0)/resize_ trick:
+# a CUDA storage's resize_ (ATen resize_bytes_cuda) is allocate-new + copy + free-old through the same
+# allocator, whatever it maps; FSDP2 frees its unsharded parameters the same way and torchtitan runs with
+# this setting. PYTORCH_ALLOC_CONF is torch 2.13's name (PYTORCH_CUDA_ALLOC_CONF is the deprecated one).
+if [ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]; then
+  export PYTORCH_ALLOC_CONF=expandable_segments:True
+fi
+# NCCL's flight recorder: the last 2000 collectives per rank, dumped when the watchdog times one out, to
+# /tmp/nccl_trace_rank_<N> on each node (TORCH_FR_DUMP_TEMP_FILE moves it); `torchfrtrace DIR` names the
+# collective and the ranks that never joined it.
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+# NUMA: torchrun (torch 2.9+) binds each worker to CPUs of its GPU's NUMA node (numactl); "exclusive" splits
+# that node's physical cores evenly between its GPUs, the cores per GPU the planner's CPU update assumes
+# (plan.py host_cores_per_node / GPUs per node); train.optimizer_threads then uses all of the rank's own.
+# NUMA_BINDING=none turns it off (node, socket: see torch/numa/binding.py).
+NUMA_BINDING=${NUMA_BINDING:-exclusive}
+BIND=()
+if [ "$GPUS" -gt 0 ] && [ "$NUMA_OK" = 1 ] && [ "$NUMA_BINDING" != none ] && command -v numactl >/dev/null; then
+  BIND=(--numa-binding "$NUMA_BINDING")
+  export ZERO3_NUMA_BINDING=$NUMA_BINDING
 fi
 
 if [ "$NNODES" -gt 1 ]; then
@@ -104,7 +136,7 @@ signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGINT])
 os.execv(sys.executable, [sys.executable] + sys.argv[1:])'
 set -m  # the next background job gets its own process group: a signal to ours does not reach torchrun
 ( trap '' USR1; exec "$PYTHON" -c "$BLOCK_STOP_SIGNALS" -m torch.distributed.run "${RENDEZVOUS[@]}" \
-    --nproc_per_node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS" "$HERE/train.py" "$@" ) &
+    --nproc_per_node "$NPROC_PER_NODE" ${BIND[@]+"${BIND[@]}"} --max-restarts "$MAX_RESTARTS" "$HERE/train.py" "$@" ) &
 TORCHRUN=$!
 set +m
 echo "launch.sh: torchrun is pid $TORCHRUN; to stop at once, without saving: pkill -9 -P $TORCHRUN; kill -9 $TORCHRUN" >&2

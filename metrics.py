@@ -48,6 +48,38 @@ def peak_mem_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def device_memory_line(when: str, free_bytes: int, total_bytes: int, reserved_bytes: int, planned_gib: float | None,
+                       planned_context_gib: float | None) -> str:
+    """What the GPU holds now (torch.cuda.mem_get_info: every process, the CUDA context and NCCL included),
+    split into PyTorch's allocator (reserved) and the rest, beside the planner's figure for this moment and
+    its allowance for the rest. The rest over the allowance is what no flag of ours controls: NCCL (NVLS,
+    see launch.sh), another process on the GPU."""
+    used = total_bytes - free_bytes
+    outside = used - reserved_bytes
+    line = (f"GPU memory {when}: {used / 2**30:.2f} GiB in use of {total_bytes / 2**30:.2f} (mem_get_info), "
+            f"{reserved_bytes / 2**30:.2f} reserved by PyTorch's allocator, {outside / 2**30:.2f} outside it "
+            f"(CUDA context, NCCL, other processes)")
+    if planned_gib is not None:
+        line += f" | planned {planned_gib:.2f} GiB, {planned_context_gib:.2f} of it outside the allocator"
+        if outside / 2**30 > planned_context_gib:
+            line += f": {outside / 2**30 - planned_context_gib:.2f} GiB more than the planner allows"
+    return line
+
+
+def print_device_memory(cfg, sharded, when: str, planned: str):
+    """Rank 0, on CUDA: device_memory_line now, beside plan.run_memory_gib's `planned` figure ("state_gib"
+    after set-up, "peak_gib" after a step)."""
+    device = sharded.device
+    if sharded.rank != 0 or device.type != "cuda":
+        return
+    import plan  # plan imports this module
+    free, total = torch.cuda.mem_get_info(device)
+    figures = plan.run_memory_gib(sharded.model.cfg, cfg, sharded.world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                  torch.cuda.get_device_name(device))
+    print(device_memory_line(when, free, total, torch.cuda.memory_reserved(device),
+                             figures and figures[planned], figures and figures["context_gib"]), flush=True)
+
+
 def fmt_time(seconds: float) -> str:
     seconds = int(seconds)
     h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60

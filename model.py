@@ -14,6 +14,7 @@ same pieces together for one process, which is what the tests compare against Hu
 """
 
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,10 +23,39 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+
+def flash_attn_import_problem(error: ImportError) -> str | None:
+    """None when flash_attn is simply not installed (SDPA is then meant); else the error, kept: an install
+    that does not import (built for another torch: "undefined symbol"; its CUDA extension missing) would
+    otherwise fall back to SDPA silently. checks.check_flash_attn refuses it on a CUDA machine."""
+    if isinstance(error, ModuleNotFoundError) and error.name == "flash_attn":
+        return None
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
 try:  # FlashAttention-2: CUDA only, optional. Everything works without it through SDPA.
     from flash_attn import flash_attn_func, flash_attn_varlen_func
-except ImportError:
+    FLASH_ATTN_IMPORT_PROBLEM = None
+except ImportError as e:
     flash_attn_func = flash_attn_varlen_func = None
+    FLASH_ATTN_IMPORT_PROBLEM = flash_attn_import_problem(e)
+
+
+def flash_attn_unsaved_warning(saved_ops) -> str | None:
+    """flash_attn imports but the selective policy cannot save its attention: before 2.7 it calls its CUDA
+    extension directly, with no torch op (flash_attn::_flash_attn_varlen_forward) for the policy to see,
+    so --ac selective silently recomputes attention in backward."""
+    if flash_attn_func is None:
+        return None
+    saved = {str(op) for op in saved_ops}
+    missing = [name for name in ("_flash_attn_forward", "_flash_attn_varlen_forward")
+               if f"flash_attn.{name}.default" not in saved]
+    if not missing:
+        return None
+    version = getattr(sys.modules.get("flash_attn"), "__version__", "?")
+    return (f"flash_attn {version} registers no torch op flash_attn::{missing[-1]} (2.7 and later do): --ac selective "
+            f"cannot save attention's output and recomputes attention in backward; pip install 'flash-attn>=2.7' "
+            f"--no-build-isolation")
 
 
 # ----------------------------------------------------------------------------------------------

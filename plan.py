@@ -634,6 +634,21 @@ def fit_and_speed(mcfg: M.ModelConfig, cfg) -> dict:
                 mfu=tokens_per_sec_per_gpu * metrics.flops_per_token(mcfg, cfg.seq_len) / peak_flops(gpu))
 
 
+def run_memory_gib(mcfg: M.ModelConfig, cfg, world: int, local_world: int, device_name: str) -> dict | None:
+    """The planner's GPU memory for a run as launched (W ranks, local_world per node, on the GPU CUDA names),
+    for the lines that print the measured figures beside it: the persistent state, the peak, and the part
+    of both that is the CUDA context and NCCL's buffers (outside PyTorch's allocator). None for a GPU the
+    planner does not know."""
+    gpu = next((key for key, g in GPUS.items() if g["device_name"] == device_name), None)
+    if gpu is None:
+        return None
+    run = dataclasses.replace(cfg, gpu=gpu, nnodes=max(1, world // local_world), nproc_per_node=local_world)
+    r = fit_and_speed(mcfg, run)
+    context = ASSUMPTIONS["cuda_context_and_nccl_gib"][0]
+    return dict(state_gib=r["phases"][r["peak_phase"]]["state"] / GIB + context, peak_gib=r["peak_gib"],
+                context_gib=context)
+
+
 def partial_checkpointing(mcfg: M.ModelConfig, cfg) -> dict | None:
     """The largest partial checkpointing that fits for these flags (in GPU and host memory): the smallest
     --ac_blocks k (the most blocks running --ac_rest instead of --ac), scanning k = 0, 1, ..., n_layers; None

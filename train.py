@@ -187,11 +187,13 @@ def init_processes(cfg: TrainConfig):
     # after --timeout_min, and torch's default NCCL error handling (3: tear down without cleanup) turns that
     # into an exit, not a stuck process. Forcing the older mode 1 would make that exit slower.
     timeout = datetime.timedelta(minutes=cfg.timeout_min)
+    # device_id: NCCL connects here (eagerly), so a broken NCCL set-up fails at start, not at the first step.
+    bound = {"device_id": device} if use_cuda else {}
     if not dist.is_initialized():  # else made by a caller that runs several trainings in one process (bench/)
         if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, **bound)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bound)
     C.make_group(cfg.ckpt_timeout_min)  # saves and resumes wait longer: their own group (checkpoint.py)
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -823,6 +825,8 @@ def setup(cfg: TrainConfig):
     if os.environ.get("RANK", "0") == "0":
         for warning in config_warnings(cfg):  # allowed, but probably not meant
             print(f"warning: {warning}", file=sys.stderr, flush=True)
+        if "selective" in (cfg.ac, cfg.ac_rest) and M.flash_attn_unsaved_warning(SAVED_OPS):
+            print(f"warning: {M.flash_attn_unsaved_warning(SAVED_OPS)}", file=sys.stderr, flush=True)
 
     windows = eval_windows = None
     if cfg.steps > 0 and not cfg.from_ckpt:
@@ -865,6 +869,8 @@ def optimizer_threads(cfg, device: torch.device, local_world: int, cores: int) -
     """--offload_optimizer on GPUs: the optimizer runs on the CPU, over 16 B per parameter / W, and torchrun
     gives each worker one thread (OMP_NUM_THREADS=1). Each rank takes its share of the node's cores."""
     if cfg.offload_optimizer and device.type == "cuda":
+        if os.environ.get("ZERO3_NUMA_BINDING") == "exclusive":  # launch.sh: torchrun bound these cores to us alone
+            return max(1, cores)
         return max(1, cores // local_world)
     return None
 
@@ -928,6 +934,7 @@ def main(argv=None):
     rank, device = sharded.rank, sharded.device
     if rank == 0:
         print(metrics.startup_line(cfg, sharded, start_step), flush=True)
+    metrics.print_device_memory(cfg, sharded, "after set-up (its all-gathers made NCCL's buffers)", "state_gib")
     stop_signals, skipped = catch_stop_signals(), 0
 
     for step in range(start_step + 1, steps + 1):
@@ -952,6 +959,8 @@ def main(argv=None):
         if eval_windows is not None and (step % cfg.eval_every == 0 or step == steps):
             eval_loss = eval_windows.losses(partial(evaluate, cfg, sharded))  # each source's, and their weighted mean
         log.step(step, loss, grad_norm, lr_at(cfg, step), step_time_s, mem_gb, eval_loss, windows.progress(position))
+        if step == start_step + 1:
+            metrics.print_device_memory(cfg, sharded, f"after step {step}", "peak_gib")
         if sampler and (step % cfg.eval_every == 0 or step == steps):
             sampler.sample(sharded, step)  # greedy completions of --sample_prompts (sample.py)
 

@@ -14,8 +14,9 @@ trainer against transformers + PyTorch FSDP2 on the same model. `bench/gpu.sh` r
                 micro-batch 1 x 2 accumulation steps per GPU, BF16, --ac selective, fp32 reduce; with
                 W >= 2 also with --prefetch false (what overlapping the all-gathers buys), and with
                 --offload_optimizer true (the optimizer in host memory: PCIe copies and the CPU update).
-3. ours compiled  the same with torch.compile on each block (kept in train.py only if it measures
-                faster; until then it lives here).
+3. ours compiled  the same with torch.compile on each block, its checkpoint inside the compiled region
+                (train.run_block compiled whole), so the selective policy decides what the compiled
+                backward recomputes (kept in train.py only if it measures faster; until then it lives here).
 4. baseline     LlamaForCausalLM with the same shapes (attention: flash_attention_2 when flash_attn
                 imports, else sdpa), the same selective policy through checkpoint_wrapper, fully_shard
                 per layer then the root, MixedPrecisionPolicy(bf16, fp32), fused AdamW.
@@ -26,10 +27,13 @@ torch.cuda.max_memory_allocated over the timed steps. The timed steps run under 
 attention kernel is model.attention_kernel's words and, where that is SDPA, the backend SDPA's own
 dispatch (torch._fused_sdp_choice) picks for attention()'s arguments at these shapes. Results print as
 they come (a run stopped by gpu.sh's 8-minute limit keeps what it printed) and, at the end, as a
-Markdown table for BENCHMARKS.md.
+Markdown table for BENCHMARKS.md. A run that fails (an OOM, a compiler error) is agreed on by every rank
+before the next starts (agree_on_failure); one whose failure left other ranks inside its collectives ends
+the benchmark with one line, instead of every later run hanging.
 """
 import argparse
 import contextlib
+import datetime
 import json
 import math
 import os
@@ -48,6 +52,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import checkpoint as C  # noqa: E402
 import data as D  # noqa: E402
 import metrics  # noqa: E402
 import model as M  # noqa: E402
@@ -82,13 +87,23 @@ def train_flags(folder: str, tokens: str, seq_len: int, batch: int, micro: int, 
             f"--out_dir={folder}", "--resume=never", "--overwrite=true", *extra]
 
 
+EAGER_RUN_BLOCK = T.run_block
+
+
+def compiled_run_block(backend: str = "inductor"):
+    """train.run_block compiled whole: the block's checkpoint and its selective policy inside the compiled
+    region, so torch.compile's partitioner saves what the policy names (the matmuls, attention) and the
+    backward graph recomputes only the rest. Compiling the block alone (block.compile()) left the checkpoint
+    outside it: backward ran the compiled forward again, all of it, as --ac full would (tests/test_bench.py
+    counts the forward graph's runs)."""
+    return torch.compile(EAGER_RUN_BLOCK, backend=backend)
+
+
 def build_ours(flags: list, compile_blocks: bool = False):
     """train.py's own set-up and step; returns (mcfg, units, step_fn(step) -> (loss, grad_norm))."""
     cfg = T.parse_args(flags)
     sharded, windows, _, _, _ = T.setup(cfg)
-    if compile_blocks:
-        for block in sharded.model.layers:
-            block.compile()
+    T.run_block = compiled_run_block() if compile_blocks else EAGER_RUN_BLOCK  # what the block stages call
 
     def step_fn(step: int):  # 0-based here, 1-based in train.py
         return T.train_step(cfg, sharded, windows, step + 1, step * cfg.batch_size)
@@ -345,9 +360,17 @@ def build_baseline(mcfg: M.ModelConfig, seq_len: int, accum: int, device, lr_cfg
 def environment(device) -> dict:
     import transformers
     env = dict(torch=torch.__version__, transformers=transformers.__version__, device=str(device),
-               world=dist.get_world_size(), flash_attn=M.flash_attn_func is not None)
+               world=dist.get_world_size(), flash_attn=M.flash_attn_func is not None,
+               # On a GPU: does the selective policy save flash_attn's attention (2.7+), did it fail to import,
+               # and what sits outside PyTorch's allocator after the correctness run (CUDA context, NCCL with
+               # NCCL_NVLS_ENABLE as gpu.sh sets it) against the planner's 1 GiB.
+               flash_attn_unsaved=M.flash_attn_unsaved_warning(T.SAVED_OPS),
+               flash_attn_import_problem=M.FLASH_ATTN_IMPORT_PROBLEM)
     if device.type == "cuda":
-        env.update(gpu=torch.cuda.get_device_name(device), memory_gib=torch.cuda.mem_get_info(device)[1] / GIB,
+        free, total = torch.cuda.mem_get_info(device)
+        env.update(gpu=torch.cuda.get_device_name(device), memory_gib=total / GIB,
+                   outside_allocator_gib=(total - free - torch.cuda.memory_reserved(device)) / GIB,
+                   nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), alloc_conf=os.environ.get("PYTORCH_ALLOC_CONF"),
                    cuda=torch.version.cuda, peak_bf16_tflops=(metrics.peak_flops(device) or 0) / 1e12)
     return env
 
@@ -371,6 +394,24 @@ def attention_report(device, mcfg: M.ModelConfig, seq_len: int) -> dict:
     return report
 
 
+def agree_on_failure(run: int, error: str, timeout_s: float) -> list[int]:
+    """The ranks on which run number `run` failed, known to every rank before any starts the next. Through
+    the rendezvous store (TCP, no collective) under timeout_s: a rank whose failure (an OOM on one rank)
+    left the others waiting inside a collective of that run does not find their answers, and raises
+    DistStoreError instead of starting a run they would never join. (A gloo barrier cannot do this: its
+    send waits for the absent rank without a timeout.)"""
+    store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    keys = [f"gpu_bench/run{run}/rank{r}" for r in range(world)]
+    store.set(keys[dist.get_rank()], error or "ok")
+    store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    return [r for r, key in enumerate(keys) if store.get(key) != b"ok"]
+
+
+def injected_failures(specs: list[str], rank: int) -> set[str]:
+    """--inject_failure RUN@RANKS (tests): the runs that raise on this rank before they start."""
+    return {spec.rsplit("@", 1)[0] for spec in specs if str(rank) in spec.rsplit("@", 1)[1].split(",")}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dry-run", action="store_true", help="CPU, gloo, tiny shapes: checks the script end to end")
@@ -382,6 +423,10 @@ def main() -> int:
     parser.add_argument("--json", default="", help="also write every result here")
     parser.add_argument("--budget_s", type=float, default=450, help="start no timed run after budget_s - 100 s "
                         "(gpu.sh kills everything at 480 s)")
+    parser.add_argument("--agree_timeout_s", type=float, default=60, help="how long ranks wait for each other "
+                        "after a run before a failure that left some inside a collective ends the benchmark")
+    parser.add_argument("--inject_failure", action="append", default=[], metavar="RUN@RANKS",
+                        help="tests only: RUN raises on these ranks (comma-separated) before it starts")
     args = parser.parse_args()
     dry = args.dry_run
     seq_len = args.seq_len or (64 if dry else 8192)
@@ -449,7 +494,7 @@ def main() -> int:
     runs += [] if args.no_baseline else [("transformers + FSDP2", baseline)]
     compiled = "ours + torch.compile per block"  # last: its compile time is the least predictable
     runs += [] if args.no_compile else [(compiled, partial(ours, compiled, compiled=True))]
-    for name, run in runs:
+    for index, (name, run) in enumerate(runs):
         # gpu.sh stops everything at 8 minutes; a run that could not finish by then is not started.
         # The decision must be the same on every rank: rank 0's clock decides.
         late = torch.tensor(float(time.perf_counter() - started > args.budget_s - 100), device=device)
@@ -457,10 +502,23 @@ def main() -> int:
         if late.item():
             results["runs"][name] = dict(error=f"skipped: under 100 s left of --budget_s {args.budget_s}")
         else:
+            error = ""
             try:  # one failed variant (an OOM, a compiler error) must not cost the others' numbers
+                if name in injected_failures(args.inject_failure, rank):
+                    raise RuntimeError(f"injected failure (--inject_failure) on rank {rank}")
                 results["runs"][name] = run()
             except Exception as e:  # noqa: BLE001 -- reported, and the run goes on
-                results["runs"][name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                error = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            try:
+                failed = agree_on_failure(index, error, args.agree_timeout_s)
+            except dist.DistStoreError as e:  # a rank is still inside this run's collectives: nothing can follow
+                print(f"error: bench/gpu.py: rank {rank}: {name}: {error or 'finished'}; not every rank reached the "
+                      f"end of the run within {args.agree_timeout_s:g} s (one is waiting in a collective another "
+                      f"left): stopping (the runs before are in --json) [{str(e).splitlines()[0][:200]}]",
+                      file=sys.stderr, flush=True)
+                os._exit(1)  # torchrun stops the other ranks; a normal exit would wait on their collectives
+            if failed:
+                results["runs"][name] = dict(error=f"failed on rank(s) {failed}" + (f": {error}" if error else ""))
         if "error" in results["runs"][name]:
             log(rank, f"{name}: {results['runs'][name]['error']}")
         if rank == 0 and args.json:  # after each run: what was measured survives a kill

@@ -6,6 +6,10 @@
 #   bash bench/gpu.sh                      # on an H100/H200 node: paste the table into BENCHMARKS.md
 #   bash bench/gpu.sh --json out/gpu.json  # also every number as JSON
 #   bash bench/gpu.sh --dry-run            # no GPU: the same code on CPU, 2 gloo processes, tiny shapes
+# What only a GPU shows of issue 20's start-up hazards is in the "environment" line: the memory outside
+# PyTorch's allocator (CUDA context + NCCL, NVLS off) against the planner's 1 GiB, whether the selective
+# policy saves flash_attn's attention (flash_attn_unsaved: null) and whether flash_attn failed to import.
+# The group is made by train.init_processes, bound to the GPU: a broken NCCL fails before correctness.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -19,6 +23,11 @@ else
         exit 2
     fi
 fi
+# As launch.sh: NCCL's NVLS buffers off, the allocator's expandable segments on. On a GPU the correctness
+# check then runs train.py's storage resize_(0)/resize_ trick under expandable segments (a wrong gather
+# shows as a loss or gradient off the oracle), and each run's peak is what a launch.sh run would have.
+export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
+[ -n "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ] || export PYTORCH_ALLOC_CONF=expandable_segments:True
 export PYTHONUNBUFFERED=1
 exec timeout --signal=TERM --kill-after=20 "${BENCH_TIMEOUT_S:-480}" \
     "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" bench/gpu.py "$@"

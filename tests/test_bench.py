@@ -31,6 +31,68 @@ def test_gpu_benchmark_dry_run_on_cpu(tmp_path):
     assert "| ours | " in proc.stdout and "| transformers + FSDP2 | " in proc.stdout
 
 
+def test_one_runs_failure_is_agreed_on_and_one_that_strands_the_others_stops_the_benchmark(tmp_path):
+    """A run that fails on every rank is recorded as failed on all of them and the next runs; a run that fails
+    on rank 1 alone leaves rank 0 inside its collectives: rank 1 does not find rank 0 at the agreement and
+    ends the benchmark with one line (torchrun stops rank 0) instead of every later run hanging."""
+    out = tmp_path / "gpu.json"
+    env = dict(os.environ, PYTHON=sys.executable)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh"), "--dry-run", "--steps", "1", "--no-compile",
+                           "--no-baseline", "--json", str(out), "--agree_timeout_s", "5",
+                           "--inject_failure", "ours, --prefetch false@0,1",
+                           "--inject_failure", "ours, --offload_optimizer true@1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert ("error: bench/gpu.py: rank 1: ours, --offload_optimizer true: RuntimeError: injected failure "
+            "(--inject_failure) on rank 1; not every rank reached the end of the run within 5 s") in proc.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert runs["ours"]["tokens_per_sec_per_gpu"] > 0
+    assert runs["ours, --prefetch false"] == {"error": "failed on rank(s) [0, 1]: RuntimeError: injected failure "
+                                                       "(--inject_failure) on rank 0"}
+
+
+def test_the_compiled_benchmark_keeps_the_blocks_checkpoint_inside_the_compiled_region():
+    """bench/gpu.py's compiled run compiles train.run_block whole: the block's forward graph runs once per
+    step and the backward graph holds only the gradients' matmuls (2 per forward matmul, 7 in a block): the
+    selective policy saved the forward's. Compiling the block alone (what the benchmark did) leaves the
+    checkpoint outside: backward runs the compiled forward again, as --ac full."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu as G
+    import model as M
+    import torch
+    import train as T
+    from common import small_config
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def counting_backend(record):
+        def forward_compiler(gm, _):
+            def counted(*args):
+                record["forward_runs"] += 1
+                return gm(*args)
+            return make_boxed_func(counted)
+
+        def backward_compiler(gm, _):
+            record["backward_matmuls"] += sum(n.target == torch.ops.aten.mm.default for n in gm.graph.nodes)
+            return make_boxed_func(gm.forward)
+        return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)
+
+    cfg = small_config()
+    x = torch.randn(1, 16, cfg.dim, requires_grad=True)
+    cos, sin = M.rope_cos_sin(cfg, torch.arange(16)[None], torch.float32)
+    inside, outside = (dict(forward_runs=0, backward_matmuls=0) for _ in range(2))
+    torch._dynamo.reset()
+    run_block = G.compiled_run_block(backend=counting_backend(inside))
+    run_block(M.Block(cfg), "selective", x, cos, sin, None).sum().backward()
+    assert inside == dict(forward_runs=1, backward_matmuls=14)
+    torch._dynamo.reset()
+    block = M.Block(cfg)
+    block.compile(backend=counting_backend(outside))
+    T.run_block(block, "selective", x, cos, sin, None).sum().backward()
+    assert outside["forward_runs"] == 2  # the checkpoint around the compiled block recomputed all of it
+    torch._dynamo.reset()
+
+
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has GPUs")
 def test_gpu_benchmark_without_a_gpu_says_so():
     env = dict(os.environ, PATH="/usr/bin:/bin")  # no nvidia-smi

@@ -8,6 +8,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -167,3 +168,58 @@ def test_a_fork_with_a_parameter_llama_lacks_is_refused_before_any_work(tmp_path
     assert ("error: --export_hf: tensor model.layers.0.self_attn.q_norm.weight (and 3 more) of this model is not in "
             "the LlamaForCausalLM that transformers builds from the exported config.json") in proc.stderr
     assert not out.exists() and not os.path.exists(f"{out}.partial")
+
+
+def paced_export(tmp_path, monkeypatch, rank: int, rank0_writes: bool = True, fail_file: str = ""):
+    """checkpoint.export_hf on `rank` of W=2 with its collectives and writes recorded, not run: three units of
+    one file each. rank0_writes: what rank 0's per-file broadcast says (for rank 1)."""
+    import checkpoint as C
+    events = []
+    units = [types.SimpleNamespace(slots=[types.SimpleNamespace(name=f"layers.{i}.w", offset=0, shape=(4,))],
+                                   numel=4, padded_numel=4) for i in range(3)]
+
+    def gather(unit):
+        events.append(("all-gather", units.index(unit)))
+        return torch.zeros(unit.padded_numel)
+
+    def write(path, tensors, metadata=None):
+        if os.path.basename(path) == fail_file:
+            raise OSError(28, "No space left on device", path)
+        events.append(("write", os.path.basename(path)))
+
+    def broadcast(tensor, src, group):
+        assert src == 0 and group is C.group  # the checkpoint group: gloo, on the CPU
+        if rank != 0:
+            tensor.fill_(int(rank0_writes))
+        events.append(("broadcast", int(tensor)))
+    monkeypatch.setattr(C, "group", object())
+    monkeypatch.setattr(C, "gather_full_unit", gather)
+    monkeypatch.setattr(C, "write_safetensors_streaming", write)
+    monkeypatch.setattr(C.dist, "broadcast", broadcast)
+    monkeypatch.setattr(C, "finish_export", lambda *args: events.append(("finish",)) or "")
+    C.export_hf(units, None, str(tmp_path / "hf"), torch.bfloat16, 1e-9, rank, {})
+    return events
+
+
+def test_export_is_paced_per_file_so_no_all_gather_waits_on_the_disk(tmp_path, monkeypatch):
+    """Ranks other than 0 queue one file's all-gathers, then wait in the checkpoint group (gloo, on the CPU)
+    until rank 0 has written that file, and only then queue the next: NCCL's watchdog never sees an all-gather
+    waiting while rank 0 writes the other ~140 GB (70B). Rank 0 writes each file before it lets them go on."""
+    files = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert paced_export(tmp_path / "r1", monkeypatch, rank=1) == [
+        ("all-gather", 0), ("broadcast", 1), ("all-gather", 1), ("broadcast", 1), ("all-gather", 2), ("broadcast", 1),
+        ("broadcast", 1)]  # the last: rank 0's "done"
+    assert paced_export(tmp_path / "r0", monkeypatch, rank=0) == [
+        ("all-gather", 0), ("write", files[0]), ("broadcast", 1), ("all-gather", 1), ("write", files[1]), ("broadcast", 1),
+        ("all-gather", 2), ("write", files[2]), ("broadcast", 1), ("finish",), ("broadcast", 1)]
+
+
+def test_a_file_rank_0_cannot_write_stops_every_rank_at_that_file(tmp_path, monkeypatch):
+    """A full disk on rank 0's second file: rank 0 says so in one line and every rank stops there, gathering
+    nothing more (before: rank 0 died with a traceback while the others gathered on and waited)."""
+    import checkpoint as C
+    with pytest.raises(C.CheckpointError, match=r"^--export_hf: No space left on device \(.*model-00002-of-00003"):
+        paced_export(tmp_path / "r0", monkeypatch, rank=0, fail_file="model-00002-of-00003.safetensors")
+    assert not (tmp_path / "r0" / "hf.partial").exists()
+    with pytest.raises(C.CheckpointError, match="rank 0 could not write model-00001-of-00003.safetensors"):
+        paced_export(tmp_path / "r1", monkeypatch, rank=1, rank0_writes=False)

@@ -289,11 +289,12 @@ def test_sbatch_stops_when_the_check_fails(tmp_path):
 
 
 def fake_python(tmp_path) -> str:
-    """A stand-in for $PYTHON: reports no GPU, and writes the arguments it is run with (torchrun's) to
-    $ARGS_FILE, one per line."""
+    """A stand-in for $PYTHON: reports $FAKE_GPUS GPUs (none by default) and a torchrun with --numa-binding,
+    and writes the arguments it is run with (torchrun's) to $ARGS_FILE, one per line, and its environment
+    to $ARGS_FILE.env."""
     path = tmp_path / "python"
-    path.write_text('#!/bin/bash\ncase "$*" in *device_count*) echo 0; exit 0 ;; esac\n'
-                    'printf "%s\\n" "$@" > "$ARGS_FILE"\n')
+    path.write_text('#!/bin/bash\ncase "$*" in *device_count*) echo "${FAKE_GPUS:-0} 1"; exit 0 ;; esac\n'
+                    'printf "%s\\n" "$@" > "$ARGS_FILE"\nenv > "$ARGS_FILE.env"\n')
     path.chmod(0o755)
     return str(path)
 
@@ -335,3 +336,60 @@ def test_rendezvous_is_one_per_run_and_nodes_are_the_jobs(tmp_path):
     assert code == 2 and torchrun == [], err
     assert err.strip().splitlines() == ["launch.sh: NNODES=1, but this SLURM job has SLURM_NNODES=2 nodes; unset "
                                         "NNODES (under SLURM it comes from the job) or submit the job with --nodes 1"]
+
+
+def launch_env(tmp_path) -> dict:
+    """The environment the last launch_dry's torchrun got."""
+    return dict(line.split("=", 1) for line in (tmp_path / "torchrun.args.env").read_text().splitlines() if "=" in line)
+
+
+def test_launch_leaves_the_gpu_memory_the_planner_counts(tmp_path):
+    """NCCL's NVLS buffers (outside the allocator, over the planner's 1 GiB for context and NCCL) are off, and
+    the allocator's expandable segments on (train.py's storage resize_ allocates and frees through the
+    allocator, which expandable segments do not change); a user's own settings win."""
+    code, err, torchrun = launch_dry(tmp_path, [], FAKE_GPUS="8")
+    env = launch_env(tmp_path)
+    assert code == 0, err
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    code, err, torchrun = launch_dry(tmp_path, [], FAKE_GPUS="8", NCCL_NVLS_ENABLE="1",
+                                     PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512")
+    env = launch_env(tmp_path)
+    assert code == 0, err
+    assert env["NCCL_NVLS_ENABLE"] == "1" and "PYTORCH_ALLOC_CONF" not in env
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+
+
+def test_launch_leaves_a_trace_of_a_hang_and_binds_each_rank_to_its_gpus_cores(tmp_path):
+    """NCCL's flight recorder is on and dumps when the watchdog times a collective out; on GPUs, with a torchrun
+    that has --numa-binding and numactl present, each rank gets its own share of its GPU's NUMA node
+    ("exclusive"), and train.optimizer_threads is told so; NUMA_BINDING=none, no numactl, or no GPU: no binding."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "numactl").write_text("#!/bin/sh\n")
+    (bin_dir / "numactl").chmod(0o755)
+    with_numactl = f"{bin_dir}:{os.environ['PATH']}"
+    code, err, torchrun = launch_dry(tmp_path, [], FAKE_GPUS="8", PATH=with_numactl)
+    env = launch_env(tmp_path)
+    assert code == 0, err
+    assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0 and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert flag_value(torchrun, "--numa-binding") == "exclusive" and env["ZERO3_NUMA_BINDING"] == "exclusive"
+    assert torchrun.index("--numa-binding") < torchrun.index(os.path.join(ROOT, "train.py"))
+    for unbound in (dict(FAKE_GPUS="8", PATH=with_numactl, NUMA_BINDING="none"), dict(FAKE_GPUS="0", PATH=with_numactl),
+                    dict(FAKE_GPUS="8", PATH="/usr/bin:/bin")):
+        code, err, torchrun = launch_dry(tmp_path, [], **unbound)
+        assert code == 0 and "--numa-binding" not in torchrun and "ZERO3_NUMA_BINDING" not in launch_env(tmp_path), unbound
+
+
+def test_sbatch_cpus_are_the_planners_cores_and_each_rank_uses_its_share():
+    """launch.sbatch asks for the cores the planner's CPU update assumes (plan.GPUS host_cores_per_node); a rank
+    bound to its own cores (launch.sh, NUMA "exclusive") uses them all, an unbound one its share of the node's."""
+    import torch
+    assert int(sbatch_setting("cpus-per-task")) == P.GPUS["h100"]["host_cores_per_node"]
+    offload = T.TrainConfig(offload_optimizer=True)
+    per_gpu = P.GPUS["h100"]["host_cores_per_node"] // int(sbatch_setting("gpus-per-node"))
+    assert T.optimizer_threads(offload, torch.device("cuda", 0), 8, 112) == per_gpu
+    os.environ["ZERO3_NUMA_BINDING"] = "exclusive"
+    try:
+        assert T.optimizer_threads(offload, torch.device("cuda", 0), 8, per_gpu) == per_gpu
+    finally:
+        del os.environ["ZERO3_NUMA_BINDING"]

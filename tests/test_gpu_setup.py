@@ -1,0 +1,141 @@
+"""First-run GPU hazards (issue 20, part 2), each as the decision the code makes, tested on a CPU: what the
+GPU memory line prints beside the planner, the process group bound to the rank's GPU, and what a CUDA
+machine does with flash-attn. What only a GPU can show runs in bench/gpu.sh."""
+import types
+
+import pytest
+import torch
+from common import small_config
+
+import metrics
+import plan as P
+import train as T
+
+GIB = 2**30
+
+
+def test_the_gpu_memory_line_puts_what_is_outside_the_allocator_beside_the_planners_allowance():
+    line = metrics.device_memory_line("after step 1", free_bytes=4 * GIB, total_bytes=80 * GIB,
+                                      reserved_bytes=73 * GIB, planned_gib=74.5, planned_context_gib=1.0)
+    assert line == ("GPU memory after step 1: 76.00 GiB in use of 80.00 (mem_get_info), 73.00 reserved by "
+                    "PyTorch's allocator, 3.00 outside it (CUDA context, NCCL, other processes) | planned 74.50 GiB, "
+                    "1.00 of it outside the allocator: 2.00 GiB more than the planner allows")
+    within = metrics.device_memory_line("after set-up", 70 * GIB, 80 * GIB, int(9.5 * GIB), 10.2, 1.0)
+    assert within.endswith("0.50 outside it (CUDA context, NCCL, other processes) | planned 10.20 GiB, 1.00 of it "
+                           "outside the allocator")
+    unknown_gpu = metrics.device_memory_line("after step 1", 4 * GIB, 80 * GIB, 73 * GIB, None, None)
+    assert "planned" not in unknown_gpu
+
+
+def test_the_gpu_memory_is_printed_by_rank_0_on_cuda_beside_the_planners_figure(monkeypatch, capsys):
+    """A stand-in for torch.cuda's queries: rank 0 prints after set-up and after step 1 with the planner's
+    state and peak for the run as launched (W=16, 8 per node, the H100 CUDA names); other ranks and CPU
+    runs print nothing."""
+    mcfg = small_config()
+    cfg = T.parse_args(["--seq_len", "64", "--batch_size", "16", "--micro_batch_size", "1"])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 19 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    sharded = types.SimpleNamespace(rank=0, world=16, device=torch.device("cuda", 0), model=types.SimpleNamespace(cfg=mcfg))
+    expected = P.run_memory_gib(mcfg, cfg, 16, 8, "NVIDIA H100 80GB HBM3")
+    two_nodes = P.fit_and_speed(mcfg, T.parse_args(["--seq_len", "64", "--batch_size", "16", "--micro_batch_size", "1",
+                                                    "--nnodes", "2", "--nproc_per_node", "8", "--gpu", "h100"]))
+    assert expected["peak_gib"] == two_nodes["peak_gib"] and expected["context_gib"] == 1.0
+    metrics.print_device_memory(cfg, sharded, "after step 1", "peak_gib")
+    assert capsys.readouterr().out == metrics.device_memory_line("after step 1", 60 * GIB, 80 * GIB, 19 * GIB,
+                                                                 expected["peak_gib"], 1.0) + "\n"
+    for quiet in (dict(sharded.__dict__, rank=1), dict(sharded.__dict__, device=torch.device("cpu"))):
+        metrics.print_device_memory(cfg, types.SimpleNamespace(**quiet), "after step 1", "peak_gib")
+    assert capsys.readouterr().out == ""
+    assert P.run_memory_gib(mcfg, cfg, 16, 8, "Some Other GPU") is None
+
+
+@pytest.mark.parametrize("device,rank_env", [("cuda", True), ("cuda", False), ("cpu", True)])
+def test_the_nccl_group_is_bound_to_the_ranks_gpu_so_its_set_up_fails_at_start(monkeypatch, device, rank_env):
+    """init_process_group(device_id=cuda:LOCAL_RANK) makes NCCL connect at once (a broken set-up fails before
+    the first step, not at its first collective); gloo on CPU gets no device."""
+    calls = []
+    monkeypatch.setattr(T.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(T.dist, "init_process_group", lambda backend, **kwargs: calls.append((backend, kwargs)))
+    monkeypatch.setattr(T.dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(T.dist, "get_world_size", lambda: 8)
+    monkeypatch.setattr(T.torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(T.C, "make_group", lambda timeout_min: None)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    if rank_env:
+        monkeypatch.setenv("RANK", "3")
+    else:
+        monkeypatch.delenv("RANK", raising=False)
+    rank, world, got = T.init_processes(T.parse_args(["--device", device]))
+    [(backend, kwargs)] = calls
+    if device == "cuda":
+        assert backend == "nccl" and kwargs["device_id"] == torch.device("cuda", 3) == got
+    else:
+        assert backend == "gloo" and "device_id" not in kwargs
+
+
+def test_a_flash_attn_that_is_installed_but_does_not_import_is_kept_not_swallowed():
+    """Not installed (ModuleNotFoundError for flash_attn itself) is SDPA, as meant; anything else (an ABI
+    mismatch with this torch, its CUDA extension missing) is kept for checks.py to refuse on CUDA."""
+    import model as M
+    assert M.flash_attn_import_problem(ModuleNotFoundError("No module named 'flash_attn'", name="flash_attn")) is None
+    abi = ImportError(".../flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi")
+    assert M.flash_attn_import_problem(abi) == ("ImportError: .../flash_attn_2_cuda.so: undefined symbol: "
+                                                "_ZN3c104cuda9SetDeviceEi")
+    no_extension = ModuleNotFoundError("No module named 'flash_attn_2_cuda'", name="flash_attn_2_cuda")
+    assert M.flash_attn_import_problem(no_extension) == "ModuleNotFoundError: No module named 'flash_attn_2_cuda'"
+
+
+def test_model_keeps_the_import_error_of_a_broken_flash_attn(tmp_path):
+    """model.py's own import, against a flash_attn package whose import fails as a wheel built for another
+    torch does."""
+    import subprocess
+    import sys
+    from common import ROOT
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text(
+        "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')\n")
+    proc = subprocess.run([sys.executable, "-c", "import model; print(model.FLASH_ATTN_IMPORT_PROBLEM)"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert proc.stdout.strip() == "ImportError: flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi", proc.stderr
+
+
+@pytest.mark.parametrize("device,cuda_available,refused", [
+    ("auto", True, True), ("cuda", False, True), ("auto", False, False), ("cpu", True, False)])
+def test_a_broken_flash_attn_is_an_error_on_a_cuda_machine(monkeypatch, device, cuda_available, refused):
+    import checks
+    import model as M
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_available)
+    monkeypatch.setattr(M, "FLASH_ATTN_IMPORT_PROBLEM", "ImportError: flash_attn_2_cuda.so: undefined symbol: _ZN3c10")
+    errors = checks.check_flash_attn(T.parse_args(["--device", device]))
+    assert errors == ([("flash_attn is installed but does not import (ImportError: flash_attn_2_cuda.so: undefined "
+                        "symbol: _ZN3c10), so attention would silently run on SDPA: reinstall it for this torch (pip "
+                        "install 'flash-attn>=2.7' --no-build-isolation), or uninstall it (pip uninstall flash-attn) "
+                        "to use SDPA")] if refused else [])
+    monkeypatch.setattr(M, "FLASH_ATTN_IMPORT_PROBLEM", None)  # not installed, or installed and working
+    assert checks.check_flash_attn(T.parse_args(["--device", device])) == []
+
+
+def test_a_flash_attn_whose_attention_the_selective_policy_cannot_save_is_a_warning(monkeypatch):
+    """flash-attn 2.5/2.6 register no torch op: train.SAVED_OPS holds none of flash_attn's, and --ac selective
+    would recompute attention without a word. 2.7 registers both forward ops, which SAVED_OPS then holds."""
+    import sys
+    import model as M
+
+    class Op:  # what str() of a registered op overload gives
+        def __init__(self, name):
+            self.name = name
+
+        def __str__(self):
+            return self.name
+    monkeypatch.setattr(M, "flash_attn_func", lambda *args, **kwargs: None)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(__version__="2.6.3"))
+    assert M.flash_attn_unsaved_warning(T.SAVED_OPS) == (
+        "flash_attn 2.6.3 registers no torch op flash_attn::_flash_attn_varlen_forward (2.7 and later do): --ac "
+        "selective cannot save attention's output and recomputes attention in backward; pip install "
+        "'flash-attn>=2.7' --no-build-isolation")
+    v27 = set(T.SAVED_OPS) | {Op("flash_attn._flash_attn_forward.default"), Op("flash_attn._flash_attn_varlen_forward.default")}
+    assert M.flash_attn_unsaved_warning(v27) is None
+    monkeypatch.setattr(M, "flash_attn_func", None)  # not installed: SDPA, nothing to say
+    assert M.flash_attn_unsaved_warning(T.SAVED_OPS) is None
