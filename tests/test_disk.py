@@ -211,11 +211,11 @@ def test_a_full_disk_under_metrics_stops_every_rank_with_one_line(main_in_proces
     argv = tiny_run(tmp_path)
     real_log_step = metrics.log_step
 
-    def full_at_step_3(cfg, row, f):
+    def full_at_step_3(cfg, row, f, *rest):
         if row["step"] == 3:
             f.write('{"step": 3, "lo')  # what fits before the disk is full
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real_log_step(cfg, row, f)
+        real_log_step(cfg, row, f, *rest)
     monkeypatch.setattr(metrics, "log_step", full_at_step_3)
     assert main_in_process(argv) == 2
     path = tmp_path / "out" / "metrics.jsonl"
