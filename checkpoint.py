@@ -1025,7 +1025,7 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
         if not written:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(error or f"--export_hf: rank 0 could not write {out} (its error says why)")
+            raise CheckpointError(error or f"--export_hf: rank 0 could not write {fname} of {out} (its error says why)")
     done, note = torch.zeros((), dtype=torch.int64), ""
     if rank == 0:
         try:
