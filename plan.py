@@ -189,7 +189,7 @@ def grad_peak_numel(unit_numel: int, last_param_numel: int) -> int:
 
 
 def reduce_hook_bytes(unit_numel: int, compute_bytes: int, reduce_bytes: int) -> int:
-    """Full-unit gradient bytes alive in train.Unit._reduce_scatter_grad as it casts the unit's gradient
+    """Full-unit gradient bytes alive in train.reduce_scatter_grad as it casts the unit's gradient
     for the reduce-scatter: gathered.grad in the compute dtype and its copy in the reduce dtype (no copy
     when both are the same dtype). The previous unit's reduce-scatter was finished first: its gradient is gone."""
     copy = reduce_bytes if reduce_bytes != compute_bytes else 0
@@ -212,7 +212,7 @@ def unit_gradient_bytes(unit_numel: int, last_param_numel: int, in_flight_numel:
 
 
 def in_flight_reduce_bytes(unit_numel: int, reduce_bytes: int, world: int) -> float:
-    """A reduce-scatter in flight (train.Unit._reduce_scatter_grad): the unit's whole gradient in
+    """A reduce-scatter in flight (train.reduce_scatter_grad): the unit's whole gradient in
     --reduce_dtype, its input, and this rank's slice of the sum, its output, both alive until it completes."""
     return reduce_bytes * unit_numel * (1 + 1 / world)
 

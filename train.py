@@ -3,11 +3,11 @@
 Read top to bottom; the sections follow the data:
   1. config      one dataclass; the command line is generated from its fields
   2. processes   torch.distributed set-up (NCCL on GPUs, gloo on CPU, also W=1 without torchrun)
-  3. shard       each sharding unit's parameters as one flat buffer, this rank's fp32 slice of it, and
+  3. shard       each sharding unit's parameters as one flat buffer, this rank's fp32 shard of it, and
                  the trick that lets modules use a buffer that comes and goes (the comment above Unit)
-  4. init        one unit at a time: seeded, or sliced reads of a Hugging Face folder
+  4. init        one unit at a time: seeded, or sharded reads of a Hugging Face folder
   5. step        the naive ZeRO-3 step first (train_step_naive), then the real one: gather just before
-                 use, free right after, re-gather in backward, reduce-scatter, AdamW on the slices
+                 use, free right after, re-gather in backward, reduce-scatter, AdamW on the shards
   6. loop        set-up, the training loop, saving and stopping
 
 What is not the story lives beside it: checks.py (every flag and input checked before any work),
@@ -102,9 +102,9 @@ class TrainConfig:
     ac_blocks: int = opt(-1, "partial checkpointing: only the first N blocks use --ac, the others --ac_rest "
                              "(-1: every block uses --ac)")
     ac_rest: str = opt("none", "with --ac_blocks: the policy of the blocks after the first N, 'none' or 'selective'")
-    offload_optimizer: bool = opt(False, "keep the fp32 master slices, the optimizer state and the fp32 gradient "
+    offload_optimizer: bool = opt(False, "keep the fp32 master shards, the optimizer state and the fp32 gradient "
                                          "accumulators in pinned host memory and run the optimizer on the CPU; the GPU "
-                                         "keeps a compute-dtype copy of its slices for the all-gathers")
+                                         "keeps a compute-dtype copy of its shards for the all-gathers")
     offload_activations: bool = opt(False, "with --ac full: keep each block's input in pinned CPU memory until "
                                            "backward, instead of on the GPU")
     ce_chunk: int = opt(1024, "tokens per cross-entropy chunk: fp32 logits exist for this many tokens at a time")
@@ -220,6 +220,14 @@ def fail(message: str, exit_code: int = 2):
 # 3. Shard: one flat buffer per unit, split W ways
 # ================================================================================================
 #
+# Where the design comes from: ZeRO stage 3 (Rajbhandari et al., 2019, arXiv:1910.02054) partitions
+# parameters, gradients and optimizer state across the W data-parallel ranks and gathers each layer's
+# parameters only while it runs; PyTorch FSDP (Zhao et al., 2023, arXiv:2304.11277) is its production
+# form. A Unit below is FSDP1's FlatParameter: one flat buffer per unit, sharded evenly, one all-gather
+# and one reduce-scatter each. What it gives up against FSDP2 (a DTensor shard per parameter): one dtype
+# per unit (no fp32 norms beside bf16 matrices), and freezing single parameters (every element of a unit
+# gets a gradient shard and optimizer state); in return the collectives need no copy-in/copy-out.
+#
 # Sharding units: the embedding, each decoder block, and the head (final norm + lm_head). A block is
 # the natural unit: it is the piece of compute a gathered buffer is alive for, and all blocks have
 # the same size, so the buffers in flight are bounded by two blocks. The embedding and the head are
@@ -254,7 +262,7 @@ def fail(message: str, exit_code: int = 2):
 #     embedding stage's backward adds its own; then the embedding unit's hook fires once, with the sum.
 #   - A reduce-scatter in flight is a tuple (unit, work, out, grad): `grad`, the unit's full gradient in
 #     --reduce_dtype, is the collective's input and must stay alive until it completes; `out` is this
-#     rank's summed slice, added into grad_shard then.
+#     rank's summed shard, added into grad_shard then.
 
 class Slot(NamedTuple):
     """One parameter's place in its unit's flat buffer."""
@@ -266,10 +274,10 @@ class Slot(NamedTuple):
 
 
 class Unit:
-    """A sharding unit: its parameters' slots in a flat buffer, this rank's slices (fp32 master, gradient,
+    """A sharding unit: its parameters' slots in a flat buffer, this rank's shards (fp32 master, gradient,
     optimizer state), and the gathered buffer whose views the modules use while the unit runs."""
 
-    def __init__(self, name, model, param_names, rank, world, device, compute_dtype, reduce_dtype, reduces_in_flight,
+    def __init__(self, name, model, param_names, rank, world, device, compute_dtype,
                  offload: bool = False, host_adds: list | None = None):
         self.name = name
         self.slots = []
@@ -282,15 +290,15 @@ class Unit:
             offset += math.prod(shape)
             delattr(module, attr)  # between uses the attribute is a view of a freed buffer: see above
         self.numel = offset
-        # Pad to a multiple of W: all_gather_into_tensor / reduce_scatter_tensor need equal slices.
+        # Pad to a multiple of W: all_gather_into_tensor / reduce_scatter_tensor need equal shards.
         # The padding is never viewed by a module, so its gradient is exactly zero and it stays zero.
         self.padded_numel = -(-offset // world) * world
         self.shard_numel = self.padded_numel // world
-        self.shard_start = rank * self.shard_numel  # this rank's slice of the flat buffer
+        self.shard_start = rank * self.shard_numel  # this rank's shard of the flat buffer
 
-        # --offload_optimizer: the fp32 slices live in pinned host memory (pinned: copies to and from the GPU
+        # --offload_optimizer: the fp32 shards live in pinned host memory (pinned: copies to and from the GPU
         # run without the host waiting), the optimizer runs on the CPU, and the GPU keeps `compute_shard`, a
-        # compute-dtype copy of the master slice, which is what the all-gathers read.
+        # compute-dtype copy of the master shard, which is what the all-gathers read.
         self.offload = offload
         f32 = dict(dtype=torch.float32, device="cpu" if offload else device,
                    pin_memory=offload and device.type == "cuda")
@@ -298,9 +306,8 @@ class Unit:
         self.grad_shard = torch.zeros(self.shard_numel, **f32)
         self.optimizer_state = {name: torch.zeros(self.shard_numel, **f32) for name in OPTIMIZER_STATE}
         self.compute_shard = torch.zeros(self.shard_numel, dtype=compute_dtype, device=device) if offload else None
-        self.host_adds = host_adds  # offload: gradient slices on their way to host memory (add_grad)
-        self.reduce_dtype = reduce_dtype
-        # Weight decay goes on matrices only (norm weights are 1-D): slices of this rank's shard.
+        self.host_adds = host_adds  # offload: gradient shards on their way to host memory (add_grad)
+        # Weight decay goes on matrices only (norm weights are 1-D): shards of this rank's shard.
         self.decay_ranges = []
         for slot in self.slots:
             lo = max(slot.offset, self.shard_start)
@@ -312,42 +319,44 @@ class Unit:
         self.gathered = torch.empty(self.padded_numel, dtype=compute_dtype, device=device, requires_grad=True)
         self._storage_bytes = self.gathered.untyped_storage().nbytes()
         self.gathered.untyped_storage().resize_(0)
-        self.gathered.register_post_accumulate_grad_hook(self._reduce_scatter_grad)
         self._gather_work = None     # in-flight all-gather
         self._send = None            # its input, kept alive until it completes
-        self.reduces_in_flight = reduces_in_flight  # the ShardedModel's queue, shared by all its units
 
     # -- gather / free ---------------------------------------------------------------------------
-    def is_gathered(self) -> bool:
-        return self.gathered.untyped_storage().nbytes() > 0
+    def state(self) -> str:
+        """"free" (no storage), "gathering" (storage allocated, all-gather in flight: not yet readable)
+        or "gathered" (the full buffer, ready for the modules)."""
+        if self.gathered.untyped_storage().nbytes() == 0:
+            return "free"
+        return "gathering" if self._gather_work is not None else "gathered"
 
     def start_gather(self):
         """Launches the all-gather of this unit into its buffer; returns at once (async)."""
-        if self.is_gathered():
+        if self.state() != "free":
             return
         self.gathered.untyped_storage().resize_(self._storage_bytes)
         self._send = self.gather_input()
         self._gather_work = all_gather_flat(self.gathered.data, self._send, async_op=True)  # .data: see above
 
     def wait_gather(self):
-        if not self.is_gathered():
+        if self.state() == "free":
             self.start_gather()
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work, self._send = None, None
 
     def gather_input(self) -> torch.Tensor:
-        """This rank's slice in the compute dtype, on the device: bf16 over the wire is half the bytes."""
+        """This rank's shard in the compute dtype, on the device: bf16 over the wire is half the bytes."""
         return self.compute_shard if self.offload else self.master_shard.to(self.gathered.dtype)
 
     def refresh_compute_shard(self):
-        """--offload_optimizer: after the optimizer (or a load) changed the host master slice. The fp32
-        slice crosses PCIe and is cast on the device, so the cast is the same arithmetic as without offload."""
-        if self.offload:
-            self.compute_shard.copy_(self.master_shard.to(self.compute_shard.device, non_blocking=True))
+        """--offload_optimizer: after the optimizer (or a load) changed the host master shard. The fp32
+        shard crosses PCIe and is cast on the device, so the cast is the same arithmetic as without offload."""
+        self.compute_shard.copy_(self.master_shard.to(self.compute_shard.device, non_blocking=True))
 
     def free(self):
-        assert self._gather_work is None, f"{self.name}: freed while its all-gather is in flight"
+        if self._gather_work is not None:  # an error, not an assert: `python -O` must not skip it
+            raise RuntimeError(f"{self.name}: freed while its all-gather is in flight")
         self.gathered.untyped_storage().resize_(0)
 
     def set_views(self, buffer: torch.Tensor):
@@ -360,27 +369,9 @@ class Unit:
         for slot, piece in zip(self.slots, pieces):
             setattr(slot.module, slot.attr, piece.view(slot.shape))
 
-    # -- gradients ---------------------------------------------------------------------------------
-    def _reduce_scatter_grad(self, gathered):
-        """Autograd hook: this micro-batch's gradient of the whole unit is in gathered.grad. Sum it over
-        ranks into each rank's slice (reduce-scatter) and drop the full gradient. In fp32 by default:
-        summing W bf16 gradients in bf16 would round away small contributions.
-        Asynchronous, so the previous unit's backward overlaps it, but at most MAX_REDUCES_IN_FLIGHT at a
-        time: each holds a full-unit gradient, and an unbounded queue would hold the whole model's.
-        The oldest one is waited for *before* the cast, not after the launch: otherwise its gradient, this
-        one in the compute dtype and its copy in the reduce dtype would be alive together (3 units where
-        plan.reduce_hook_bytes counts 2). On GPUs this costs no overlap: NCCL runs a group's collectives
-        one after another on one stream, so the new reduce-scatter could not start before the old one
-        ends anyway."""
-        finish_reduces(self.reduces_in_flight, keep=MAX_REDUCES_IN_FLIGHT - 1)
-        grad = gathered.grad.to(self.reduce_dtype)  # the same tensor, no copy, when the dtypes match
-        gathered.grad = None
-        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=grad.device)
-        work = reduce_scatter_flat(out, grad, op=dist.ReduceOp.SUM, async_op=True)
-        self.reduces_in_flight.append((self, work, out, grad))
-
+    # -- gradients (reduce_scatter_grad, below the class, is the hook that feeds add_grad) -------------
     def add_grad(self, out: torch.Tensor):
-        """Adds a reduce-scattered slice into the fp32 accumulator. Offloaded, the slice is copied to host
+        """Adds a reduce-scattered shard into the fp32 accumulator. Offloaded, the shard is copied to host
         memory without waiting (on CUDA) and added there later, by finish_host_adds: the host thread keeps
         queuing backward meanwhile. At most two copies wait, so their pinned buffers stay small."""
         if not self.offload:
@@ -395,7 +386,7 @@ class Unit:
         finish_host_adds(self.host_adds, keep=2)
 
     def persistent_bytes(self, on_device_only: bool = False) -> int:
-        """Bytes this rank keeps between steps (offloaded: on the device, the compute-dtype slice only)."""
+        """Bytes this rank keeps between steps (offloaded: on the device, the compute-dtype shard only)."""
         host = (self.master_shard, self.grad_shard, *self.optimizer_state.values())
         device = (self.compute_shard,) if self.offload else ()
         tensors = device if on_device_only and self.offload else host + device
@@ -405,8 +396,27 @@ class Unit:
 MAX_REDUCES_IN_FLIGHT = 1  # full-unit gradients in --reduce_dtype left reducing while the next unit's backward runs
 
 
+def reduce_scatter_grad(unit: Unit, reduces_in_flight: list, reduce_dtype: torch.dtype, gathered: torch.Tensor):
+    """Autograd hook on `unit.gathered` (ShardedModel registers it): this micro-batch's gradient of the
+    whole unit is in gathered.grad. Sum it over ranks into each rank's shard (reduce-scatter) and drop the
+    full gradient. In fp32 by default: summing W bf16 gradients in bf16 would round away small contributions.
+    Asynchronous, so the previous unit's backward overlaps it, but at most MAX_REDUCES_IN_FLIGHT at a
+    time: each holds a full-unit gradient, and an unbounded queue would hold the whole model's.
+    The oldest one is waited for *before* the cast, not after the launch: otherwise its gradient, this
+    one in the compute dtype and its copy in the reduce dtype would be alive together (3 units where
+    plan.reduce_hook_bytes counts 2). On GPUs this costs no overlap: NCCL runs a group's collectives
+    one after another on one stream, so the new reduce-scatter could not start before the old one
+    ends anyway."""
+    finish_reduces(reduces_in_flight, keep=MAX_REDUCES_IN_FLIGHT - 1)
+    grad = gathered.grad.to(reduce_dtype)  # the same tensor, no copy, when the dtypes match
+    gathered.grad = None
+    out = torch.empty(unit.shard_numel, dtype=reduce_dtype, device=grad.device)
+    work = reduce_scatter_flat(out, grad, op=dist.ReduceOp.SUM, async_op=True)
+    reduces_in_flight.append((unit, work, out, grad))
+
+
 def finish_reduces(reduces_in_flight: list, keep: int = 0):
-    """Waits for the oldest reduce-scatters until `keep` remain; adds each result into its unit's slice
+    """Waits for the oldest reduce-scatters until `keep` remain; adds each result into its unit's shard
     (accumulation over micro-batches, always fp32) and lets its full-unit gradient go."""
     while len(reduces_in_flight) > keep:
         unit, work, out, _ = reduces_in_flight.pop(0)
@@ -421,20 +431,19 @@ def finish_host_adds(host_adds: list, keep: int = 0):
         unit, host, _, copied = host_adds.pop(0)
         if copied is not None:
             copied.synchronize()
-        # A bf16 slice (--reduce_dtype bfloat16) is cast first: the same sum, ~4x faster than a mixed-dtype
+        # A bf16 shard (--reduce_dtype bfloat16) is cast first: the same sum, ~4x faster than a mixed-dtype
         # add_ on the CPU (BENCHMARKS.md, host AdamW), and this runs while backward is being queued.
         unit.grad_shard.add_(host if host.dtype == unit.grad_shard.dtype else host.float())
 
 
-def build_units(model: M.Llama, rank, world, device, compute_dtype, reduce_dtype, reduces_in_flight,
-                offload: bool = False, host_adds: list | None = None) -> list[Unit]:
+def build_units(model: M.Llama, rank, world, device, compute_dtype, offload: bool = False,
+                host_adds: list | None = None) -> list[Unit]:
     """embed, layers.0 .. layers.{L-1}, head -- in the order they run."""
     names = [n for n, _ in model.named_parameters()]
     groups = [("embed", ["embed_tokens.weight"])]
     groups += [(f"layers.{i}", [n for n in names if n.startswith(f"layers.{i}.")]) for i in range(len(model.layers))]
     groups += [("head", [n for n in names if n.startswith(("norm.", "lm_head."))])]
-    return [Unit(g, model, p, rank, world, device, compute_dtype, reduce_dtype, reduces_in_flight, offload, host_adds)
-            for g, p in groups]
+    return [Unit(g, model, p, rank, world, device, compute_dtype, offload, host_adds) for g, p in groups]
 
 
 # ================================================================================================
@@ -443,7 +452,7 @@ def build_units(model: M.Llama, rank, world, device, compute_dtype, reduce_dtype
 
 def init_unit_random(unit: Unit, index: int, seed: int, std: float):
     """HF's init (normal(0, std) matrices, ones for norms) on the unit's full shape from the unit's own
-    generator, then keep this rank's slice: the same weights for every W."""
+    generator, then keep this rank's shard: the same weights for every W."""
     device = unit.gathered.device  # the same numbers with and without --offload_optimizer
     gen = torch.Generator(device=device).manual_seed(seed * 100003 + index)
     full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
@@ -454,10 +463,10 @@ def init_unit_random(unit: Unit, index: int, seed: int, std: float):
 
 
 def init_weights(cfg: TrainConfig, mcfg: M.ModelConfig, units: list[Unit], weights: dict | str | None):
-    """Seeded random weights (`weights` None); this rank's slices of an --init_from Hugging Face folder
+    """Seeded random weights (`weights` None); this rank's shards of an --init_from Hugging Face folder
     (`weights` {HF tensor name: file}: checkpoint.load_unit_from_hf reads only the rows that cover each
-    slice); or of one of our checkpoints (`weights` its folder: a new phase starts from its fp32 master
-    weights, re-sliced for this world size, with a fresh optimizer)."""
+    shard); or of one of our checkpoints (`weights` its folder: a new phase starts from its fp32 master
+    weights, re-sharded for this world size, with a fresh optimizer)."""
     if weights is None:
         for i, unit in enumerate(units):
             init_unit_random(unit, i, cfg.seed, mcfg.init_std)
@@ -470,7 +479,7 @@ def init_weights(cfg: TrainConfig, mcfg: M.ModelConfig, units: list[Unit], weigh
 
 
 # ================================================================================================
-# 5. Step: the sharded forward/backward and the optimizer on the slices
+# 5. Step: the sharded forward/backward and the optimizer on the shards
 # ================================================================================================
 #
 # The forward is a list of stages (embedding, each block, head + loss). Each stage's units are gathered
@@ -568,9 +577,12 @@ class ShardedModel:
         self.compute_dtype = compute_dtype(cfg.dtype, device)
         with torch.device("meta"):  # shapes only: construction allocates nothing
             self.model = M.Llama(mcfg)
-        self.reduces_in_flight, self.host_adds = [], []
-        self.units = build_units(self.model, rank, world, device, self.compute_dtype, getattr(torch, cfg.reduce_dtype),
-                                 self.reduces_in_flight, cfg.offload_optimizer, self.host_adds)
+        self.reduces_in_flight, self.host_adds = [], []  # reduce-scatters, and (offload) copies to the host, in flight
+        self.units = build_units(self.model, rank, world, device, self.compute_dtype, cfg.offload_optimizer,
+                                 self.host_adds)
+        for unit in self.units:  # each unit's gradient is reduce-scattered as soon as autograd completes it
+            unit.gathered.register_post_accumulate_grad_hook(
+                partial(reduce_scatter_grad, unit, self.reduces_in_flight, getattr(torch, cfg.reduce_dtype)))
         self.stages = make_stages(self.model, self.units, cfg.ac, cfg.ce_chunk, cfg.offload_activations,
                                   cfg.ac_blocks, cfg.ac_rest)
         self.prefetch = cfg.prefetch
@@ -606,13 +618,6 @@ class ShardedModel:
             for unit in self.stages[k - 1].backward_units:
                 unit.start_gather()
 
-    def finish_reduces(self):
-        finish_reduces(self.reduces_in_flight)
-        finish_host_adds(self.host_adds)
-
-    def refresh_compute_shards(self):
-        for unit in self.units:
-            unit.refresh_compute_shard()
 
 
 def micro_batches(cfg, sharded: ShardedModel, windows, position: int) -> list[dict]:
@@ -646,46 +651,48 @@ def make_batch(cfg, mcfg, windows, inputs, targets, device, dtype, n_tokens) -> 
                 n_tokens=n_tokens)
 
 
-def train_step_naive(cfg, sharded: ShardedModel, windows, step: int, position: int) -> tuple[float, float]:
+def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict], step: int) -> tuple[float, float]:
     """ZeRO-3 with nothing overlapped and nothing freed early, to read first: each unit all-gathered
-    into a full buffer, a plain forward and backward, each unit's gradient reduce-scattered to its
-    owner, AdamW written out term for term. The same arithmetic as train_step (tests/test_sharding.py
-    holds them equal), but every rank holds the whole model and its whole gradient in the compute dtype.
-    train_step adds: one unit gathered at a time (prefetching the next), freed after forward and
-    gathered again in backward (BackwardBoundary), each reduce-scatter started as soon as its unit's
-    gradient is complete, activation checkpointing, a fused optimizer kernel, skipping non-finite steps."""
+    into a full buffer, a plain forward and backward over this rank's micro-batches, each unit's gradient
+    reduce-scattered to its owner, AdamW written out term for term. The same arithmetic as train_step
+    (tests/test_sharding.py holds them equal), but every rank holds the whole model and its whole gradient
+    in the compute dtype. train_step adds: one unit gathered at a time (prefetching the next), freed after
+    forward and gathered again in backward (BackwardBoundary), each reduce-scatter started as soon as its
+    unit's gradient is complete, activation checkpointing, a fused optimizer kernel, skipping non-finite steps."""
     full = {}
-    for unit in sharded.units:
-        full[unit.name] = torch.empty(unit.padded_numel, dtype=sharded.compute_dtype, device=sharded.device)
+    for unit in units:
+        full[unit.name] = torch.empty(unit.padded_numel, dtype=unit.gathered.dtype, device=unit.gathered.device)
         all_gather_flat(full[unit.name], unit.gather_input())
         full[unit.name].requires_grad_()
         unit.set_views(full[unit.name])
-    model, loss_sum = sharded.model, torch.zeros((), device=sharded.device)
-    for batch in micro_batches(cfg, sharded, windows, position):
+    device = batches[0]["tokens"].device
+    loss_sum = torch.zeros((), device=device)
+    for batch in batches:
         x = model.embed(batch["tokens"])
         for block in model.layers:
             x = block(x, batch["cos"], batch["sin"], batch["layout"])
         loss = model.head_loss(x, batch["targets"], cfg.ce_chunk) / batch["n_tokens"]
         loss.backward()  # gradients accumulate into full[...].grad over the micro-batches
         loss_sum += loss.detach().float()
-    for unit in sharded.units:
-        out = torch.empty(unit.shard_numel, device=sharded.device)
+    for unit in units:
+        out = torch.empty(unit.shard_numel, device=device)
         reduce_scatter_flat(out, full[unit.name].grad.float(), op=dist.ReduceOp.SUM)
         unit.grad_shard.copy_(out)  # to host memory with --offload_optimizer
     dist.all_reduce(loss_sum)
-    grad_norm = global_grad_norm(sharded.units, sharded.device)
+    grad_norm = global_grad_norm(units, device)
     scale = min(1.0, cfg.grad_clip / (grad_norm.item() + 1e-6)) if cfg.grad_clip > 0 else 1.0
-    for unit in sharded.units:
+    for unit in units:
         unit.grad_shard.mul_(scale)
-    adamw_step_reference(sharded.units, cfg, lr_at(cfg, step), step)
-    for unit in sharded.units:
+    adamw_step_reference(units, cfg, lr_at(cfg, step), step)
+    for unit in units:
         unit.grad_shard.zero_()
-    sharded.refresh_compute_shards()
+    if cfg.offload_optimizer:
+        refresh_compute_shards(units)
     return loss_sum.item(), grad_norm.item()
 
 
 def global_grad_norm(units: list[Unit], device: torch.device) -> torch.Tensor:
-    """L2 norm over all ranks' slices: local sum of squares, one all-reduce of one scalar. The padding's
+    """L2 norm over all ranks' shards: local sum of squares, one all-reduce of one scalar. The padding's
     gradient is exactly zero, so it adds nothing."""
     sq = torch.stack([torch.linalg.vector_norm(u.grad_shard) for u in units]).square().sum().to(device)
     dist.all_reduce(sq)
@@ -693,14 +700,14 @@ def global_grad_norm(units: list[Unit], device: torch.device) -> torch.Tensor:
 
 
 # The optimizer: the one place a fork swaps it. OPTIMIZER_STATE names the fp32 tensors each unit keeps
-# per element of its slice (Unit makes them; checkpoints, memory accounting and plan.py iterate over
-# them); optimizer_step updates the slices from the clipped gradient. Any elementwise optimizer works on
-# slices unchanged: each element sees the same arithmetic as in the whole tensor.
+# per element of its shard (Unit makes them; checkpoints, memory accounting and plan.py iterate over
+# them); optimizer_step updates the shards from the clipped gradient. Any elementwise optimizer works on
+# shards unchanged: each element sees the same arithmetic as in the whole tensor.
 OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq")
 
 
 def adamw_step_reference(units: list[Unit], cfg: TrainConfig, lr: float, step: int):
-    """torch.optim.AdamW's update, term for term, on this rank's slices (step is 1-based). The readable
+    """torch.optim.AdamW's update, term for term, on this rank's shards (step is 1-based). The readable
     version of adamw_step below; tests/test_sharding.py holds the two equal."""
     beta1, beta2 = cfg.adam_beta1, cfg.adam_beta2
     bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
@@ -715,9 +722,9 @@ def adamw_step_reference(units: list[Unit], cfg: TrainConfig, lr: float, step: i
 
 
 def adamw_step(units: list[Unit], cfg: TrainConfig, lr: float, step: int):
-    """The same update in one pass over the four slices: PyTorch's fused AdamW kernel (what
+    """The same update in one pass over the four shards: PyTorch's fused AdamW kernel (what
     torch.optim.AdamW(fused=True) runs), instead of the reference's seven passes and two temporaries.
-    Decay stays outside it because it applies to matrices only, not to whole slices."""
+    Decay stays outside it because it applies to matrices only, not to whole shards."""
     for u in units:
         for lo, hi in u.decay_ranges:
             u.master_shard[lo:hi].mul_(1 - lr * cfg.weight_decay)
@@ -757,8 +764,9 @@ def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: i
         loss = sharded.loss(batch)
         if fault_hook:
             loss = fault_hook("loss", step, sharded.rank, loss)
-        loss.backward()  # the reduce-scatters start inside, unit by unit (Unit._reduce_scatter_grad)
-        sharded.finish_reduces()
+        loss.backward()  # the reduce-scatters start inside, unit by unit (reduce_scatter_grad)
+        finish_reduces(sharded.reduces_in_flight)
+        finish_host_adds(sharded.host_adds)
         loss_sum += loss.detach().float()
     local_finite = torch.isfinite(loss_sum)  # read only if the step goes bad: reading it waits for the GPU
     dist.all_reduce(loss_sum)
@@ -790,7 +798,8 @@ def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) ->
     optimizer_step(units, cfg, lr_at(cfg, step), step)  # on the CPU with --offload_optimizer
     for u in units:
         u.grad_shard.zero_()
-    sharded.refresh_compute_shards()
+    if cfg.offload_optimizer:  # the updated host master shards back to the device, in the compute dtype
+        refresh_compute_shards(units)
     return loss, grad_norm
 
 
@@ -848,21 +857,30 @@ def setup(cfg: TrainConfig):
         step = C.load_weights(weights, sharded.units, "--from_ckpt")
         if rank == 0:
             print(f"read checkpoint {weights} (step {step})", flush=True)
-        sharded.refresh_compute_shards()
+        if cfg.offload_optimizer:
+            refresh_compute_shards(sharded.units)
         return sharded, windows, eval_windows, step, 0
     # A checkpoint in --out_dir wins over --init_from: re-running the same command continues the run.
     # After --overwrite, what is left is this run's own: a restart's checkpoints (overwrite_once).
     candidates = C.resume_candidates(ckpt_root) if cfg.resume == "auto" or cfg.overwrite else []
     if candidates:
         step, position = C.resume(cfg, mcfg, sharded.units, windows, rank, candidates, fallback=True)
-        sharded.refresh_compute_shards()
+        if cfg.offload_optimizer:
+            refresh_compute_shards(sharded.units)
         return sharded, windows, eval_windows, step, position
     init_weights(cfg, mcfg, sharded.units, weights)
     if isinstance(weights, str) and rank == 0:
         print(f"started from the weights of checkpoint {weights} (a new phase: step 1, a fresh optimizer and data "
               f"position)", flush=True)
-    sharded.refresh_compute_shards()
+    if cfg.offload_optimizer:
+        refresh_compute_shards(sharded.units)
     return sharded, windows, eval_windows, 0, 0
+
+
+def refresh_compute_shards(units: list[Unit]):
+    """--offload_optimizer: each unit's device copy of its master shard, after the host's changed."""
+    for unit in units:
+        unit.refresh_compute_shard()
 
 
 def optimizer_threads(cfg, device: torch.device, local_world: int, cores: int) -> int | None:

@@ -113,7 +113,8 @@ def measure_ac(folder: str, ac: str) -> dict:
     after_forward_kib = status_kib("VmRSS")
     head = units[-1].padded_numel * 4  # the head stays gathered for its backward: not an activation
     loss.backward()
-    sharded.finish_reduces()
+    T.finish_reduces(sharded.reduces_in_flight)
+    T.finish_host_adds(sharded.host_adds)
     step_s = time.perf_counter() - t0
     tokens = cfg.micro_batch_size * cfg.seq_len
     return dict(ac=ac, saved_by_hooks_bytes=sum(saved.values()),

@@ -37,7 +37,7 @@ def memory(cfg, sharded, windows):
 
     def counting_start(self):
         original_start(self)
-        most_gathered[0] = max(most_gathered[0], sum(u.is_gathered() for u in units))
+        most_gathered[0] = max(most_gathered[0], sum(u.state() != "free" for u in units))
     T.Unit.start_gather = counting_start
     most_reduces = [0]
     original_finish = T.finish_reduces
@@ -53,7 +53,7 @@ def memory(cfg, sharded, windows):
         persistent_bytes=sum(u.persistent_bytes() for u in units),
         padded_numel=sum(u.padded_numel for u in units), numel=sum(u.numel for u in units),
         shard_numel=[u.shard_numel for u in units],
-        gathered_after_step=[u.name for u in units if u.is_gathered() or u.gathered.grad is not None],
+        gathered_after_step=[u.name for u in units if u.state() != "free" or u.gathered.grad is not None],
         module_tensor_bytes=sum(t.untyped_storage().nbytes() for t in list(model.parameters()) + list(model.buffers())),
         live_tensor_bytes=live_tensor_bytes(), most_gathered_at_once=most_gathered[0],
         most_reduces_in_flight=most_reduces[0], n_units=len(units),
@@ -86,7 +86,9 @@ def naive(cfg, sharded, windows):
     units = sharded.units
     start = [[u.master_shard.clone()] + [t.clone() for t in u.optimizer_state.values()] for u in units]
     result = dict(start=[u.master_shard.tolist() for u in units])
-    for name, step_fn in (("real", T.train_step), ("naive", T.train_step_naive)):
+    def naive_step(cfg, sharded, windows, step, position):
+        return T.train_step_naive(cfg, sharded.units, sharded.model, T.micro_batches(cfg, sharded, windows, position), step)
+    for name, step_fn in (("real", T.train_step), ("naive", naive_step)):
         for u, saved in zip(units, start):
             for t, value in zip([u.master_shard, *u.optimizer_state.values()], saved):
                 t.copy_(value)

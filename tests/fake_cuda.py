@@ -673,7 +673,8 @@ def child(argv):
     device = torch.device("cuda", 0)
     with FakeTensorMode(allow_non_fake_inputs=True), make_memory_mode(memory, pinned):
         sharded = T.ShardedModel(cfg, mcfg, args.rank, args.world, device)
-        sharded.refresh_compute_shards()
+        if cfg.offload_optimizer:
+            T.refresh_compute_shards(sharded.units)
         state_bytes = memory.current
         label_phases(sharded, memory)
         windows = Windows(cfg.seq_len, mcfg.vocab_size, mcfg.eos_id, args.documents if cfg.doc_mask else 1)

@@ -55,14 +55,14 @@ def worker(out_dir, flags):
     import torch.distributed as dist
     import train as T
     tracker, hooks = LiveUnitGradients(), []
-    original_hook = T.Unit._reduce_scatter_grad
+    original_hook = T.reduce_scatter_grad
 
-    def measured_hook(self, gathered):
+    def measured_hook(unit, reduces_in_flight, reduce_dtype, gathered):
         tracker.measuring, tracker.most_alive = True, 0
-        original_hook(self, gathered)
+        original_hook(unit, reduces_in_flight, reduce_dtype, gathered)
         tracker.measuring = False
-        hooks.append(dict(unit=self.name, numel=self.padded_numel, most_alive_bytes=tracker.most_alive))
-    T.Unit._reduce_scatter_grad = measured_hook  # before setup: each Unit registers its bound hook
+        hooks.append(dict(unit=unit.name, numel=unit.padded_numel, most_alive_bytes=tracker.most_alive))
+    T.reduce_scatter_grad = measured_hook  # before setup: ShardedModel registers the hook it finds then
     cfg = T.parse_args(flags)
     sharded, windows, _, _, _ = T.setup(cfg)
     units, rank = sharded.units, sharded.rank

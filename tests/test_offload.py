@@ -83,7 +83,7 @@ def test_offloaded_state_lives_in_host_memory(tmp_path):
     import train as T
     with torch.device("meta"):
         model = M.Llama(small_config())
-    units = T.build_units(model, 0, 2, torch.device("cpu"), torch.bfloat16, torch.float32, [], offload=True,
+    units = T.build_units(model, 0, 2, torch.device("cpu"), torch.bfloat16, offload=True,
                           host_adds=[])
     for u in units:
         assert u.compute_shard.dtype == torch.bfloat16 and u.compute_shard.numel() == u.shard_numel

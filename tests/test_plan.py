@@ -65,7 +65,7 @@ def test_state_per_gpu_of_70b_on_16_gpus():
 def test_state_matches_the_trainers_units_with_padding():
     # The trainer's own Unit objects, at a W whose padding is not zero: rank 0's persistent bytes.
     mcfg, world = M.PRESETS["tiny"](), 3
-    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, torch.float32, [])
+    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16)
     assert any(u.padded_numel != u.numel for u in units)
     p = predict(model="tiny", nnodes=1, nproc_per_node=world, seq_len=256, batch_size=12, micro_batch_size=4)
     assert p["state_gib_per_gpu"] * 2**30 == sum(u.persistent_bytes() for u in units)
@@ -190,7 +190,7 @@ OFFLOAD_70B_ONE_NODE = dict(CASE_70B, nnodes=1, ac="full", offload_activations="
 def test_offloaded_optimizer_state_matches_the_trainers_units_with_padding():
     # --offload_optimizer: the GPU keeps a bf16 copy of its slices (2 B x padded N / W), the host the 16 B.
     mcfg, world = M.PRESETS["tiny"](), 3
-    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, torch.float32, [],
+    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16,
                           offload=True, host_adds=[])
     assert any(u.padded_numel != u.numel for u in units)
     slice_numel = sum(u.shard_numel for u in units)
@@ -369,7 +369,7 @@ def run_plan(*flags):
 def test_checkpoint_bytes_per_rank_are_what_the_trainer_writes(tmp_path):
     # Rank 0's file at a W whose padding is not zero, written by the trainer's own save function.
     mcfg, world = M.PRESETS["tiny"](), 3
-    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, torch.float32, [])
+    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16)
     tensors = [(f"{u.name}.{kind}", t) for u in units for kind, t in C.saved_tensors(u)]
     _, written = C.write_safetensors_streaming(str(tmp_path / "rank0.safetensors"), tensors)
     assert written == (tmp_path / "rank0.safetensors").stat().st_size

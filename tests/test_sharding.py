@@ -123,7 +123,7 @@ def test_fused_adamw_equals_the_written_out_reference():
     def units():  # build_units takes the parameters out of the model: one model each
         with torch.device("meta"):
             model = M.Llama(small_config(n_layers=1))
-        return T.build_units(model, 1, 3, torch.device("cpu"), torch.float32, torch.float32, [])
+        return T.build_units(model, 1, 3, torch.device("cpu"), torch.float32)
     pair = [units(), units()]
 
     def state(unit):
