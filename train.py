@@ -5,10 +5,11 @@ Read top to bottom; the sections follow the data:
   2. processes   torch.distributed set-up (NCCL on GPUs, gloo on CPU, also W=1 without torchrun)
   3. shard       each sharding unit's parameters as one flat buffer, this rank's fp32 shard of it, and
                  the trick that lets modules use a buffer that comes and goes (the comment above Unit)
-  4. init        one unit at a time: seeded, or sharded reads of a Hugging Face folder
-  5. step        the naive ZeRO-3 step first (train_step_naive), then the real one: gather just before
-                 use, free right after, re-gather in backward, reduce-scatter, AdamW on the shards
-  6. loop        set-up, the training loop, saving and stopping
+  4. step        the naive ZeRO-3 step first (train_step_naive), then the real one from the top down:
+                 gather just before use, free right after, re-gather in backward, reduce-scatter,
+                 AdamW on the shards
+  5. loop        weights (seeded, or sharded reads of a Hugging Face folder or a checkpoint),
+                 set-up, the training loop, saving and stopping
 
 What is not the story lives beside it: checks.py (every flag and input checked before any work),
 checkpoint.py (state on disk: checkpoints, resume at any world size, Hugging Face import and export),
@@ -31,6 +32,8 @@ Launch recipes (the flags are in TrainConfig below; `python train.py --help` lis
   before any of these, what fits and what it costs (no GPU needed):
       python train.py --plan --model llama3-70b --nnodes 2 --nproc_per_node 8 --seq_len 8192 ...
 """
+
+from __future__ import annotations  # annotations may name what is defined further down
 
 import argparse
 import datetime
@@ -198,6 +201,12 @@ def init_processes(cfg: TrainConfig):
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def compute_dtype(flag: str, device: torch.device) -> torch.dtype:
+    if flag == "auto":  # a CPU without native bf16 matmuls runs them ~16x slower than fp32 (measured)
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, flag)
+
+
 # torch 2.13 renames the two collectives ZeRO-3 is made of; accept both names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -219,7 +228,7 @@ def fail(message: str, exit_code: int = 2):
 # ================================================================================================
 # 3. Shard: one flat buffer per unit, split W ways
 # ================================================================================================
-#
+
 # Where the design comes from: ZeRO stage 3 (Rajbhandari et al., 2019, arXiv:1910.02054) partitions
 # parameters, gradients and optimizer state across the W data-parallel ranks and gathers each layer's
 # parameters only while it runs; PyTorch FSDP (Zhao et al., 2023, arXiv:2304.11277) is its production
@@ -250,7 +259,7 @@ def fail(message: str, exit_code: int = 2):
 #     the block a recompute (activation checkpointing) runs again, read the refilled weights, and
 #     autograd does not report them as modified.
 #   - What must hold: (1) a unit is refilled, with the same values, before anything in its backward reads
-#     it: BackwardBoundary (section 5) gathers it as autograd enters its stage; (2) a stage's output is the
+#     it: BackwardBoundary (section 4) gathers it as autograd enters its stage; (2) a stage's output is the
 #     only path from one stage to the next, so autograd cannot reach a stage's backward except through
 #     that boundary; (3) the weights do not change between a forward and its backward (the optimizer runs
 #     after all micro-batches). Break (2), e.g. by passing a tensor from block 3 to block 7, and block 3's
@@ -263,7 +272,6 @@ def fail(message: str, exit_code: int = 2):
 #   - A reduce-scatter in flight is a tuple (unit, work, out, grad): `grad`, the unit's full gradient in
 #     --reduce_dtype, is the collective's input and must stay alive until it completes; `out` is this
 #     rank's summed shard, added into grad_shard then.
-
 class Slot(NamedTuple):
     """One parameter's place in its unit's flat buffer."""
     module: torch.nn.Module
@@ -393,49 +401,6 @@ class Unit:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-MAX_REDUCES_IN_FLIGHT = 1  # full-unit gradients in --reduce_dtype left reducing while the next unit's backward runs
-
-
-def reduce_scatter_grad(unit: Unit, reduces_in_flight: list, reduce_dtype: torch.dtype, gathered: torch.Tensor):
-    """Autograd hook on `unit.gathered` (ShardedModel registers it): this micro-batch's gradient of the
-    whole unit is in gathered.grad. Sum it over ranks into each rank's shard (reduce-scatter) and drop the
-    full gradient. In fp32 by default: summing W bf16 gradients in bf16 would round away small contributions.
-    Asynchronous, so the previous unit's backward overlaps it, but at most MAX_REDUCES_IN_FLIGHT at a
-    time: each holds a full-unit gradient, and an unbounded queue would hold the whole model's.
-    The oldest one is waited for *before* the cast, not after the launch: otherwise its gradient, this
-    one in the compute dtype and its copy in the reduce dtype would be alive together (3 units where
-    plan.reduce_hook_bytes counts 2). On GPUs this costs no overlap: NCCL runs a group's collectives
-    one after another on one stream, so the new reduce-scatter could not start before the old one
-    ends anyway."""
-    finish_reduces(reduces_in_flight, keep=MAX_REDUCES_IN_FLIGHT - 1)
-    grad = gathered.grad.to(reduce_dtype)  # the same tensor, no copy, when the dtypes match
-    gathered.grad = None
-    out = torch.empty(unit.shard_numel, dtype=reduce_dtype, device=grad.device)
-    work = reduce_scatter_flat(out, grad, op=dist.ReduceOp.SUM, async_op=True)
-    reduces_in_flight.append((unit, work, out, grad))
-
-
-def finish_reduces(reduces_in_flight: list, keep: int = 0):
-    """Waits for the oldest reduce-scatters until `keep` remain; adds each result into its unit's shard
-    (accumulation over micro-batches, always fp32) and lets its full-unit gradient go."""
-    while len(reduces_in_flight) > keep:
-        unit, work, out, _ = reduces_in_flight.pop(0)
-        work.wait()
-        unit.add_grad(out)
-
-
-def finish_host_adds(host_adds: list, keep: int = 0):
-    """--offload_optimizer: waits for the oldest gradient copies to host memory until `keep` remain, and
-    adds each into its unit's host accumulator (fp32, as on the device)."""
-    while len(host_adds) > keep:
-        unit, host, _, copied = host_adds.pop(0)
-        if copied is not None:
-            copied.synchronize()
-        # A bf16 shard (--reduce_dtype bfloat16) is cast first: the same sum, ~4x faster than a mixed-dtype
-        # add_ on the CPU (BENCHMARKS.md, host AdamW), and this runs while backward is being queued.
-        unit.grad_shard.add_(host if host.dtype == unit.grad_shard.dtype else host.float())
-
-
 def build_units(model: M.Llama, rank, world, device, compute_dtype, offload: bool = False,
                 host_adds: list | None = None) -> list[Unit]:
     """embed, layers.0 .. layers.{L-1}, head -- in the order they run."""
@@ -447,125 +412,141 @@ def build_units(model: M.Llama, rank, world, device, compute_dtype, offload: boo
 
 
 # ================================================================================================
-# 4. Init: one unit at a time, never the whole model
-# ================================================================================================
-
-def init_unit_random(unit: Unit, index: int, seed: int, std: float):
-    """HF's init (normal(0, std) matrices, ones for norms) on the unit's full shape from the unit's own
-    generator, then keep this rank's shard: the same weights for every W."""
-    device = unit.gathered.device  # the same numbers with and without --offload_optimizer
-    gen = torch.Generator(device=device).manual_seed(seed * 100003 + index)
-    full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
-    for slot in unit.slots:
-        piece = full[slot.offset:slot.offset + math.prod(slot.shape)]
-        piece.fill_(1.0) if len(slot.shape) == 1 else piece.normal_(0.0, std, generator=gen)
-    unit.master_shard.copy_(full[unit.shard_start:unit.shard_start + unit.shard_numel])
-
-
-def init_weights(cfg: TrainConfig, mcfg: M.ModelConfig, units: list[Unit], weights: dict | str | None):
-    """Seeded random weights (`weights` None); this rank's shards of an --init_from Hugging Face folder
-    (`weights` {HF tensor name: file}: checkpoint.load_unit_from_hf reads only the rows that cover each
-    shard); or of one of our checkpoints (`weights` its folder: a new phase starts from its fp32 master
-    weights, re-sharded for this world size, with a fresh optimizer)."""
-    if weights is None:
-        for i, unit in enumerate(units):
-            init_unit_random(unit, i, cfg.seed, mcfg.init_std)
-    elif isinstance(weights, str):
-        C.load_weights(weights, units, "--init_from")
-    else:
-        open_files = {}
-        for unit in units:
-            C.load_unit_from_hf(unit, weights, open_files)
-
-
-# ================================================================================================
-# 5. Step: the sharded forward/backward and the optimizer on the shards
+# 4. Step: the naive ZeRO-3 step, then the real one from the top down
 # ================================================================================================
 #
 # The forward is a list of stages (embedding, each block, head + loss). Each stage's units are gathered
 # just before it runs and freed right after; a BackwardBoundary after it gathers them again when
-# backward reaches it. train_step_naive below does the same arithmetic with every unit gathered at once.
+# backward reaches it, and each unit's gradient is reduce-scattered as soon as autograd completes it.
+#
+# train_step_naive comes first: the same arithmetic with every unit gathered at once. Then the real step
+# from the top down, each definition below its caller: train_step -> forward_backward -> micro_batches
+# -> ShardedModel.loss -> the stages -> BackwardBoundary -> reduce_scatter_grad -> finish_reduces ->
+# global_grad_norm -> the optimizer.
 
-class BackwardBoundary(torch.autograd.Function):
-    """Identity between two stages. Its backward runs when the gradient w.r.t. this stage's output is
-    complete, i.e. just after the next stage's backward and just before this stage's backward: the
-    moment to free the next stage's buffers, gather this stage's, and prefetch the previous one's."""
-
-    @staticmethod
-    def forward(ctx, x, on_backward):
-        ctx.on_backward = on_backward
-        return x.view_as(x)  # why not x: see the comment above Unit
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.on_backward()
-        return grad, None
-
-
-# Selective checkpointing: keep what is expensive to recompute (the matmuls' and attention's outputs),
-# recompute what is cheap and memory-hungry (norms, RoPE, SiLU * up, residual adds, casts).
-SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
-ATTENTION_FORWARD_OPS = {  # namespace: the attention kernels' forward ops, those this build has are kept
-    "aten": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"),
-    "flash_attn": ("_flash_attn_forward",           # flash_attn_func: one sequence per row
-                   "_flash_attn_varlen_forward"),   # flash_attn_varlen_func: packed documents
-}
-for _namespace, _names in ATTENTION_FORWARD_OPS.items():
-    for _name in _names:
-        if hasattr(getattr(torch.ops, _namespace), _name):
-            SAVED_OPS.add(getattr(getattr(torch.ops, _namespace), _name).default)
-
-
-def _selective_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False):
-    if offload:  # --ac full, the block's input kept in host memory (offload.py)
-        return OffloadedCheckpoint.apply(x, lambda h: block(h, cos, sin, layout))
-    if ac == "none":
-        return block(x, cos, sin, layout)
-    if ac == "full":  # save only the block's input; recompute the whole block in backward
-        return checkpoint(block, x, cos, sin, layout, use_reentrant=False)
-    return checkpoint(block, x, cos, sin, layout, use_reentrant=False,
-                      context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
-
-
-class Stage(NamedTuple):
-    run: Callable                # (x, batch) -> the stage's output
-    forward_units: list          # gathered for its forward
-    backward_units: list         # gathered again for its backward
+def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict], step: int) -> tuple[float, float]:
+    """ZeRO-3 with nothing overlapped and nothing freed early, to read first: each unit all-gathered
+    into a full buffer, a plain forward and backward over this rank's micro-batches, each unit's gradient
+    reduce-scattered to its owner, AdamW written out term for term. The same arithmetic as train_step
+    (tests/test_sharding.py holds them equal), but every rank holds the whole model and its whole gradient
+    in the compute dtype. train_step adds: one unit gathered at a time (prefetching the next), freed after
+    forward and gathered again in backward (BackwardBoundary), each reduce-scatter started as soon as its
+    unit's gradient is complete, activation checkpointing, a fused optimizer kernel, skipping non-finite steps."""
+    full = {}
+    for unit in units:
+        full[unit.name] = torch.empty(unit.padded_numel, dtype=unit.gathered.dtype, device=unit.gathered.device)
+        all_gather_flat(full[unit.name], unit.gather_input())
+        full[unit.name].requires_grad_()
+        unit.set_views(full[unit.name])
+    device = batches[0]["tokens"].device
+    loss_sum = torch.zeros((), device=device)
+    for batch in batches:
+        x = model.embed(batch["tokens"])
+        for block in model.layers:
+            x = block(x, batch["cos"], batch["sin"], batch["layout"])
+        loss = model.head_loss(x, batch["targets"], cfg.ce_chunk) / batch["n_tokens"]
+        loss.backward()  # gradients accumulate into full[...].grad over the micro-batches
+        loss_sum += loss.detach().float()
+    for unit in units:
+        out = torch.empty(unit.shard_numel, device=device)
+        reduce_scatter_flat(out, full[unit.name].grad.float(), op=dist.ReduceOp.SUM)
+        unit.grad_shard.copy_(out)  # to host memory with --offload_optimizer
+    dist.all_reduce(loss_sum)
+    grad_norm = global_grad_norm(units, device)
+    scale = min(1.0, cfg.grad_clip / (grad_norm.item() + 1e-6)) if cfg.grad_clip > 0 else 1.0
+    for unit in units:
+        unit.grad_shard.mul_(scale)
+    adamw_step_reference(units, cfg, lr_at(cfg, step), step)
+    for unit in units:
+        unit.grad_shard.zero_()
+    if cfg.offload_optimizer:
+        refresh_compute_shards(units)
+    return loss_sum.item(), grad_norm.item()
 
 
-def block_policies(n_layers: int, ac: str, ac_blocks: int = -1, ac_rest: str = "none") -> list[str]:
-    """Each block's checkpointing policy: --ac for the first --ac_blocks blocks (all with -1), --ac_rest
-    for the others. Memory freed elsewhere (--offload_optimizer) becomes less recompute this way."""
-    n = n_layers if ac_blocks < 0 else min(ac_blocks, n_layers)
-    return [ac] * n + [ac_rest] * (n_layers - n)
+class NonFiniteStep(Exception):
+    pass
 
 
-def make_stages(model: M.Llama, units: list[Unit], ac: str, ce_chunk: int, offload: bool = False,
-                ac_blocks: int = -1, ac_rest: str = "none") -> list[Stage]:
-    """The embedding's backward only needs the token ids, so it is not gathered again for backward.
-    With tied embeddings the head also needs the embedding unit (its weight is the head's)."""
-    embed, blocks, head = units[0], units[1:-1], units[-1]
-    head_units = [head, embed] if model.cfg.tie_embeddings else [head]
-    stages = [Stage(lambda x, batch: model.embed(x), [embed], [])]
-    policies = block_policies(len(blocks), ac, ac_blocks, ac_rest)
-    for i, unit in enumerate(blocks):
-        block_offload = offload and policies[i] == "full"  # --offload_activations moves what `full` keeps
-        stages.append(Stage(lambda x, batch, i=i, ac=policies[i], off=block_offload: run_block(
-            model.layers[i], ac, x, batch["cos"], batch["sin"], batch["layout"], off), [unit], [unit]))
-    stages.append(Stage(lambda x, batch: model.head_loss(x, batch["targets"], ce_chunk) / batch["n_tokens"],
-                        head_units, head_units))
-    return stages
+def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) -> tuple[float, float]:
+    """One optimizer step (1-based `step`): accumulate, clip, update. Returns (loss, grad_norm) floats.
+    A non-finite loss or gradient norm (both already summed over ranks, so every rank sees the same
+    value and takes the same branch) skips the update: the weights and optimizer state stay as they were."""
+    units = sharded.units
+    loss, local_finite = forward_backward(cfg, sharded, windows, step, position)
+    grad_norm = global_grad_norm(units, sharded.device)
+    # The step's one host sync: the clip factor and the skip decision need both numbers on the host.
+    loss, grad_norm = torch.stack([loss.float(), grad_norm.float()]).tolist()
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        for u in units:
+            u.grad_shard.zero_()
+        finite_by_rank = torch.zeros(sharded.world, device=sharded.device)
+        all_gather_flat(finite_by_rank, local_finite.float().reshape(1))
+        bad = [r for r, ok in enumerate(finite_by_rank.tolist()) if not ok]
+        where = f" (from rank {', '.join(map(str, bad))})" if bad else ""
+        raise NonFiniteStep(f"step {step}: loss {loss}, grad_norm {grad_norm}{where}; the optimizer step was skipped")
+    if cfg.grad_clip > 0:  # as torch.nn.utils.clip_grad_norm_: multiply by min(1, clip / (norm + 1e-6))
+        scale = min(1.0, cfg.grad_clip / (grad_norm + 1e-6))
+        if scale != 1.0:
+            for u in units:
+                u.grad_shard.mul_(scale)
+    optimizer_step(units, cfg, lr_at(cfg, step), step)  # on the CPU with --offload_optimizer
+    for u in units:
+        u.grad_shard.zero_()
+    if cfg.offload_optimizer:  # the updated host master shards back to the device, in the compute dtype
+        refresh_compute_shards(units)
+    return loss, grad_norm
 
 
-def compute_dtype(flag: str, device: torch.device) -> torch.dtype:
-    if flag == "auto":  # a CPU without native bf16 matmuls runs them ~16x slower than fp32 (measured)
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, flag)
+fault_hook = None  # tests only: faults.py, installed by main when ZERO3_FAULT and ZERO3_ALLOW_FAULTS=1 are set
+
+
+def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: int):
+    """All micro-batches of (1-based) `step`: gradients summed into each unit's grad_shard. Returns the
+    global batch's mean loss (identical on every rank) and whether this rank's own part was finite."""
+    loss_sum = torch.zeros((), device=sharded.device)
+    for batch in micro_batches(cfg, sharded, windows, position):
+        loss = sharded.loss(batch)
+        if fault_hook:
+            loss = fault_hook("loss", step, sharded.rank, loss)
+        loss.backward()  # the reduce-scatters start inside, unit by unit (reduce_scatter_grad)
+        finish_reduces(sharded.reduces_in_flight)
+        finish_host_adds(sharded.host_adds)
+        loss_sum += loss.detach().float()
+    local_finite = torch.isfinite(loss_sum)  # read only if the step goes bad: reading it waits for the GPU
+    dist.all_reduce(loss_sum)
+    return loss_sum, local_finite
+
+
+def micro_batches(cfg, sharded: ShardedModel, windows, position: int) -> list[dict]:
+    """This rank's micro-batches of the global batch that starts at window `position`."""
+    accum = cfg.batch_size // (sharded.world * cfg.micro_batch_size)
+    arrays = [windows.micro_batch(position, j, sharded.rank, sharded.world, cfg.micro_batch_size) for j in range(accum)]
+    # The loss is the mean over every target token of the global batch, so each rank divides its summed
+    # loss by the global count -- not by the number of micro-batches, which would make results depend on W.
+    n_tokens = M.to_device(np.array(sum((t != -100).sum() for _, t in arrays), dtype=np.float32), sharded.device)
+    dist.all_reduce(n_tokens)
+    return [make_batch(cfg, sharded.model.cfg, windows, inputs, targets, sharded.device, sharded.compute_dtype, n_tokens)
+            for inputs, targets in arrays]
+
+
+def make_batch(cfg, mcfg, windows, inputs, targets, device, dtype, n_tokens) -> dict:
+    """What every stage of one micro-batch needs besides its input: the tokens, RoPE's cos/sin at each
+    token's position, the document layout (a new document starts after each EOS), the targets, the
+    global batch's target count. Decided and built on the host from the numpy arrays, then copied
+    without waiting (M.to_device): nothing here makes the host wait for the GPU, so it can queue this
+    micro-batch while the last one still runs."""
+    eos_id = windows.data.eos_id if windows.data.eos_id is not None else mcfg.eos_id
+    layout = None
+    if cfg.doc_mask:
+        starts = M.document_starts(inputs, eos_id)
+        if starts[:, 1:].any():  # one document per row: plain causal attention is the same and faster
+            layout = M.document_layout(starts, M.uses_flash(device, dtype), device, dtype)
+    tokens = M.to_device(inputs, device)
+    positions = layout["positions"] if layout else torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+    cos, sin = M.rope_cos_sin(mcfg, positions, dtype)
+    return dict(tokens=tokens, cos=cos, sin=sin, layout=layout, targets=M.to_device(targets, device),
+                n_tokens=n_tokens)
 
 
 class ShardedModel:
@@ -619,76 +600,123 @@ class ShardedModel:
                 unit.start_gather()
 
 
-
-def micro_batches(cfg, sharded: ShardedModel, windows, position: int) -> list[dict]:
-    """This rank's micro-batches of the global batch that starts at window `position`."""
-    accum = cfg.batch_size // (sharded.world * cfg.micro_batch_size)
-    arrays = [windows.micro_batch(position, j, sharded.rank, sharded.world, cfg.micro_batch_size) for j in range(accum)]
-    # The loss is the mean over every target token of the global batch, so each rank divides its summed
-    # loss by the global count -- not by the number of micro-batches, which would make results depend on W.
-    n_tokens = M.to_device(np.array(sum((t != -100).sum() for _, t in arrays), dtype=np.float32), sharded.device)
-    dist.all_reduce(n_tokens)
-    return [make_batch(cfg, sharded.model.cfg, windows, inputs, targets, sharded.device, sharded.compute_dtype, n_tokens)
-            for inputs, targets in arrays]
+class Stage(NamedTuple):
+    run: Callable                # (x, batch) -> the stage's output
+    forward_units: list          # gathered for its forward
+    backward_units: list         # gathered again for its backward
 
 
-def make_batch(cfg, mcfg, windows, inputs, targets, device, dtype, n_tokens) -> dict:
-    """What every stage of one micro-batch needs besides its input: the tokens, RoPE's cos/sin at each
-    token's position, the document layout (a new document starts after each EOS), the targets, the
-    global batch's target count. Decided and built on the host from the numpy arrays, then copied
-    without waiting (M.to_device): nothing here makes the host wait for the GPU, so it can queue this
-    micro-batch while the last one still runs."""
-    eos_id = windows.data.eos_id if windows.data.eos_id is not None else mcfg.eos_id
-    layout = None
-    if cfg.doc_mask:
-        starts = M.document_starts(inputs, eos_id)
-        if starts[:, 1:].any():  # one document per row: plain causal attention is the same and faster
-            layout = M.document_layout(starts, M.uses_flash(device, dtype), device, dtype)
-    tokens = M.to_device(inputs, device)
-    positions = layout["positions"] if layout else torch.arange(tokens.shape[1], device=device).expand_as(tokens)
-    cos, sin = M.rope_cos_sin(mcfg, positions, dtype)
-    return dict(tokens=tokens, cos=cos, sin=sin, layout=layout, targets=M.to_device(targets, device),
-                n_tokens=n_tokens)
+def make_stages(model: M.Llama, units: list[Unit], ac: str, ce_chunk: int, offload: bool = False,
+                ac_blocks: int = -1, ac_rest: str = "none") -> list[Stage]:
+    """The embedding's backward only needs the token ids, so it is not gathered again for backward.
+    With tied embeddings the head also needs the embedding unit (its weight is the head's)."""
+    embed, blocks, head = units[0], units[1:-1], units[-1]
+    head_units = [head, embed] if model.cfg.tie_embeddings else [head]
+    stages = [Stage(lambda x, batch: model.embed(x), [embed], [])]
+    policies = block_policies(len(blocks), ac, ac_blocks, ac_rest)
+    for i, unit in enumerate(blocks):
+        block_offload = offload and policies[i] == "full"  # --offload_activations moves what `full` keeps
+        stages.append(Stage(lambda x, batch, i=i, ac=policies[i], off=block_offload: run_block(
+            model.layers[i], ac, x, batch["cos"], batch["sin"], batch["layout"], off), [unit], [unit]))
+    stages.append(Stage(lambda x, batch: model.head_loss(x, batch["targets"], ce_chunk) / batch["n_tokens"],
+                        head_units, head_units))
+    return stages
 
 
-def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict], step: int) -> tuple[float, float]:
-    """ZeRO-3 with nothing overlapped and nothing freed early, to read first: each unit all-gathered
-    into a full buffer, a plain forward and backward over this rank's micro-batches, each unit's gradient
-    reduce-scattered to its owner, AdamW written out term for term. The same arithmetic as train_step
-    (tests/test_sharding.py holds them equal), but every rank holds the whole model and its whole gradient
-    in the compute dtype. train_step adds: one unit gathered at a time (prefetching the next), freed after
-    forward and gathered again in backward (BackwardBoundary), each reduce-scatter started as soon as its
-    unit's gradient is complete, activation checkpointing, a fused optimizer kernel, skipping non-finite steps."""
-    full = {}
-    for unit in units:
-        full[unit.name] = torch.empty(unit.padded_numel, dtype=unit.gathered.dtype, device=unit.gathered.device)
-        all_gather_flat(full[unit.name], unit.gather_input())
-        full[unit.name].requires_grad_()
-        unit.set_views(full[unit.name])
-    device = batches[0]["tokens"].device
-    loss_sum = torch.zeros((), device=device)
-    for batch in batches:
-        x = model.embed(batch["tokens"])
-        for block in model.layers:
-            x = block(x, batch["cos"], batch["sin"], batch["layout"])
-        loss = model.head_loss(x, batch["targets"], cfg.ce_chunk) / batch["n_tokens"]
-        loss.backward()  # gradients accumulate into full[...].grad over the micro-batches
-        loss_sum += loss.detach().float()
-    for unit in units:
-        out = torch.empty(unit.shard_numel, device=device)
-        reduce_scatter_flat(out, full[unit.name].grad.float(), op=dist.ReduceOp.SUM)
-        unit.grad_shard.copy_(out)  # to host memory with --offload_optimizer
-    dist.all_reduce(loss_sum)
-    grad_norm = global_grad_norm(units, device)
-    scale = min(1.0, cfg.grad_clip / (grad_norm.item() + 1e-6)) if cfg.grad_clip > 0 else 1.0
-    for unit in units:
-        unit.grad_shard.mul_(scale)
-    adamw_step_reference(units, cfg, lr_at(cfg, step), step)
-    for unit in units:
-        unit.grad_shard.zero_()
-    if cfg.offload_optimizer:
-        refresh_compute_shards(units)
-    return loss_sum.item(), grad_norm.item()
+def block_policies(n_layers: int, ac: str, ac_blocks: int = -1, ac_rest: str = "none") -> list[str]:
+    """Each block's checkpointing policy: --ac for the first --ac_blocks blocks (all with -1), --ac_rest
+    for the others. Memory freed elsewhere (--offload_optimizer) becomes less recompute this way."""
+    n = n_layers if ac_blocks < 0 else min(ac_blocks, n_layers)
+    return [ac] * n + [ac_rest] * (n_layers - n)
+
+
+def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False):
+    if offload:  # --ac full, the block's input kept in host memory (offload.py)
+        return OffloadedCheckpoint.apply(x, lambda h: block(h, cos, sin, layout))
+    if ac == "none":
+        return block(x, cos, sin, layout)
+    if ac == "full":  # save only the block's input; recompute the whole block in backward
+        return checkpoint(block, x, cos, sin, layout, use_reentrant=False)
+    return checkpoint(block, x, cos, sin, layout, use_reentrant=False,
+                      context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+
+
+# Selective checkpointing: keep what is expensive to recompute (the matmuls' and attention's outputs),
+# recompute what is cheap and memory-hungry (norms, RoPE, SiLU * up, residual adds, casts).
+SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
+ATTENTION_FORWARD_OPS = {  # namespace: the attention kernels' forward ops, those this build has are kept
+    "aten": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"),
+    "flash_attn": ("_flash_attn_forward",           # flash_attn_func: one sequence per row
+                   "_flash_attn_varlen_forward"),   # flash_attn_varlen_func: packed documents
+}
+for _namespace, _names in ATTENTION_FORWARD_OPS.items():
+    for _name in _names:
+        if hasattr(getattr(torch.ops, _namespace), _name):
+            SAVED_OPS.add(getattr(getattr(torch.ops, _namespace), _name).default)
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class BackwardBoundary(torch.autograd.Function):
+    """Identity between two stages. Its backward runs when the gradient w.r.t. this stage's output is
+    complete, i.e. just after the next stage's backward and just before this stage's backward: the
+    moment to free the next stage's buffers, gather this stage's, and prefetch the previous one's."""
+
+    @staticmethod
+    def forward(ctx, x, on_backward):
+        ctx.on_backward = on_backward
+        return x.view_as(x)  # why not x: see the comment above Unit
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.on_backward()
+        return grad, None
+
+
+MAX_REDUCES_IN_FLIGHT = 1  # full-unit gradients in --reduce_dtype left reducing while the next unit's backward runs
+
+
+def reduce_scatter_grad(unit: Unit, reduces_in_flight: list, reduce_dtype: torch.dtype, gathered: torch.Tensor):
+    """Autograd hook on `unit.gathered` (ShardedModel registers it): this micro-batch's gradient of the
+    whole unit is in gathered.grad. Sum it over ranks into each rank's shard (reduce-scatter) and drop the
+    full gradient. In fp32 by default: summing W bf16 gradients in bf16 would round away small contributions.
+    Asynchronous, so the previous unit's backward overlaps it, but at most MAX_REDUCES_IN_FLIGHT at a
+    time: each holds a full-unit gradient, and an unbounded queue would hold the whole model's.
+    The oldest one is waited for *before* the cast, not after the launch: otherwise its gradient, this
+    one in the compute dtype and its copy in the reduce dtype would be alive together (3 units where
+    plan.reduce_hook_bytes counts 2). On GPUs this costs no overlap: NCCL runs a group's collectives
+    one after another on one stream, so the new reduce-scatter could not start before the old one
+    ends anyway."""
+    finish_reduces(reduces_in_flight, keep=MAX_REDUCES_IN_FLIGHT - 1)
+    grad = gathered.grad.to(reduce_dtype)  # the same tensor, no copy, when the dtypes match
+    gathered.grad = None
+    out = torch.empty(unit.shard_numel, dtype=reduce_dtype, device=grad.device)
+    work = reduce_scatter_flat(out, grad, op=dist.ReduceOp.SUM, async_op=True)
+    reduces_in_flight.append((unit, work, out, grad))
+
+
+def finish_reduces(reduces_in_flight: list, keep: int = 0):
+    """Waits for the oldest reduce-scatters until `keep` remain; adds each result into its unit's shard
+    (accumulation over micro-batches, always fp32) and lets its full-unit gradient go."""
+    while len(reduces_in_flight) > keep:
+        unit, work, out, _ = reduces_in_flight.pop(0)
+        work.wait()
+        unit.add_grad(out)
+
+
+def finish_host_adds(host_adds: list, keep: int = 0):
+    """--offload_optimizer: waits for the oldest gradient copies to host memory until `keep` remain, and
+    adds each into its unit's host accumulator (fp32, as on the device)."""
+    while len(host_adds) > keep:
+        unit, host, _, copied = host_adds.pop(0)
+        if copied is not None:
+            copied.synchronize()
+        # A bf16 shard (--reduce_dtype bfloat16) is cast first: the same sum, ~4x faster than a mixed-dtype
+        # add_ on the CPU (BENCHMARKS.md, host AdamW), and this runs while backward is being queued.
+        unit.grad_shard.add_(host if host.dtype == unit.grad_shard.dtype else host.float())
 
 
 def global_grad_norm(units: list[Unit], device: torch.device) -> torch.Tensor:
@@ -749,60 +777,6 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-class NonFiniteStep(Exception):
-    pass
-
-
-fault_hook = None  # tests only: faults.py, installed by main when ZERO3_FAULT and ZERO3_ALLOW_FAULTS=1 are set
-
-
-def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: int):
-    """All micro-batches of (1-based) `step`: gradients summed into each unit's grad_shard. Returns the
-    global batch's mean loss (identical on every rank) and whether this rank's own part was finite."""
-    loss_sum = torch.zeros((), device=sharded.device)
-    for batch in micro_batches(cfg, sharded, windows, position):
-        loss = sharded.loss(batch)
-        if fault_hook:
-            loss = fault_hook("loss", step, sharded.rank, loss)
-        loss.backward()  # the reduce-scatters start inside, unit by unit (reduce_scatter_grad)
-        finish_reduces(sharded.reduces_in_flight)
-        finish_host_adds(sharded.host_adds)
-        loss_sum += loss.detach().float()
-    local_finite = torch.isfinite(loss_sum)  # read only if the step goes bad: reading it waits for the GPU
-    dist.all_reduce(loss_sum)
-    return loss_sum, local_finite
-
-
-def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) -> tuple[float, float]:
-    """One optimizer step (1-based `step`): accumulate, clip, update. Returns (loss, grad_norm) floats.
-    A non-finite loss or gradient norm (both already summed over ranks, so every rank sees the same
-    value and takes the same branch) skips the update: the weights and optimizer state stay as they were."""
-    units = sharded.units
-    loss, local_finite = forward_backward(cfg, sharded, windows, step, position)
-    grad_norm = global_grad_norm(units, sharded.device)
-    # The step's one host sync: the clip factor and the skip decision need both numbers on the host.
-    loss, grad_norm = torch.stack([loss.float(), grad_norm.float()]).tolist()
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        for u in units:
-            u.grad_shard.zero_()
-        finite_by_rank = torch.zeros(sharded.world, device=sharded.device)
-        all_gather_flat(finite_by_rank, local_finite.float().reshape(1))
-        bad = [r for r, ok in enumerate(finite_by_rank.tolist()) if not ok]
-        where = f" (from rank {', '.join(map(str, bad))})" if bad else ""
-        raise NonFiniteStep(f"step {step}: loss {loss}, grad_norm {grad_norm}{where}; the optimizer step was skipped")
-    if cfg.grad_clip > 0:  # as torch.nn.utils.clip_grad_norm_: multiply by min(1, clip / (norm + 1e-6))
-        scale = min(1.0, cfg.grad_clip / (grad_norm + 1e-6))
-        if scale != 1.0:
-            for u in units:
-                u.grad_shard.mul_(scale)
-    optimizer_step(units, cfg, lr_at(cfg, step), step)  # on the CPU with --offload_optimizer
-    for u in units:
-        u.grad_shard.zero_()
-    if cfg.offload_optimizer:  # the updated host master shards back to the device, in the compute dtype
-        refresh_compute_shards(units)
-    return loss, grad_norm
-
-
 def evaluate(cfg, sharded: ShardedModel, eval_windows) -> float:
     """Mean loss over the first --eval_batches global batches of the held-out data's first epoch: a
     seeded sample of its windows, the same every time. The same gathers as training's forward, no backward."""
@@ -820,8 +794,36 @@ def evaluate(cfg, sharded: ShardedModel, eval_windows) -> float:
 
 
 # ================================================================================================
-# 6. Loop: set-up, training, saving and stopping
+# 5. Loop: weights, set-up, training, saving and stopping
 # ================================================================================================
+
+def init_unit_random(unit: Unit, index: int, seed: int, std: float):
+    """HF's init (normal(0, std) matrices, ones for norms) on the unit's full shape from the unit's own
+    generator, then keep this rank's shard: the same weights for every W."""
+    device = unit.gathered.device  # the same numbers with and without --offload_optimizer
+    gen = torch.Generator(device=device).manual_seed(seed * 100003 + index)
+    full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
+    for slot in unit.slots:
+        piece = full[slot.offset:slot.offset + math.prod(slot.shape)]
+        piece.fill_(1.0) if len(slot.shape) == 1 else piece.normal_(0.0, std, generator=gen)
+    unit.master_shard.copy_(full[unit.shard_start:unit.shard_start + unit.shard_numel])
+
+
+def init_weights(cfg: TrainConfig, mcfg: M.ModelConfig, units: list[Unit], weights: dict | str | None):
+    """Seeded random weights (`weights` None); this rank's shards of an --init_from Hugging Face folder
+    (`weights` {HF tensor name: file}: checkpoint.load_unit_from_hf reads only the rows that cover each
+    shard); or of one of our checkpoints (`weights` its folder: a new phase starts from its fp32 master
+    weights, re-sharded for this world size, with a fresh optimizer)."""
+    if weights is None:
+        for i, unit in enumerate(units):
+            init_unit_random(unit, i, cfg.seed, mcfg.init_std)
+    elif isinstance(weights, str):
+        C.load_weights(weights, units, "--init_from")
+    else:
+        open_files = {}
+        for unit in units:
+            C.load_unit_from_hf(unit, weights, open_files)
+
 
 def setup(cfg: TrainConfig):
     """Everything before the first step: checks, data, processes, the sharded model, its weights (from
