@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from common import hf_model, learnable_tokens, ours_from_hf, run_train, save_hf, small_config
-from dist_worker import live_tensor_bytes
+from common import live_tensor_bytes
 from test_data import TEXTS, hf_tokenizer, write_jsonl
 
 import checkpoint as C
