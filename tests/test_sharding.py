@@ -268,3 +268,48 @@ def test_naive_step_equals_the_real_one(tmp_path):
             # lr * sign(g), so a gradient within rounding of 0 may move either way in the two runs.
             assert (got - want).norm() / want.norm() < 1e-5, ((got - want).norm() / want.norm()).item()
             assert (got - start).norm() / start.norm() > 1e-3  # the steps moved the weights well beyond that
+
+
+def test_a_units_views_survive_free_and_refill():
+    """The trick under everything (the comment above train.Unit), on 2 ranks in this process: a block runs on
+    views of the gathered buffer; free() releases the storage while the views, and those autograd saved,
+    stay; a new all-gather refills it through .data; backward then reads the refilled weights without a
+    version-counter error and gives the same gradient as a model that never freed anything."""
+    import model as M
+    cfg = small_config(n_layers=1)
+    x = torch.randn(2, 8, cfg.dim, generator=torch.Generator().manual_seed(0))
+    cos, sin = M.rope_cos_sin(cfg, torch.arange(8).expand(2, 8), torch.float32)
+
+    def rank_check(rank):
+        with torch.device("meta"):
+            model = M.Llama(cfg)
+        units = T.build_units(model, rank, dist.get_world_size(), torch.device("cpu"), torch.float32)
+        T.init_weights(T.TrainConfig(), cfg, units, None)
+        block, unit = model.layers[0], units[1]
+        states = [unit.state()]
+        unit.wait_gather()
+        states.append(unit.state())
+        full_copy = unit.gathered.detach().clone()
+        unit.set_views(unit.gathered)
+        loss = block(x, cos, sin).square().sum()  # autograd saves views of the gathered buffer
+        unit.free()
+        weight = block.self_attn.q_proj.weight
+        freed = (unit.state(), weight.shape, weight.untyped_storage().nbytes())
+        unit.start_gather()
+        states.append(unit.state())
+        try:
+            unit.free()  # while its all-gather is in flight: refused
+            refused = False
+        except RuntimeError:
+            refused = True
+        unit.wait_gather()
+        loss.backward()  # reads the refilled storage
+        reference = full_copy.requires_grad_()
+        unit.set_views(reference)
+        block(x, cos, sin).square().sum().backward()
+        return states, freed, refused, torch.equal(unit.gathered.grad, reference.grad), unit.gathered.grad.abs().sum()
+
+    for states, freed, refused, same_grad, grad_size in run_ranks(2, rank_check):
+        assert states == ["free", "gathered", "gathering"]
+        assert freed == ("free", (cfg.n_heads * cfg.head_dim, cfg.dim), 0)  # the view stays, its bytes go
+        assert refused and same_grad and grad_size > 0
