@@ -13,7 +13,8 @@ Read top to bottom; the sections follow the data:
 
 What is not the story lives beside it: checks.py (every flag and input checked before any work),
 checkpoint.py (state on disk: checkpoints, resume at any world size, Hugging Face import and export),
-metrics.py (tokens/s/GPU, MFU, memory, ETA, dollars), offload.py (--offload_activations), data.py
+metrics.py (tokens/s/GPU, MFU, memory, ETA, dollars), offload.py (--offload_activations and
+--offload_optimizer: state in host memory, a variation a first reading skips), data.py
 (tokenize, pack, the window order), sample.py (--sample_prompts: greedy completions at each evaluation,
 through the same gather/free units), plan.py (`--plan`: memory, speed and cost predicted without a GPU),
 faults.py (fault injection for the tests).
@@ -56,7 +57,7 @@ from checks import check_run, config_warnings, unknown_flag_message  # every fla
 import data as D
 import metrics
 import model as M
-from offload import OffloadedCheckpoint
+import offload as O  # --offload_activations and --offload_optimizer
 import sample
 
 
@@ -285,8 +286,7 @@ class Unit:
     """A sharding unit: its parameters' slots in a flat buffer, this rank's shards (fp32 master, gradient,
     optimizer state), and the gathered buffer whose views the modules use while the unit runs."""
 
-    def __init__(self, name, model, param_names, rank, world, device, compute_dtype,
-                 offload: bool = False, host_adds: list | None = None):
+    def __init__(self, name, model, param_names, rank, world, device, compute_dtype, state_device=None):
         self.name = name
         self.slots = []
         offset = 0
@@ -304,18 +304,14 @@ class Unit:
         self.shard_numel = self.padded_numel // world
         self.shard_start = rank * self.shard_numel  # this rank's shard of the flat buffer
 
-        # --offload_optimizer: the fp32 shards live in pinned host memory (pinned: copies to and from the GPU
-        # run without the host waiting), the optimizer runs on the CPU, and the GPU keeps `compute_shard`, a
-        # compute-dtype copy of the master shard, which is what the all-gathers read.
-        self.offload = offload
-        f32 = dict(dtype=torch.float32, device="cpu" if offload else device,
-                   pin_memory=offload and device.type == "cuda")
+        # The fp32 state, on the device (on the host with --offload_optimizer: `host` then holds the rest).
+        state_device = state_device or device
+        f32 = dict(dtype=torch.float32, device=state_device, pin_memory=state_device != device)
         self.master_shard = torch.zeros(self.shard_numel, **f32)
         self.grad_shard = torch.zeros(self.shard_numel, **f32)
         self.optimizer_state = {name: torch.zeros(self.shard_numel, **f32) for name in OPTIMIZER_STATE}
-        self.compute_shard = torch.zeros(self.shard_numel, dtype=compute_dtype, device=device) if offload else None
-        self.host_adds = host_adds  # offload: gradient shards on their way to host memory (add_grad)
-        # Weight decay goes on matrices only (norm weights are 1-D): shards of this rank's shard.
+        self.host = None  # --offload_optimizer: an offload.HostOptimizer (a variation you can skip)
+        # Weight decay goes on matrices only (norm weights are 1-D): ranges of this rank's shard.
         self.decay_ranges = []
         for slot in self.slots:
             lo = max(slot.offset, self.shard_start)
@@ -355,12 +351,9 @@ class Unit:
 
     def gather_input(self) -> torch.Tensor:
         """This rank's shard in the compute dtype, on the device: bf16 over the wire is half the bytes."""
-        return self.compute_shard if self.offload else self.master_shard.to(self.gathered.dtype)
-
-    def refresh_compute_shard(self):
-        """--offload_optimizer: after the optimizer (or a load) changed the host master shard. The fp32
-        shard crosses PCIe and is cast on the device, so the cast is the same arithmetic as without offload."""
-        self.compute_shard.copy_(self.master_shard.to(self.compute_shard.device, non_blocking=True))
+        if self.host:  # --offload_optimizer: the device copy (offload.py)
+            return self.host.compute_shard
+        return self.master_shard.to(self.gathered.dtype)
 
     def free(self):
         if self._gather_work is not None:  # an error, not an assert: `python -O` must not skip it
@@ -377,38 +370,24 @@ class Unit:
         for slot, piece in zip(self.slots, pieces):
             setattr(slot.module, slot.attr, piece.view(slot.shape))
 
-    # -- gradients (reduce_scatter_grad, below the class, is the hook that feeds add_grad) -------------
-    def add_grad(self, out: torch.Tensor):
-        """Adds a reduce-scattered shard into the fp32 accumulator. Offloaded, the shard is copied to host
-        memory without waiting (on CUDA) and added there later, by finish_host_adds: the host thread keeps
-        queuing backward meanwhile. At most two copies wait, so their pinned buffers stay small."""
-        if not self.offload:
-            self.grad_shard.add_(out)
-            return
-        host = torch.empty(out.shape, dtype=out.dtype, device="cpu", pin_memory=out.is_cuda)
-        host.copy_(out, non_blocking=True)
-        copied = torch.cuda.Event() if out.is_cuda else None
-        if copied is not None:
-            copied.record()
-        self.host_adds.append((self, host, out, copied))  # `out` stays alive until the copy has read it
-        finish_host_adds(self.host_adds, keep=2)
-
     def persistent_bytes(self, on_device_only: bool = False) -> int:
-        """Bytes this rank keeps between steps (offloaded: on the device, the compute-dtype shard only)."""
-        host = (self.master_shard, self.grad_shard, *self.optimizer_state.values())
-        device = (self.compute_shard,) if self.offload else ()
-        tensors = device if on_device_only and self.offload else host + device
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes this rank keeps between steps: the fp32 shards, and with --offload_optimizer (where those are
+        in host memory) the device copy, which is all `on_device_only` then counts."""
+        fp32 = sum(t.numel() * t.element_size() for t in (self.master_shard, self.grad_shard,
+                                                           *self.optimizer_state.values()))
+        if not self.host:
+            return fp32
+        copy = self.host.compute_shard.numel() * self.host.compute_shard.element_size()
+        return copy if on_device_only else fp32 + copy
 
 
-def build_units(model: M.Llama, rank, world, device, compute_dtype, offload: bool = False,
-                host_adds: list | None = None) -> list[Unit]:
+def build_units(model: M.Llama, rank, world, device, compute_dtype, state_device=None) -> list[Unit]:
     """embed, layers.0 .. layers.{L-1}, head -- in the order they run."""
     names = [n for n, _ in model.named_parameters()]
     groups = [("embed", ["embed_tokens.weight"])]
     groups += [(f"layers.{i}", [n for n in names if n.startswith(f"layers.{i}.")]) for i in range(len(model.layers))]
     groups += [("head", [n for n in names if n.startswith(("norm.", "lm_head."))])]
-    return [Unit(g, model, p, rank, world, device, compute_dtype, offload, host_adds) for g, p in groups]
+    return [Unit(g, model, p, rank, world, device, compute_dtype, state_device) for g, p in groups]
 
 
 # ================================================================================================
@@ -460,7 +439,7 @@ def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict]
     for unit in units:
         unit.grad_shard.zero_()
     if cfg.offload_optimizer:
-        refresh_compute_shards(units)
+        O.refresh_compute_shards(units)
     return loss_sum.item(), grad_norm.item()
 
 
@@ -494,7 +473,7 @@ def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) ->
     for u in units:
         u.grad_shard.zero_()
     if cfg.offload_optimizer:  # the updated host master shards back to the device, in the compute dtype
-        refresh_compute_shards(units)
+        O.refresh_compute_shards(units)
     return loss, grad_norm
 
 
@@ -511,7 +490,8 @@ def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: i
             loss = fault_hook("loss", step, sharded.rank, loss)
         loss.backward()  # the reduce-scatters start inside, unit by unit (reduce_scatter_grad)
         finish_reduces(sharded.reduces_in_flight)
-        finish_host_adds(sharded.host_adds)
+        if cfg.offload_optimizer:
+            O.finish_host_adds(sharded.host_adds)
         loss_sum += loss.detach().float()
     local_finite = torch.isfinite(loss_sum)  # read only if the step goes bad: reading it waits for the GPU
     dist.all_reduce(loss_sum)
@@ -559,8 +539,10 @@ class ShardedModel:
         with torch.device("meta"):  # shapes only: construction allocates nothing
             self.model = M.Llama(mcfg)
         self.reduces_in_flight, self.host_adds = [], []  # reduce-scatters, and (offload) copies to the host, in flight
-        self.units = build_units(self.model, rank, world, device, self.compute_dtype, cfg.offload_optimizer,
-                                 self.host_adds)
+        state_device = torch.device("cpu") if cfg.offload_optimizer else device
+        self.units = build_units(self.model, rank, world, device, self.compute_dtype, state_device)
+        if cfg.offload_optimizer:  # the optimizer on the CPU, the device keeping a compute-dtype copy (offload.py)
+            O.offload_optimizer(self.units, self.host_adds)
         for unit in self.units:  # each unit's gradient is reduce-scattered as soon as autograd completes it
             unit.gathered.register_post_accumulate_grad_hook(
                 partial(reduce_scatter_grad, unit, self.reduces_in_flight, getattr(torch, cfg.reduce_dtype)))
@@ -632,7 +614,7 @@ def block_policies(n_layers: int, ac: str, ac_blocks: int = -1, ac_rest: str = "
 
 def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False):
     if offload:  # --ac full, the block's input kept in host memory (offload.py)
-        return OffloadedCheckpoint.apply(x, lambda h: block(h, cos, sin, layout))
+        return O.OffloadedCheckpoint.apply(x, lambda h: block(h, cos, sin, layout))
     if ac == "none":
         return block(x, cos, sin, layout)
     if ac == "full":  # save only the block's input; recompute the whole block in backward
@@ -704,19 +686,10 @@ def finish_reduces(reduces_in_flight: list, keep: int = 0):
     while len(reduces_in_flight) > keep:
         unit, work, out, _ = reduces_in_flight.pop(0)
         work.wait()
-        unit.add_grad(out)
-
-
-def finish_host_adds(host_adds: list, keep: int = 0):
-    """--offload_optimizer: waits for the oldest gradient copies to host memory until `keep` remain, and
-    adds each into its unit's host accumulator (fp32, as on the device)."""
-    while len(host_adds) > keep:
-        unit, host, _, copied = host_adds.pop(0)
-        if copied is not None:
-            copied.synchronize()
-        # A bf16 shard (--reduce_dtype bfloat16) is cast first: the same sum, ~4x faster than a mixed-dtype
-        # add_ on the CPU (BENCHMARKS.md, host AdamW), and this runs while backward is being queued.
-        unit.grad_shard.add_(host if host.dtype == unit.grad_shard.dtype else host.float())
+        if unit.host:  # --offload_optimizer: copied to host memory, added there (offload.py)
+            unit.host.add_grad(unit, out)
+        else:
+            unit.grad_shard.add_(out)
 
 
 def global_grad_norm(units: list[Unit], device: torch.device) -> torch.Tensor:
@@ -844,7 +817,7 @@ def setup(cfg: TrainConfig):
         mcfg, windows, eval_windows = D.open_data(cfg, mcfg)
 
     rank, world, device = init_processes(cfg)
-    threads = optimizer_threads(cfg, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(os.sched_getaffinity(0)))
+    threads = O.optimizer_threads(cfg, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(os.sched_getaffinity(0)))
     if threads:
         torch.set_num_threads(threads)
     C.claim_out_dir(cfg.out_dir, rank, world, device)
@@ -860,7 +833,7 @@ def setup(cfg: TrainConfig):
         if rank == 0:
             print(f"read checkpoint {weights} (step {step})", flush=True)
         if cfg.offload_optimizer:
-            refresh_compute_shards(sharded.units)
+            O.refresh_compute_shards(sharded.units)
         return sharded, windows, eval_windows, step, 0
     # A checkpoint in --out_dir wins over --init_from: re-running the same command continues the run.
     # After --overwrite, what is left is this run's own: a restart's checkpoints (overwrite_once).
@@ -868,31 +841,15 @@ def setup(cfg: TrainConfig):
     if candidates:
         step, position = C.resume(cfg, mcfg, sharded.units, windows, rank, candidates, fallback=True)
         if cfg.offload_optimizer:
-            refresh_compute_shards(sharded.units)
+            O.refresh_compute_shards(sharded.units)
         return sharded, windows, eval_windows, step, position
     init_weights(cfg, mcfg, sharded.units, weights)
     if isinstance(weights, str) and rank == 0:
         print(f"started from the weights of checkpoint {weights} (a new phase: step 1, a fresh optimizer and data "
               f"position)", flush=True)
     if cfg.offload_optimizer:
-        refresh_compute_shards(sharded.units)
+        O.refresh_compute_shards(sharded.units)
     return sharded, windows, eval_windows, 0, 0
-
-
-def refresh_compute_shards(units: list[Unit]):
-    """--offload_optimizer: each unit's device copy of its master shard, after the host's changed."""
-    for unit in units:
-        unit.refresh_compute_shard()
-
-
-def optimizer_threads(cfg, device: torch.device, local_world: int, cores: int) -> int | None:
-    """--offload_optimizer on GPUs: the optimizer runs on the CPU, over 16 B per parameter / W, and torchrun
-    gives each worker one thread (OMP_NUM_THREADS=1). Each rank takes its share of the node's cores."""
-    if cfg.offload_optimizer and device.type == "cuda":
-        if os.environ.get("ZERO3_NUMA_BINDING") == "exclusive":  # launch.sh: torchrun bound these cores to us alone
-            return max(1, cores)
-        return max(1, cores // local_world)
-    return None
 
 
 def catch_stop_signals() -> list:

@@ -15,6 +15,7 @@ from torch.testing._internal.distributed import multi_threaded_pg
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import checks  # noqa: E402
 import data as D  # noqa: E402
+import offload as O  # noqa: E402
 import train as T  # noqa: E402
 
 
@@ -68,5 +69,5 @@ def sharded_model(cfg, mcfg, weights) -> T.ShardedModel:
     sharded = T.ShardedModel(cfg, mcfg, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
     T.init_weights(cfg, mcfg, sharded.units, weights)
     if cfg.offload_optimizer:
-        T.refresh_compute_shards(sharded.units)
+        O.refresh_compute_shards(sharded.units)
     return sharded

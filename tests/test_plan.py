@@ -14,6 +14,7 @@ import model as M  # noqa: E402
 import checkpoint as C  # noqa: E402
 import checks  # noqa: E402
 import plan as P  # noqa: E402
+import offload as O  # noqa: E402
 import train as T  # noqa: E402
 
 CASE_70B = dict(model="llama3-70b", nnodes=2, nproc_per_node=8, gpu="h100", seq_len=8192, batch_size=64,
@@ -154,7 +155,7 @@ def test_slices_and_outputs_alive_beside_the_units():
 
 
 def test_offload_copies_overlap_all_but_the_last_blocks_copy_back():
-    # train.OffloadedCheckpoint copies on a side stream and prefetches the previous block's input: only the
+    # offload.OffloadedCheckpoint copies on a side stream and prefetches the previous block's input: only the
     # last block's input (8192 tokens x 8192 x bf16 per micro-batch) comes back with nothing to overlap.
     on, off = predict(**RECOMMENDED_70B), predict(**dict(RECOMMENDED_70B, offload_activations="false"))
     assert on["exposed_s"] - off["exposed_s"] == pytest.approx(on["micro_steps"] * 8192 * 8192 * 2 / 40e9)
@@ -190,8 +191,8 @@ OFFLOAD_70B_ONE_NODE = dict(CASE_70B, nnodes=1, ac="full", offload_activations="
 def test_offloaded_optimizer_state_matches_the_trainers_units_with_padding():
     # --offload_optimizer: the GPU keeps a bf16 copy of its slices (2 B x padded N / W), the host the 16 B.
     mcfg, world = M.PRESETS["tiny"](), 3
-    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16,
-                          offload=True, host_adds=[])
+    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, torch.device("cpu"))
+    O.offload_optimizer(units, host_adds=[])
     assert any(u.padded_numel != u.numel for u in units)
     slice_numel = sum(u.shard_numel for u in units)
     on_device = sum(u.persistent_bytes(on_device_only=True) for u in units)
