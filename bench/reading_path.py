@@ -63,15 +63,19 @@ def main():
     by_file = {}
     for file, name in first_line:
         by_file.setdefault(file, []).append(name)
-    upward = [(name, caller) for file, qualname, line, caller in order
-              if file == "train.py" and qualname == top_level(qualname) and caller
-              and caller != top_level(qualname) and line < first_line.get(("train.py", caller), 0)]
+    # Read upward: a train.py definition defined above the definition that first calls it.
+    first_caller = {}
+    for file, qualname, line, caller in order:
+        first_caller.setdefault((file, top_level(qualname)), caller)
+    upward = [name for (file, name), caller in first_caller.items()
+              if file == "train.py" and caller and caller != name
+              and first_line[(file, name)] < first_line.get((file, caller), 0)]
     files = [file for file, *_ in order]
     changes = sum(a != b for a, b in zip(files, files[1:]))
     print()
     for file, names in by_file.items():
         print(f"{file}: {len(names)} top-level definitions: {', '.join(names)}")
-    print(f"train.py definitions above their caller: {len(upward)} {upward}")
+    print(f"train.py definitions above their first caller: {len(upward)} {upward}")
     print(f"file changes along the path (first calls): {changes}")
 
 
