@@ -363,7 +363,7 @@ def test_launch_leaves_the_gpu_memory_the_planner_counts(tmp_path):
 def test_launch_leaves_a_trace_of_a_hang_and_binds_each_rank_to_its_gpus_cores(tmp_path):
     """NCCL's flight recorder is on and dumps when the watchdog times a collective out; on GPUs, with a torchrun
     that has --numa-binding and numactl present, each rank gets its own share of its GPU's NUMA node
-    ("exclusive"), and train.optimizer_threads is told so; NUMA_BINDING=none, no numactl, or no GPU: no binding."""
+    ("exclusive"), and offload.optimizer_threads is told so; NUMA_BINDING=none, no numactl, or no GPU: no binding."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "numactl").write_text("#!/bin/sh\n")
