@@ -92,7 +92,7 @@ export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 # NUMA: torchrun (torch 2.9+) binds each worker to CPUs of its GPU's NUMA node (numactl); "exclusive" splits
 # that node's physical cores evenly between its GPUs, the cores per GPU the planner's CPU update assumes
-# (plan.py host_cores_per_node / GPUs per node); train.optimizer_threads then uses all of the rank's own.
+# (plan.py host_cores_per_node / GPUs per node); offload.optimizer_threads then uses all of the rank's own.
 # NUMA_BINDING=none turns it off (node, socket: see torch/numa/binding.py).
 NUMA_BINDING=${NUMA_BINDING:-exclusive}
 BIND=()

@@ -239,7 +239,7 @@ def startup_line(cfg, sharded, start_step: int) -> str:
     state_gib = sum(u.persistent_bytes() for u in sharded.units) / 2**30
     device_gib = sum(u.persistent_bytes(on_device_only=True) for u in sharded.units) / 2**30
     where = (f"persistent state {device_gib:.3f} GiB/rank on {device.type}, {state_gib - device_gib:.3f} GiB/rank "
-             f"in host memory (--offload_optimizer)" if sharded.units[0].offload else
+             f"in host memory (--offload_optimizer)" if cfg.offload_optimizer else
              f"persistent state {state_gib:.3f} GiB/rank")
     line = (f"model {mcfg.n_layers}L d={mcfg.dim} {M.count_params(mcfg)['total'] / 1e6:.1f}M params | world {world} on "
             f"{device.type} | {len(sharded.units)} units | {where} | "

@@ -1,7 +1,16 @@
-"""--offload_activations: with --ac full, each block's input waits for backward in pinned host memory
+"""Two variations of train.py's step that move state to host memory, which a first reading can skip.
+
+--offload_activations: with --ac full, each block's input waits for backward in pinned host memory
 instead of on the GPU. A 70B model at seq 8192 keeps 80 block inputs of 128 MiB each per micro-batch:
 10 GiB that leave the GPU for PCIe traffic which, on a side stream, overlaps the blocks' compute.
-train.py's run_block is the only caller."""
+train.py's run_block is the only caller.
+
+--offload_optimizer (below OffloadedCheckpoint): each unit's fp32 shards (master, gradient, optimizer
+state) live in host memory and the optimizer runs on the CPU; the GPU keeps only a compute-dtype copy
+of the master shard, 2 B instead of 16 B per parameter / W. train.Unit asks `unit.host` in two places:
+what the all-gather reads (gather_input) and where a reduce-scattered gradient goes (finish_reduces)."""
+import os
+
 import torch
 
 
@@ -96,3 +105,63 @@ class OffloadedCheckpoint(torch.autograd.Function):
         if saved.ready is not None:
             torch.cuda.current_stream(device).wait_event(saved.ready)
         return saved.device
+
+
+# ------------------------------------------------------------------------------------------------
+# --offload_optimizer
+# ------------------------------------------------------------------------------------------------
+
+class HostOptimizer:
+    """What --offload_optimizer adds to a unit whose fp32 shards train.build_units put in pinned host memory
+    (pinned: copies to and from the GPU run without the host waiting): `compute_shard`, the device copy the
+    all-gathers read, and the gradient shards on their way to the host."""
+
+    def __init__(self, unit, host_adds: list):
+        self.compute_shard = torch.zeros(unit.shard_numel, dtype=unit.gathered.dtype, device=unit.gathered.device)
+        self.host_adds = host_adds  # shared by the model's units: (unit, host copy, device shard, copied event)
+
+    def add_grad(self, unit, out: torch.Tensor):
+        """A reduce-scattered shard is copied to host memory without waiting (on CUDA) and added there later,
+        by finish_host_adds: the host thread keeps queuing backward meanwhile. At most two copies wait, so
+        their pinned buffers stay small."""
+        host = torch.empty(out.shape, dtype=out.dtype, device="cpu", pin_memory=out.is_cuda)
+        host.copy_(out, non_blocking=True)
+        copied = torch.cuda.Event() if out.is_cuda else None
+        if copied is not None:
+            copied.record()
+        self.host_adds.append((unit, host, out, copied))  # `out` stays alive until the copy has read it
+        finish_host_adds(self.host_adds, keep=2)
+
+
+def offload_optimizer(units: list, host_adds: list):
+    for unit in units:
+        unit.host = HostOptimizer(unit, host_adds)
+
+
+def finish_host_adds(host_adds: list, keep: int = 0):
+    """Waits for the oldest gradient copies to host memory until `keep` remain, and adds each into its unit's
+    host accumulator (fp32, as on the device)."""
+    while len(host_adds) > keep:
+        unit, host, _, copied = host_adds.pop(0)
+        if copied is not None:
+            copied.synchronize()
+        # A bf16 shard (--reduce_dtype bfloat16) is cast first: the same sum, ~4x faster than a mixed-dtype
+        # add_ on the CPU (BENCHMARKS.md, host AdamW), and this runs while backward is being queued.
+        unit.grad_shard.add_(host if host.dtype == unit.grad_shard.dtype else host.float())
+
+
+def refresh_compute_shards(units: list):
+    """After the optimizer (or a load) changed the host master shards: each crosses PCIe in fp32 and is cast
+    on the device, so the cast is the same arithmetic as without offload."""
+    for unit in units:
+        unit.host.compute_shard.copy_(unit.master_shard.to(unit.host.compute_shard.device, non_blocking=True))
+
+
+def optimizer_threads(cfg, device: torch.device, local_world: int, cores: int) -> int | None:
+    """--offload_optimizer on GPUs: the optimizer runs on the CPU, over 16 B per parameter / W, and torchrun
+    gives each worker one thread (OMP_NUM_THREADS=1). Each rank takes its share of the node's cores."""
+    if cfg.offload_optimizer and device.type == "cuda":
+        if os.environ.get("ZERO3_NUMA_BINDING") == "exclusive":  # launch.sh: torchrun bound these cores to us alone
+            return max(1, cores)
+        return max(1, cores // local_world)
+    return None

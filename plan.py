@@ -106,8 +106,8 @@ ASSUMPTIONS = {
     "offload_optimizer": "--offload_optimizer: per micro-batch each unit's reduce-scattered slice goes GPU->host "
                          "(--reduce_dtype bytes per element) as its reduce-scatter completes and is added into "
                          "the fp32 accumulator on the CPU (read 4 B + the slice, write 4 B; "
-                         "train.finish_host_adds, on the rank's main thread while the GPU runs the queued "
-                         "backward, with train.optimizer_threads = the node's cores / ranks); both overlap "
+                         "offload.finish_host_adds, on the rank's main thread while the GPU runs the queued "
+                         "backward, with offload.optimizer_threads = the node's cores / ranks); both overlap "
                          "backward, only what exceeds the backward compute is exposed (backward = compute less "
                          "one plain forward, by FLOPs). After the last micro-batch: norm, clip and AdamW on the "
                          "CPU, then 2 B per element host->GPU: neither overlaps GPU compute (the trainer's "
@@ -134,7 +134,7 @@ ASSUMPTIONS = {
                "embedding's all-gather and reduce-scatter, which nothing overlaps; --prefetch false: "
                "max(compute + collectives, offload copies)",
     "offload_overlap": "--offload_activations: the copies to and from pinned host memory run on a side stream "
-                       "(train.OffloadedCheckpoint), each block's backward prefetching the previous block's "
+                       "(offload.OffloadedCheckpoint), each block's backward prefetching the previous block's "
                        "input, so they overlap the compute (and the collectives, over PCIe, not NVLink/IB); "
                        "only the last block's copy back, which its own backward waits for, is exposed",
     "adamw": "on the GPU: memory-bound: 32 B per parameter of the slice (read + write fp32 master, m, v, "
@@ -189,7 +189,7 @@ def grad_peak_numel(unit_numel: int, last_param_numel: int) -> int:
 
 
 def reduce_hook_bytes(unit_numel: int, compute_bytes: int, reduce_bytes: int) -> int:
-    """Full-unit gradient bytes alive in train.Unit._reduce_scatter_grad as it casts the unit's gradient
+    """Full-unit gradient bytes alive in train.reduce_scatter_grad as it casts the unit's gradient
     for the reduce-scatter: gathered.grad in the compute dtype and its copy in the reduce dtype (no copy
     when both are the same dtype). The previous unit's reduce-scatter was finished first: its gradient is gone."""
     copy = reduce_bytes if reduce_bytes != compute_bytes else 0
@@ -212,7 +212,7 @@ def unit_gradient_bytes(unit_numel: int, last_param_numel: int, in_flight_numel:
 
 
 def in_flight_reduce_bytes(unit_numel: int, reduce_bytes: int, world: int) -> float:
-    """A reduce-scatter in flight (train.Unit._reduce_scatter_grad): the unit's whole gradient in
+    """A reduce-scatter in flight (train.reduce_scatter_grad): the unit's whole gradient in
     --reduce_dtype, its input, and this rank's slice of the sum, its output, both alive until it completes."""
     return reduce_bytes * unit_numel * (1 + 1 / world)
 

@@ -3,16 +3,18 @@
 Read top to bottom; the sections follow the data:
   1. config      one dataclass; the command line is generated from its fields
   2. processes   torch.distributed set-up (NCCL on GPUs, gloo on CPU, also W=1 without torchrun)
-  3. shard       each sharding unit's parameters as one flat buffer, this rank's fp32 slice of it, and
+  3. shard       each sharding unit's parameters as one flat buffer, this rank's fp32 shard of it, and
                  the trick that lets modules use a buffer that comes and goes (the comment above Unit)
-  4. init        one unit at a time: seeded, or sliced reads of a Hugging Face folder
-  5. step        the naive ZeRO-3 step first (train_step_naive), then the real one: gather just before
-                 use, free right after, re-gather in backward, reduce-scatter, AdamW on the slices
-  6. loop        set-up, the training loop, saving and stopping
+  4. step        the naive ZeRO-3 step first (train_step_naive), then the real one from the top down:
+                 gather just before use, free right after, re-gather in backward, reduce-scatter,
+                 AdamW on the shards
+  5. loop        weights (seeded, or sharded reads of a Hugging Face folder or a checkpoint),
+                 set-up, the training loop, saving and stopping
 
 What is not the story lives beside it: checks.py (every flag and input checked before any work),
 checkpoint.py (state on disk: checkpoints, resume at any world size, Hugging Face import and export),
-metrics.py (tokens/s/GPU, MFU, memory, ETA, dollars), offload.py (--offload_activations), data.py
+metrics.py (tokens/s/GPU, MFU, memory, ETA, dollars), offload.py (--offload_activations and
+--offload_optimizer: state in host memory, a variation a first reading skips), data.py
 (tokenize, pack, the window order), sample.py (--sample_prompts: greedy completions at each evaluation,
 through the same gather/free units), plan.py (`--plan`: memory, speed and cost predicted without a GPU),
 faults.py (fault injection for the tests).
@@ -31,6 +33,8 @@ Launch recipes (the flags are in TrainConfig below; `python train.py --help` lis
   before any of these, what fits and what it costs (no GPU needed):
       python train.py --plan --model llama3-70b --nnodes 2 --nproc_per_node 8 --seq_len 8192 ...
 """
+
+from __future__ import annotations  # annotations may name what is defined further down
 
 import argparse
 import datetime
@@ -53,7 +57,7 @@ from checks import check_run, config_warnings, unknown_flag_message  # every fla
 import data as D
 import metrics
 import model as M
-from offload import OffloadedCheckpoint
+import offload as O  # --offload_activations and --offload_optimizer
 import sample
 
 
@@ -102,9 +106,9 @@ class TrainConfig:
     ac_blocks: int = opt(-1, "partial checkpointing: only the first N blocks use --ac, the others --ac_rest "
                              "(-1: every block uses --ac)")
     ac_rest: str = opt("none", "with --ac_blocks: the policy of the blocks after the first N, 'none' or 'selective'")
-    offload_optimizer: bool = opt(False, "keep the fp32 master slices, the optimizer state and the fp32 gradient "
+    offload_optimizer: bool = opt(False, "keep the fp32 master shards, the optimizer state and the fp32 gradient "
                                          "accumulators in pinned host memory and run the optimizer on the CPU; the GPU "
-                                         "keeps a compute-dtype copy of its slices for the all-gathers")
+                                         "keeps a compute-dtype copy of its shards for the all-gathers")
     offload_activations: bool = opt(False, "with --ac full: keep each block's input in pinned CPU memory until "
                                            "backward, instead of on the GPU")
     ce_chunk: int = opt(1024, "tokens per cross-entropy chunk: fp32 logits exist for this many tokens at a time")
@@ -198,6 +202,12 @@ def init_processes(cfg: TrainConfig):
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def compute_dtype(flag: str, device: torch.device) -> torch.dtype:
+    if flag == "auto":  # a CPU without native bf16 matmuls runs them ~16x slower than fp32 (measured)
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, flag)
+
+
 # torch 2.13 renames the two collectives ZeRO-3 is made of; accept both names.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -219,6 +229,14 @@ def fail(message: str, exit_code: int = 2):
 # ================================================================================================
 # 3. Shard: one flat buffer per unit, split W ways
 # ================================================================================================
+
+# Where the design comes from: ZeRO stage 3 (Rajbhandari et al., 2019, arXiv:1910.02054) partitions
+# parameters, gradients and optimizer state across the W data-parallel ranks and gathers each layer's
+# parameters only while it runs; PyTorch FSDP (Zhao et al., 2023, arXiv:2304.11277) is its production
+# form. A Unit below is FSDP1's FlatParameter: one flat buffer per unit, sharded evenly, one all-gather
+# and one reduce-scatter each. What it gives up against FSDP2 (a DTensor shard per parameter): one dtype
+# per unit (no fp32 norms beside bf16 matrices), and freezing single parameters (every element of a unit
+# gets a gradient shard and optimizer state); in return the collectives need no copy-in/copy-out.
 #
 # Sharding units: the embedding, each decoder block, and the head (final norm + lm_head). A block is
 # the natural unit: it is the piece of compute a gathered buffer is alive for, and all blocks have
@@ -242,7 +260,7 @@ def fail(message: str, exit_code: int = 2):
 #     the block a recompute (activation checkpointing) runs again, read the refilled weights, and
 #     autograd does not report them as modified.
 #   - What must hold: (1) a unit is refilled, with the same values, before anything in its backward reads
-#     it: BackwardBoundary (section 5) gathers it as autograd enters its stage; (2) a stage's output is the
+#     it: BackwardBoundary (section 4) gathers it as autograd enters its stage; (2) a stage's output is the
 #     only path from one stage to the next, so autograd cannot reach a stage's backward except through
 #     that boundary; (3) the weights do not change between a forward and its backward (the optimizer runs
 #     after all micro-batches). Break (2), e.g. by passing a tensor from block 3 to block 7, and block 3's
@@ -254,8 +272,7 @@ def fail(message: str, exit_code: int = 2):
 #     embedding stage's backward adds its own; then the embedding unit's hook fires once, with the sum.
 #   - A reduce-scatter in flight is a tuple (unit, work, out, grad): `grad`, the unit's full gradient in
 #     --reduce_dtype, is the collective's input and must stay alive until it completes; `out` is this
-#     rank's summed slice, added into grad_shard then.
-
+#     rank's summed shard, added into grad_shard then.
 class Slot(NamedTuple):
     """One parameter's place in its unit's flat buffer."""
     module: torch.nn.Module
@@ -266,11 +283,10 @@ class Slot(NamedTuple):
 
 
 class Unit:
-    """A sharding unit: its parameters' slots in a flat buffer, this rank's slices (fp32 master, gradient,
+    """A sharding unit: its parameters' slots in a flat buffer, this rank's shards (fp32 master, gradient,
     optimizer state), and the gathered buffer whose views the modules use while the unit runs."""
 
-    def __init__(self, name, model, param_names, rank, world, device, compute_dtype, reduce_dtype, reduces_in_flight,
-                 offload: bool = False, host_adds: list | None = None):
+    def __init__(self, name, model, param_names, rank, world, device, compute_dtype, state_device=None):
         self.name = name
         self.slots = []
         offset = 0
@@ -282,25 +298,20 @@ class Unit:
             offset += math.prod(shape)
             delattr(module, attr)  # between uses the attribute is a view of a freed buffer: see above
         self.numel = offset
-        # Pad to a multiple of W: all_gather_into_tensor / reduce_scatter_tensor need equal slices.
+        # Pad to a multiple of W: all_gather_into_tensor / reduce_scatter_tensor need equal shards.
         # The padding is never viewed by a module, so its gradient is exactly zero and it stays zero.
         self.padded_numel = -(-offset // world) * world
         self.shard_numel = self.padded_numel // world
-        self.shard_start = rank * self.shard_numel  # this rank's slice of the flat buffer
+        self.shard_start = rank * self.shard_numel  # this rank's shard of the flat buffer
 
-        # --offload_optimizer: the fp32 slices live in pinned host memory (pinned: copies to and from the GPU
-        # run without the host waiting), the optimizer runs on the CPU, and the GPU keeps `compute_shard`, a
-        # compute-dtype copy of the master slice, which is what the all-gathers read.
-        self.offload = offload
-        f32 = dict(dtype=torch.float32, device="cpu" if offload else device,
-                   pin_memory=offload and device.type == "cuda")
+        # The fp32 state, on the device (on the host with --offload_optimizer: `host` then holds the rest).
+        state_device = state_device or device
+        f32 = dict(dtype=torch.float32, device=state_device, pin_memory=state_device != device)
         self.master_shard = torch.zeros(self.shard_numel, **f32)
         self.grad_shard = torch.zeros(self.shard_numel, **f32)
         self.optimizer_state = {name: torch.zeros(self.shard_numel, **f32) for name in OPTIMIZER_STATE}
-        self.compute_shard = torch.zeros(self.shard_numel, dtype=compute_dtype, device=device) if offload else None
-        self.host_adds = host_adds  # offload: gradient slices on their way to host memory (add_grad)
-        self.reduce_dtype = reduce_dtype
-        # Weight decay goes on matrices only (norm weights are 1-D): slices of this rank's shard.
+        self.host = None  # --offload_optimizer: an offload.HostOptimizer (a variation you can skip)
+        # Weight decay goes on matrices only (norm weights are 1-D): ranges of this rank's shard.
         self.decay_ranges = []
         for slot in self.slots:
             lo = max(slot.offset, self.shard_start)
@@ -312,42 +323,41 @@ class Unit:
         self.gathered = torch.empty(self.padded_numel, dtype=compute_dtype, device=device, requires_grad=True)
         self._storage_bytes = self.gathered.untyped_storage().nbytes()
         self.gathered.untyped_storage().resize_(0)
-        self.gathered.register_post_accumulate_grad_hook(self._reduce_scatter_grad)
         self._gather_work = None     # in-flight all-gather
         self._send = None            # its input, kept alive until it completes
-        self.reduces_in_flight = reduces_in_flight  # the ShardedModel's queue, shared by all its units
 
     # -- gather / free ---------------------------------------------------------------------------
-    def is_gathered(self) -> bool:
-        return self.gathered.untyped_storage().nbytes() > 0
+    def state(self) -> str:
+        """"free" (no storage), "gathering" (storage allocated, all-gather in flight: not yet readable)
+        or "gathered" (the full buffer, ready for the modules)."""
+        if self.gathered.untyped_storage().nbytes() == 0:
+            return "free"
+        return "gathering" if self._gather_work is not None else "gathered"
 
     def start_gather(self):
         """Launches the all-gather of this unit into its buffer; returns at once (async)."""
-        if self.is_gathered():
+        if self.state() != "free":
             return
         self.gathered.untyped_storage().resize_(self._storage_bytes)
         self._send = self.gather_input()
         self._gather_work = all_gather_flat(self.gathered.data, self._send, async_op=True)  # .data: see above
 
     def wait_gather(self):
-        if not self.is_gathered():
+        if self.state() == "free":
             self.start_gather()
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work, self._send = None, None
 
     def gather_input(self) -> torch.Tensor:
-        """This rank's slice in the compute dtype, on the device: bf16 over the wire is half the bytes."""
-        return self.compute_shard if self.offload else self.master_shard.to(self.gathered.dtype)
-
-    def refresh_compute_shard(self):
-        """--offload_optimizer: after the optimizer (or a load) changed the host master slice. The fp32
-        slice crosses PCIe and is cast on the device, so the cast is the same arithmetic as without offload."""
-        if self.offload:
-            self.compute_shard.copy_(self.master_shard.to(self.compute_shard.device, non_blocking=True))
+        """This rank's shard in the compute dtype, on the device: bf16 over the wire is half the bytes."""
+        if self.host:  # --offload_optimizer: the device copy (offload.py)
+            return self.host.compute_shard
+        return self.master_shard.to(self.gathered.dtype)
 
     def free(self):
-        assert self._gather_work is None, f"{self.name}: freed while its all-gather is in flight"
+        if self._gather_work is not None:  # an error, not an assert: `python -O` must not skip it
+            raise RuntimeError(f"{self.name}: freed while its all-gather is in flight")
         self.gathered.untyped_storage().resize_(0)
 
     def set_views(self, buffer: torch.Tensor):
@@ -360,203 +370,163 @@ class Unit:
         for slot, piece in zip(self.slots, pieces):
             setattr(slot.module, slot.attr, piece.view(slot.shape))
 
-    # -- gradients ---------------------------------------------------------------------------------
-    def _reduce_scatter_grad(self, gathered):
-        """Autograd hook: this micro-batch's gradient of the whole unit is in gathered.grad. Sum it over
-        ranks into each rank's slice (reduce-scatter) and drop the full gradient. In fp32 by default:
-        summing W bf16 gradients in bf16 would round away small contributions.
-        Asynchronous, so the previous unit's backward overlaps it, but at most MAX_REDUCES_IN_FLIGHT at a
-        time: each holds a full-unit gradient, and an unbounded queue would hold the whole model's.
-        The oldest one is waited for *before* the cast, not after the launch: otherwise its gradient, this
-        one in the compute dtype and its copy in the reduce dtype would be alive together (3 units where
-        plan.reduce_hook_bytes counts 2). On GPUs this costs no overlap: NCCL runs a group's collectives
-        one after another on one stream, so the new reduce-scatter could not start before the old one
-        ends anyway."""
-        finish_reduces(self.reduces_in_flight, keep=MAX_REDUCES_IN_FLIGHT - 1)
-        grad = gathered.grad.to(self.reduce_dtype)  # the same tensor, no copy, when the dtypes match
-        gathered.grad = None
-        out = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=grad.device)
-        work = reduce_scatter_flat(out, grad, op=dist.ReduceOp.SUM, async_op=True)
-        self.reduces_in_flight.append((self, work, out, grad))
-
-    def add_grad(self, out: torch.Tensor):
-        """Adds a reduce-scattered slice into the fp32 accumulator. Offloaded, the slice is copied to host
-        memory without waiting (on CUDA) and added there later, by finish_host_adds: the host thread keeps
-        queuing backward meanwhile. At most two copies wait, so their pinned buffers stay small."""
-        if not self.offload:
-            self.grad_shard.add_(out)
-            return
-        host = torch.empty(out.shape, dtype=out.dtype, device="cpu", pin_memory=out.is_cuda)
-        host.copy_(out, non_blocking=True)
-        copied = torch.cuda.Event() if out.is_cuda else None
-        if copied is not None:
-            copied.record()
-        self.host_adds.append((self, host, out, copied))  # `out` stays alive until the copy has read it
-        finish_host_adds(self.host_adds, keep=2)
-
     def persistent_bytes(self, on_device_only: bool = False) -> int:
-        """Bytes this rank keeps between steps (offloaded: on the device, the compute-dtype slice only)."""
-        host = (self.master_shard, self.grad_shard, *self.optimizer_state.values())
-        device = (self.compute_shard,) if self.offload else ()
-        tensors = device if on_device_only and self.offload else host + device
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes this rank keeps between steps: the fp32 shards, and with --offload_optimizer (where those are
+        in host memory) the device copy, which is all `on_device_only` then counts."""
+        fp32 = sum(t.numel() * t.element_size() for t in (self.master_shard, self.grad_shard,
+                                                           *self.optimizer_state.values()))
+        if not self.host:
+            return fp32
+        copy = self.host.compute_shard.numel() * self.host.compute_shard.element_size()
+        return copy if on_device_only else fp32 + copy
 
 
-MAX_REDUCES_IN_FLIGHT = 1  # full-unit gradients in --reduce_dtype left reducing while the next unit's backward runs
-
-
-def finish_reduces(reduces_in_flight: list, keep: int = 0):
-    """Waits for the oldest reduce-scatters until `keep` remain; adds each result into its unit's slice
-    (accumulation over micro-batches, always fp32) and lets its full-unit gradient go."""
-    while len(reduces_in_flight) > keep:
-        unit, work, out, _ = reduces_in_flight.pop(0)
-        work.wait()
-        unit.add_grad(out)
-
-
-def finish_host_adds(host_adds: list, keep: int = 0):
-    """--offload_optimizer: waits for the oldest gradient copies to host memory until `keep` remain, and
-    adds each into its unit's host accumulator (fp32, as on the device)."""
-    while len(host_adds) > keep:
-        unit, host, _, copied = host_adds.pop(0)
-        if copied is not None:
-            copied.synchronize()
-        # A bf16 slice (--reduce_dtype bfloat16) is cast first: the same sum, ~4x faster than a mixed-dtype
-        # add_ on the CPU (BENCHMARKS.md, host AdamW), and this runs while backward is being queued.
-        unit.grad_shard.add_(host if host.dtype == unit.grad_shard.dtype else host.float())
-
-
-def build_units(model: M.Llama, rank, world, device, compute_dtype, reduce_dtype, reduces_in_flight,
-                offload: bool = False, host_adds: list | None = None) -> list[Unit]:
+def build_units(model: M.Llama, rank, world, device, compute_dtype, state_device=None) -> list[Unit]:
     """embed, layers.0 .. layers.{L-1}, head -- in the order they run."""
     names = [n for n, _ in model.named_parameters()]
     groups = [("embed", ["embed_tokens.weight"])]
     groups += [(f"layers.{i}", [n for n in names if n.startswith(f"layers.{i}.")]) for i in range(len(model.layers))]
     groups += [("head", [n for n in names if n.startswith(("norm.", "lm_head."))])]
-    return [Unit(g, model, p, rank, world, device, compute_dtype, reduce_dtype, reduces_in_flight, offload, host_adds)
-            for g, p in groups]
+    return [Unit(g, model, p, rank, world, device, compute_dtype, state_device) for g, p in groups]
 
 
 # ================================================================================================
-# 4. Init: one unit at a time, never the whole model
-# ================================================================================================
-
-def init_unit_random(unit: Unit, index: int, seed: int, std: float):
-    """HF's init (normal(0, std) matrices, ones for norms) on the unit's full shape from the unit's own
-    generator, then keep this rank's slice: the same weights for every W."""
-    device = unit.gathered.device  # the same numbers with and without --offload_optimizer
-    gen = torch.Generator(device=device).manual_seed(seed * 100003 + index)
-    full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
-    for slot in unit.slots:
-        piece = full[slot.offset:slot.offset + math.prod(slot.shape)]
-        piece.fill_(1.0) if len(slot.shape) == 1 else piece.normal_(0.0, std, generator=gen)
-    unit.master_shard.copy_(full[unit.shard_start:unit.shard_start + unit.shard_numel])
-
-
-def init_weights(cfg: TrainConfig, mcfg: M.ModelConfig, units: list[Unit], weights: dict | str | None):
-    """Seeded random weights (`weights` None); this rank's slices of an --init_from Hugging Face folder
-    (`weights` {HF tensor name: file}: checkpoint.load_unit_from_hf reads only the rows that cover each
-    slice); or of one of our checkpoints (`weights` its folder: a new phase starts from its fp32 master
-    weights, re-sliced for this world size, with a fresh optimizer)."""
-    if weights is None:
-        for i, unit in enumerate(units):
-            init_unit_random(unit, i, cfg.seed, mcfg.init_std)
-    elif isinstance(weights, str):
-        C.load_weights(weights, units, "--init_from")
-    else:
-        open_files = {}
-        for unit in units:
-            C.load_unit_from_hf(unit, weights, open_files)
-
-
-# ================================================================================================
-# 5. Step: the sharded forward/backward and the optimizer on the slices
+# 4. Step: the naive ZeRO-3 step, then the real one from the top down
 # ================================================================================================
 #
 # The forward is a list of stages (embedding, each block, head + loss). Each stage's units are gathered
 # just before it runs and freed right after; a BackwardBoundary after it gathers them again when
-# backward reaches it. train_step_naive below does the same arithmetic with every unit gathered at once.
+# backward reaches it, and each unit's gradient is reduce-scattered as soon as autograd completes it.
+#
+# train_step_naive comes first: the same arithmetic with every unit gathered at once. Then the real step
+# from the top down, each definition below its caller: train_step -> forward_backward -> micro_batches
+# -> ShardedModel.loss -> the stages -> BackwardBoundary -> reduce_scatter_grad -> finish_reduces ->
+# global_grad_norm -> the optimizer.
 
-class BackwardBoundary(torch.autograd.Function):
-    """Identity between two stages. Its backward runs when the gradient w.r.t. this stage's output is
-    complete, i.e. just after the next stage's backward and just before this stage's backward: the
-    moment to free the next stage's buffers, gather this stage's, and prefetch the previous one's."""
-
-    @staticmethod
-    def forward(ctx, x, on_backward):
-        ctx.on_backward = on_backward
-        return x.view_as(x)  # why not x: see the comment above Unit
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.on_backward()
-        return grad, None
-
-
-# Selective checkpointing: keep what is expensive to recompute (the matmuls' and attention's outputs),
-# recompute what is cheap and memory-hungry (norms, RoPE, SiLU * up, residual adds, casts).
-SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
-ATTENTION_FORWARD_OPS = {  # namespace: the attention kernels' forward ops, those this build has are kept
-    "aten": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"),
-    "flash_attn": ("_flash_attn_forward",           # flash_attn_func: one sequence per row
-                   "_flash_attn_varlen_forward"),   # flash_attn_varlen_func: packed documents
-}
-for _namespace, _names in ATTENTION_FORWARD_OPS.items():
-    for _name in _names:
-        if hasattr(getattr(torch.ops, _namespace), _name):
-            SAVED_OPS.add(getattr(getattr(torch.ops, _namespace), _name).default)
-
-
-def _selective_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False):
-    if offload:  # --ac full, the block's input kept in host memory (offload.py)
-        return OffloadedCheckpoint.apply(x, lambda h: block(h, cos, sin, layout))
-    if ac == "none":
-        return block(x, cos, sin, layout)
-    if ac == "full":  # save only the block's input; recompute the whole block in backward
-        return checkpoint(block, x, cos, sin, layout, use_reentrant=False)
-    return checkpoint(block, x, cos, sin, layout, use_reentrant=False,
-                      context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
-
-
-class Stage(NamedTuple):
-    run: Callable                # (x, batch) -> the stage's output
-    forward_units: list          # gathered for its forward
-    backward_units: list         # gathered again for its backward
+def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict], step: int) -> tuple[float, float]:
+    """ZeRO-3 with nothing overlapped and nothing freed early, to read first: each unit all-gathered
+    into a full buffer, a plain forward and backward over this rank's micro-batches, each unit's gradient
+    reduce-scattered to its owner, AdamW written out term for term. The same arithmetic as train_step
+    (tests/test_sharding.py holds them equal), but every rank holds the whole model and its whole gradient
+    in the compute dtype. train_step adds: one unit gathered at a time (prefetching the next), freed after
+    forward and gathered again in backward (BackwardBoundary), each reduce-scatter started as soon as its
+    unit's gradient is complete, activation checkpointing, a fused optimizer kernel, skipping non-finite steps."""
+    full = {}
+    for unit in units:
+        full[unit.name] = torch.empty(unit.padded_numel, dtype=unit.gathered.dtype, device=unit.gathered.device)
+        all_gather_flat(full[unit.name], unit.gather_input())
+        full[unit.name].requires_grad_()
+        unit.set_views(full[unit.name])
+    device = batches[0]["tokens"].device
+    loss_sum = torch.zeros((), device=device)
+    for batch in batches:
+        x = model.embed(batch["tokens"])
+        for block in model.layers:
+            x = block(x, batch["cos"], batch["sin"], batch["layout"])
+        loss = model.head_loss(x, batch["targets"], cfg.ce_chunk) / batch["n_tokens"]
+        loss.backward()  # gradients accumulate into full[...].grad over the micro-batches
+        loss_sum += loss.detach().float()
+    for unit in units:
+        out = torch.empty(unit.shard_numel, device=device)
+        reduce_scatter_flat(out, full[unit.name].grad.float(), op=dist.ReduceOp.SUM)
+        unit.grad_shard.copy_(out)  # to host memory with --offload_optimizer
+    dist.all_reduce(loss_sum)
+    grad_norm = global_grad_norm(units, device)
+    scale = min(1.0, cfg.grad_clip / (grad_norm.item() + 1e-6)) if cfg.grad_clip > 0 else 1.0
+    for unit in units:
+        unit.grad_shard.mul_(scale)
+    adamw_step_reference(units, cfg, lr_at(cfg, step), step)
+    for unit in units:
+        unit.grad_shard.zero_()
+    if cfg.offload_optimizer:
+        O.refresh_compute_shards(units)
+    return loss_sum.item(), grad_norm.item()
 
 
-def block_policies(n_layers: int, ac: str, ac_blocks: int = -1, ac_rest: str = "none") -> list[str]:
-    """Each block's checkpointing policy: --ac for the first --ac_blocks blocks (all with -1), --ac_rest
-    for the others. Memory freed elsewhere (--offload_optimizer) becomes less recompute this way."""
-    n = n_layers if ac_blocks < 0 else min(ac_blocks, n_layers)
-    return [ac] * n + [ac_rest] * (n_layers - n)
+class NonFiniteStep(Exception):
+    pass
 
 
-def make_stages(model: M.Llama, units: list[Unit], ac: str, ce_chunk: int, offload: bool = False,
-                ac_blocks: int = -1, ac_rest: str = "none") -> list[Stage]:
-    """The embedding's backward only needs the token ids, so it is not gathered again for backward.
-    With tied embeddings the head also needs the embedding unit (its weight is the head's)."""
-    embed, blocks, head = units[0], units[1:-1], units[-1]
-    head_units = [head, embed] if model.cfg.tie_embeddings else [head]
-    stages = [Stage(lambda x, batch: model.embed(x), [embed], [])]
-    policies = block_policies(len(blocks), ac, ac_blocks, ac_rest)
-    for i, unit in enumerate(blocks):
-        block_offload = offload and policies[i] == "full"  # --offload_activations moves what `full` keeps
-        stages.append(Stage(lambda x, batch, i=i, ac=policies[i], off=block_offload: run_block(
-            model.layers[i], ac, x, batch["cos"], batch["sin"], batch["layout"], off), [unit], [unit]))
-    stages.append(Stage(lambda x, batch: model.head_loss(x, batch["targets"], ce_chunk) / batch["n_tokens"],
-                        head_units, head_units))
-    return stages
+def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) -> tuple[float, float]:
+    """One optimizer step (1-based `step`): accumulate, clip, update. Returns (loss, grad_norm) floats.
+    A non-finite loss or gradient norm (both already summed over ranks, so every rank sees the same
+    value and takes the same branch) skips the update: the weights and optimizer state stay as they were."""
+    units = sharded.units
+    loss, local_finite = forward_backward(cfg, sharded, windows, step, position)
+    grad_norm = global_grad_norm(units, sharded.device)
+    # The step's one host sync: the clip factor and the skip decision need both numbers on the host.
+    loss, grad_norm = torch.stack([loss.float(), grad_norm.float()]).tolist()
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        for u in units:
+            u.grad_shard.zero_()
+        finite_by_rank = torch.zeros(sharded.world, device=sharded.device)
+        all_gather_flat(finite_by_rank, local_finite.float().reshape(1))
+        bad = [r for r, ok in enumerate(finite_by_rank.tolist()) if not ok]
+        where = f" (from rank {', '.join(map(str, bad))})" if bad else ""
+        raise NonFiniteStep(f"step {step}: loss {loss}, grad_norm {grad_norm}{where}; the optimizer step was skipped")
+    if cfg.grad_clip > 0:  # as torch.nn.utils.clip_grad_norm_: multiply by min(1, clip / (norm + 1e-6))
+        scale = min(1.0, cfg.grad_clip / (grad_norm + 1e-6))
+        if scale != 1.0:
+            for u in units:
+                u.grad_shard.mul_(scale)
+    optimizer_step(units, cfg, lr_at(cfg, step), step)  # on the CPU with --offload_optimizer
+    for u in units:
+        u.grad_shard.zero_()
+    if cfg.offload_optimizer:  # the updated host master shards back to the device, in the compute dtype
+        O.refresh_compute_shards(units)
+    return loss, grad_norm
 
 
-def compute_dtype(flag: str, device: torch.device) -> torch.dtype:
-    if flag == "auto":  # a CPU without native bf16 matmuls runs them ~16x slower than fp32 (measured)
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, flag)
+fault_hook = None  # tests only: faults.py, installed by main when ZERO3_FAULT and ZERO3_ALLOW_FAULTS=1 are set
+
+
+def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: int):
+    """All micro-batches of (1-based) `step`: gradients summed into each unit's grad_shard. Returns the
+    global batch's mean loss (identical on every rank) and whether this rank's own part was finite."""
+    loss_sum = torch.zeros((), device=sharded.device)
+    for batch in micro_batches(cfg, sharded, windows, position):
+        loss = sharded.loss(batch)
+        if fault_hook:
+            loss = fault_hook("loss", step, sharded.rank, loss)
+        loss.backward()  # the reduce-scatters start inside, unit by unit (reduce_scatter_grad)
+        finish_reduces(sharded.reduces_in_flight)
+        if cfg.offload_optimizer:
+            O.finish_host_adds(sharded.host_adds)
+        loss_sum += loss.detach().float()
+    local_finite = torch.isfinite(loss_sum)  # read only if the step goes bad: reading it waits for the GPU
+    dist.all_reduce(loss_sum)
+    return loss_sum, local_finite
+
+
+def micro_batches(cfg, sharded: ShardedModel, windows, position: int) -> list[dict]:
+    """This rank's micro-batches of the global batch that starts at window `position`."""
+    accum = cfg.batch_size // (sharded.world * cfg.micro_batch_size)
+    arrays = [windows.micro_batch(position, j, sharded.rank, sharded.world, cfg.micro_batch_size) for j in range(accum)]
+    # The loss is the mean over every target token of the global batch, so each rank divides its summed
+    # loss by the global count -- not by the number of micro-batches, which would make results depend on W.
+    n_tokens = M.to_device(np.array(sum((t != -100).sum() for _, t in arrays), dtype=np.float32), sharded.device)
+    dist.all_reduce(n_tokens)
+    return [make_batch(cfg, sharded.model.cfg, windows, inputs, targets, sharded.device, sharded.compute_dtype, n_tokens)
+            for inputs, targets in arrays]
+
+
+def make_batch(cfg, mcfg, windows, inputs, targets, device, dtype, n_tokens) -> dict:
+    """What every stage of one micro-batch needs besides its input: the tokens, RoPE's cos/sin at each
+    token's position, the document layout (a new document starts after each EOS), the targets, the
+    global batch's target count. Decided and built on the host from the numpy arrays, then copied
+    without waiting (M.to_device): nothing here makes the host wait for the GPU, so it can queue this
+    micro-batch while the last one still runs."""
+    eos_id = windows.data.eos_id if windows.data.eos_id is not None else mcfg.eos_id
+    layout = None
+    if cfg.doc_mask:
+        starts = M.document_starts(inputs, eos_id)
+        if starts[:, 1:].any():  # one document per row: plain causal attention is the same and faster
+            layout = M.document_layout(starts, M.uses_flash(device, dtype), device, dtype)
+    tokens = M.to_device(inputs, device)
+    positions = layout["positions"] if layout else torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+    cos, sin = M.rope_cos_sin(mcfg, positions, dtype)
+    return dict(tokens=tokens, cos=cos, sin=sin, layout=layout, targets=M.to_device(targets, device),
+                n_tokens=n_tokens)
 
 
 class ShardedModel:
@@ -568,9 +538,14 @@ class ShardedModel:
         self.compute_dtype = compute_dtype(cfg.dtype, device)
         with torch.device("meta"):  # shapes only: construction allocates nothing
             self.model = M.Llama(mcfg)
-        self.reduces_in_flight, self.host_adds = [], []
-        self.units = build_units(self.model, rank, world, device, self.compute_dtype, getattr(torch, cfg.reduce_dtype),
-                                 self.reduces_in_flight, cfg.offload_optimizer, self.host_adds)
+        self.reduces_in_flight, self.host_adds = [], []  # reduce-scatters, and (offload) copies to the host, in flight
+        state_device = torch.device("cpu") if cfg.offload_optimizer else device
+        self.units = build_units(self.model, rank, world, device, self.compute_dtype, state_device)
+        if cfg.offload_optimizer:  # the optimizer on the CPU, the device keeping a compute-dtype copy (offload.py)
+            O.offload_optimizer(self.units, self.host_adds)
+        for unit in self.units:  # each unit's gradient is reduce-scattered as soon as autograd completes it
+            unit.gathered.register_post_accumulate_grad_hook(
+                partial(reduce_scatter_grad, unit, self.reduces_in_flight, getattr(torch, cfg.reduce_dtype)))
         self.stages = make_stages(self.model, self.units, cfg.ac, cfg.ce_chunk, cfg.offload_activations,
                                   cfg.ac_blocks, cfg.ac_rest)
         self.prefetch = cfg.prefetch
@@ -606,86 +581,119 @@ class ShardedModel:
             for unit in self.stages[k - 1].backward_units:
                 unit.start_gather()
 
-    def finish_reduces(self):
-        finish_reduces(self.reduces_in_flight)
-        finish_host_adds(self.host_adds)
 
-    def refresh_compute_shards(self):
-        for unit in self.units:
-            unit.refresh_compute_shard()
+class Stage(NamedTuple):
+    run: Callable                # (x, batch) -> the stage's output
+    forward_units: list          # gathered for its forward
+    backward_units: list         # gathered again for its backward
 
 
-def micro_batches(cfg, sharded: ShardedModel, windows, position: int) -> list[dict]:
-    """This rank's micro-batches of the global batch that starts at window `position`."""
-    accum = cfg.batch_size // (sharded.world * cfg.micro_batch_size)
-    arrays = [windows.micro_batch(position, j, sharded.rank, sharded.world, cfg.micro_batch_size) for j in range(accum)]
-    # The loss is the mean over every target token of the global batch, so each rank divides its summed
-    # loss by the global count -- not by the number of micro-batches, which would make results depend on W.
-    n_tokens = M.to_device(np.array(sum((t != -100).sum() for _, t in arrays), dtype=np.float32), sharded.device)
-    dist.all_reduce(n_tokens)
-    return [make_batch(cfg, sharded.model.cfg, windows, inputs, targets, sharded.device, sharded.compute_dtype, n_tokens)
-            for inputs, targets in arrays]
+def make_stages(model: M.Llama, units: list[Unit], ac: str, ce_chunk: int, offload: bool = False,
+                ac_blocks: int = -1, ac_rest: str = "none") -> list[Stage]:
+    """The embedding's backward only needs the token ids, so it is not gathered again for backward.
+    With tied embeddings the head also needs the embedding unit (its weight is the head's)."""
+    embed, blocks, head = units[0], units[1:-1], units[-1]
+    head_units = [head, embed] if model.cfg.tie_embeddings else [head]
+    stages = [Stage(lambda x, batch: model.embed(x), [embed], [])]
+    policies = block_policies(len(blocks), ac, ac_blocks, ac_rest)
+    for i, unit in enumerate(blocks):
+        block_offload = offload and policies[i] == "full"  # --offload_activations moves what `full` keeps
+        stages.append(Stage(lambda x, batch, i=i, ac=policies[i], off=block_offload: run_block(
+            model.layers[i], ac, x, batch["cos"], batch["sin"], batch["layout"], off), [unit], [unit]))
+    stages.append(Stage(lambda x, batch: model.head_loss(x, batch["targets"], ce_chunk) / batch["n_tokens"],
+                        head_units, head_units))
+    return stages
 
 
-def make_batch(cfg, mcfg, windows, inputs, targets, device, dtype, n_tokens) -> dict:
-    """What every stage of one micro-batch needs besides its input: the tokens, RoPE's cos/sin at each
-    token's position, the document layout (a new document starts after each EOS), the targets, the
-    global batch's target count. Decided and built on the host from the numpy arrays, then copied
-    without waiting (M.to_device): nothing here makes the host wait for the GPU, so it can queue this
-    micro-batch while the last one still runs."""
-    eos_id = windows.data.eos_id if windows.data.eos_id is not None else mcfg.eos_id
-    layout = None
-    if cfg.doc_mask:
-        starts = M.document_starts(inputs, eos_id)
-        if starts[:, 1:].any():  # one document per row: plain causal attention is the same and faster
-            layout = M.document_layout(starts, M.uses_flash(device, dtype), device, dtype)
-    tokens = M.to_device(inputs, device)
-    positions = layout["positions"] if layout else torch.arange(tokens.shape[1], device=device).expand_as(tokens)
-    cos, sin = M.rope_cos_sin(mcfg, positions, dtype)
-    return dict(tokens=tokens, cos=cos, sin=sin, layout=layout, targets=M.to_device(targets, device),
-                n_tokens=n_tokens)
+def block_policies(n_layers: int, ac: str, ac_blocks: int = -1, ac_rest: str = "none") -> list[str]:
+    """Each block's checkpointing policy: --ac for the first --ac_blocks blocks (all with -1), --ac_rest
+    for the others. Memory freed elsewhere (--offload_optimizer) becomes less recompute this way."""
+    n = n_layers if ac_blocks < 0 else min(ac_blocks, n_layers)
+    return [ac] * n + [ac_rest] * (n_layers - n)
 
 
-def train_step_naive(cfg, sharded: ShardedModel, windows, step: int, position: int) -> tuple[float, float]:
-    """ZeRO-3 with nothing overlapped and nothing freed early, to read first: each unit all-gathered
-    into a full buffer, a plain forward and backward, each unit's gradient reduce-scattered to its
-    owner, AdamW written out term for term. The same arithmetic as train_step (tests/test_sharding.py
-    holds them equal), but every rank holds the whole model and its whole gradient in the compute dtype.
-    train_step adds: one unit gathered at a time (prefetching the next), freed after forward and
-    gathered again in backward (BackwardBoundary), each reduce-scatter started as soon as its unit's
-    gradient is complete, activation checkpointing, a fused optimizer kernel, skipping non-finite steps."""
-    full = {}
-    for unit in sharded.units:
-        full[unit.name] = torch.empty(unit.padded_numel, dtype=sharded.compute_dtype, device=sharded.device)
-        all_gather_flat(full[unit.name], unit.gather_input())
-        full[unit.name].requires_grad_()
-        unit.set_views(full[unit.name])
-    model, loss_sum = sharded.model, torch.zeros((), device=sharded.device)
-    for batch in micro_batches(cfg, sharded, windows, position):
-        x = model.embed(batch["tokens"])
-        for block in model.layers:
-            x = block(x, batch["cos"], batch["sin"], batch["layout"])
-        loss = model.head_loss(x, batch["targets"], cfg.ce_chunk) / batch["n_tokens"]
-        loss.backward()  # gradients accumulate into full[...].grad over the micro-batches
-        loss_sum += loss.detach().float()
-    for unit in sharded.units:
-        out = torch.empty(unit.shard_numel, device=sharded.device)
-        reduce_scatter_flat(out, full[unit.name].grad.float(), op=dist.ReduceOp.SUM)
-        unit.grad_shard.copy_(out)  # to host memory with --offload_optimizer
-    dist.all_reduce(loss_sum)
-    grad_norm = global_grad_norm(sharded.units, sharded.device)
-    scale = min(1.0, cfg.grad_clip / (grad_norm.item() + 1e-6)) if cfg.grad_clip > 0 else 1.0
-    for unit in sharded.units:
-        unit.grad_shard.mul_(scale)
-    adamw_step_reference(sharded.units, cfg, lr_at(cfg, step), step)
-    for unit in sharded.units:
-        unit.grad_shard.zero_()
-    sharded.refresh_compute_shards()
-    return loss_sum.item(), grad_norm.item()
+def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False):
+    if offload:  # --ac full, the block's input kept in host memory (offload.py)
+        return O.OffloadedCheckpoint.apply(x, lambda h: block(h, cos, sin, layout))
+    if ac == "none":
+        return block(x, cos, sin, layout)
+    if ac == "full":  # save only the block's input; recompute the whole block in backward
+        return checkpoint(block, x, cos, sin, layout, use_reentrant=False)
+    return checkpoint(block, x, cos, sin, layout, use_reentrant=False,
+                      context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+
+
+# Selective checkpointing: keep what is expensive to recompute (the matmuls' and attention's outputs),
+# recompute what is cheap and memory-hungry (norms, RoPE, SiLU * up, residual adds, casts).
+SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
+ATTENTION_FORWARD_OPS = {  # namespace: the attention kernels' forward ops, those this build has are kept
+    "aten": ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"),
+    "flash_attn": ("_flash_attn_forward",           # flash_attn_func: one sequence per row
+                   "_flash_attn_varlen_forward"),   # flash_attn_varlen_func: packed documents
+}
+for _namespace, _names in ATTENTION_FORWARD_OPS.items():
+    for _name in _names:
+        if hasattr(getattr(torch.ops, _namespace), _name):
+            SAVED_OPS.add(getattr(getattr(torch.ops, _namespace), _name).default)
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class BackwardBoundary(torch.autograd.Function):
+    """Identity between two stages. Its backward runs when the gradient w.r.t. this stage's output is
+    complete, i.e. just after the next stage's backward and just before this stage's backward: the
+    moment to free the next stage's buffers, gather this stage's, and prefetch the previous one's."""
+
+    @staticmethod
+    def forward(ctx, x, on_backward):
+        ctx.on_backward = on_backward
+        return x.view_as(x)  # why not x: see the comment above Unit
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.on_backward()
+        return grad, None
+
+
+MAX_REDUCES_IN_FLIGHT = 1  # full-unit gradients in --reduce_dtype left reducing while the next unit's backward runs
+
+
+def reduce_scatter_grad(unit: Unit, reduces_in_flight: list, reduce_dtype: torch.dtype, gathered: torch.Tensor):
+    """Autograd hook on `unit.gathered` (ShardedModel registers it): this micro-batch's gradient of the
+    whole unit is in gathered.grad. Sum it over ranks into each rank's shard (reduce-scatter) and drop the
+    full gradient. In fp32 by default: summing W bf16 gradients in bf16 would round away small contributions.
+    Asynchronous, so the previous unit's backward overlaps it, but at most MAX_REDUCES_IN_FLIGHT at a
+    time: each holds a full-unit gradient, and an unbounded queue would hold the whole model's.
+    The oldest one is waited for *before* the cast, not after the launch: otherwise its gradient, this
+    one in the compute dtype and its copy in the reduce dtype would be alive together (3 units where
+    plan.reduce_hook_bytes counts 2). On GPUs this costs no overlap: NCCL runs a group's collectives
+    one after another on one stream, so the new reduce-scatter could not start before the old one
+    ends anyway."""
+    finish_reduces(reduces_in_flight, keep=MAX_REDUCES_IN_FLIGHT - 1)
+    grad = gathered.grad.to(reduce_dtype)  # the same tensor, no copy, when the dtypes match
+    gathered.grad = None
+    out = torch.empty(unit.shard_numel, dtype=reduce_dtype, device=grad.device)
+    work = reduce_scatter_flat(out, grad, op=dist.ReduceOp.SUM, async_op=True)
+    reduces_in_flight.append((unit, work, out, grad))
+
+
+def finish_reduces(reduces_in_flight: list, keep: int = 0):
+    """Waits for the oldest reduce-scatters until `keep` remain; adds each result into its unit's shard
+    (accumulation over micro-batches, always fp32) and lets its full-unit gradient go."""
+    while len(reduces_in_flight) > keep:
+        unit, work, out, _ = reduces_in_flight.pop(0)
+        work.wait()
+        if unit.host:  # --offload_optimizer: copied to host memory, added there (offload.py)
+            unit.host.add_grad(unit, out)
+        else:
+            unit.grad_shard.add_(out)
 
 
 def global_grad_norm(units: list[Unit], device: torch.device) -> torch.Tensor:
-    """L2 norm over all ranks' slices: local sum of squares, one all-reduce of one scalar. The padding's
+    """L2 norm over all ranks' shards: local sum of squares, one all-reduce of one scalar. The padding's
     gradient is exactly zero, so it adds nothing."""
     sq = torch.stack([torch.linalg.vector_norm(u.grad_shard) for u in units]).square().sum().to(device)
     dist.all_reduce(sq)
@@ -693,14 +701,14 @@ def global_grad_norm(units: list[Unit], device: torch.device) -> torch.Tensor:
 
 
 # The optimizer: the one place a fork swaps it. OPTIMIZER_STATE names the fp32 tensors each unit keeps
-# per element of its slice (Unit makes them; checkpoints, memory accounting and plan.py iterate over
-# them); optimizer_step updates the slices from the clipped gradient. Any elementwise optimizer works on
-# slices unchanged: each element sees the same arithmetic as in the whole tensor.
+# per element of its shard (Unit makes them; checkpoints, memory accounting and plan.py iterate over
+# them); optimizer_step updates the shards from the clipped gradient. Any elementwise optimizer works on
+# shards unchanged: each element sees the same arithmetic as in the whole tensor.
 OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq")
 
 
 def adamw_step_reference(units: list[Unit], cfg: TrainConfig, lr: float, step: int):
-    """torch.optim.AdamW's update, term for term, on this rank's slices (step is 1-based). The readable
+    """torch.optim.AdamW's update, term for term, on this rank's shards (step is 1-based). The readable
     version of adamw_step below; tests/test_sharding.py holds the two equal."""
     beta1, beta2 = cfg.adam_beta1, cfg.adam_beta2
     bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
@@ -715,9 +723,9 @@ def adamw_step_reference(units: list[Unit], cfg: TrainConfig, lr: float, step: i
 
 
 def adamw_step(units: list[Unit], cfg: TrainConfig, lr: float, step: int):
-    """The same update in one pass over the four slices: PyTorch's fused AdamW kernel (what
+    """The same update in one pass over the four shards: PyTorch's fused AdamW kernel (what
     torch.optim.AdamW(fused=True) runs), instead of the reference's seven passes and two temporaries.
-    Decay stays outside it because it applies to matrices only, not to whole slices."""
+    Decay stays outside it because it applies to matrices only, not to whole shards."""
     for u in units:
         for lo, hi in u.decay_ranges:
             u.master_shard[lo:hi].mul_(1 - lr * cfg.weight_decay)
@@ -742,58 +750,6 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-class NonFiniteStep(Exception):
-    pass
-
-
-fault_hook = None  # tests only: faults.py, installed by main when ZERO3_FAULT and ZERO3_ALLOW_FAULTS=1 are set
-
-
-def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: int):
-    """All micro-batches of (1-based) `step`: gradients summed into each unit's grad_shard. Returns the
-    global batch's mean loss (identical on every rank) and whether this rank's own part was finite."""
-    loss_sum = torch.zeros((), device=sharded.device)
-    for batch in micro_batches(cfg, sharded, windows, position):
-        loss = sharded.loss(batch)
-        if fault_hook:
-            loss = fault_hook("loss", step, sharded.rank, loss)
-        loss.backward()  # the reduce-scatters start inside, unit by unit (Unit._reduce_scatter_grad)
-        sharded.finish_reduces()
-        loss_sum += loss.detach().float()
-    local_finite = torch.isfinite(loss_sum)  # read only if the step goes bad: reading it waits for the GPU
-    dist.all_reduce(loss_sum)
-    return loss_sum, local_finite
-
-
-def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) -> tuple[float, float]:
-    """One optimizer step (1-based `step`): accumulate, clip, update. Returns (loss, grad_norm) floats.
-    A non-finite loss or gradient norm (both already summed over ranks, so every rank sees the same
-    value and takes the same branch) skips the update: the weights and optimizer state stay as they were."""
-    units = sharded.units
-    loss, local_finite = forward_backward(cfg, sharded, windows, step, position)
-    grad_norm = global_grad_norm(units, sharded.device)
-    # The step's one host sync: the clip factor and the skip decision need both numbers on the host.
-    loss, grad_norm = torch.stack([loss.float(), grad_norm.float()]).tolist()
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        for u in units:
-            u.grad_shard.zero_()
-        finite_by_rank = torch.zeros(sharded.world, device=sharded.device)
-        all_gather_flat(finite_by_rank, local_finite.float().reshape(1))
-        bad = [r for r, ok in enumerate(finite_by_rank.tolist()) if not ok]
-        where = f" (from rank {', '.join(map(str, bad))})" if bad else ""
-        raise NonFiniteStep(f"step {step}: loss {loss}, grad_norm {grad_norm}{where}; the optimizer step was skipped")
-    if cfg.grad_clip > 0:  # as torch.nn.utils.clip_grad_norm_: multiply by min(1, clip / (norm + 1e-6))
-        scale = min(1.0, cfg.grad_clip / (grad_norm + 1e-6))
-        if scale != 1.0:
-            for u in units:
-                u.grad_shard.mul_(scale)
-    optimizer_step(units, cfg, lr_at(cfg, step), step)  # on the CPU with --offload_optimizer
-    for u in units:
-        u.grad_shard.zero_()
-    sharded.refresh_compute_shards()
-    return loss, grad_norm
-
-
 def evaluate(cfg, sharded: ShardedModel, eval_windows) -> float:
     """Mean loss over the first --eval_batches global batches of the held-out data's first epoch: a
     seeded sample of its windows, the same every time. The same gathers as training's forward, no backward."""
@@ -811,8 +767,36 @@ def evaluate(cfg, sharded: ShardedModel, eval_windows) -> float:
 
 
 # ================================================================================================
-# 6. Loop: set-up, training, saving and stopping
+# 5. Loop: weights, set-up, training, saving and stopping
 # ================================================================================================
+
+def init_unit_random(unit: Unit, index: int, seed: int, std: float):
+    """HF's init (normal(0, std) matrices, ones for norms) on the unit's full shape from the unit's own
+    generator, then keep this rank's shard: the same weights for every W."""
+    device = unit.gathered.device  # the same numbers with and without --offload_optimizer
+    gen = torch.Generator(device=device).manual_seed(seed * 100003 + index)
+    full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
+    for slot in unit.slots:
+        piece = full[slot.offset:slot.offset + math.prod(slot.shape)]
+        piece.fill_(1.0) if len(slot.shape) == 1 else piece.normal_(0.0, std, generator=gen)
+    unit.master_shard.copy_(full[unit.shard_start:unit.shard_start + unit.shard_numel])
+
+
+def init_weights(cfg: TrainConfig, mcfg: M.ModelConfig, units: list[Unit], weights: dict | str | None):
+    """Seeded random weights (`weights` None); this rank's shards of an --init_from Hugging Face folder
+    (`weights` {HF tensor name: file}: checkpoint.load_unit_from_hf reads only the rows that cover each
+    shard); or of one of our checkpoints (`weights` its folder: a new phase starts from its fp32 master
+    weights, re-sharded for this world size, with a fresh optimizer)."""
+    if weights is None:
+        for i, unit in enumerate(units):
+            init_unit_random(unit, i, cfg.seed, mcfg.init_std)
+    elif isinstance(weights, str):
+        C.load_weights(weights, units, "--init_from")
+    else:
+        open_files = {}
+        for unit in units:
+            C.load_unit_from_hf(unit, weights, open_files)
+
 
 def setup(cfg: TrainConfig):
     """Everything before the first step: checks, data, processes, the sharded model, its weights (from
@@ -833,7 +817,7 @@ def setup(cfg: TrainConfig):
         mcfg, windows, eval_windows = D.open_data(cfg, mcfg)
 
     rank, world, device = init_processes(cfg)
-    threads = optimizer_threads(cfg, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(os.sched_getaffinity(0)))
+    threads = O.optimizer_threads(cfg, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(os.sched_getaffinity(0)))
     if threads:
         torch.set_num_threads(threads)
     C.claim_out_dir(cfg.out_dir, rank, world, device)
@@ -848,31 +832,24 @@ def setup(cfg: TrainConfig):
         step = C.load_weights(weights, sharded.units, "--from_ckpt")
         if rank == 0:
             print(f"read checkpoint {weights} (step {step})", flush=True)
-        sharded.refresh_compute_shards()
+        if cfg.offload_optimizer:
+            O.refresh_compute_shards(sharded.units)
         return sharded, windows, eval_windows, step, 0
     # A checkpoint in --out_dir wins over --init_from: re-running the same command continues the run.
     # After --overwrite, what is left is this run's own: a restart's checkpoints (overwrite_once).
     candidates = C.resume_candidates(ckpt_root) if cfg.resume == "auto" or cfg.overwrite else []
     if candidates:
         step, position = C.resume(cfg, mcfg, sharded.units, windows, rank, candidates, fallback=True)
-        sharded.refresh_compute_shards()
+        if cfg.offload_optimizer:
+            O.refresh_compute_shards(sharded.units)
         return sharded, windows, eval_windows, step, position
     init_weights(cfg, mcfg, sharded.units, weights)
     if isinstance(weights, str) and rank == 0:
         print(f"started from the weights of checkpoint {weights} (a new phase: step 1, a fresh optimizer and data "
               f"position)", flush=True)
-    sharded.refresh_compute_shards()
+    if cfg.offload_optimizer:
+        O.refresh_compute_shards(sharded.units)
     return sharded, windows, eval_windows, 0, 0
-
-
-def optimizer_threads(cfg, device: torch.device, local_world: int, cores: int) -> int | None:
-    """--offload_optimizer on GPUs: the optimizer runs on the CPU, over 16 B per parameter / W, and torchrun
-    gives each worker one thread (OMP_NUM_THREADS=1). Each rank takes its share of the node's cores."""
-    if cfg.offload_optimizer and device.type == "cuda":
-        if os.environ.get("ZERO3_NUMA_BINDING") == "exclusive":  # launch.sh: torchrun bound these cores to us alone
-            return max(1, cores)
-        return max(1, cores // local_world)
-    return None
 
 
 def catch_stop_signals() -> list:

@@ -114,7 +114,7 @@ def release(units):
     """Drops a finished run's state so the next one has the memory (the module attributes are views of
     the freed buffers and hold nothing; main empties the CUDA cache after each run)."""
     for u in units:
-        u.master_shard = u.grad_shard = u.gathered = u.compute_shard = None
+        u.master_shard = u.grad_shard = u.gathered = u.host = None
         u.optimizer_state = {}
     units.clear()
 

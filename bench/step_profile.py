@@ -29,6 +29,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import model as M  # noqa: E402
+import offload as O  # noqa: E402
 import train as T  # noqa: E402
 
 MODEL = dict(vocab_size=8192, dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_seq_len=2048)
@@ -113,7 +114,9 @@ def measure_ac(folder: str, ac: str) -> dict:
     after_forward_kib = status_kib("VmRSS")
     head = units[-1].padded_numel * 4  # the head stays gathered for its backward: not an activation
     loss.backward()
-    sharded.finish_reduces()
+    T.finish_reduces(sharded.reduces_in_flight)
+    if cfg.offload_optimizer:
+        O.finish_host_adds(sharded.host_adds)
     step_s = time.perf_counter() - t0
     tokens = cfg.micro_batch_size * cfg.seq_len
     return dict(ac=ac, saved_by_hooks_bytes=sum(saved.values()),

@@ -1,8 +1,10 @@
 """Helpers shared by the tests: small configs, Hugging Face reference models, running train.py."""
+import gc
 import json
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -84,3 +86,16 @@ def model_and_tokens(root) -> list[str]:
     init = save_hf(hf_model(cfg, seed=3), os.path.join(root, "init"))
     data = learnable_tokens(os.path.join(root, "tok.npy"), cfg.vocab_size, n=3000)
     return [f"--init_from={init}", f"--data={data}"]
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct tensor storage reachable by the garbage collector."""
+    seen, total = set(), 0
+    warnings.simplefilter("ignore", FutureWarning)  # isinstance() pokes deprecated torch attributes
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
+            storage = obj.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total

@@ -660,6 +660,7 @@ def child(argv):
     sys.path.insert(0, ROOT)
     import checks
     import model as M
+    import offload as O
     import train as T
     assert (M.flash_attn_func is not None) == args.flash
     install_checked_collectives(T, args.world)
@@ -673,7 +674,8 @@ def child(argv):
     device = torch.device("cuda", 0)
     with FakeTensorMode(allow_non_fake_inputs=True), make_memory_mode(memory, pinned):
         sharded = T.ShardedModel(cfg, mcfg, args.rank, args.world, device)
-        sharded.refresh_compute_shards()
+        if cfg.offload_optimizer:
+            O.refresh_compute_shards(sharded.units)
         state_bytes = memory.current
         label_phases(sharded, memory)
         windows = Windows(cfg.seq_len, mcfg.vocab_size, mcfg.eos_id, args.documents if cfg.doc_mask else 1)

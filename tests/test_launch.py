@@ -30,6 +30,7 @@ import pytest
 from common import ROOT, model_and_tokens, read_metrics, run_train
 
 import checks  # noqa: E402
+import offload as O  # noqa: E402
 import plan as P  # noqa: E402
 import train as T  # noqa: E402
 
@@ -362,7 +363,7 @@ def test_launch_leaves_the_gpu_memory_the_planner_counts(tmp_path):
 def test_launch_leaves_a_trace_of_a_hang_and_binds_each_rank_to_its_gpus_cores(tmp_path):
     """NCCL's flight recorder is on and dumps when the watchdog times a collective out; on GPUs, with a torchrun
     that has --numa-binding and numactl present, each rank gets its own share of its GPU's NUMA node
-    ("exclusive"), and train.optimizer_threads is told so; NUMA_BINDING=none, no numactl, or no GPU: no binding."""
+    ("exclusive"), and offload.optimizer_threads is told so; NUMA_BINDING=none, no numactl, or no GPU: no binding."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "numactl").write_text("#!/bin/sh\n")
@@ -387,9 +388,9 @@ def test_sbatch_cpus_are_the_planners_cores_and_each_rank_uses_its_share():
     assert int(sbatch_setting("cpus-per-task")) == P.GPUS["h100"]["host_cores_per_node"]
     offload = T.TrainConfig(offload_optimizer=True)
     per_gpu = P.GPUS["h100"]["host_cores_per_node"] // int(sbatch_setting("gpus-per-node"))
-    assert T.optimizer_threads(offload, torch.device("cuda", 0), 8, 112) == per_gpu
+    assert O.optimizer_threads(offload, torch.device("cuda", 0), 8, 112) == per_gpu
     os.environ["ZERO3_NUMA_BINDING"] = "exclusive"
     try:
-        assert T.optimizer_threads(offload, torch.device("cuda", 0), 8, per_gpu) == per_gpu
+        assert O.optimizer_threads(offload, torch.device("cuda", 0), 8, per_gpu) == per_gpu
     finally:
         del os.environ["ZERO3_NUMA_BINDING"]

@@ -83,26 +83,29 @@ def test_offloaded_state_lives_in_host_memory(tmp_path):
     import train as T
     with torch.device("meta"):
         model = M.Llama(small_config())
-    units = T.build_units(model, 0, 2, torch.device("cpu"), torch.bfloat16, torch.float32, [], offload=True,
-                          host_adds=[])
+    import offload as O
+    units = T.build_units(model, 0, 2, torch.device("cpu"), torch.bfloat16, state_device=torch.device("cpu"))
+    O.offload_optimizer(units, host_adds=[])
     for u in units:
-        assert u.compute_shard.dtype == torch.bfloat16 and u.compute_shard.numel() == u.shard_numel
+        assert u.host.compute_shard.dtype == torch.bfloat16 and u.host.compute_shard.numel() == u.shard_numel
         assert u.master_shard.dtype == u.grad_shard.dtype == torch.float32
         assert set(u.optimizer_state) == set(T.OPTIMIZER_STATE)
         assert u.persistent_bytes(on_device_only=True) == 2 * u.shard_numel
         assert u.persistent_bytes() == (16 + 2) * u.shard_numel
         u.master_shard.fill_(1.5)
-        u.refresh_compute_shard()
-        assert (u.compute_shard == 1.5).all() and u.gather_input() is u.compute_shard
+    O.refresh_compute_shards(units)
+    for u in units:
+        assert (u.host.compute_shard == 1.5).all() and u.gather_input() is u.host.compute_shard
 
 
 def test_the_cpu_update_gets_its_share_of_the_cores():
     """On GPUs torchrun runs each worker with one thread; the offloaded update would then use one core of
     the node's ~100. Each rank takes cores / ranks on the node; on CPU runs nothing changes."""
     import torch
+    import offload as O
     import train as T
     offload, plain = T.TrainConfig(offload_optimizer=True), T.TrainConfig()
-    assert T.optimizer_threads(offload, torch.device("cuda", 0), 8, 112) == 14
-    assert T.optimizer_threads(offload, torch.device("cuda", 0), 8, 4) == 1
-    assert T.optimizer_threads(plain, torch.device("cuda", 0), 8, 112) is None
-    assert T.optimizer_threads(offload, torch.device("cpu"), 2, 2) is None
+    assert O.optimizer_threads(offload, torch.device("cuda", 0), 8, 112) == 14
+    assert O.optimizer_threads(offload, torch.device("cuda", 0), 8, 4) == 1
+    assert O.optimizer_threads(plain, torch.device("cuda", 0), 8, 112) is None
+    assert O.optimizer_threads(offload, torch.device("cpu"), 2, 2) is None

@@ -14,6 +14,7 @@ import model as M  # noqa: E402
 import checkpoint as C  # noqa: E402
 import checks  # noqa: E402
 import plan as P  # noqa: E402
+import offload as O  # noqa: E402
 import train as T  # noqa: E402
 
 CASE_70B = dict(model="llama3-70b", nnodes=2, nproc_per_node=8, gpu="h100", seq_len=8192, batch_size=64,
@@ -65,7 +66,7 @@ def test_state_per_gpu_of_70b_on_16_gpus():
 def test_state_matches_the_trainers_units_with_padding():
     # The trainer's own Unit objects, at a W whose padding is not zero: rank 0's persistent bytes.
     mcfg, world = M.PRESETS["tiny"](), 3
-    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, torch.float32, [])
+    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16)
     assert any(u.padded_numel != u.numel for u in units)
     p = predict(model="tiny", nnodes=1, nproc_per_node=world, seq_len=256, batch_size=12, micro_batch_size=4)
     assert p["state_gib_per_gpu"] * 2**30 == sum(u.persistent_bytes() for u in units)
@@ -154,7 +155,7 @@ def test_slices_and_outputs_alive_beside_the_units():
 
 
 def test_offload_copies_overlap_all_but_the_last_blocks_copy_back():
-    # train.OffloadedCheckpoint copies on a side stream and prefetches the previous block's input: only the
+    # offload.OffloadedCheckpoint copies on a side stream and prefetches the previous block's input: only the
     # last block's input (8192 tokens x 8192 x bf16 per micro-batch) comes back with nothing to overlap.
     on, off = predict(**RECOMMENDED_70B), predict(**dict(RECOMMENDED_70B, offload_activations="false"))
     assert on["exposed_s"] - off["exposed_s"] == pytest.approx(on["micro_steps"] * 8192 * 8192 * 2 / 40e9)
@@ -190,8 +191,8 @@ OFFLOAD_70B_ONE_NODE = dict(CASE_70B, nnodes=1, ac="full", offload_activations="
 def test_offloaded_optimizer_state_matches_the_trainers_units_with_padding():
     # --offload_optimizer: the GPU keeps a bf16 copy of its slices (2 B x padded N / W), the host the 16 B.
     mcfg, world = M.PRESETS["tiny"](), 3
-    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, torch.float32, [],
-                          offload=True, host_adds=[])
+    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, torch.device("cpu"))
+    O.offload_optimizer(units, host_adds=[])
     assert any(u.padded_numel != u.numel for u in units)
     slice_numel = sum(u.shard_numel for u in units)
     on_device = sum(u.persistent_bytes(on_device_only=True) for u in units)
@@ -369,7 +370,7 @@ def run_plan(*flags):
 def test_checkpoint_bytes_per_rank_are_what_the_trainer_writes(tmp_path):
     # Rank 0's file at a W whose padding is not zero, written by the trainer's own save function.
     mcfg, world = M.PRESETS["tiny"](), 3
-    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, torch.float32, [])
+    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16)
     tensors = [(f"{u.name}.{kind}", t) for u in units for kind, t in C.saved_tensors(u)]
     _, written = C.write_safetensors_streaming(str(tmp_path / "rank0.safetensors"), tensors)
     assert written == (tmp_path / "rank0.safetensors").stat().st_size

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from common import hf_model, learnable_tokens, ours_from_hf, run_train, save_hf, small_config
-from dist_worker import live_tensor_bytes
+from common import live_tensor_bytes
 from test_data import TEXTS, hf_tokenizer, write_jsonl
 
 import checkpoint as C
@@ -97,7 +97,7 @@ def test_sharded_decoding_equals_generate_stops_at_end_ids_and_leaves_nothing_be
         before = live_tensor_bytes()
         completions = S.generate(sharded, sampler.prompts, 10, set(sampler.stop_ids))
         gc.collect()
-        assert [u.name for u in sharded.units if u.is_gathered()] == []
+        assert [u.name for u in sharded.units if u.state() != "free"] == []
         assert not [o for o in gc.get_objects() if isinstance(o, M.KVCache)]
         assert live_tensor_bytes() == before
 

@@ -1,4 +1,5 @@
 """What each rank holds (counted tensor by tensor), --ac equivalence, HF round trips, and W-independence."""
+import gc
 import json
 import os
 import subprocess
@@ -7,9 +8,19 @@ import sys
 import numpy as np
 import pytest
 import torch
-from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
+import torch.distributed as dist
+from common import ROOT, hf_model, learnable_tokens, live_tensor_bytes, read_metrics, run_train, save_hf, small_config
+from ranks import config_and_data, run_ranks, sharded_model
+import train as T
 
 TINY = ["--seq_len=64", "--batch_size=12", "--micro_batch_size=1", "--dtype=float32"]
+
+
+@pytest.fixture(scope="module")
+def tiny_tokens(tmp_path_factory) -> str:
+    """--data for the tiny preset: learnable tokens in its vocabulary."""
+    import model as M
+    return learnable_tokens(str(tmp_path_factory.mktemp("data") / "tok.npy"), M.PRESETS["tiny"]().vocab_size)
 
 
 def run_worker(mode, tmp_path, nproc, flags):
@@ -20,16 +31,65 @@ def run_worker(mode, tmp_path, nproc, flags):
     return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(nproc)]
 
 
+def memory(world: int, flags: list[str]) -> list[dict]:
+    """Two train_steps on each of `world` ranks (threads of this process), counting how many units are
+    gathered and how many reduce-scatters are in flight at once; then what stays alive after them."""
+    cfg, mcfg, weights, windows = config_and_data(flags)
+    units_of, most_gathered, most_reduces = {}, {}, {}
+    original_start, original_finish = T.Unit.start_gather, T.finish_reduces
+
+    def counting_start(unit):
+        original_start(unit)
+        rank = dist.get_rank()
+        gathered_now = sum(u.state() != "free" for u in units_of[rank])
+        most_gathered[rank] = max(most_gathered.get(rank, 0), gathered_now)
+
+    def counting_finish(reduces_in_flight, keep=0):
+        rank = dist.get_rank()
+        most_reduces[rank] = max(most_reduces.get(rank, 0), len(reduces_in_flight))
+        original_finish(reduces_in_flight, keep)
+
+    def rank_steps(rank):
+        sharded = sharded_model(cfg, mcfg, weights)
+        units_of[rank] = sharded.units
+        for step in (1, 2):
+            T.train_step(cfg, sharded, windows, step, (step - 1) * cfg.batch_size)
+        return sharded
+
+    gc.collect()
+    alive_before = live_tensor_bytes()
+    T.Unit.start_gather, T.finish_reduces = counting_start, counting_finish
+    try:
+        ranks = run_ranks(world, rank_steps)
+    finally:
+        T.Unit.start_gather, T.finish_reduces = original_start, original_finish
+    gc.collect()
+    alive_bytes = live_tensor_bytes() - alive_before  # every rank's tensors: they share this process
+    results = []
+    for rank, sharded in enumerate(ranks):
+        units, model = sharded.units, sharded.model
+        results.append(dict(
+            persistent_bytes=sum(u.persistent_bytes() for u in units),
+            padded_numel=sum(u.padded_numel for u in units), numel=sum(u.numel for u in units),
+            shard_numel=[u.shard_numel for u in units],
+            gathered_after_step=[u.name for u in units if u.state() != "free" or u.gathered.grad is not None],
+            module_tensor_bytes=sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]),
+            most_gathered_at_once=most_gathered[rank], most_reduces_in_flight=most_reduces[rank],
+            n_units=len(units)))
+    assert alive_bytes == sum(r["persistent_bytes"] for r in results), (alive_bytes, results)
+    return results
+
+
 @pytest.mark.parametrize("world", [1, 3])
-def test_each_rank_holds_one_wth_and_nothing_stays_gathered(tmp_path, world):
-    results = run_worker("memory", tmp_path, world, TINY + ["--steps=2", "--ac=selective"])
+def test_each_rank_holds_one_wth_and_nothing_stays_gathered(world, tiny_tokens):
+    results = memory(world, TINY + ["--steps=2", "--ac=selective", f"--data={tiny_tokens}"])
     for r in results:
         # master + m + v + grad, fp32, each 1/W of the padded model: 16 bytes per parameter / W.
         assert r["persistent_bytes"] == 16 * r["padded_numel"] // world
         assert r["padded_numel"] - r["numel"] < world * len(r["shard_numel"])  # padding < W per unit
-        # Every tensor alive in the process after two steps is persistent state: no full-size copy,
-        # no leftover gathered buffer or gradient, nothing in the modules.
-        assert r["live_tensor_bytes"] == r["persistent_bytes"], r
+        # Every tensor alive after two steps is persistent state (memory() compares the bytes of every
+        # tensor alive in the process with the ranks' state): no full-size copy, no leftover gathered
+        # buffer or gradient, nothing in the modules.
         assert r["gathered_after_step"] == [] and r["module_tensor_bytes"] == 0
         # At most the running unit and the prefetched one are gathered at any moment.
         assert r["most_gathered_at_once"] == 2
@@ -42,24 +102,39 @@ def test_tied_model_gathers_at_most_three_units(tmp_path):
     cfg = small_config(tie_embeddings=True)
     init_dir = save_hf(hf_model(cfg), str(tmp_path / "init"))
     np.save(tmp_path / "tok.npy", np.random.default_rng(0).integers(0, cfg.vocab_size, 500).astype(np.int32))
-    results = run_worker("memory", tmp_path, 2, ["--seq_len=16", "--batch_size=4", "--micro_batch_size=1",
-                                                 "--dtype=float32", f"--init_from={init_dir}",
-                                                 f"--data={tmp_path / 'tok.npy'}"])
+    results = memory(2, ["--seq_len=16", "--batch_size=4", "--micro_batch_size=1", "--dtype=float32",
+                         f"--init_from={init_dir}", f"--data={tmp_path / 'tok.npy'}", f"--out_dir={tmp_path}"])
     for r in results:
-        assert r["live_tensor_bytes"] == r["persistent_bytes"] == 16 * r["padded_numel"] // 2
+        assert r["persistent_bytes"] == 16 * r["padded_numel"] // 2
         assert r["most_gathered_at_once"] == 3  # head + the borrowed embedding + the prefetched block
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_activation_checkpointing_modes_give_the_same_gradients(tmp_path, dtype):
-    results = run_worker("ac", tmp_path, 2, ["--seq_len=64", "--batch_size=4", "--micro_batch_size=2",
-                                             f"--dtype={dtype}"])
-    for r in results:
-        assert r["none"]["grad_sq"] > 0
-        assert len(r) == 7  # offload: --ac full --offload_activations true; "full 2 + none": --ac_blocks 2
-        for mode in set(r) - {"none"}:
-            assert r[mode]["loss"] == r["none"]["loss"]
-            assert r[mode]["max_abs_diff"] == 0.0, (mode, r[mode])
+def test_activation_checkpointing_modes_give_the_same_gradients(dtype, tiny_tokens):
+    """The gradients of one step under each --ac setting, on each of 2 ranks: bit-identical to --ac none."""
+    cfg, mcfg, weights, windows = config_and_data(["--seq_len=64", "--batch_size=4", "--micro_batch_size=2",
+                                                   f"--dtype={dtype}", f"--data={tiny_tokens}"])
+    modes = {"none": ("none", False, -1, "none"), "full": ("full", False, -1, "none"),
+             "selective": ("selective", False, -1, "none"), "offload": ("full", True, -1, "none"),
+             # partial checkpointing (--ac_blocks N --ac_rest R): the first N blocks --ac, the others R
+             "full 2 + none": ("full", False, 2, "none"), "offload 1 + selective": ("full", True, 1, "selective"),
+             "selective 3 + none": ("selective", False, 3, "none")}
+
+    def rank_gradients(rank):
+        sharded, grads = sharded_model(cfg, mcfg, weights), {}
+        for mode, (policy, offload, ac_blocks, ac_rest) in modes.items():
+            sharded.stages = T.make_stages(sharded.model, sharded.units, policy, cfg.ce_chunk, offload, ac_blocks, ac_rest)
+            loss, _ = T.forward_backward(cfg, sharded, windows, 1, 0)
+            grads[mode] = ([u.grad_shard.clone() for u in sharded.units], loss.item())
+            for u in sharded.units:
+                u.grad_shard.zero_()
+        return grads
+    for grads in run_ranks(2, rank_gradients):
+        base, base_loss = grads["none"]
+        assert sum(g.double().pow(2).sum().item() for g in base) > 0
+        for mode, (gs, loss) in grads.items():
+            assert loss == base_loss, mode
+            assert max((g - b).abs().max().item() for g, b in zip(gs, base)) == 0.0, mode
 
 
 def _hf_state(path):
@@ -123,7 +198,7 @@ def test_fused_adamw_equals_the_written_out_reference():
     def units():  # build_units takes the parameters out of the model: one model each
         with torch.device("meta"):
             model = M.Llama(small_config(n_layers=1))
-        return T.build_units(model, 1, 3, torch.device("cpu"), torch.float32, torch.float32, [])
+        return T.build_units(model, 1, 3, torch.device("cpu"), torch.float32)
     pair = [units(), units()]
 
     def state(unit):
@@ -154,22 +229,87 @@ def test_naive_step_equals_the_real_one(tmp_path):
     """train_step_naive (everything gathered, plain backward, reduce-scatter, AdamW written out) and
     train_step (gather/free per unit, prefetch, BackwardBoundary, async reduce-scatters, fused AdamW,
     selective checkpointing) from the same weights at W=2 with two micro-batches: the same losses, norms
-    and slices for three steps, to fp32 rounding (the two AdamW kernels differ in the last bits)."""
+    and shards for three steps, to fp32 rounding (the two AdamW kernels differ in the last bits).
+    Both ranks run as threads of this process: a breakpoint in either step stops here."""
     cfg = small_config()
     init_dir = save_hf(hf_model(cfg), str(tmp_path / "init"))
     data = learnable_tokens(str(tmp_path / "tok.npy"), cfg.vocab_size, n=2000)
-    results = run_worker("naive", tmp_path, 2, ["--seq_len=32", "--batch_size=8", "--micro_batch_size=2",
-                                                "--dtype=float32", "--lr=1e-2", "--warmup_steps=1", "--grad_clip=0.5",
-                                                f"--init_from={init_dir}", f"--data={data}", f"--out_dir={tmp_path / 'out'}"])
-    for r in results:
+    cfg, mcfg, weights, windows = config_and_data([
+        "--seq_len=32", "--batch_size=8", "--micro_batch_size=2", "--dtype=float32", "--lr=1e-2",
+        "--warmup_steps=1", "--grad_clip=0.5", f"--init_from={init_dir}", f"--data={data}",
+        f"--out_dir={tmp_path / 'out'}"])
+
+    def naive_step(cfg, sharded, windows, step, position):
+        batches = T.micro_batches(cfg, sharded, windows, position)
+        return T.train_step_naive(cfg, sharded.units, sharded.model, batches, step)
+
+    def rank_runs(rank):
+        sharded = sharded_model(cfg, mcfg, weights)
+        units = sharded.units
+        start = [[u.master_shard.clone()] + [t.clone() for t in u.optimizer_state.values()] for u in units]
+        result = dict(start=[u.master_shard.clone() for u in units])
+        for name, step_fn in (("real", T.train_step), ("naive", naive_step)):
+            for u, saved in zip(units, start):
+                for t, value in zip([u.master_shard, *u.optimizer_state.values()], saved):
+                    t.copy_(value)
+            log = [step_fn(cfg, sharded, windows, step, (step - 1) * cfg.batch_size) for step in (1, 2, 3)]
+            result[name] = dict(log=log, master=[u.master_shard.clone() for u in units],
+                                grads_zero=all(not u.grad_shard.any() for u in units))
+        return result
+
+    for r in run_ranks(2, rank_runs):
         real, naive = r["real"], r["naive"]
         assert real["grads_zero"] and naive["grads_zero"]
         for (loss, norm), (naive_loss, naive_norm) in zip(real["log"], naive["log"]):
             assert loss == pytest.approx(naive_loss, rel=1e-6) and norm == pytest.approx(naive_norm, rel=1e-5)
         assert max(norm for _, norm in real["log"]) > 0.5  # clipping is exercised
         for start, got, want in zip(r["start"], real["master"], naive["master"]):
-            got, want, start = torch.tensor(got), torch.tensor(want), torch.tensor(start)
-            # Per slice, as the parity tests compare weights: Adam's first steps move each weight by about
+            # Per shard, as the parity tests compare weights: Adam's first steps move each weight by about
             # lr * sign(g), so a gradient within rounding of 0 may move either way in the two runs.
             assert (got - want).norm() / want.norm() < 1e-5, ((got - want).norm() / want.norm()).item()
             assert (got - start).norm() / start.norm() > 1e-3  # the steps moved the weights well beyond that
+
+
+def test_a_units_views_survive_free_and_refill():
+    """The trick under everything (the comment above train.Unit), on 2 ranks in this process: a block runs on
+    views of the gathered buffer; free() releases the storage while the views, and those autograd saved,
+    stay; a new all-gather refills it through .data; backward then reads the refilled weights without a
+    version-counter error and gives the same gradient as a model that never freed anything."""
+    import model as M
+    cfg = small_config(n_layers=1)
+    x = torch.randn(2, 8, cfg.dim, generator=torch.Generator().manual_seed(0))
+    cos, sin = M.rope_cos_sin(cfg, torch.arange(8).expand(2, 8), torch.float32)
+
+    def rank_check(rank):
+        with torch.device("meta"):
+            model = M.Llama(cfg)
+        units = T.build_units(model, rank, dist.get_world_size(), torch.device("cpu"), torch.float32)
+        T.init_weights(T.TrainConfig(), cfg, units, None)
+        block, unit = model.layers[0], units[1]
+        states = [unit.state()]
+        unit.wait_gather()
+        states.append(unit.state())
+        full_copy = unit.gathered.detach().clone()
+        unit.set_views(unit.gathered)
+        loss = block(x, cos, sin).square().sum()  # autograd saves views of the gathered buffer
+        unit.free()
+        weight = block.self_attn.q_proj.weight
+        freed = (unit.state(), weight.shape, weight.untyped_storage().nbytes())
+        unit.start_gather()
+        states.append(unit.state())
+        try:
+            unit.free()  # while its all-gather is in flight: refused
+            refused = False
+        except RuntimeError:
+            refused = True
+        unit.wait_gather()
+        loss.backward()  # reads the refilled storage
+        reference = full_copy.requires_grad_()
+        unit.set_views(reference)
+        block(x, cos, sin).square().sum().backward()
+        return states, freed, refused, torch.equal(unit.gathered.grad, reference.grad), unit.gathered.grad.abs().sum()
+
+    for states, freed, refused, same_grad, grad_size in run_ranks(2, rank_check):
+        assert states == ["free", "gathered", "gathering"]
+        assert freed == ("free", (cfg.n_heads * cfg.head_dim, cfg.dim), 0)  # the view stays, its bytes go
+        assert refused and same_grad and grad_size > 0
