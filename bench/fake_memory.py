@@ -48,8 +48,8 @@ def sbatch_recipe() -> tuple[list[str], int]:
 
 
 def readme_one_node_recipe() -> tuple[list[str], int]:
-    """The README's one-node command (`./launch.sh --init_from ... --offload_optimizer true ...`), W = 8."""
-    with open(os.path.join(ROOT, "README.md")) as f:
+    """docs/operations.md's one-node command (`./launch.sh --init_from ... --offload_optimizer true ...`), W = 8."""
+    with open(os.path.join(ROOT, "docs", "operations.md")) as f:
         readme = f.read()
     commands = ["--init_from" + c.split("\n\n")[0] for c in readme.split("    ./launch.sh --init_from")[1:]]
     command = next(c for c in commands if "--offload_optimizer true" in c)
@@ -68,7 +68,7 @@ def recipes() -> dict:
     two_node, w2 = sbatch_recipe()
     one_node, w1 = readme_one_node_recipe()
     return {"two-node": ("70B, 2 x 8 H100: launch.sbatch", as_preset(two_node), w2),
-            "one-node": ("70B, 1 x 8 H100, optimizer offload: README", as_preset(one_node), w1),
+            "one-node": ("70B, 1 x 8 H100, optimizer offload: docs/operations.md", as_preset(one_node), w1),
             "8b": ("Llama-3-8B, 8 GPUs, seq 8192, defaults", ["--model", "llama3-8b", "--seq_len", "8192",
                                                             "--batch_size", "16", "--micro_batch_size", "1"], 8)}
 

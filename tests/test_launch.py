@@ -217,7 +217,7 @@ def sbatch_plan() -> dict:
 
 def test_sbatch_runs_the_readme_recipe_and_it_fits():
     args = sbatch_train_args()
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "operations.md")) as f:
         readme = f.read()
     command = readme.split("NNODES=2 MASTER_ADDR=node0 ./launch.sh --init_from")[1].split("\n\n")[0]
     assert ["--init_from"] + shlex.split(command.replace("\\\n", " ")) == args

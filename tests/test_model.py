@@ -61,15 +61,6 @@ def test_bad_shapes_are_reported():
     assert "n_heads=5 must divide dim=32" in M.check_model_config(small_config(n_heads=5, n_kv_heads=1))[0]
 
 
-def test_readme_lists_every_flag():
-    import os
-    import train as T
-    from dataclasses import fields
-    readme = open(os.path.join(os.path.dirname(T.__file__), "README.md")).read()
-    missing = [f.name for f in fields(T.TrainConfig) if f"`--{f.name}`" not in readme]
-    assert not missing, missing
-
-
 def test_lr_schedule_warms_up_then_cosines_to_ten_percent():
     import train as T
     cfg = T.TrainConfig(lr=1.0, warmup_steps=10, steps=110, schedule="cosine")
