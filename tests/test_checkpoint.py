@@ -149,7 +149,9 @@ def test_resume_with_another_model_or_seq_len_names_each_and_never_falls_back(fi
     proc = run_train(changed, nproc=2, check=False)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 2 and errors[0] == errors[1], proc.stderr[-3000:]  # one line, on every rank
+    # One line on every rank (the ranks agree in resume before they raise), but the first rank to exit makes
+    # torchrun end the other, which on a loaded CPU may not have printed yet: one or two copies of one line.
+    assert len(errors) in (1, 2) and len(set(errors)) == 1, proc.stderr[-3000:]
     assert errors[0].startswith(f"error: --resume: checkpoint {newest} (step 6) was saved under other values of what a "
                                 f"resume must keep: --init_from was '{files['init']}', now '{files['other']}' (")
     assert "--seq_len was 16, now 32 (" in errors[0] and "the model (" in errors[0] and "n_layers was 2, now 3" in errors[0]
