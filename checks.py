@@ -187,7 +187,7 @@ def model_config(cfg) -> M.ModelConfig:
         return mcfg
     if cfg.init_from:
         with open(os.path.join(cfg.init_from, "config.json")) as f:
-            return M.config_from_hf(json.load(f))
+            return C.config_from_hf(json.load(f))
     return M.PRESETS[cfg.model or "tiny"]()
 
 
@@ -197,7 +197,7 @@ def check_export(mcfg: M.ModelConfig) -> list[str]:
     with torch.device("meta"):
         shapes = {C.hf_name(n): tuple(p.shape) for n, p in M.Llama(mcfg).named_parameters()}
     try:
-        C.check_export_tensors(M.config_to_hf(mcfg, torch.float32), shapes)
+        C.check_export_tensors(C.config_to_hf(mcfg, torch.float32), shapes)
     except ValueError as e:
         return [str(e)]
     return []
