@@ -4,6 +4,7 @@ the safetensors headers of --init_from. train.py's setup stops on the first list
 import difflib
 import json
 import os
+import sys
 from dataclasses import asdict
 
 import torch
@@ -247,6 +248,23 @@ def check_flash_attn(cfg) -> list[str]:
     return [f"flash_attn is installed but does not import ({M.FLASH_ATTN_IMPORT_PROBLEM}), so attention would "
             f"silently run on SDPA: reinstall it for this torch (pip install 'flash-attn>=2.7' --no-build-isolation), "
             f"or uninstall it (pip uninstall flash-attn) to use SDPA"]
+
+
+def flash_attn_unsaved_warning(saved_ops) -> str | None:
+    """flash_attn imports but the selective policy cannot save its attention: before 2.7 it calls its CUDA
+    extension directly, with no torch op (flash_attn::_flash_attn_varlen_forward) for the policy to see,
+    so --ac selective silently recomputes attention in backward."""
+    if M.flash_attn_func is None:
+        return None
+    saved = {str(op) for op in saved_ops}
+    missing = [name for name in ("_flash_attn_forward", "_flash_attn_varlen_forward")
+               if f"flash_attn.{name}.default" not in saved]
+    if not missing:
+        return None
+    version = getattr(sys.modules.get("flash_attn"), "__version__", "?")
+    return (f"flash_attn {version} registers no torch op flash_attn::{missing[-1]} (2.7 and later do): --ac selective "
+            f"cannot save attention's output and recomputes attention in backward; pip install 'flash-attn>=2.7' "
+            f"--no-build-isolation")
 
 
 def check_run(cfg, world: int, state_bytes_per_param: int):

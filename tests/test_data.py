@@ -254,9 +254,9 @@ def test_document_mask_gives_each_document_its_own_logits():
 def test_document_layout_positions_and_varlen_boundaries():
     starts = torch.tensor([[1, 0, 0, 1, 0], [1, 0, 1, 1, 0]], dtype=torch.bool)
     layout = M.document_layout(starts, flash=True)
-    assert layout["positions"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 0, 1]]
-    assert layout["cu_seqlens"].tolist() == [0, 3, 5, 7, 8, 10] and layout["max_seqlen"] == 3
-    mask = M.document_layout(starts, flash=False)["mask"][:, 0]
+    assert layout.positions.tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 0, 1]]
+    assert layout.cu_seqlens.tolist() == [0, 3, 5, 7, 8, 10] and layout.max_seqlen == 3
+    mask = M.document_layout(starts, flash=False).mask[:, 0]
     assert mask[0, 4].tolist() == [False, False, False, True, True] and mask[1, 2].tolist() == [False, False, True, False, False]
 
 
