@@ -284,7 +284,7 @@ def check_run(cfg, world: int, state_bytes_per_param: int):
         except ValueError as e:  # config.json describes a model this code does not build
             errors.append(f"--init_from: {e}")
     if mcfg is not None:
-        errors += M.check_model_config(mcfg) or check_host_memory(cfg, mcfg, world, state_bytes_per_param)
+        errors += check_model_config(mcfg) or check_host_memory(cfg, mcfg, world, state_bytes_per_param)
     if not errors and weights is not None:
         try:
             C.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from")
@@ -301,3 +301,19 @@ def check_run(cfg, world: int, state_bytes_per_param: int):
     if not errors and cfg.export_hf:
         errors += check_export(mcfg)
     return mcfg, weights, errors
+
+
+def check_model_config(cfg: M.ModelConfig) -> list[str]:
+    """Shape problems as messages (empty when fine): heads must divide the width, KV heads the heads."""
+    errors = []
+    if min(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim) < 1:
+        errors.append("model: vocab_size, dim, n_layers, n_heads, n_kv_heads and ffn_dim must all be >= 1")
+    elif cfg.n_heads % cfg.n_kv_heads:
+        errors.append(f"model: n_kv_heads={cfg.n_kv_heads} must divide n_heads={cfg.n_heads}")
+    elif cfg.dim % cfg.n_heads:
+        errors.append(f"model: n_heads={cfg.n_heads} must divide dim={cfg.dim}")
+    if cfg.head_dim % 2:
+        errors.append(f"model: head_dim={cfg.head_dim} must be even for RoPE")
+    return errors
+
+

@@ -1,15 +1,17 @@
 """The Llama 3 family, computed exactly as Hugging Face `transformers`' `LlamaForCausalLM` computes it.
 
-Read top to bottom: config and presets, RoPE (with the llama3 frequency scaling), attention (FlashAttention-2 where it applies, PyTorch SDPA elsewhere), the
-decoder block, the model. Module and parameter names are Hugging Face's minus the leading "model."
-(`layers.3.self_attn.q_proj.weight` here is `model.layers.3.self_attn.q_proj.weight` there), so
-import and export are a rename, never a permutation: HF's q/k layout already suits its `rotate_half`
-RoPE, and that is the RoPE used here.
+Read top to bottom: config and presets, RoPE (with the llama3 frequency scaling), then the layers:
+RMSNorm, packed documents kept apart (DocumentLayout), attention (FlashAttention-2 where it applies,
+PyTorch SDPA elsewhere: uses_flash), the decoder block, the model. Module and parameter names are Hugging Face's minus
+the leading "model." (`layers.3.self_attn.q_proj.weight` here is `model.layers.3.self_attn.q_proj.weight`
+there), so import and export are a rename, never a permutation: HF's q/k layout already suits its
+`rotate_half` RoPE, and that is the RoPE used here. Hugging Face's config.json is read and written beside
+the import and export, in checkpoint.py.
 
 Nothing in this file knows about sharding. `train.py` calls the three pieces the forward is made of
 (`embed`, each block, `head_loss`) with its gather/free logic around each; `Llama.forward` strings the
 same pieces together for one process, which is what the tests compare against Hugging Face. Sampling
-(sample.py) runs the same blocks with a `KVCache` each, an optional argument training never passes.
+(sample.py) runs the same blocks with a `sample.KVCache` each, an optional argument training never passes.
 """
 
 import math
@@ -67,20 +69,6 @@ class ModelConfig:
     def __post_init__(self):
         if self.head_dim == 0:
             self.head_dim = self.dim // self.n_heads
-
-
-def check_model_config(cfg: ModelConfig) -> list[str]:
-    """Shape problems as messages (empty when fine): heads must divide the width, KV heads the heads."""
-    errors = []
-    if min(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim) < 1:
-        errors.append("model: vocab_size, dim, n_layers, n_heads, n_kv_heads and ffn_dim must all be >= 1")
-    elif cfg.n_heads % cfg.n_kv_heads:
-        errors.append(f"model: n_kv_heads={cfg.n_kv_heads} must divide n_heads={cfg.n_heads}")
-    elif cfg.dim % cfg.n_heads:
-        errors.append(f"model: n_heads={cfg.n_heads} must divide dim={cfg.dim}")
-    if cfg.head_dim % 2:
-        errors.append(f"model: head_dim={cfg.head_dim} must be even for RoPE")
-    return errors
 
 
 LLAMA3_ROPE_SCALING_32 = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -229,22 +217,22 @@ class DocumentLayout(NamedTuple):
     mask: torch.Tensor | None = None
 
 
-def document_layout(starts, flash: bool, device="cpu", mask_dtype: torch.dtype = torch.bool) -> DocumentLayout:
+def document_layout(starts, device="cpu", dtype: torch.dtype = torch.bool) -> DocumentLayout:
     """The layout on `device` for `starts` (B, T), a numpy array (or CPU tensor) that is True where a
-    document begins (always at t = 0): flash_attn's (`flash`, see uses_flash) or SDPA's. Computed on the
-    host from the token ids the host already has, so nothing waits for the GPU: on the GPU, nonzero() and
-    int() would. Only the T x T mask is built on the device, from each token's document index: copying it
-    would move B*T*T elements instead of B*T."""
+    document begins (always at t = 0), in the form the kernel for the compute `dtype` reads (uses_flash);
+    SDPA's mask is in `dtype` (bool: a bool mask). Computed on the host from the token ids the host already
+    has, so nothing waits for the GPU: on the GPU, nonzero() and int() would. Only the T x T mask is built
+    on the device, from each token's document index: copying it would move B*T*T elements instead of B*T."""
     starts = np.asarray(starts, dtype=bool)
     B, T = starts.shape
     t = np.broadcast_to(np.arange(T), (B, T))
     positions = to_device(t - np.maximum.accumulate(np.where(starts, t, 0), axis=1), device)
-    if flash:
+    if uses_flash(device, dtype):
         cu_seqlens = np.append(np.flatnonzero(starts), B * T).astype(np.int32)
         return DocumentLayout(positions, cu_seqlens=to_device(cu_seqlens, device),
                               max_seqlen=int(np.diff(cu_seqlens).max()))
     doc = to_device(starts.cumsum(axis=1), device)
-    return DocumentLayout(positions, mask=document_mask(doc, mask_dtype))
+    return DocumentLayout(positions, mask=document_mask(doc, dtype))
 
 
 def document_mask(doc: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
@@ -390,7 +378,7 @@ class Llama(nn.Module):
         dtype = self.embed_tokens.weight.dtype
         layout = None
         if doc_starts is not None:
-            layout = document_layout(doc_starts.cpu().numpy(), uses_flash(tokens.device, dtype), tokens.device, dtype)
+            layout = document_layout(doc_starts.cpu().numpy(), tokens.device, dtype)
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens) if layout is None else layout.positions
         h = self.embed(tokens)
         cos, sin = rope_cos_sin(self.cfg, positions, h.dtype)

@@ -916,7 +916,7 @@ def main(cfg):
     if not errors:
         try:
             mcfg = checks.model_config(cfg)
-            errors += M.check_model_config(mcfg)
+            errors += checks.check_model_config(mcfg)
         except checks.C.CheckpointError as e:  # --init_from one of our checkpoints: its manifest
             errors.append(str(e))
         except (OSError, KeyError, json.JSONDecodeError) as e:

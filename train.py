@@ -521,7 +521,7 @@ def make_batch(cfg, mcfg, windows, inputs, targets, device, dtype, n_tokens) -> 
     if cfg.doc_mask:
         starts = M.document_starts(inputs, eos_id)
         if starts[:, 1:].any():  # one document per row: plain causal attention is the same and faster
-            layout = M.document_layout(starts, M.uses_flash(device, dtype), device, dtype)
+            layout = M.document_layout(starts, device, dtype)
     tokens = M.to_device(inputs, device)
     positions = layout.positions if layout else torch.arange(tokens.shape[1], device=device).expand_as(tokens)
     cos, sin = M.rope_cos_sin(mcfg, positions, dtype)

@@ -3,6 +3,8 @@ import pytest
 import torch
 from common import C, M, hf_model, ours_from_hf, small_config
 
+import checks
+
 SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
 
 
@@ -57,8 +59,8 @@ def test_presets_have_published_sizes():
 
 
 def test_bad_shapes_are_reported():
-    assert "n_kv_heads=3 must divide n_heads=4" in M.check_model_config(small_config(n_kv_heads=3))[0]
-    assert "n_heads=5 must divide dim=32" in M.check_model_config(small_config(n_heads=5, n_kv_heads=1))[0]
+    assert "n_kv_heads=3 must divide n_heads=4" in checks.check_model_config(small_config(n_kv_heads=3))[0]
+    assert "n_heads=5 must divide dim=32" in checks.check_model_config(small_config(n_heads=5, n_kv_heads=1))[0]
 
 
 def test_lr_schedule_warms_up_then_cosines_to_ten_percent():
