@@ -776,6 +776,93 @@ def load_weights(path: str, units: list, flag: str) -> int:
 # Hugging Face folders: import by sliced reads, export one unit at a time
 # ================================================================================================
 
+# config.json, both forms seen in the wild: the published Llama 3.x one (`rope_theta` + `rope_scaling`) and
+# transformers 5's (`rope_parameters`). Written in the published form, which every transformers version reads.
+
+def hf_rope(hf: dict) -> tuple[dict, str]:
+    """The RoPE settings and their type, from either form of config.json."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return rope, rope.get("rope_type", rope.get("type", "default"))
+
+
+def check_hf_config(hf: dict) -> list[str]:
+    """What in a Hugging Face config.json says it is not the Llama this code builds, one line each.
+    Qwen2 (q/k/v biases), Gemma (GELU, 1 + w norms) and Mistral name their tensors as Llama does: their
+    weights would load, and train as another model, without a word."""
+    model_type, architectures = hf.get("model_type"), hf.get("architectures") or []
+    if model_type != "llama" or architectures not in ([], ["LlamaForCausalLM"]):
+        return [f"model_type {model_type!r} (architectures {', '.join(architectures) or 'not given'}) is not a "
+                f"Llama; only model_type 'llama' with LlamaForCausalLM can be loaded"]
+    problems = []  # a Llama config.json with options this code does not implement
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    for bias in ("attention_bias", "mlp_bias"):
+        if hf.get(bias, False):
+            problems.append(f"{bias} true is not supported (this Llama has no biases)")
+    if hf.get("attention_dropout", 0.0):
+        problems.append(f"attention_dropout {hf['attention_dropout']} is not supported (only 0.0)")
+    rope_type = hf_rope(hf)[1]
+    if rope_type not in ("default", "llama3"):
+        problems.append(f"rope type {rope_type!r} is not supported (only default and llama3)")
+    return problems
+
+
+def config_from_hf(hf: dict) -> M.ModelConfig:
+    """Published Llama 3.x form (`rope_theta` + `rope_scaling`) or the newer `rope_parameters` form.
+    Anything but a plain Llama is refused (check_hf_config), never approximated."""
+    problems = check_hf_config(hf)
+    if problems:
+        raise ValueError("config.json: " + "; ".join(problems))
+    rope, rope_type = hf_rope(hf)
+    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = None
+    if rope_type == "llama3":
+        scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                         "original_max_position_embeddings")}
+    eos = hf.get("eos_token_id", 2)
+    return M.ModelConfig(
+        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim") or 0, ffn_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta), rope_scaling=scaling, max_seq_len=hf.get("max_position_embeddings", 8192),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bos_id=hf.get("bos_token_id", 1),
+        eos_id=eos[0] if isinstance(eos, list) else eos, init_std=hf.get("initializer_range", 0.02))
+
+
+# A source config.json's keys for what config_to_hf writes in another spelling (transformers 5 writes
+# `rope_parameters` and `dtype`): dropped, so the two spellings cannot disagree.
+HF_RESPELLED = ("rope_parameters", "rope_scaling", "rope_theta", "dtype", "torch_dtype")
+
+
+def config_to_hf(cfg: M.ModelConfig, dtype: torch.dtype, source: dict | None = None, eos_ids: list | None = None) -> dict:
+    """The published Llama 3.x form, which every transformers version reads. `source`: the config.json the
+    weights came from (an --init_from folder): its other fields are kept, and its list of end ids too when
+    it starts with cfg.eos_id (Llama 3.1 Instruct lists <|end_of_text|>, <|eom_id|>, <|eot_id|>; training
+    needs only the first). `eos_ids`: the tokenizer's end ids, for a model without a source."""
+    rope_scaling = None
+    if cfg.rope_scaling:
+        rope_scaling = dict(cfg.rope_scaling, rope_type="llama3")
+    ours = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_dim, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling, "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "initializer_range": cfg.init_std, "pretraining_tp": 1, "use_cache": True,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if eos_ids and eos_ids[0] == cfg.eos_id:
+        ours["eos_token_id"] = list(eos_ids) if len(eos_ids) > 1 else cfg.eos_id
+    if source is None:
+        return ours
+    source_eos = source.get("eos_token_id")
+    if isinstance(source_eos, list) and source_eos and source_eos[0] == cfg.eos_id:
+        ours["eos_token_id"] = source_eos
+    return dict({k: v for k, v in source.items() if k not in HF_RESPELLED}, **ours)
+
+
 def hf_file_of_tensors(folder: str) -> dict:
     """{HF tensor name: safetensors file}, from the headers of the files themselves (only the headers are
     read): the index only says which files there are, so a file that lacks what the index promises shows
@@ -889,7 +976,7 @@ def check_export_tensors(config: dict, shapes: dict):
     if extra:
         raise ValueError(f"--export_hf: tensor {extra[0]}{more(extra)} of this model is not in {where}: from_pretrained "
                          f"would drop it and serve another model; a model with parameters a Llama lacks cannot be "
-                         f"exported as one (model.config_to_hf describes what the export is)")
+                         f"exported as one (config_to_hf describes what the export is)")
     if missing:
         raise ValueError(f"--export_hf: {where} has {missing[0]}{more(missing)}, which this model lacks")
     if reshaped:
@@ -963,7 +1050,7 @@ def finish_export(folder: str, mcfg: M.ModelConfig, dtype: torch.dtype, origin: 
     end_ids, tokenizer_note = export_tokenizer(origin, folder)
     source = origin.get("hf_folder")
     source_config = read_json(os.path.join(source, "config.json")) if source else None
-    config = M.config_to_hf(mcfg, dtype, source=source_config, eos_ids=end_ids)
+    config = config_to_hf(mcfg, dtype, source=source_config, eos_ids=end_ids)
     check_export_tensors(config, shapes)
     generation = read_json(os.path.join(source, "generation_config.json")) if source else None
     generation = generation or {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}

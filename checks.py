@@ -4,6 +4,7 @@ the safetensors headers of --init_from. train.py's setup stops on the first list
 import difflib
 import json
 import os
+import sys
 from dataclasses import asdict
 
 import torch
@@ -187,7 +188,7 @@ def model_config(cfg) -> M.ModelConfig:
         return mcfg
     if cfg.init_from:
         with open(os.path.join(cfg.init_from, "config.json")) as f:
-            return M.config_from_hf(json.load(f))
+            return C.config_from_hf(json.load(f))
     return M.PRESETS[cfg.model or "tiny"]()
 
 
@@ -197,7 +198,7 @@ def check_export(mcfg: M.ModelConfig) -> list[str]:
     with torch.device("meta"):
         shapes = {C.hf_name(n): tuple(p.shape) for n, p in M.Llama(mcfg).named_parameters()}
     try:
-        C.check_export_tensors(M.config_to_hf(mcfg, torch.float32), shapes)
+        C.check_export_tensors(C.config_to_hf(mcfg, torch.float32), shapes)
     except ValueError as e:
         return [str(e)]
     return []
@@ -249,6 +250,23 @@ def check_flash_attn(cfg) -> list[str]:
             f"or uninstall it (pip uninstall flash-attn) to use SDPA"]
 
 
+def flash_attn_unsaved_warning(saved_ops) -> str | None:
+    """flash_attn imports but the selective policy cannot save its attention: before 2.7 it calls its CUDA
+    extension directly, with no torch op (flash_attn::_flash_attn_varlen_forward) for the policy to see,
+    so --ac selective silently recomputes attention in backward."""
+    if M.flash_attn_func is None:
+        return None
+    saved = {str(op) for op in saved_ops}
+    missing = [name for name in ("_flash_attn_forward", "_flash_attn_varlen_forward")
+               if f"flash_attn.{name}.default" not in saved]
+    if not missing:
+        return None
+    version = getattr(sys.modules.get("flash_attn"), "__version__", "?")
+    return (f"flash_attn {version} registers no torch op flash_attn::{missing[-1]} (2.7 and later do): --ac selective "
+            f"cannot save attention's output and recomputes attention in backward; pip install 'flash-attn>=2.7' "
+            f"--no-build-isolation")
+
+
 def check_run(cfg, world: int, state_bytes_per_param: int):
     """Returns (model config, where the first weights come from, errors). The weights: None (seeded),
     {HF tensor name: file} (an --init_from Hugging Face folder), or a checkpoint folder (--from_ckpt, or
@@ -266,7 +284,7 @@ def check_run(cfg, world: int, state_bytes_per_param: int):
         except ValueError as e:  # config.json describes a model this code does not build
             errors.append(f"--init_from: {e}")
     if mcfg is not None:
-        errors += M.check_model_config(mcfg) or check_host_memory(cfg, mcfg, world, state_bytes_per_param)
+        errors += check_model_config(mcfg) or check_host_memory(cfg, mcfg, world, state_bytes_per_param)
     if not errors and weights is not None:
         try:
             C.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from")
@@ -283,3 +301,19 @@ def check_run(cfg, world: int, state_bytes_per_param: int):
     if not errors and cfg.export_hf:
         errors += check_export(mcfg)
     return mcfg, weights, errors
+
+
+def check_model_config(cfg: M.ModelConfig) -> list[str]:
+    """Shape problems as messages (empty when fine): heads must divide the width, KV heads the heads."""
+    errors = []
+    if min(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim) < 1:
+        errors.append("model: vocab_size, dim, n_layers, n_heads, n_kv_heads and ffn_dim must all be >= 1")
+    elif cfg.n_heads % cfg.n_kv_heads:
+        errors.append(f"model: n_kv_heads={cfg.n_kv_heads} must divide n_heads={cfg.n_heads}")
+    elif cfg.dim % cfg.n_heads:
+        errors.append(f"model: n_heads={cfg.n_heads} must divide dim={cfg.dim}")
+    if cfg.head_dim % 2:
+        errors.append(f"model: head_dim={cfg.head_dim} must be even for RoPE")
+    return errors
+
+

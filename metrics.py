@@ -245,10 +245,26 @@ def startup_line(cfg, sharded, start_step: int) -> str:
             f"{device.type} | {len(sharded.units)} units | {where} | "
             f"batch {cfg.batch_size} x {cfg.seq_len} = {cfg.batch_size * cfg.seq_len:,} tokens/step | "
             f"accumulation {cfg.batch_size // (world * cfg.micro_batch_size)} | ac {cfg.ac} | {str(sharded.compute_dtype).removeprefix('torch.')} | "
-            f"attention: {M.attention_kernel(device, sharded.compute_dtype, cfg.doc_mask)}")
+            f"attention: {attention_kernel(device, sharded.compute_dtype, cfg.doc_mask)}")
     if start_step and not cfg.from_ckpt:  # --from_ckpt: setup names the checkpoint it read
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun's, on this node
         line += (f"\nresumed from {os.path.join(cfg.out_dir, 'checkpoints', f'step_{start_step:08d}')} at step "
                  f"{start_step}" + (f" (torchrun restart {restarts} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS')})"
                                     if restarts else ""))
     return line
+
+
+def attention_kernel(device, dtype: torch.dtype, doc_mask: bool) -> str:
+    """The kernel model.attention runs, in words (the startup line, bench/gpu.py's table): model.uses_flash's
+    choice, and for SDPA model.sdpa_arguments' form of the call. With doc_mask, for rows that pack several
+    documents; a row of one document runs the causal path. The SDPA kernel named is the one SDPA's default
+    order picks for that call (flash, memory-efficient, math); bench/gpu.py asks torch which one it picks on
+    the device, tests/test_attention.py checks the words against the calls."""
+    device = torch.device(device)
+    if M.uses_flash(device, dtype):
+        return "flash_attn varlen (one sequence per document)" if doc_mask else "flash_attn"
+    if device.type != "cuda":
+        return f"SDPA ({device.type.upper()})"
+    if not doc_mask and dtype in M.HALF_DTYPES:
+        return "SDPA flash (grouped K/V, causal)"
+    return f"SDPA memory-efficient (K/V expanded to H heads, {'block-diagonal mask' if doc_mask else 'causal'})"

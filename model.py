@@ -1,21 +1,22 @@
 """The Llama 3 family, computed exactly as Hugging Face `transformers`' `LlamaForCausalLM` computes it.
 
-Read top to bottom: config and presets, Hugging Face config.json in and out, RoPE (with the llama3
-frequency scaling), attention (FlashAttention-2 where it applies, PyTorch SDPA elsewhere), the
-decoder block, the model. Module and parameter names are Hugging Face's minus the leading "model."
-(`layers.3.self_attn.q_proj.weight` here is `model.layers.3.self_attn.q_proj.weight` there), so
-import and export are a rename, never a permutation: HF's q/k layout already suits its `rotate_half`
-RoPE, and that is the RoPE used here.
+Read top to bottom: config and presets, RoPE (with the llama3 frequency scaling), then the layers:
+RMSNorm, packed documents kept apart (DocumentLayout), attention (FlashAttention-2 where it applies,
+PyTorch SDPA elsewhere: uses_flash), the decoder block, the model. Module and parameter names are Hugging Face's minus
+the leading "model." (`layers.3.self_attn.q_proj.weight` here is `model.layers.3.self_attn.q_proj.weight`
+there), so import and export are a rename, never a permutation: HF's q/k layout already suits its
+`rotate_half` RoPE, and that is the RoPE used here. Hugging Face's config.json is read and written beside
+the import and export, in checkpoint.py.
 
 Nothing in this file knows about sharding. `train.py` calls the three pieces the forward is made of
 (`embed`, each block, `head_loss`) with its gather/free logic around each; `Llama.forward` strings the
 same pieces together for one process, which is what the tests compare against Hugging Face. Sampling
-(sample.py) runs the same blocks with a `KVCache` each, an optional argument training never passes.
+(sample.py) runs the same blocks with a `sample.KVCache` each, an optional argument training never passes.
 """
 
 import math
-import sys
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -39,23 +40,6 @@ try:  # FlashAttention-2: CUDA only, optional. Everything works without it throu
 except ImportError as e:
     flash_attn_func = flash_attn_varlen_func = None
     FLASH_ATTN_IMPORT_PROBLEM = flash_attn_import_problem(e)
-
-
-def flash_attn_unsaved_warning(saved_ops) -> str | None:
-    """flash_attn imports but the selective policy cannot save its attention: before 2.7 it calls its CUDA
-    extension directly, with no torch op (flash_attn::_flash_attn_varlen_forward) for the policy to see,
-    so --ac selective silently recomputes attention in backward."""
-    if flash_attn_func is None:
-        return None
-    saved = {str(op) for op in saved_ops}
-    missing = [name for name in ("_flash_attn_forward", "_flash_attn_varlen_forward")
-               if f"flash_attn.{name}.default" not in saved]
-    if not missing:
-        return None
-    version = getattr(sys.modules.get("flash_attn"), "__version__", "?")
-    return (f"flash_attn {version} registers no torch op flash_attn::{missing[-1]} (2.7 and later do): --ac selective "
-            f"cannot save attention's output and recomputes attention in backward; pip install 'flash-attn>=2.7' "
-            f"--no-build-isolation")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,20 +69,6 @@ class ModelConfig:
     def __post_init__(self):
         if self.head_dim == 0:
             self.head_dim = self.dim // self.n_heads
-
-
-def check_model_config(cfg: ModelConfig) -> list[str]:
-    """Shape problems as messages (empty when fine): heads must divide the width, KV heads the heads."""
-    errors = []
-    if min(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim) < 1:
-        errors.append("model: vocab_size, dim, n_layers, n_heads, n_kv_heads and ffn_dim must all be >= 1")
-    elif cfg.n_heads % cfg.n_kv_heads:
-        errors.append(f"model: n_kv_heads={cfg.n_kv_heads} must divide n_heads={cfg.n_heads}")
-    elif cfg.dim % cfg.n_heads:
-        errors.append(f"model: n_heads={cfg.n_heads} must divide dim={cfg.dim}")
-    if cfg.head_dim % 2:
-        errors.append(f"model: head_dim={cfg.head_dim} must be even for RoPE")
-    return errors
 
 
 LLAMA3_ROPE_SCALING_32 = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -157,94 +127,6 @@ PRESETS = {
     "llama3-70b": llama3_70b,
     "llama3.1-70b": llama3_1_70b,
 }
-
-
-# ----------------------------------------------------------------------------------------------
-# Hugging Face config.json, both forms seen in the wild
-# ----------------------------------------------------------------------------------------------
-
-def hf_rope(hf: dict) -> tuple[dict, str]:
-    """The RoPE settings and their type, from either form of config.json."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    return rope, rope.get("rope_type", rope.get("type", "default"))
-
-
-def check_hf_config(hf: dict) -> list[str]:
-    """What in a Hugging Face config.json says it is not the Llama this code builds, one line each.
-    Qwen2 (q/k/v biases), Gemma (GELU, 1 + w norms) and Mistral name their tensors as Llama does: their
-    weights would load, and train as another model, without a word."""
-    model_type, architectures = hf.get("model_type"), hf.get("architectures") or []
-    if model_type != "llama" or architectures not in ([], ["LlamaForCausalLM"]):
-        return [f"model_type {model_type!r} (architectures {', '.join(architectures) or 'not given'}) is not a "
-                f"Llama; only model_type 'llama' with LlamaForCausalLM can be loaded"]
-    problems = []  # a Llama config.json with options this code does not implement
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
-    for bias in ("attention_bias", "mlp_bias"):
-        if hf.get(bias, False):
-            problems.append(f"{bias} true is not supported (this Llama has no biases)")
-    if hf.get("attention_dropout", 0.0):
-        problems.append(f"attention_dropout {hf['attention_dropout']} is not supported (only 0.0)")
-    rope_type = hf_rope(hf)[1]
-    if rope_type not in ("default", "llama3"):
-        problems.append(f"rope type {rope_type!r} is not supported (only default and llama3)")
-    return problems
-
-
-def config_from_hf(hf: dict) -> ModelConfig:
-    """Published Llama 3.x form (`rope_theta` + `rope_scaling`) or the newer `rope_parameters` form.
-    Anything but a plain Llama is refused (check_hf_config), never approximated."""
-    problems = check_hf_config(hf)
-    if problems:
-        raise ValueError("config.json: " + "; ".join(problems))
-    rope, rope_type = hf_rope(hf)
-    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-    scaling = None
-    if rope_type == "llama3":
-        scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                         "original_max_position_embeddings")}
-    eos = hf.get("eos_token_id", 2)
-    return ModelConfig(
-        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-        n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        head_dim=hf.get("head_dim") or 0, ffn_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope_theta), rope_scaling=scaling, max_seq_len=hf.get("max_position_embeddings", 8192),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bos_id=hf.get("bos_token_id", 1),
-        eos_id=eos[0] if isinstance(eos, list) else eos, init_std=hf.get("initializer_range", 0.02))
-
-
-# A source config.json's keys for what config_to_hf writes in another spelling (transformers 5 writes
-# `rope_parameters` and `dtype`): dropped, so the two spellings cannot disagree.
-HF_RESPELLED = ("rope_parameters", "rope_scaling", "rope_theta", "dtype", "torch_dtype")
-
-
-def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, source: dict | None = None, eos_ids: list | None = None) -> dict:
-    """The published Llama 3.x form, which every transformers version reads. `source`: the config.json the
-    weights came from (an --init_from folder): its other fields are kept, and its list of end ids too when
-    it starts with cfg.eos_id (Llama 3.1 Instruct lists <|end_of_text|>, <|eom_id|>, <|eot_id|>; training
-    needs only the first). `eos_ids`: the tokenizer's end ids, for a model without a source."""
-    rope_scaling = None
-    if cfg.rope_scaling:
-        rope_scaling = dict(cfg.rope_scaling, rope_type="llama3")
-    ours = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.ffn_dim, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "rope_scaling": rope_scaling, "max_position_embeddings": cfg.max_seq_len,
-        "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-        "initializer_range": cfg.init_std, "pretraining_tp": 1, "use_cache": True,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
-    if eos_ids and eos_ids[0] == cfg.eos_id:
-        ours["eos_token_id"] = list(eos_ids) if len(eos_ids) > 1 else cfg.eos_id
-    if source is None:
-        return ours
-    source_eos = source.get("eos_token_id")
-    if isinstance(source_eos, list) and source_eos and source_eos[0] == cfg.eos_id:
-        ours["eos_token_id"] = source_eos
-    return dict({k: v for k, v in source.items() if k not in HF_RESPELLED}, **ours)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -318,10 +200,6 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def uses_flash(device: torch.device, dtype: torch.dtype) -> bool:
-    return flash_attn_func is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-
-
 def document_starts(tokens: np.ndarray, eos_id: int) -> np.ndarray:
     """(B, T) bool, True where a packed document begins: at t = 0 and after each EOS."""
     starts = np.ones(tokens.shape, dtype=bool)
@@ -329,24 +207,32 @@ def document_starts(tokens: np.ndarray, eos_id: int) -> np.ndarray:
     return starts
 
 
-def document_layout(starts, flash: bool, device="cpu", mask_dtype: torch.dtype = torch.bool) -> dict:
-    """Packed documents: `starts` (B, T), a numpy array (or CPU tensor), is True where a document begins
-    (always at t = 0). Returns, on `device`, RoPE positions restarting at 0 in each document and what
-    attention needs to stay inside a document: for flash_attn_varlen_func the documents' boundaries in the
-    flattened B*T tokens (cu_seqlens, max_seqlen), for SDPA a block-diagonal causal mask (document_mask).
-    Computed on the host from the token ids the host already has, so nothing waits for the GPU: on the
-    GPU, nonzero() and int() would. Only the T x T mask is built on the device, from each token's document
-    index: copying it would move B*T*T elements instead of B*T."""
+class DocumentLayout(NamedTuple):
+    """Packed documents, as attention reads them: RoPE positions restarting at 0 in each document, and what
+    keeps attention inside a document. For flash_attn_varlen_func the documents' boundaries in the
+    flattened B*T tokens (cu_seqlens, max_seqlen); for SDPA a block-diagonal causal mask (document_mask)."""
+    positions: torch.Tensor              # (B, T) int64
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+    mask: torch.Tensor | None = None
+
+
+def document_layout(starts, device="cpu", dtype: torch.dtype = torch.bool) -> DocumentLayout:
+    """The layout on `device` for `starts` (B, T), a numpy array (or CPU tensor) that is True where a
+    document begins (always at t = 0), in the form the kernel for the compute `dtype` reads (uses_flash);
+    SDPA's mask is in `dtype` (bool: a bool mask). Computed on the host from the token ids the host already
+    has, so nothing waits for the GPU: on the GPU, nonzero() and int() would. Only the T x T mask is built
+    on the device, from each token's document index: copying it would move B*T*T elements instead of B*T."""
     starts = np.asarray(starts, dtype=bool)
     B, T = starts.shape
     t = np.broadcast_to(np.arange(T), (B, T))
     positions = to_device(t - np.maximum.accumulate(np.where(starts, t, 0), axis=1), device)
-    if flash:
+    if uses_flash(device, dtype):
         cu_seqlens = np.append(np.flatnonzero(starts), B * T).astype(np.int32)
-        return dict(positions=positions, cu_seqlens=to_device(cu_seqlens, device),
-                    max_seqlen=int(np.diff(cu_seqlens).max()))
+        return DocumentLayout(positions, cu_seqlens=to_device(cu_seqlens, device),
+                              max_seqlen=int(np.diff(cu_seqlens).max()))
     doc = to_device(starts.cumsum(axis=1), device)
-    return dict(positions=positions, mask=document_mask(doc, mask_dtype))
+    return DocumentLayout(positions, mask=document_mask(doc, dtype))
 
 
 def document_mask(doc: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
@@ -363,86 +249,46 @@ def document_mask(doc: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.T
     return padded_rows[..., :T].masked_fill_(allowed[:, None], 0.0)
 
 
-def sdpa_expands_kv(on_cuda: bool, dtype: torch.dtype, masked: bool) -> bool:
-    """Whether SDPA gets K/V repeated to the query's head count. On CUDA (torch 2.11 to 2.13) SDPA's flash
-    kernel takes grouped K/V but no mask, and bf16/fp16 only; its memory-efficient kernel takes a mask
-    and fp32 but not grouped K/V. Anything else runs the math kernel, which holds the B x H x T x T
-    scores (8 GiB per layer for Llama-3-8B at T = 8192 in fp32): an OOM. Repeated K/V cost
-    2 x (H - KV) x T x D elements per layer instead (recomputed in backward under --ac selective).
-    On CPU, SDPA's kernel takes a mask with grouped K/V as they are."""
-    return on_cuda and (masked or dtype not in (torch.bfloat16, torch.float16))
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def sdpa_arguments(q, k, v, mask, on_cuda: bool) -> dict:
-    """F.scaled_dot_product_attention's arguments for q (B, H, T, D), k and v (B, KV, T, D), and a
-    document mask, or None for plain causal attention."""
-    H = q.shape[1]
-    if sdpa_expands_kv(on_cuda, q.dtype, mask is not None):
-        k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))  # what HF's repeat_kv does
-    causal = dict(is_causal=True) if mask is None else dict(attn_mask=mask)
-    return dict(query=q, key=k, value=v, enable_gqa=k.shape[1] != H, **causal)
+def uses_flash(device, dtype: torch.dtype) -> bool:
+    """The kernel: FlashAttention-2 where it imports, on CUDA, in bf16/fp16 (it takes grouped K/V as they
+    are, and each packed document as a sequence of its own); PyTorch's SDPA everywhere else, called as
+    sdpa_arguments says. A batch's DocumentLayout is built for the same choice."""
+    return flash_attn_func is not None and torch.device(device).type == "cuda" and dtype in HALF_DTYPES
 
 
-def attention_kernel(device, dtype: torch.dtype, doc_mask: bool) -> str:
-    """The kernel attention() runs, in words (for the startup log and the benchmark's table). With
-    doc_mask, for rows that pack several documents; a row of one document runs the causal path. The
-    SDPA kernel named is the one SDPA's default order picks for these arguments (flash, memory-efficient,
-    math); bench/gpu.py asks torch which one it picks on the device."""
-    device = torch.device(device)
-    if uses_flash(device, dtype):
-        return "flash_attn varlen (one sequence per document)" if doc_mask else "flash_attn"
-    if device.type != "cuda":
-        return f"SDPA ({device.type.upper()})"
-    if not sdpa_expands_kv(True, dtype, doc_mask):
-        return "SDPA flash (grouped K/V, causal)"
-    return f"SDPA memory-efficient (K/V expanded to H heads, {'block-diagonal mask' if doc_mask else 'causal'})"
-
-
-def attention(q, k, v, layout=None):
+def attention(q, k, v, layout: DocumentLayout | None = None):
     """Causal grouped-query attention. q: (B, T, H, D); k, v: (B, T, KV, D). Returns (B, T, H, D).
     With a `layout` (document_layout), no token attends to another document."""
     B, T, H, D = q.shape
-    if flash_attn_func is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+    if uses_flash(q.device, q.dtype):
         if layout is None:
             return flash_attn_func(q, k, v, causal=True)  # handles GQA itself, (B, T, H, D) layout
-        cu, n = layout["cu_seqlens"], layout["max_seqlen"]  # each document is its own sequence
+        cu, n = layout.cu_seqlens, layout.max_seqlen  # each document is its own sequence
         out = flash_attn_varlen_func(q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D),
                                      cu, cu, n, n, causal=True)
         return out.view(B, T, H, D)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))   # SDPA wants (B, H, T, D)
-    mask = None if layout is None else layout["mask"]
-    return F.scaled_dot_product_attention(**sdpa_arguments(q, k, v, mask, q.is_cuda)).transpose(1, 2)
+    mask = None if layout is None else layout.mask
+    return F.scaled_dot_product_attention(**sdpa_arguments(q, k, v, mask)).transpose(1, 2)
 
 
-class KVCache:
-    """One block's keys and values for one sequence while sampling (sample.py): the prompt's, then one
-    more token's per step. Allocated for the whole sequence at once, so a step copies one token's K/V
-    in, not the whole cache; it exists only while sampling runs."""
-
-    def __init__(self, max_tokens: int, cfg: ModelConfig, dtype: torch.dtype, device):
-        self.k = torch.empty(1, max_tokens, cfg.n_kv_heads, cfg.head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
-        self.length = 0  # tokens held
-
-    def add(self, k, v):
-        """Appends k, v (1, T, KV, D); returns all keys and values so far, (1, length, KV, D) each."""
-        end = self.length + k.shape[1]
-        self.k[:, self.length:end], self.v[:, self.length:end] = k, v
-        self.length = end
-        return self.k[:, :end], self.v[:, :end]
-
-
-def attention_with_cache(q, k, v):
-    """Causal attention of the last T of S tokens: q (B, T, H, D), k, v (B, S, KV, D) with the queries'
-    own keys last. Query t is at position S - T + t and sees keys 0 .. S - T + t. One new token (T = 1)
-    sees every key: no mask at all, which is_causal would get wrong (SDPA aligns its causal mask to the
-    top left when T < S)."""
-    T, S, H = q.shape[1], k.shape[1], q.shape[2]
-    mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if sdpa_expands_kv(q.is_cuda, q.dtype, mask is not None):
-        k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != H).transpose(1, 2)
+def sdpa_arguments(q, k, v, mask=None, causal: bool = True) -> dict:
+    """F.scaled_dot_product_attention's arguments for q (B, H, T, D), k and v (B, KV, S, D) and a mask (None:
+    causal, or no mask at all with causal=False), in a form one of CUDA's fused kernels takes. On CUDA
+    (torch 2.11 to 2.13) SDPA's flash kernel takes grouped K/V but no mask, and bf16/fp16 only; its
+    memory-efficient kernel takes a mask and fp32 but not grouped K/V. Anything else runs the math kernel,
+    which holds the B x H x T x T scores (8 GiB per layer for Llama-3-8B at T = 8192 in fp32): an OOM. So
+    there K/V are repeated to the query's head count for a mask or fp32, at 2 x (H - KV) x T x D elements
+    per layer (recomputed in backward under --ac selective). On CPU, SDPA's kernel takes a mask with
+    grouped K/V as they are."""
+    H = q.shape[1]
+    if q.is_cuda and (mask is not None or q.dtype not in HALF_DTYPES):
+        k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))  # what HF's repeat_kv does
+    return dict(query=q, key=k, value=v, attn_mask=mask, is_causal=causal and mask is None,
+                enable_gqa=k.shape[1] != H)
 
 
 class Attention(nn.Module):
@@ -460,8 +306,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # sampling: these T tokens also see every earlier one of their sequence
-            return self.o_proj(attention_with_cache(q, *cache.add(k, v)).reshape(B, T, -1))
+        if cache is not None:  # sampling (sample.KVCache): these T tokens also see every earlier one
+            return self.o_proj(cache.attention(q, k, v).reshape(B, T, -1))
         return self.o_proj(attention(q, k, v, layout).reshape(B, T, -1))
 
 
@@ -532,8 +378,8 @@ class Llama(nn.Module):
         dtype = self.embed_tokens.weight.dtype
         layout = None
         if doc_starts is not None:
-            layout = document_layout(doc_starts.cpu().numpy(), uses_flash(tokens.device, dtype), tokens.device, dtype)
-        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens) if layout is None else layout["positions"]
+            layout = document_layout(doc_starts.cpu().numpy(), tokens.device, dtype)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens) if layout is None else layout.positions
         h = self.embed(tokens)
         cos, sin = rope_cos_sin(self.cfg, positions, h.dtype)
         for layer in self.layers:

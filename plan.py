@@ -115,7 +115,7 @@ ASSUMPTIONS = {
                          "per GPU x host_cpu_efficiency, host memory bandwidth per GPU / bytes per element)",
     "attention": "memory: flash-attn (flash_attn_varlen_func for --doc_mask) or, where it does not import, "
                  "SDPA, whose memory-efficient kernel takes --doc_mask's T x T mask (per micro-batch, all of a "
-                 "step's alive at once) and K/V repeated to the query's heads (model.sdpa_expands_kv). --plan "
+                 "step's alive at once) and K/V repeated to the query's heads (model.sdpa_arguments). --plan "
                  "cannot see the GPU machines and the trainer falls back to SDPA silently: each memory part is "
                  "the larger of the two (plan.memory_by_phase). Checked against train_step on fake CUDA "
                  "(tests/test_fake_cuda.py, bench/fake_memory.py)",
@@ -221,7 +221,7 @@ def block_activation_bytes_per_token(mcfg: M.ModelConfig, expanded_kv: bool = Fa
     """Bytes per token one block keeps for backward under each policy (bf16), counted from model.py: what
     each op's autograd node saves, shared tensors counted once. Attention saves q, k, v, its output and
     the softmax statistics; with `expanded_kv` (SDPA's memory-efficient kernel for --doc_mask, which
-    takes K/V only at the query's head count: model.sdpa_expands_kv) k and v are saved at H heads."""
+    takes K/V only at the query's head count: model.sdpa_arguments) k and v are saved at H heads."""
     d, h, kv, dh, f = mcfg.dim, mcfg.n_heads, mcfg.n_kv_heads, mcfg.head_dim, mcfg.ffn_dim
     kv_saved = h if expanded_kv else kv
     norm = 4 * d + 2 * d + 4        # RMSNorm: x.float() (fp32, saved by pow), normalized bf16, rsqrt (fp32)
@@ -916,7 +916,7 @@ def main(cfg):
     if not errors:
         try:
             mcfg = checks.model_config(cfg)
-            errors += M.check_model_config(mcfg)
+            errors += checks.check_model_config(mcfg)
         except checks.C.CheckpointError as e:  # --init_from one of our checkpoints: its manifest
             errors.append(str(e))
         except (OSError, KeyError, json.JSONDecodeError) as e:

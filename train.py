@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import checkpoint as C
-from checks import check_run, config_warnings, unknown_flag_message  # every flag and input checked before work
+from checks import check_run, config_warnings, flash_attn_unsaved_warning, unknown_flag_message  # every input, before work
 import data as D
 import metrics
 import model as M
@@ -521,9 +521,9 @@ def make_batch(cfg, mcfg, windows, inputs, targets, device, dtype, n_tokens) -> 
     if cfg.doc_mask:
         starts = M.document_starts(inputs, eos_id)
         if starts[:, 1:].any():  # one document per row: plain causal attention is the same and faster
-            layout = M.document_layout(starts, M.uses_flash(device, dtype), device, dtype)
+            layout = M.document_layout(starts, device, dtype)
     tokens = M.to_device(inputs, device)
-    positions = layout["positions"] if layout else torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+    positions = layout.positions if layout else torch.arange(tokens.shape[1], device=device).expand_as(tokens)
     cos, sin = M.rope_cos_sin(mcfg, positions, dtype)
     return dict(tokens=tokens, cos=cos, sin=sin, layout=layout, targets=M.to_device(targets, device),
                 n_tokens=n_tokens)
@@ -809,8 +809,8 @@ def setup(cfg: TrainConfig):
     if os.environ.get("RANK", "0") == "0":
         for warning in config_warnings(cfg):  # allowed, but probably not meant
             print(f"warning: {warning}", file=sys.stderr, flush=True)
-        if "selective" in (cfg.ac, cfg.ac_rest) and M.flash_attn_unsaved_warning(SAVED_OPS):
-            print(f"warning: {M.flash_attn_unsaved_warning(SAVED_OPS)}", file=sys.stderr, flush=True)
+        if "selective" in (cfg.ac, cfg.ac_rest) and flash_attn_unsaved_warning(SAVED_OPS):
+            print(f"warning: {flash_attn_unsaved_warning(SAVED_OPS)}", file=sys.stderr, flush=True)
 
     windows = eval_windows = None
     if cfg.steps > 0 and not cfg.from_ckpt:

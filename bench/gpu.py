@@ -24,7 +24,7 @@ Each: 2 warm-up steps, then --steps timed steps (synchronized); the median. MFU 
 train.flops_per_token / the device's dense BF16 peak (train.PEAK_BF16_FLOPS). Peak memory is
 torch.cuda.max_memory_allocated over the timed steps. The timed steps run under CUDA's sync debug mode
 ("warn"): the table counts the times per step the host waited for the GPU, the JSON says where. The
-attention kernel is model.attention_kernel's words and, where that is SDPA, the backend SDPA's own
+attention kernel is metrics.attention_kernel's words and, where that is SDPA, the backend SDPA's own
 dispatch (torch._fused_sdp_choice) picks for attention()'s arguments at these shapes. Results print as
 they come (a run stopped by gpu.sh's 8-minute limit keeps what it printed) and, at the end, as a
 Markdown table for BENCHMARKS.md. A run that fails (an OOM, a compiler error) is agreed on by every rank
@@ -53,6 +53,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import checkpoint as C  # noqa: E402
+import checks  # noqa: E402
 import data as D  # noqa: E402
 import metrics  # noqa: E402
 import model as M  # noqa: E402
@@ -129,7 +130,7 @@ def write_check_inputs(folder: str) -> tuple[str, str]:
     from transformers import LlamaConfig, LlamaForCausalLM
     mcfg = M.ModelConfig(**CHECK_MODEL)
     torch.manual_seed(0)
-    ref = LlamaForCausalLM(LlamaConfig(**M.config_to_hf(mcfg, torch.float32)))
+    ref = LlamaForCausalLM(LlamaConfig(**C.config_to_hf(mcfg, torch.float32)))
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if "norm" in name:
@@ -316,7 +317,7 @@ def build_baseline(mcfg: M.ModelConfig, seq_len: int, accum: int, device, lr_cfg
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
     from transformers import LlamaConfig, LlamaForCausalLM
-    hf_cfg = LlamaConfig(**M.config_to_hf(mcfg, torch.float32))
+    hf_cfg = LlamaConfig(**C.config_to_hf(mcfg, torch.float32))
     hf_cfg._attn_implementation = baseline_attention(device)
     torch.manual_seed(0)
     with torch.device(device):  # random init on the device: fast, and the same bytes as ours (fp32)
@@ -364,7 +365,7 @@ def environment(device) -> dict:
                # On a GPU: does the selective policy save flash_attn's attention (2.7+), did it fail to import,
                # and what sits outside PyTorch's allocator after the correctness run (CUDA context, NCCL with
                # NCCL_NVLS_ENABLE as gpu.sh sets it) against the planner's 1 GiB.
-               flash_attn_unsaved=M.flash_attn_unsaved_warning(T.SAVED_OPS),
+               flash_attn_unsaved=checks.flash_attn_unsaved_warning(T.SAVED_OPS),
                flash_attn_import_problem=M.FLASH_ATTN_IMPORT_PROBLEM)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -377,18 +378,18 @@ def environment(device) -> dict:
 
 def attention_report(device, mcfg: M.ModelConfig, seq_len: int) -> dict:
     """The attention ours runs in bf16, for whole rows (the timed runs: --doc_mask false, no EOS) and for
-    packed documents (the correctness check): model.attention_kernel's words and, where that is SDPA, the
+    packed documents (the correctness check): metrics.attention_kernel's words and, where that is SDPA, the
     backend SDPA's dispatch picks for attention()'s arguments at the timed runs' shapes (two documents)."""
     report = {}
     for case, doc_mask in (("whole rows", False), ("packed documents", True)):
-        kernel = M.attention_kernel(device, torch.bfloat16, doc_mask)
+        kernel = metrics.attention_kernel(device, torch.bfloat16, doc_mask)
         if kernel.startswith("SDPA"):
             H, KV, D = mcfg.n_heads, mcfg.n_kv_heads, mcfg.head_dim
             q = torch.zeros(1, H, seq_len, D, dtype=torch.bfloat16, device=device, requires_grad=True)
             k = v = torch.zeros(1, KV, seq_len, D, dtype=torch.bfloat16, device=device)
             doc = (torch.arange(seq_len, device=device) >= seq_len // 2).long()[None]
             mask = M.document_mask(doc, torch.bfloat16) if doc_mask else None
-            choice = torch._fused_sdp_choice(**M.sdpa_arguments(q, k, v, mask, device.type == "cuda"))
+            choice = torch._fused_sdp_choice(**M.sdpa_arguments(q, k, v, mask))
             kernel += f"; SDPA picks {torch.nn.attention.SDPBackend(choice).name}"
         report[case] = kernel
     return report

@@ -461,7 +461,7 @@ def install_sdpa_model():
     """F.scaled_dot_product_attention on CUDA tensors: the kernel CUDA's SDPA picks for these arguments
     (torch 2.13, sm90, no dropout, head dim <= 256): flash for no mask and bf16/fp16 (grouped K/V
     allowed), memory-efficient for a mask or fp32 with K/V at the query's head count, math otherwise.
-    A model of torch's choice, the same rules model.sdpa_expands_kv encodes; not asked of a GPU."""
+    A model of torch's choice, the same rules model.sdpa_arguments encodes; not asked of a GPU."""
     import torch
     import torch.nn.functional as F
     real_sdpa, aten = F.scaled_dot_product_attention, torch.ops.aten
@@ -659,6 +659,7 @@ def child(argv):
         install_flash_attn_stand_in()
     sys.path.insert(0, ROOT)
     import checks
+    import metrics
     import model as M
     import offload as O
     import train as T
@@ -686,7 +687,7 @@ def child(argv):
                   peak_bytes=memory.peak, state_bytes=state_bytes, end_bytes=memory.current,
                   peak_by_phase=memory.peak_by_phase,
                   alive_at_peak=by_label(memory.at_peak), alive_at_phase_peak=by_label(memory.at_phase_peak),
-                  attention_kernel=M.attention_kernel(device, dtype, cfg.doc_mask),
+                  attention_kernel=metrics.attention_kernel(device, dtype, cfg.doc_mask),
                   used=dict(used), plan=planned(mcfg, cfg, args.world, args.flash), seconds=time.time() - t0,
                   units=[dict(name=u.name, padded_numel=u.padded_numel, shard_numel=u.shard_numel) for u in sharded.units])
     with open(args.out_json, "w") as f:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from common import ROOT, hf_model, ours_from_hf, small_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import metrics
 import model as M
 
 SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
@@ -94,7 +95,7 @@ def test_cuda_sdpa_calls_suit_a_kernel_without_dense_scores(sdpa_calls, cuda_lik
                     if call.get("attn_mask") is not None:
                         assert not call.get("enable_gqa") and call["key"].shape[1] == call["query"].shape[1], where
                     # The kernel the startup log and the benchmark name is the one that takes the call.
-                    described = M.attention_kernel("cuda", dtype, doc_mask=doc_starts is not None)
+                    described = metrics.attention_kernel("cuda", dtype, doc_mask=doc_starts is not None)
                     assert kernel in described, (described, kernel)
 
 
@@ -128,16 +129,16 @@ def test_cuda_expanded_path_matches_transformers(sdpa_calls, monkeypatch):
 def test_attention_kernel_says_which_path_runs(monkeypatch):
     monkeypatch.setattr(M, "flash_attn_func", None)
     bf16, fp32 = torch.bfloat16, torch.float32
-    assert M.attention_kernel("cuda", bf16, doc_mask=True) == \
+    assert metrics.attention_kernel("cuda", bf16, doc_mask=True) == \
         "SDPA memory-efficient (K/V expanded to H heads, block-diagonal mask)"
-    assert M.attention_kernel("cuda", bf16, doc_mask=False) == "SDPA flash (grouped K/V, causal)"
-    assert M.attention_kernel("cuda", fp32, doc_mask=False) == "SDPA memory-efficient (K/V expanded to H heads, causal)"
-    assert M.attention_kernel(torch.device("cpu"), bf16, doc_mask=True) == "SDPA (CPU)"
+    assert metrics.attention_kernel("cuda", bf16, doc_mask=False) == "SDPA flash (grouped K/V, causal)"
+    assert metrics.attention_kernel("cuda", fp32, doc_mask=False) == "SDPA memory-efficient (K/V expanded to H heads, causal)"
+    assert metrics.attention_kernel(torch.device("cpu"), bf16, doc_mask=True) == "SDPA (CPU)"
     monkeypatch.setattr(M, "flash_attn_func", lambda *a, **k: None)  # flash_attn importable
-    assert M.attention_kernel("cuda", bf16, doc_mask=True) == "flash_attn varlen (one sequence per document)"
-    assert M.attention_kernel("cuda", bf16, doc_mask=False) == "flash_attn"
+    assert metrics.attention_kernel("cuda", bf16, doc_mask=True) == "flash_attn varlen (one sequence per document)"
+    assert metrics.attention_kernel("cuda", bf16, doc_mask=False) == "flash_attn"
     # flash_attn runs bf16/fp16 only
-    assert M.attention_kernel("cuda", fp32, doc_mask=True).startswith("SDPA memory-efficient")
+    assert metrics.attention_kernel("cuda", fp32, doc_mask=True).startswith("SDPA memory-efficient")
 
 
 def test_selective_checkpointing_keeps_every_attention_forward():
@@ -224,14 +225,14 @@ def test_make_batch_builds_the_layout_on_the_host_without_syncs(monkeypatch, fla
     assert handed == [np.ndarray]
     positions, doc_ids, boundaries = reference_layout(inputs, eos_id=2)
     layout = ctx["layout"]
-    assert layout["positions"].tolist() == positions.tolist()
+    assert layout.positions.tolist() == positions.tolist()
     if flash:
-        assert layout["cu_seqlens"].tolist() == boundaries and layout["cu_seqlens"].dtype == torch.int32
-        assert layout["max_seqlen"] == max(np.diff(boundaries)) and isinstance(layout["max_seqlen"], int)
+        assert layout.cu_seqlens.tolist() == boundaries and layout.cu_seqlens.dtype == torch.int32
+        assert layout.max_seqlen == max(np.diff(boundaries)) and isinstance(layout.max_seqlen, int)
     else:
         T_ = inputs.shape[1]
         allowed = (doc_ids[:, :, None] == doc_ids[:, None, :]) & np.tri(T_, dtype=bool)
-        assert (layout["mask"][:, 0] == 0).tolist() == allowed.tolist()  # additive: 0 where allowed, -inf elsewhere
+        assert (layout.mask[:, 0] == 0).tolist() == allowed.tolist()  # additive: 0 where allowed, -inf elsewhere
     cos, sin = M.rope_cos_sin(mcfg, torch.from_numpy(positions), torch.float32)
     assert torch.equal(ctx["cos"], cos) and torch.equal(ctx["sin"], sin)
     assert ctx["tokens"].tolist() == inputs.tolist() and ctx["targets"].tolist() == targets.tolist()
@@ -281,7 +282,7 @@ def test_benchmark_reports_the_attention_kernel_and_host_syncs():
     run = dict(tokens_per_sec_per_gpu=1000.0, mfu=0.4, peak_gib=50.0, step_s=1.5, host_syncs_per_step=[7, 7, 9])
     results = dict(date="d", world=1, layers=2, params=1e9, seq_len=8192, accum=2, baseline_attention="sdpa",
                    environment=dict(torch="2.11", transformers="5"), runs={"ours": run},
-                   attention={"whole rows": M.attention_kernel("cuda", torch.bfloat16, False),
+                   attention={"whole rows": metrics.attention_kernel("cuda", torch.bfloat16, False),
                               "packed documents": "SDPA memory-efficient (K/V expanded to H heads, block-diagonal "
                                                   "mask); SDPA picks EFFICIENT_ATTENTION"},
                    correctness=dict(float32=dict(worst_rel=1e-6), bfloat16=dict(worst_rel=1e-3)),

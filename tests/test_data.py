@@ -251,12 +251,13 @@ def test_document_mask_gives_each_document_its_own_logits():
     assert (packed - unmasked).abs().max() > 1e-3  # the mask changes what later documents see
 
 
-def test_document_layout_positions_and_varlen_boundaries():
+def test_document_layout_positions_and_varlen_boundaries(monkeypatch):
     starts = torch.tensor([[1, 0, 0, 1, 0], [1, 0, 1, 1, 0]], dtype=torch.bool)
-    layout = M.document_layout(starts, flash=True)
-    assert layout["positions"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 0, 1]]
-    assert layout["cu_seqlens"].tolist() == [0, 3, 5, 7, 8, 10] and layout["max_seqlen"] == 3
-    mask = M.document_layout(starts, flash=False)["mask"][:, 0]
+    mask = M.document_layout(starts).mask[:, 0]  # SDPA's (here: no flash_attn, CPU)
+    monkeypatch.setattr(M, "uses_flash", lambda device, dtype: True)  # flash_attn's, on CPU tensors
+    layout = M.document_layout(starts)
+    assert layout.positions.tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 0, 1]]
+    assert layout.cu_seqlens.tolist() == [0, 3, 5, 7, 8, 10] and layout.max_seqlen == 3 and layout.mask is None
     assert mask[0, 4].tolist() == [False, False, False, True, True] and mask[1, 2].tolist() == [False, False, True, False, False]
 
 

@@ -1,5 +1,5 @@
 """The CUDA path of train_step, run on fake CUDA (tests/fake_cuda.py): every CUDA branch the flags select
-runs, every collective is one NCCL would accept, attention takes the kernel model.attention_kernel names,
+runs, every collective is one NCCL would accept, attention takes the kernel metrics.attention_kernel names,
 and the peak device memory is what plan.py predicts for the same flags.
 
 Each scenario is one optimizer step as rank 0 of W in a fresh process (the shim must be loaded before
@@ -39,7 +39,7 @@ SCENARIOS = [
      "--reduce_dtype bfloat16", 0.02),
 ]
 
-KERNEL_COUNTERS = {  # model.attention_kernel's words -> what tests/fake_cuda.py counts when it runs
+KERNEL_COUNTERS = {  # metrics.attention_kernel's words -> what tests/fake_cuda.py counts when it runs
     "flash_attn varlen": "attention: flash_attn varlen", "flash_attn": "attention: flash_attn",
     "SDPA flash": "attention: SDPA flash", "SDPA memory-efficient": "attention: SDPA memory-efficient"}
 
@@ -83,7 +83,7 @@ def test_cuda_branches_collectives_attention_and_memory(results, scenario):
     assert used["reduce-scatter started"] == used["reduce-scatter waited"] == micro_batches * n_units
     assert used["host reads"] == 1  # the step's one sync: (loss, grad norm) for the clip and the skip decision
 
-    # Attention: the kernel model.attention_kernel names for these flags, and only that one.
+    # Attention: the kernel metrics.attention_kernel names for these flags, and only that one.
     kernel = next(counter for words, counter in KERNEL_COUNTERS.items() if r["attention_kernel"].startswith(words))
     assert {k for k in used if k.startswith("attention: ")} == {kernel}, (r["attention_kernel"], used)
     assert used[kernel] >= micro_batches * layers

@@ -7,6 +7,7 @@ import pytest
 import torch
 from common import small_config
 
+import checks
 import metrics
 import plan as P
 import train as T
@@ -131,11 +132,11 @@ def test_a_flash_attn_whose_attention_the_selective_policy_cannot_save_is_a_warn
             return self.name
     monkeypatch.setattr(M, "flash_attn_func", lambda *args, **kwargs: None)
     monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(__version__="2.6.3"))
-    assert M.flash_attn_unsaved_warning(T.SAVED_OPS) == (
+    assert checks.flash_attn_unsaved_warning(T.SAVED_OPS) == (
         "flash_attn 2.6.3 registers no torch op flash_attn::_flash_attn_varlen_forward (2.7 and later do): --ac "
         "selective cannot save attention's output and recomputes attention in backward; pip install "
         "'flash-attn>=2.7' --no-build-isolation")
     v27 = set(T.SAVED_OPS) | {Op("flash_attn._flash_attn_forward.default"), Op("flash_attn._flash_attn_varlen_forward.default")}
-    assert M.flash_attn_unsaved_warning(v27) is None
+    assert checks.flash_attn_unsaved_warning(v27) is None
     monkeypatch.setattr(M, "flash_attn_func", None)  # not installed: SDPA, nothing to say
-    assert M.flash_attn_unsaved_warning(T.SAVED_OPS) is None
+    assert checks.flash_attn_unsaved_warning(T.SAVED_OPS) is None

@@ -109,10 +109,10 @@ def test_refused_with_one_line(tmp_path, llama_folders, which, edit, message):
     dict(attention_dropout=0.1),
 ], ids=["mistral", "gemma", "classifier head", "no model_type", "mlp_bias", "attention_dropout"])
 def test_config_that_is_not_plain_llama_is_refused(changes):
-    hf = M.config_to_hf(small_config(), torch.float32)
-    M.config_from_hf(hf)  # the plain Llama form is accepted...
+    hf = C.config_to_hf(small_config(), torch.float32)
+    C.config_from_hf(hf)  # the plain Llama form is accepted...
     with pytest.raises(ValueError, match="^config.json: .* not"):  # ...and one change away from it is not
-        M.config_from_hf({k: v for k, v in dict(hf, **changes).items() if v is not None})
+        C.config_from_hf({k: v for k, v in dict(hf, **changes).items() if v is not None})
 
 
 def write_index(folder, weight_map):

@@ -1,7 +1,9 @@
 """Model parity: our Llama computes the same logits as transformers' LlamaForCausalLM (fp32, <= 1e-5)."""
 import pytest
 import torch
-from common import M, hf_model, ours_from_hf, small_config
+from common import C, M, hf_model, ours_from_hf, small_config
+
+import checks
 
 SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
 
@@ -22,13 +24,13 @@ def test_logits_match_hf(tied, scaling, kv_heads):
 
 
 def _published_form(cfg):
-    d = M.config_to_hf(cfg, torch.float32)
+    d = C.config_to_hf(cfg, torch.float32)
     assert "rope_parameters" not in d and d["rope_scaling"]["rope_type"] == "llama3"
     return d
 
 
 def _rope_parameters_form(cfg):
-    d = M.config_to_hf(cfg, torch.float32)
+    d = C.config_to_hf(cfg, torch.float32)
     d["rope_parameters"] = dict(d.pop("rope_scaling"), rope_theta=d.pop("rope_theta"))
     return d
 
@@ -37,7 +39,7 @@ def _rope_parameters_form(cfg):
 def test_both_config_json_forms(make_form):
     cfg = small_config(rope_scaling=SCALING, rope_theta=50000.0)
     hf_dict = make_form(cfg)
-    parsed = M.config_from_hf(hf_dict)
+    parsed = C.config_from_hf(hf_dict)
     assert parsed == cfg
     ref = hf_model(parsed, hf_config=hf_dict)
     ours = ours_from_hf(parsed, ref)
@@ -57,8 +59,8 @@ def test_presets_have_published_sizes():
 
 
 def test_bad_shapes_are_reported():
-    assert "n_kv_heads=3 must divide n_heads=4" in M.check_model_config(small_config(n_kv_heads=3))[0]
-    assert "n_heads=5 must divide dim=32" in M.check_model_config(small_config(n_heads=5, n_kv_heads=1))[0]
+    assert "n_kv_heads=3 must divide n_heads=4" in checks.check_model_config(small_config(n_kv_heads=3))[0]
+    assert "n_heads=5 must divide dim=32" in checks.check_model_config(small_config(n_heads=5, n_kv_heads=1))[0]
 
 
 def test_lr_schedule_warms_up_then_cosines_to_ten_percent():
