@@ -1,6 +1,12 @@
 """Memory the planner promises is memory the code uses: the full-unit gradients alive when the reduce-scatter
-hook casts and launches a unit's gradient, counted tensor by tensor, against plan.reduce_hook_bytes."""
+hook casts and launches a unit's gradient, counted tensor by tensor, against plan.reduce_hook_bytes.
+
+Run as a script under torchrun by the test (one JSON file per rank):
+    torchrun --nproc_per_node 2 tests/test_memory.py OUT_DIR [train.py flags...]
+"""
+import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -28,7 +34,6 @@ class LiveUnitGradients(TorchDispatchMode):
         self.storages = {}     # data_ptr -> (weak reference, bytes)
         self.measuring = False
         self.most_alive = 0
-        self.hooks = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -46,35 +51,27 @@ class LiveUnitGradients(TorchDispatchMode):
         return out
 
 
-def hooks_measured(flags: list[str]) -> list[dict]:
-    """One forward_backward on each of 2 ranks (threads of this process): each reduce-scatter hook's unit,
-    numel, and the most bytes of whole-unit gradients alive inside it, per rank."""
+def worker(out_dir, flags):
     import torch.distributed as dist
     import train as T
-    from ranks import config_and_data, run_ranks, sharded_model
-    cfg, mcfg, weights, windows = config_and_data(flags)
-    trackers = {}
+    tracker, hooks = LiveUnitGradients(), []
     original_hook = T.reduce_scatter_grad
 
     def measured_hook(unit, reduces_in_flight, reduce_dtype, gathered):
-        tracker = trackers[dist.get_rank()]
         tracker.measuring, tracker.most_alive = True, 0
         original_hook(unit, reduces_in_flight, reduce_dtype, gathered)
         tracker.measuring = False
-        tracker.hooks.append(dict(unit=unit.name, numel=unit.padded_numel, most_alive_bytes=tracker.most_alive))
-
-    def rank_step(rank):
-        tracker = trackers[rank] = LiveUnitGradients()
-        sharded = sharded_model(cfg, mcfg, weights)
-        tracker.unit_numels = {u.padded_numel for u in sharded.units}
-        with tracker:  # a dispatch mode is per thread: it sees this rank's ops only
-            T.forward_backward(cfg, sharded, windows, 1, 0)
-        return dict(hooks=tracker.hooks, n_units=len(sharded.units))
-    T.reduce_scatter_grad = measured_hook  # before ShardedModel: it registers the hook it finds then
-    try:
-        return run_ranks(2, rank_step)
-    finally:
-        T.reduce_scatter_grad = original_hook
+        hooks.append(dict(unit=unit.name, numel=unit.padded_numel, most_alive_bytes=tracker.most_alive))
+    T.reduce_scatter_grad = measured_hook  # before setup: ShardedModel registers the hook it finds then
+    cfg = T.parse_args(flags)
+    sharded, windows, _, _, _ = T.setup(cfg)
+    units, rank = sharded.units, sharded.rank
+    tracker.unit_numels = {u.padded_numel for u in units}
+    with tracker:
+        T.forward_backward(cfg, sharded, windows, 1, 0)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(dict(hooks=hooks, n_units=len(units), unit_numels=sorted(tracker.unit_numels)), f)
+    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("dtype,reduce_dtype", [("bfloat16", "float32"), ("float32", "float32")])
@@ -85,8 +82,14 @@ def test_gradients_alive_in_the_reduce_hook_are_what_the_planner_counts(tmp_path
     flags = ["--model=tiny", f"--data={tmp_path / 'tok.npy'}", "--seq_len=16", "--batch_size=4",
              "--micro_batch_size=1", "--ac=none", "--eval_every=0", f"--dtype={dtype}",
              f"--reduce_dtype={reduce_dtype}", f"--out_dir={tmp_path}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.abspath(__file__), str(tmp_path), *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-5000:]
     compute_bytes, reduce_bytes = (getattr(torch, d).itemsize for d in (dtype, reduce_dtype))
-    for r in hooks_measured(flags):
+    for rank in range(2):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            r = json.load(f)
         # Every unit's hook ran once per micro-batch (2 of them): head first, blocks, embedding last.
         assert len(r["hooks"]) == 2 * r["n_units"] and r["hooks"][0]["unit"] == "head"
         for hook in r["hooks"]:
@@ -158,3 +161,7 @@ def test_offload_prefetches_the_previous_blocks_input_and_keeps_the_gradients(mo
         loss(offloaded)
     assert len(saved) == 2 * cfg.n_layers and O.OffloadedCheckpoint.latest is None
 
+
+if __name__ == "__main__":
+    worker(sys.argv[1], sys.argv[2:])
+    os._exit(0)  # no interpreter teardown: gloo's threads can abort it (see the end of train.py)
