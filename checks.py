@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 import torch
 
-import checkpoint as C
+import disk
 import data as D
 import model as M
 import sample
@@ -71,7 +71,7 @@ def check_config(cfg, world: int) -> list[str]:
     try:  # writable now, not after a day of training
         os.makedirs(cfg.out_dir, exist_ok=True)
         probe = os.path.join(cfg.out_dir, f".write-test-{os.getpid()}-{os.urandom(4).hex()}")
-        os.close(C.open_no_follow(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))  # a new file, never a planted link
+        os.close(disk.open_no_follow(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))  # a new file, never a planted link
         os.remove(probe)
     except OSError as e:
         errors.append(f"--out_dir: {cfg.out_dir} is not writable ({e.strerror})")
@@ -90,12 +90,12 @@ def check_resume_mix(cfg) -> list[str]:
     """A resume continues the --data mix its checkpoint was saved with; another mix is refused here, before
     any work (the loader checks again, with each source's windows, when it resumes)."""
     try:
-        candidates = C.resume_candidates(os.path.join(cfg.out_dir, "checkpoints")) if cfg.resume == "auto" else []
+        candidates = disk.resume_candidates(os.path.join(cfg.out_dir, "checkpoints")) if cfg.resume == "auto" else []
         with open(os.path.join(candidates[0], "manifest.json")) as f:
             state = json.load(f)["data"]
         if not state:  # a conversion run saved none
             return []
-    except (IndexError, OSError, ValueError, KeyError, TypeError, C.CheckpointError):
+    except (IndexError, OSError, ValueError, KeyError, TypeError, disk.CheckpointError):
         return []  # no checkpoint, or a damaged one: resume says so and falls back
     sources = D.sample_sources(cfg.out_dir, "train") if cfg.data == "sample" else D.parse_sources(cfg.data, "--data")
     mismatch = D.mix_mismatch(state, [n for n, _, _ in sources], [w for _, _, w in sources])
@@ -150,14 +150,14 @@ def checkpoint_source(cfg) -> str | None:
     if not path or (flag == "--init_from" and os.path.isfile(os.path.join(path, "config.json"))):
         return None
     if not os.path.isdir(path):
-        raise C.CheckpointError(f"{flag}: {path} is not a folder")
+        raise disk.CheckpointError(f"{flag}: {path} is not a folder")
     try:
-        found = C.find_checkpoint(path)
-    except C.CheckpointError as e:
-        raise C.CheckpointError(f"{flag}: {e}") from None
+        found = disk.find_checkpoint(path)
+    except disk.CheckpointError as e:
+        raise disk.CheckpointError(f"{flag}: {e}") from None
     if found is None:
         neither = "a Hugging Face folder (no config.json) nor " if flag == "--init_from" else ""
-        raise C.CheckpointError(f"{flag}: {path} is neither {neither}one of our checkpoints (no manifest.json, and no "
+        raise disk.CheckpointError(f"{flag}: {path} is neither {neither}one of our checkpoints (no manifest.json, and no "
                                 f"checkpoints/step_* folder in it)")
     return found
 
@@ -177,18 +177,18 @@ def model_config(cfg) -> M.ModelConfig:
             with open(os.path.join(checkpoint, "manifest.json")) as f:
                 mcfg = M.ModelConfig(**json.load(f)["model"])
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise C.CheckpointError(f"{flag}: checkpoint {checkpoint}: manifest.json has no readable model ({e})") from None
+            raise disk.CheckpointError(f"{flag}: checkpoint {checkpoint}: manifest.json has no readable model ({e})") from None
         if cfg.model and not cfg.from_ckpt:
             preset, saved = asdict(M.PRESETS[cfg.model]()), asdict(mcfg)
             diff = [f"{k} {preset[k]} vs {v}" for k, v in saved.items() if k not in DATA_DECIDES and preset[k] != v]
             if diff:
-                raise C.CheckpointError(f"--model: {cfg.model} is not the model of --init_from {checkpoint}, which "
+                raise disk.CheckpointError(f"--model: {cfg.model} is not the model of --init_from {checkpoint}, which "
                                         f"decides the model (its manifest.json): they differ in {', '.join(diff)}; "
                                         f"leave out --model")
         return mcfg
     if cfg.init_from:
         with open(os.path.join(cfg.init_from, "config.json")) as f:
-            return C.config_from_hf(json.load(f))
+            return disk.config_from_hf(json.load(f))
     return M.PRESETS[cfg.model or "tiny"]()
 
 
@@ -196,9 +196,9 @@ def check_export(mcfg: M.ModelConfig) -> list[str]:
     """--export_hf: what transformers builds from this model's config.json must be this model, found now
     rather than after the training (checkpoint.check_export_tensors; export_hf checks again)."""
     with torch.device("meta"):
-        shapes = {C.hf_name(n): tuple(p.shape) for n, p in M.Llama(mcfg).named_parameters()}
+        shapes = {disk.hf_name(n): tuple(p.shape) for n, p in M.Llama(mcfg).named_parameters()}
     try:
-        C.check_export_tensors(C.config_to_hf(mcfg, torch.float32), shapes)
+        disk.check_export_tensors(disk.config_to_hf(mcfg, torch.float32), shapes)
     except ValueError as e:
         return [str(e)]
     return []
@@ -208,8 +208,8 @@ def check_phase_tokenizer(cfg, checkpoint: str) -> list[str]:
     """A new phase from one of our checkpoints trains on data of the model's tokenizer: the one that
     prepared the data of the run that saved it (or of its own origin), when both are known."""
     with open(os.path.join(checkpoint, "manifest.json")) as f:
-        theirs = C.export_origin(json.load(f)["train"])["tokenizer"]
-    ours = C.run_tokenizer(asdict(cfg))
+        theirs = disk.export_origin(json.load(f)["train"])["tokenizer"]
+    ours = disk.run_tokenizer(asdict(cfg))
     if ours and theirs and ours["sha256"] != theirs["sha256"]:
         return [f"--data: {cfg.data} was tokenized with {ours['path']}, and the model of --init_from {checkpoint} was "
                 f"trained on data tokenized with {theirs['path']}, another tokenizer; prepare the data with that one"]
@@ -277,7 +277,7 @@ def check_run(cfg, world: int, state_bytes_per_param: int):
         try:
             weights = checkpoint_source(cfg)
             mcfg = model_config(cfg)
-        except C.CheckpointError as e:
+        except disk.CheckpointError as e:
             errors.append(str(e))
         except (KeyError, json.JSONDecodeError) as e:
             errors.append(f"--init_from: cannot read config.json: {e}")
@@ -287,15 +287,15 @@ def check_run(cfg, world: int, state_bytes_per_param: int):
         errors += check_model_config(mcfg) or check_host_memory(cfg, mcfg, world, state_bytes_per_param)
     if not errors and weights is not None:
         try:
-            C.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from")
-        except C.CheckpointError as e:
+            disk.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from")
+        except disk.CheckpointError as e:
             errors.append(str(e))
     if not errors and weights is not None and cfg.init_from and cfg.steps > 0 and not cfg.from_ckpt:
         errors += check_phase_tokenizer(cfg, weights)
     if not errors and cfg.init_from and weights is None and not cfg.from_ckpt:
         try:  # headers only: a bad weight file is one line here, not a traceback at load
-            weights = C.hf_file_of_tensors(cfg.init_from)
-            C.check_hf_tensors(weights, mcfg, cfg.init_from)
+            weights = disk.hf_file_of_tensors(cfg.init_from)
+            disk.check_hf_tensors(weights, mcfg, cfg.init_from)
         except (ValueError, FileNotFoundError) as e:
             errors.append(str(e))
     if not errors and cfg.export_hf:

@@ -808,7 +808,7 @@ def read_meta(folder: str, flag: str) -> dict:
 
 
 # A file name read from a folder's own JSON (meta.json's shards here, a safetensors index's weight_map in
-# checkpoint.py) names a file in that folder: such folders are downloaded and copied, so a name must not
+# disk.py) names a file in that folder: such folders are downloaded and copied, so a name must not
 # lead anywhere else. A prepared folder's shards must also really be in it (prepare never writes a link);
 # a Hugging Face folder's files may be links, because the Hub's cache is made of them.
 def is_plain_name(name) -> bool:

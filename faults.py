@@ -1,4 +1,4 @@
-"""Fault injection, for the tests only: train.py and checkpoint.py call `hook` at two points (each
+"""Fault injection, for the tests only: train.py and disk.py call `hook` at two points (each
 micro-batch's loss, each rank's checkpoint file written) when ZERO3_FAULT is set together with
 ZERO3_ALLOW_FAULTS=1 (the tests set both), and not at all otherwise.
 

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-import checkpoint as C
+import disk
 import model as M
 
 # Dense BF16 peak FLOP/s by device name (no sparsity). Checked in order; None means unknown (CPU).
@@ -123,7 +123,7 @@ class MetricsLog:
             try:
                 self.file, self.elapsed_before = open_metrics(cfg.out_dir, start_step)
             except OSError as e:
-                self.error = C.unwritable(os.path.join(cfg.out_dir, "metrics.jsonl"), e)
+                self.error = disk.unwritable(os.path.join(cfg.out_dir, "metrics.jsonl"), e)
         if rank == 0 and cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -158,7 +158,7 @@ class MetricsLog:
         try:
             log_step(self.cfg, metrics, self.file, epochs if any(e > 1 for e in epochs.values()) else None)
         except OSError as e:  # a torn last line is dropped on resume
-            self.error = C.unwritable(os.path.join(self.cfg.out_dir, "metrics.jsonl"), e)
+            self.error = disk.unwritable(os.path.join(self.cfg.out_dir, "metrics.jsonl"), e)
             self.file.close()
             self.file = None
             return
@@ -181,11 +181,11 @@ def open_metrics(out_dir: str, start_step: int):
         with open(path) as f:
             rows = [(line, parse_metrics_line(line)) for line in f if line.strip()]
         kept = [line for line, row in rows if row is not None and row["step"] <= start_step]
-    with C.create_file(path + ".tmp") as f:  # never through a link planted under the name
+    with disk.create_file(path + ".tmp") as f:  # never through a link planted under the name
         f.writelines(kept)
     os.replace(path + ".tmp", path)
     elapsed_before = json.loads(kept[-1])["elapsed_s"] if kept else 0.0  # time spent before a restart
-    return os.fdopen(C.open_no_follow(path, os.O_WRONLY | os.O_APPEND), "a"), elapsed_before
+    return os.fdopen(disk.open_no_follow(path, os.O_WRONLY | os.O_APPEND), "a"), elapsed_before
 
 
 def parse_metrics_line(line: str):

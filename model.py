@@ -6,7 +6,7 @@ PyTorch SDPA elsewhere: uses_flash), the decoder block, the model. Module and pa
 the leading "model." (`layers.3.self_attn.q_proj.weight` here is `model.layers.3.self_attn.q_proj.weight`
 there), so import and export are a rename, never a permutation: HF's q/k layout already suits its
 `rotate_half` RoPE, and that is the RoPE used here. Hugging Face's config.json is read and written beside
-the import and export, in checkpoint.py.
+the import and export, in disk.py.
 
 Nothing in this file knows about sharding. `train.py` calls the three pieces the forward is made of
 (`embed`, each block, `head_loss`) with its gather/free logic around each; `Llama.forward` strings the

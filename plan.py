@@ -592,7 +592,7 @@ def prompt_sizes(cfg) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------------
 
 def checkpoint_bytes_per_rank(mcfg: M.ModelConfig, world: int) -> int:
-    """The file checkpoint.save_checkpoint writes on each rank: every unit's fp32 master slice and optimizer
+    """The file disk.save_checkpoint writes on each rank: every unit's fp32 master slice and optimizer
     state slices (4 B each per padded parameter / W; gradients are not saved), and the safetensors header
     (at most checkpoint_header_bytes_per_tensor each, a bound)."""
     numels = unit_numels(mcfg)

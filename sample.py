@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import checkpoint as C
+import disk
 import data as D
 import model as M
 
@@ -201,7 +201,7 @@ class Sampler:
             try:
                 keep_rows_up_to(self.path, start_step)
             except OSError as e:
-                self.error = C.unwritable(self.path, e)
+                self.error = disk.unwritable(self.path, e)
 
     def sample(self, sharded, step: int):
         """Completes every prompt; rank 0 prints them and appends them to samples.jsonl with the step."""
@@ -215,10 +215,10 @@ class Sampler:
             rows.append(dict(step=step, prompt=record.get("text", record.get("messages")),
                              completion=self.tok.decode(text_ids), ids=ids))
         try:
-            with os.fdopen(C.open_no_follow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
+            with os.fdopen(disk.open_no_follow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
                 f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
         except OSError as e:  # a torn last line is dropped on resume (keep_rows_up_to)
-            self.error = C.unwritable(self.path, e)
+            self.error = disk.unwritable(self.path, e)
         print(f"samples at step {step} ({len(rows)} prompts, {time.perf_counter() - t0:.1f} s, {self.path}):", flush=True)
         for row in rows:
             prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
@@ -237,6 +237,6 @@ def keep_rows_up_to(path: str, step: int):
                         kept.append(line)
                 except (ValueError, KeyError, TypeError):
                     pass
-    with C.create_file(path + ".tmp") as f:  # never through a link planted under the name
+    with disk.create_file(path + ".tmp") as f:  # never through a link planted under the name
         f.writelines(kept)
     os.replace(path + ".tmp", path)

@@ -12,7 +12,7 @@ Read top to bottom; the sections follow the data:
                  set-up, the training loop, saving and stopping
 
 What is not the story lives beside it: checks.py (every flag and input checked before any work),
-checkpoint.py (state on disk: checkpoints, resume at any world size, Hugging Face import and export),
+disk.py (state on disk: checkpoints, resume at any world size, Hugging Face import and export),
 metrics.py (tokens/s/GPU, MFU, memory, ETA, dollars), offload.py (--offload_activations and
 --offload_optimizer: state in host memory, a variation a first reading skips), data.py
 (tokenize, pack, the window order), sample.py (--sample_prompts: greedy completions at each evaluation,
@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-import checkpoint as C
+import disk  # state on disk: the out_dir, checkpoints, resume, Hugging Face import and export
 from checks import check_run, config_warnings, flash_attn_unsaved_warning, unknown_flag_message  # every input, before work
 import data as D
 import metrics
@@ -198,7 +198,7 @@ def init_processes(cfg: TrainConfig):
             dist.init_process_group(backend, timeout=timeout, **bound)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bound)
-    C.make_group(cfg.ckpt_timeout_min)  # saves and resumes wait longer: their own group (checkpoint.py)
+    disk.make_group(cfg.ckpt_timeout_min)  # saves and resumes wait longer: their own group (disk.py)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -791,11 +791,11 @@ def init_weights(cfg: TrainConfig, mcfg: M.ModelConfig, units: list[Unit], weigh
         for i, unit in enumerate(units):
             init_unit_random(unit, i, cfg.seed, mcfg.init_std)
     elif isinstance(weights, str):
-        C.load_weights(weights, units, "--init_from")
+        disk.load_weights(weights, units, "--init_from")
     else:
         open_files = {}
         for unit in units:
-            C.load_unit_from_hf(unit, weights, open_files)
+            disk.load_unit_from_hf(unit, weights, open_files)
 
 
 def setup(cfg: TrainConfig):
@@ -820,16 +820,16 @@ def setup(cfg: TrainConfig):
     threads = O.optimizer_threads(cfg, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(os.sched_getaffinity(0)))
     if threads:
         torch.set_num_threads(threads)
-    C.claim_out_dir(cfg.out_dir, rank, world, device)
+    disk.claim_out_dir(cfg.out_dir, rank, world, device)
     sharded = ShardedModel(cfg, mcfg, rank, world, device)
     ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
-    if cfg.resume == "never" and cfg.overwrite and rank == 0:  # once per run: its restarts resume (checkpoint.py)
-        kept = C.overwrite_once(cfg.out_dir)
+    if cfg.resume == "never" and cfg.overwrite and rank == 0:  # once per run: its restarts resume (disk.py)
+        kept = disk.overwrite_once(cfg.out_dir)
         if kept:
             print(kept, flush=True)
     dist.barrier()
     if cfg.from_ckpt:  # weights to export, not to train
-        step = C.load_weights(weights, sharded.units, "--from_ckpt")
+        step = disk.load_weights(weights, sharded.units, "--from_ckpt")
         if rank == 0:
             print(f"read checkpoint {weights} (step {step})", flush=True)
         if cfg.offload_optimizer:
@@ -837,9 +837,9 @@ def setup(cfg: TrainConfig):
         return sharded, windows, eval_windows, step, 0
     # A checkpoint in --out_dir wins over --init_from: re-running the same command continues the run.
     # After --overwrite, what is left is this run's own: a restart's checkpoints (overwrite_once).
-    candidates = C.resume_candidates(ckpt_root) if cfg.resume == "auto" or cfg.overwrite else []
+    candidates = disk.resume_candidates(ckpt_root) if cfg.resume == "auto" or cfg.overwrite else []
     if candidates:
-        step, position = C.resume(cfg, mcfg, sharded.units, windows, rank, candidates, fallback=True)
+        step, position = disk.resume(cfg, mcfg, sharded.units, windows, rank, candidates, fallback=True)
         if cfg.offload_optimizer:
             O.refresh_compute_shards(sharded.units)
         return sharded, windows, eval_windows, step, position
@@ -885,7 +885,7 @@ def main(argv=None):
         import plan
         plan.main(cfg)
         return
-    finished = C.finished_run(cfg)  # re-running a finished run's command: say so; train, save, export nothing
+    finished = disk.finished_run(cfg)  # re-running a finished run's command: say so; train, save, export nothing
     if finished:
         if os.environ.get("RANK", "0") == "0":
             print(finished, flush=True)
@@ -895,7 +895,7 @@ def main(argv=None):
     if os.environ.get("ZERO3_FAULT"):  # tests only: a rank killed, hung or given a NaN (faults.py)
         import faults
         try:  # honoured only beside the tests' ZERO3_ALLOW_FAULTS=1; else a warning
-            fault_hook = C.fault_hook = faults.allowed_hook()
+            fault_hook = disk.fault_hook = faults.allowed_hook()
         except ValueError as e:
             fail(str(e))
     try:
@@ -906,7 +906,7 @@ def main(argv=None):
     except (dist.DistNetworkError, dist.DistStoreError) as e:  # a node or its port not up yet: a restart may work
         first_line = str(e).strip().splitlines()[0].rstrip(".")
         fail(f"{type(e).__name__} while starting: {first_line}; a restart may succeed", exit_code=1)
-    except (D.DataError, KeyError, ValueError, FileNotFoundError, RuntimeError, C.CheckpointError) as e:
+    except (D.DataError, KeyError, ValueError, FileNotFoundError, RuntimeError, disk.CheckpointError) as e:
         fail(str(e).strip("'\""))
     rank, device = sharded.rank, sharded.device
     if rank == 0:
@@ -950,9 +950,9 @@ def main(argv=None):
             fail(unwritten or "--out_dir: rank 0 cannot write its metrics (its error says why); the run stops without saving")
         if signalled or step == steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
             try:
-                path = C.save_checkpoint(cfg, sharded.model.cfg, sharded.units, step, rank, sharded.world,
+                path = disk.save_checkpoint(cfg, sharded.model.cfg, sharded.units, step, rank, sharded.world,
                                          windows.state(position) if windows else None)
-            except C.CheckpointError as e:
+            except disk.CheckpointError as e:
                 fail(str(e))
             if rank == 0:
                 print(f"saved checkpoint {path}", flush=True)
@@ -964,16 +964,16 @@ def main(argv=None):
     else:  # not stopped by a signal
         if cfg.export_hf:
             try:
-                note = C.export_hf(sharded.units, sharded.model.cfg, cfg.export_hf, sharded.compute_dtype,
-                                   cfg.export_shard_gb, rank, C.export_origin(asdict(cfg)))
-            except C.CheckpointError as e:
+                note = disk.export_hf(sharded.units, sharded.model.cfg, cfg.export_hf, sharded.compute_dtype,
+                                   cfg.export_shard_gb, rank, disk.export_origin(asdict(cfg)))
+            except disk.CheckpointError as e:
                 fail(str(e))
             if rank == 0:
                 print(f"exported a Hugging Face folder to {cfg.export_hf} ({note})", flush=True)
     log.close()
     if owns_group:
         dist.destroy_process_group()  # every group, the checkpoint group too
-        C.group = None
+        disk.group = None
 
 
 if __name__ == "__main__":

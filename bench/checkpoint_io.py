@@ -18,7 +18,7 @@ import time
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checkpoint as C  # noqa: E402
+import disk  # noqa: E402
 import train as T  # noqa: E402
 
 cfg = T.parse_args(sys.argv[1:] + ["--steps=0"])
@@ -34,15 +34,15 @@ for _ in range(3):
         shutil.rmtree(ckpt_root, ignore_errors=True)
     dist.barrier()
     t0 = time.perf_counter()
-    path = C.save_checkpoint(cfg, mcfg, units, 1, rank, world, None)
+    path = disk.save_checkpoint(cfg, mcfg, units, 1, rank, world, None)
     save_s.append(time.perf_counter() - t0)
-    manifest = C.check_manifest(path, None, mcfg, None)
+    manifest = disk.check_manifest(path, None, mcfg, None)
     dist.barrier()
     t0 = time.perf_counter()
-    C.load_checkpoint(path, manifest, units)
+    disk.load_checkpoint(path, manifest, units)
     dist.barrier()
     load_s.append(time.perf_counter() - t0)
-nbytes = manifest["files"][C.rank_file(rank, world)]["bytes"]  # this rank's file, as written
+nbytes = manifest["files"][disk.rank_file(rank, world)]["bytes"]  # this rank's file, as written
 if rank == 0:
     shutil.rmtree(ckpt_root, ignore_errors=True)
     save_gbps = nbytes / min(save_s) / 1e9

@@ -12,7 +12,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import checkpoint as C  # noqa: E402
+import disk  # noqa: E402
 import model as M  # noqa: E402
 
 # The tests inject faults (ZERO3_FAULT, faults.py); train.py honours them only with this allowance, which
@@ -32,7 +32,7 @@ def hf_model(cfg: M.ModelConfig, seed: int = 0, hf_config: dict | None = None):
     """A transformers LlamaForCausalLM with random weights, in float32."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
-    hf_cfg = LlamaConfig(**(hf_config or C.config_to_hf(cfg, torch.float32)))
+    hf_cfg = LlamaConfig(**(hf_config or disk.config_to_hf(cfg, torch.float32)))
     hf_cfg._attn_implementation = "eager"
     ref = LlamaForCausalLM(hf_cfg).float().eval()
     with torch.no_grad():  # norms start at ones; make them random so a wrong norm weight shows

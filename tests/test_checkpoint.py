@@ -15,7 +15,7 @@ import pytest
 import torch
 from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
 
-import checkpoint as C  # noqa: E402
+import disk  # noqa: E402
 
 BASE = ["--seq_len=16", "--batch_size=12", "--micro_batch_size=1", "--dtype=float32", "--steps=6",
         "--lr=3e-3", "--warmup_steps=2", "--seed=1"]
@@ -163,14 +163,14 @@ def test_resume_with_another_model_or_seq_len_names_each_and_never_falls_back(fi
 
 def test_every_flag_is_either_kept_warned_about_or_not_compared_on_resume():
     import train as T
-    decided = list(C.RESUME_MUST_MATCH) + list(C.RESUME_MAY_CHANGE) + list(C.RESUME_NOT_COMPARED)
+    decided = list(disk.RESUME_MUST_MATCH) + list(disk.RESUME_MAY_CHANGE) + list(disk.RESUME_NOT_COMPARED)
     assert sorted(decided) == sorted(f.name for f in fields(T.TrainConfig))  # each once: a new flag needs a decision
 
 
 def saved_manifest(folder, cfg, mcfg, drop_train=(), drop_model=()):
     os.makedirs(folder, exist_ok=True)
     manifest = {  # what checkpoint_manifest writes, without units
-        "format": C.CKPT_FORMAT, "step": 6, "world_size": 2, "files": {}, "data": None,
+        "format": disk.CKPT_FORMAT, "step": 6, "world_size": 2, "files": {}, "data": None,
         "train": {k: v for k, v in asdict(cfg).items() if k not in drop_train},
         "model": {k: v for k, v in asdict(mcfg).items() if k not in drop_model}}
     with open(os.path.join(folder, "manifest.json"), "w") as f:
@@ -185,25 +185,25 @@ def test_changed_flags_are_an_error_or_a_warning_naming_old_and_new(files, tmp_p
     mcfg = small_config()
     path = saved_manifest(tmp_path / "step_00000006", cfg, mcfg)
     may = replace(cfg, lr=3e-2, steps=9, eval_every=5, micro_batch_size=2, ac="full")
-    assert C.check_manifest(path, may, mcfg, None)["step"] == 6  # may change: no error
-    assert C.config_changes(json.load(open(os.path.join(path, "manifest.json"))), may, mcfg) == (
+    assert disk.check_manifest(path, may, mcfg, None)["step"] == 6  # may change: no error
+    assert disk.config_changes(json.load(open(os.path.join(path, "manifest.json"))), may, mcfg) == (
         [], ["--steps 6 -> 9", "--lr 0.003 -> 0.03", "--eval_every 50 -> 5"])  # how it runs: not even a warning
     for key, value in (("seed", 2), ("data", str(tmp_path / "other.npy")), ("doc_mask", False), ("init_from", path)):
-        with pytest.raises(C.ResumeMismatch) as e:
-            C.check_manifest(path, replace(cfg, **{key: value}), mcfg, None)
+        with pytest.raises(disk.ResumeMismatch) as e:
+            disk.check_manifest(path, replace(cfg, **{key: value}), mcfg, None)
         message = str(e.value)
         assert f"--{key} was {getattr(cfg, key)!r}, now {value!r} (" in message and "\n" not in message
         assert "Restore those flags to continue this run" in message and "--overwrite" not in message
-    with pytest.raises(C.ResumeMismatch, match="the model .*: dim was 32, now 64"):
-        C.check_manifest(path, cfg, replace(mcfg, dim=64, head_dim=16), None)
+    with pytest.raises(disk.ResumeMismatch, match="the model .*: dim was 32, now 64"):
+        disk.check_manifest(path, cfg, replace(mcfg, dim=64, head_dim=16), None)
     # The same file under another spelling is the same --data.
-    assert C.config_changes(json.load(open(os.path.join(path, "manifest.json"))),
+    assert disk.config_changes(json.load(open(os.path.join(path, "manifest.json"))),
                             replace(cfg, data=files["data"].replace("/tok.npy", "/./tok.npy")), mcfg) == ([], [])
     # A manifest saved before a field existed: that field counts as its default, not as a change.
     old = saved_manifest(tmp_path / "step_00000004", cfg, mcfg, drop_train=("doc_mask", "adam_eps", "eval_every"),
                          drop_model=("tie_embeddings", "head_dim"))
-    assert C.check_manifest(old, cfg, mcfg, None)["step"] == 6
-    assert C.config_changes(json.load(open(os.path.join(old, "manifest.json"))), cfg, mcfg) == ([], [])
+    assert disk.check_manifest(old, cfg, mcfg, None)["step"] == 6
+    assert disk.config_changes(json.load(open(os.path.join(old, "manifest.json"))), cfg, mcfg) == ([], [])
 
 
 @pytest.fixture
@@ -212,11 +212,11 @@ def one_process_group():
     made = not dist.is_initialized()
     if made:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    C.make_group(1.0)
+    disk.make_group(1.0)
     yield
     if made:
         dist.destroy_process_group()
-        C.group = None
+        disk.group = None
 
 
 def test_a_folder_of_only_damaged_checkpoints_is_left_to_the_operator(files, tmp_path, one_process_group, capsys):
@@ -225,8 +225,8 @@ def test_a_folder_of_only_damaged_checkpoints_is_left_to_the_operator(files, tmp
     root = tmp_path / "checkpoints"
     for name in ("step_00000002", "step_00000004"):
         os.makedirs(root / name)  # no manifest.json: unfinished saves
-    with pytest.raises(C.CheckpointError) as e:
-        C.resume(cfg, small_config(), [], None, 0, C.resume_candidates(str(root)), fallback=True)
+    with pytest.raises(disk.CheckpointError) as e:
+        disk.resume(cfg, small_config(), [], None, 0, disk.resume_candidates(str(root)), fallback=True)
     assert str(e.value) == (f"no intact checkpoint in {root}: each one is damaged (the warnings above say how); "
                             f"nothing was deleted. Repair or restore them, or start this run again in another --out_dir")
     assert "step_00000004: no manifest.json" in capsys.readouterr().err

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from common import ROOT, learnable_tokens, read_metrics, small_config
 
-import checkpoint as C
+import disk
 import checks
 import metrics
 import train as T
@@ -26,13 +26,13 @@ import train as T
 def one_process_group():
     """A W=1 group as `python train.py` makes it, and the checkpoint group; destroyed afterwards."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    C.make_group(1.0)
+    disk.make_group(1.0)
     yield
     dist.destroy_process_group()
-    C.group = None
-    if C.out_dir_lock is not None:
-        C.out_dir_lock.close()
-    C.out_dir_lock = C.out_dir_claim = None
+    disk.group = None
+    if disk.out_dir_lock is not None:
+        disk.out_dir_lock.close()
+    disk.out_dir_lock = disk.out_dir_claim = None
 
 
 def tiny_units():
@@ -44,7 +44,7 @@ def tiny_units():
 
 def save(out, step):
     cfg = T.parse_args([f"--out_dir={out}", "--keep_ckpts=3"])
-    return C.save_checkpoint(cfg, small_config(), tiny_units(), step, 0, 1, None)
+    return disk.save_checkpoint(cfg, small_config(), tiny_units(), step, 0, 1, None)
 
 
 def fault(monkeypatch, name, suffix, code):
@@ -81,7 +81,7 @@ def test_a_disk_fault_in_a_save_is_one_line_and_latest_stays(one_process_group, 
     save(tmp_path, 2)
     name, suffix, code, why = FAULTS[where]
     fault(monkeypatch, name, suffix, code)
-    with pytest.raises(C.CheckpointError) as e:
+    with pytest.raises(disk.CheckpointError) as e:
         save(tmp_path, 4)
     monkeypatch.undo()
     why = why.format(tmp=root / ".tmp-step_00000004", root=root)
@@ -89,13 +89,13 @@ def test_a_disk_fault_in_a_save_is_one_line_and_latest_stays(one_process_group, 
                             f"names step_00000002, untouched")
     # Nothing half-written is left or counted: no temporary folder or file, no step_4 that `latest` skips.
     assert sorted(os.listdir(root)) == ["latest", "step_00000002"]
-    assert (root / "latest").read_text() == "step_00000002\n" and C.is_complete(str(root / "step_00000002"))
+    assert (root / "latest").read_text() == "step_00000002\n" and disk.is_complete(str(root / "step_00000002"))
 
 
 # -- the out_dir's lock on shared filesystems ------------------------------------------------------------------
 
 def claim(out):
-    C.claim_out_dir(str(out), 0, 1, torch.device("cpu"))
+    disk.claim_out_dir(str(out), 0, 1, torch.device("cpu"))
 
 
 def test_a_run_that_took_the_folder_stops_the_next_save(one_process_group, tmp_path):
@@ -104,7 +104,7 @@ def test_a_run_that_took_the_folder_stops_the_next_save(one_process_group, tmp_p
     claim(tmp_path)
     save(tmp_path, 2)
     (tmp_path / ".lock").write_text("77 host node-b pid 4242 since 2026-01-02 03:04:05\n")
-    with pytest.raises(C.CheckpointError) as e:
+    with pytest.raises(disk.CheckpointError) as e:
         save(tmp_path, 4)
     assert str(e.value) == (
         f"--out_dir: {tmp_path} was taken by another run while this one held its lock: {tmp_path / '.lock'} now "
@@ -117,8 +117,8 @@ def test_a_run_that_took_the_folder_stops_the_next_save(one_process_group, tmp_p
 def test_a_filesystem_without_flock_is_one_line_naming_the_mount_option(one_process_group, tmp_path, monkeypatch):
     def no_locks(f, op):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
-    monkeypatch.setattr(C.fcntl, "flock", no_locks)
-    with pytest.raises(C.CheckpointError) as e:
+    monkeypatch.setattr(disk.fcntl, "flock", no_locks)
+    with pytest.raises(disk.CheckpointError) as e:
         claim(tmp_path)
     assert str(e.value) == (
         f"--out_dir: cannot lock {tmp_path / '.lock'}: No locks available: the filesystem of --out_dir does not "
@@ -132,7 +132,7 @@ def test_a_held_lock_names_its_holder_and_how_to_clear_a_stale_one(one_process_g
         held.write("5 host node-a pid 4242 since 2026-01-02 03:04:05\n")
         held.flush()
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(C.CheckpointError) as e:
+        with pytest.raises(disk.CheckpointError) as e:
             claim(tmp_path)
     assert str(e.value) == (
         f"--out_dir: {tmp_path} is in use by another run (host node-a pid 4242 since 2026-01-02 03:04:05); wait for "
@@ -142,7 +142,7 @@ def test_a_held_lock_names_its_holder_and_how_to_clear_a_stale_one(one_process_g
 
 def test_a_lock_file_that_cannot_be_made_is_one_line(one_process_group, tmp_path, monkeypatch):
     fault(monkeypatch, "open", ".lock", errno.EACCES)  # a folder of another user's, or one mounted read-only
-    with pytest.raises(C.CheckpointError) as e:
+    with pytest.raises(disk.CheckpointError) as e:
         claim(tmp_path)
     assert str(e.value) == (f"--out_dir: cannot create the lock file {tmp_path / '.lock'}: Permission denied (this "
                             f"user may not write there)")
@@ -153,7 +153,7 @@ def test_the_lock_is_never_taken_through_a_symbolic_link(one_process_group, tmp_
     victim.write_text("someone else's file\n")
     os.makedirs(tmp_path / "out")
     os.symlink(victim, tmp_path / "out" / ".lock")
-    with pytest.raises(C.CheckpointError) as e:
+    with pytest.raises(disk.CheckpointError) as e:
         claim(tmp_path / "out")
     assert str(e.value) == (f"--out_dir: {tmp_path / 'out' / '.lock'} is a symbolic link; the lock is never taken "
                             f"through one: delete it")
@@ -194,10 +194,10 @@ def main_in_process(monkeypatch):
         signal.signal(sig, handler)
     if dist.is_initialized():  # a failed run leaves its group
         dist.destroy_process_group()
-    C.group = None
-    if C.out_dir_lock is not None:
-        C.out_dir_lock.close()
-    C.out_dir_lock = C.out_dir_claim = None
+    disk.group = None
+    if disk.out_dir_lock is not None:
+        disk.out_dir_lock.close()
+    disk.out_dir_lock = disk.out_dir_claim = None
 
 
 def tiny_run(tmp_path, *extra):
@@ -302,8 +302,8 @@ def test_a_manifests_numbers_are_checked_before_use(one_process_group, tmp_path,
     manifest = json.loads(open(os.path.join(path, "manifest.json")).read())
     sha = manifest["files"]["rank00000-of-00001.safetensors"]["sha256"]
     change, why = MANIFEST_EDITS[what]
-    with pytest.raises(C.CheckpointError) as e:
-        C.load_checkpoint(path, edit(manifest, change), tiny_units())
+    with pytest.raises(disk.CheckpointError) as e:
+        disk.load_checkpoint(path, edit(manifest, change), tiny_units())
     assert str(e.value) == (f"checkpoint {path}: manifest.json: {why.replace('{sha}', sha)} (a damaged or edited "
                             f"manifest)")
 
@@ -315,11 +315,11 @@ def test_a_rank_files_tensor_of_another_length_is_refused(one_process_group, tmp
     path = save(tmp_path, 2)
     fname = "rank00000-of-00001.safetensors"
     short = [(f"u{i}.{kind}", torch.zeros(5)) for i in range(2) for kind in ("master_shard", "exp_avg", "exp_avg_sq")]
-    sha, nbytes = C.write_safetensors_streaming(os.path.join(path, fname), short)
+    sha, nbytes = disk.write_safetensors_streaming(os.path.join(path, fname), short)
     manifest = json.loads(open(os.path.join(path, "manifest.json")).read())
     manifest["files"][fname] = {"sha256": sha, "bytes": nbytes}
-    with pytest.raises(C.CheckpointError) as e:
-        C.load_checkpoint(path, manifest, tiny_units())
+    with pytest.raises(disk.CheckpointError) as e:
+        disk.load_checkpoint(path, manifest, tiny_units())
     assert str(e.value) == (f"checkpoint {path}: {fname} holds u0.master_shard with shape [5], the manifest's "
                             f"shard_numel says [6]")
 

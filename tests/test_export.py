@@ -75,10 +75,10 @@ def test_a_changed_tokenizer_is_not_exported(tmp_path):
 
 def test_without_a_tokenizer_the_export_says_so_in_one_line(tmp_path, capsys):
     """A run on a bare .npy names no tokenizer: the export holds none, and one warning line says so."""
-    import checkpoint as C
-    origin = C.export_origin({"init_from": "", "data": str(tmp_path / "tokens.npy"), "out_dir": str(tmp_path)})
+    import disk
+    origin = disk.export_origin({"init_from": "", "data": str(tmp_path / "tokens.npy"), "out_dir": str(tmp_path)})
     assert origin == {"hf_folder": None, "tokenizer": None}
-    assert C.export_tokenizer(origin, str(tmp_path)) == (None, "no tokenizer")
+    assert disk.export_tokenizer(origin, str(tmp_path)) == (None, "no tokenizer")
     assert capsys.readouterr().err == ("warning: --export_hf: no tokenizer files in the export (--data is a token .npy, "
                                        "which names no tokenizer); copy the tokenizer's files into it before loading "
                                        "it with AutoTokenizer\n")
@@ -173,7 +173,7 @@ def test_a_fork_with_a_parameter_llama_lacks_is_refused_before_any_work(tmp_path
 def paced_export(tmp_path, monkeypatch, rank: int, rank0_writes: bool = True, fail_file: str = ""):
     """checkpoint.export_hf on `rank` of W=2 with its collectives and writes recorded, not run: three units of
     one file each. rank0_writes: what rank 0's per-file broadcast says (for rank 1)."""
-    import checkpoint as C
+    import disk
     events = []
     units = [types.SimpleNamespace(slots=[types.SimpleNamespace(name=f"layers.{i}.w", offset=0, shape=(4,))],
                                    numel=4, padded_numel=4) for i in range(3)]
@@ -188,16 +188,16 @@ def paced_export(tmp_path, monkeypatch, rank: int, rank0_writes: bool = True, fa
         events.append(("write", os.path.basename(path)))
 
     def broadcast(tensor, src, group):
-        assert src == 0 and group is C.group  # the checkpoint group: gloo, on the CPU
+        assert src == 0 and group is disk.group  # the checkpoint group: gloo, on the CPU
         if rank != 0:
             tensor.fill_(int(rank0_writes))
         events.append(("broadcast", int(tensor)))
-    monkeypatch.setattr(C, "group", object())
-    monkeypatch.setattr(C, "gather_full_unit", gather)
-    monkeypatch.setattr(C, "write_safetensors_streaming", write)
-    monkeypatch.setattr(C.dist, "broadcast", broadcast)
-    monkeypatch.setattr(C, "finish_export", lambda *args: events.append(("finish",)) or "")
-    C.export_hf(units, None, str(tmp_path / "hf"), torch.bfloat16, 1e-9, rank, {})
+    monkeypatch.setattr(disk, "group", object())
+    monkeypatch.setattr(disk, "gather_full_unit", gather)
+    monkeypatch.setattr(disk, "write_safetensors_streaming", write)
+    monkeypatch.setattr(disk.dist, "broadcast", broadcast)
+    monkeypatch.setattr(disk, "finish_export", lambda *args: events.append(("finish",)) or "")
+    disk.export_hf(units, None, str(tmp_path / "hf"), torch.bfloat16, 1e-9, rank, {})
     return events
 
 
@@ -217,9 +217,9 @@ def test_export_is_paced_per_file_so_no_all_gather_waits_on_the_disk(tmp_path, m
 def test_a_file_rank_0_cannot_write_stops_every_rank_at_that_file(tmp_path, monkeypatch):
     """A full disk on rank 0's second file: rank 0 says so in one line and every rank stops there, gathering
     nothing more (before: rank 0 died with a traceback while the others gathered on and waited)."""
-    import checkpoint as C
-    with pytest.raises(C.CheckpointError, match=r"^--export_hf: cannot write .*model-00002-of-00003.*No space left on device"):
+    import disk
+    with pytest.raises(disk.CheckpointError, match=r"^--export_hf: cannot write .*model-00002-of-00003.*No space left on device"):
         paced_export(tmp_path / "r0", monkeypatch, rank=0, fail_file="model-00002-of-00003.safetensors")
     assert not (tmp_path / "r0" / "hf.partial").exists()
-    with pytest.raises(C.CheckpointError, match="rank 0 could not write model-00001-of-00003.safetensors"):
+    with pytest.raises(disk.CheckpointError, match="rank 0 could not write model-00001-of-00003.safetensors"):
         paced_export(tmp_path / "r1", monkeypatch, rank=1, rank0_writes=False)

@@ -13,7 +13,7 @@ import torch
 from common import ROOT, model_and_tokens, read_metrics, run_train
 from test_launch import free_port, start_launch, start_node, wait_all, wait_for_steps, worker_pids
 
-import checkpoint as C  # noqa: E402
+import disk  # noqa: E402
 import train as T  # noqa: E402
 
 BASE = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=float32", "--steps=6", "--lr=3e-3",
@@ -81,12 +81,12 @@ def test_retention_keeps_the_new_save_whatever_else_is_in_the_folder(files, tmp_
 def test_a_retention_error_is_a_warning(tmp_path, monkeypatch, capsys):
     for step in (1, 2, 3):
         os.makedirs(tmp_path / f"step_{step:08d}")
-        (tmp_path / f"step_{step:08d}" / "manifest.json").write_text(json.dumps({"format": C.CKPT_FORMAT}))
+        (tmp_path / f"step_{step:08d}" / "manifest.json").write_text(json.dumps({"format": disk.CKPT_FORMAT}))
 
     def busy(path):
         raise OSError(16, "Device or resource busy", path)
-    monkeypatch.setattr(C.shutil, "rmtree", busy)
-    C.remove_old_checkpoints(str(tmp_path), 2, str(tmp_path / "step_00000003"))
+    monkeypatch.setattr(disk.shutil, "rmtree", busy)
+    disk.remove_old_checkpoints(str(tmp_path), 2, str(tmp_path / "step_00000003"))
     err = capsys.readouterr().err
     assert "warning: retention could not delete" in err and "step_00000001" in err, err
 
@@ -161,7 +161,7 @@ def test_a_committing_rename_is_followed_by_an_fsync_of_its_folder(tmp_path, mon
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         real_fsync(fd)
     monkeypatch.setattr(os, "fsync", recording_fsync)
-    C.write_atomic(str(tmp_path / "latest"), "step_00000001\n")
+    disk.write_atomic(str(tmp_path / "latest"), "step_00000001\n")
     assert synced == [str(tmp_path / "latest.tmp"), str(tmp_path)]
 
 
@@ -189,14 +189,14 @@ def test_rerunning_a_finished_run_says_so_and_touches_nothing(files, tmp_path):
     # yet written (a finished run is exported with --from_ckpt), decided from the manifest alone:
     ckpt = tmp_path / "checkpoints" / "step_00000002"
     args = BASE + files + [f"--out_dir={tmp_path}"]
-    assert C.finished_run(T.parse_args(args + ["--steps=1"])) == (
+    assert disk.finished_run(T.parse_args(args + ["--steps=1"])) == (
         f"already at step 2, beyond --steps 1 ({ckpt}); raise --steps to continue")
-    assert C.finished_run(T.parse_args(args + ["--steps=2", f"--export_hf={tmp_path / 'new'}"])) == (
+    assert disk.finished_run(T.parse_args(args + ["--steps=2", f"--export_hf={tmp_path / 'new'}"])) == (
         f"already at step 2 of 2 ({ckpt}); raise --steps to continue; to export it: python train.py "
         f"--from_ckpt {ckpt} --export_hf {tmp_path / 'new'}")
     for more in (["--steps=3"], ["--steps=0"], ["--steps=2", "--resume=never", "--overwrite"],
                  ["--steps=2", f"--from_ckpt={ckpt}", f"--export_hf={tmp_path / 'new'}"]):
-        assert C.finished_run(T.parse_args(args + more)) is None, more
+        assert disk.finished_run(T.parse_args(args + more)) is None, more
 
 
 def test_a_restart_after_overwrite_resumes_instead_of_deleting_the_run(files, tmp_path):
@@ -225,7 +225,7 @@ def test_overwrite_happens_once_per_run_whoever_restarts_it(tmp_path):
 
     def overwrites(**env) -> bool:
         used()
-        kept = C.overwrite_once(str(tmp_path), env)
+        kept = disk.overwrite_once(str(tmp_path), env)
         deleted = not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
         assert deleted == (kept is None), kept
         return deleted

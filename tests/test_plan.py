@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import model as M  # noqa: E402
-import checkpoint as C  # noqa: E402
+import disk  # noqa: E402
 import checks  # noqa: E402
 import plan as P  # noqa: E402
 import offload as O  # noqa: E402
@@ -371,8 +371,8 @@ def test_checkpoint_bytes_per_rank_are_what_the_trainer_writes(tmp_path):
     # Rank 0's file at a W whose padding is not zero, written by the trainer's own save function.
     mcfg, world = M.PRESETS["tiny"](), 3
     units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16)
-    tensors = [(f"{u.name}.{kind}", t) for u in units for kind, t in C.saved_tensors(u)]
-    _, written = C.write_safetensors_streaming(str(tmp_path / "rank0.safetensors"), tensors)
+    tensors = [(f"{u.name}.{kind}", t) for u in units for kind, t in disk.saved_tensors(u)]
+    _, written = disk.write_safetensors_streaming(str(tmp_path / "rank0.safetensors"), tensors)
     assert written == (tmp_path / "rank0.safetensors").stat().st_size
     predicted = P.checkpoint_bytes_per_rank(mcfg, world)
     header_bound = P.ASSUMPTIONS["checkpoint_header_bytes_per_tensor"][0] * len(tensors)

@@ -12,7 +12,7 @@ from common import hf_model, learnable_tokens, ours_from_hf, run_train, save_hf,
 from common import live_tensor_bytes
 from test_data import TEXTS, hf_tokenizer, write_jsonl
 
-import checkpoint as C
+import disk
 import checks
 import data as D
 import model as M
@@ -112,7 +112,7 @@ def test_sharded_decoding_equals_generate_stops_at_end_ids_and_leaves_nothing_be
         assert stopped[1] == hf_generate(ref, sampler.prompts[1], 10, [first[k]])
     finally:
         T.dist.destroy_process_group()
-        C.group = None
+        disk.group = None
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """State on disk: the out_dir a run owns, its own checkpoints (save, retention, resume at any world size),
-and Hugging Face folders (import by sliced reads, export one unit at a time).
+and Hugging Face folders (import by partial reads, export one unit at a time).
 
 All this file needs of train.py's units: `name`, `numel`, `padded_numel`, `shard_numel`, `shard_start`,
 `slots` (each parameter's place in the unit's flat buffer), `master_shard` and `optimizer_state` (a dict
@@ -7,7 +7,7 @@ of fp32 tensors shaped like master_shard, named by the optimizer).
 
   out_dir/.lock                                      rank 0's flock for the whole run: one run per out_dir
   out_dir/checkpoints/step_00000100/manifest.json   step, configs, world size, file checksums
-                     /step_00000100/rank00000-of-00016.safetensors  that rank's master and optimizer slices
+                     /step_00000100/rank00000-of-00016.safetensors  that rank's master and optimizer shards
   out_dir/checkpoints/latest                         "step_00000100", replaced atomically
   out_dir/checkpoints/.tmp-step_00000200/            a save in progress: never loaded
 """
@@ -257,7 +257,7 @@ def check_out_dir_claim(out_dir: str, step: int):
             f"local_lock=none (NFS), or give each run its own --out_dir. Step {step} was not saved; this run stops")
 
 # ================================================================================================
-# Own checkpoints: each rank writes its slices; rank 0 commits atomically; resume re-slices for any W
+# Own checkpoints: each rank writes its shards; rank 0 commits atomically; resume re-shards for any W
 # ================================================================================================
 #
 # 4 bytes per parameter per saved tensor / W per rank: 12 with AdamW (master, exp_avg, exp_avg_sq).
@@ -365,7 +365,7 @@ def fsync_dir(path: str):
 
 
 def saved_tensors(unit) -> list:
-    """What a checkpoint holds of a unit: the fp32 master slice and each optimizer state slice, by name.
+    """What a checkpoint holds of a unit: the fp32 master shard and each optimizer state shard, by name.
     Gradients are zero at a step boundary and are not saved."""
     return [("master_shard", unit.master_shard)] + list(unit.optimizer_state.items())
 
@@ -632,10 +632,10 @@ def check_manifest_numbers(path: str, manifest: dict):
 
 
 def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = False):
-    """Fills this rank's slices from the checkpoint, whatever world size saved it: the flat layout of a
-    unit does not depend on W, so a new slice [a, b) is read from the old rank files that cover it.
+    """Fills this rank's shards from the checkpoint, whatever world size saved it: the flat layout of a
+    unit does not depend on W, so a new shard [a, b) is read from the old rank files that cover it.
     Each file read is checked against the manifest's size and SHA-256 first. `master_only`: the fp32
-    master slices alone (a new phase starts with a fresh optimizer, whichever one saved the checkpoint)."""
+    master shards alone (a new phase starts with a fresh optimizer, whichever one saved the checkpoint)."""
     from safetensors import safe_open
     check_manifest_numbers(path, manifest)
     old_world = manifest["world_size"]
@@ -753,7 +753,7 @@ def check_checkpoint_files(path: str, flag: str) -> dict:
 
 
 def load_weights(path: str, units: list, flag: str) -> int:
-    """The fp32 master slices of the checkpoint `path`, re-sliced for this run's world size, and no
+    """The fp32 master shards of the checkpoint `path`, re-sharded for this run's world size, and no
     optimizer state: --init_from (a new phase: step 1, a fresh optimizer and data position) and
     --from_ckpt. Each rank verifies the files it reads (size, SHA-256) and all agree before any step.
     Returns the checkpoint's step."""
@@ -773,7 +773,7 @@ def load_weights(path: str, units: list, flag: str) -> int:
 
 
 # ================================================================================================
-# Hugging Face folders: import by sliced reads, export one unit at a time
+# Hugging Face folders: import by partial reads, export one unit at a time
 # ================================================================================================
 
 # config.json, both forms seen in the wild: the published Llama 3.x one (`rope_theta` + `rope_scaling`) and
@@ -930,8 +930,8 @@ def hf_name(name: str) -> str:
 
 
 def load_unit_from_hf(unit, files: dict, open_files: dict):
-    """Reads only this rank's slice of each parameter (safetensors reads slices without loading the
-    tensor): at most one extra row on each side of the slice is read, then cut away."""
+    """Reads only this rank's shard of each parameter (safetensors reads shards without loading the
+    tensor): at most one extra row on each side of the shard is read, then cut away."""
     from safetensors import safe_open
     lo_shard, hi_shard = unit.shard_start, unit.shard_start + unit.shard_numel
     for slot in unit.slots:
