@@ -1,7 +1,8 @@
 """Model parity: our Llama computes the same logits as transformers' LlamaForCausalLM (fp32, <= 1e-5)."""
 import pytest
 import torch
-from common import C, M, hf_model, ours_from_hf, small_config
+from common import M, hf_model, ours_from_hf, small_config
+import disk
 
 import checks
 
@@ -24,13 +25,13 @@ def test_logits_match_hf(tied, scaling, kv_heads):
 
 
 def _published_form(cfg):
-    d = C.config_to_hf(cfg, torch.float32)
+    d = disk.config_to_hf(cfg, torch.float32)
     assert "rope_parameters" not in d and d["rope_scaling"]["rope_type"] == "llama3"
     return d
 
 
 def _rope_parameters_form(cfg):
-    d = C.config_to_hf(cfg, torch.float32)
+    d = disk.config_to_hf(cfg, torch.float32)
     d["rope_parameters"] = dict(d.pop("rope_scaling"), rope_theta=d.pop("rope_theta"))
     return d
 
@@ -39,7 +40,7 @@ def _rope_parameters_form(cfg):
 def test_both_config_json_forms(make_form):
     cfg = small_config(rope_scaling=SCALING, rope_theta=50000.0)
     hf_dict = make_form(cfg)
-    parsed = C.config_from_hf(hf_dict)
+    parsed = disk.config_from_hf(hf_dict)
     assert parsed == cfg
     ref = hf_model(parsed, hf_config=hf_dict)
     ours = ours_from_hf(parsed, ref)
