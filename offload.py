@@ -111,43 +111,89 @@ class OffloadedCheckpoint(torch.autograd.Function):
 # --offload_optimizer
 # ------------------------------------------------------------------------------------------------
 
-class HostOptimizer:
-    """What --offload_optimizer adds to a unit whose fp32 shards train.build_units put in pinned host memory
-    (pinned: copies to and from the GPU run without the host waiting): `compute_shard`, the device copy the
-    all-gathers read, and the gradient shards on their way to the host."""
+GRAD_SLOTS = 2  # reduce-scattered slices on their way to host memory at once (backward waits for a free slot)
 
-    def __init__(self, unit, host_adds: list):
+
+def host_buffer_numel(shard_numels: list[int], tensors_per_unit: int) -> int:
+    """fp32 elements of a rank's one host buffer: each unit's state tensors (master, gradient, optimizer
+    state: `tensors_per_unit` x its shard), then GRAD_SLOTS staging slots as large as the largest shard. What
+    plan.host_bytes_per_gpu and checks.check_host_memory count, byte for byte."""
+    return tensors_per_unit * sum(shard_numels) + GRAD_SLOTS * max(shard_numels)
+
+
+def page_lock(buffer: torch.Tensor):
+    """Pins an ordinary (exactly sized) host tensor with cudaHostRegister. Not pin_memory=True: PyTorch's
+    caching host allocator rounds every allocation up to a power of two, so a 70B block's 408 MiB shard at
+    W=8 would take 512 MiB, and one 130 GiB buffer 256 GiB. Registered memory is what copies with
+    non_blocking=True need to run without the host waiting (tests/fake_cuda.py replaces this)."""
+    nbytes = buffer.numel() * buffer.element_size()
+    error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+    if error:
+        raise RuntimeError(f"--offload_optimizer: cudaHostRegister of {nbytes / 2**30:,.1f} GiB of host memory failed "
+                           f"(CUDA error {error}); is the memory locked-memory limit (ulimit -l) unlimited?")
+
+
+class HostState:
+    """One rank's --offload_optimizer host memory: a single page-locked fp32 buffer of which every unit's
+    master, gradient and optimizer state shard is a view, and GRAD_SLOTS staging slots for the copies between
+    host and device."""
+
+    def __init__(self, units: list, device: torch.device):
+        tensors_per_unit = 2 + len(units[0].optimizer_state)
+        shards = [u.shard_numel for u in units]
+        self.buffer = torch.zeros(host_buffer_numel(shards, tensors_per_unit), dtype=torch.float32)
+        if device.type == "cuda":
+            page_lock(self.buffer)
+        views = iter(self.buffer[:tensors_per_unit * sum(shards)].split(
+            [n for n in shards for _ in range(tensors_per_unit)]))
+        for u in units:
+            u.master_shard, u.grad_shard = next(views), next(views)
+            u.optimizer_state = {name: next(views) for name in u.optimizer_state}
+        self.free_slots = list(self.buffer[tensors_per_unit * sum(shards):].view(GRAD_SLOTS, max(shards)))
+
+
+class HostOptimizer:
+    """What --offload_optimizer adds to a unit whose fp32 shards are views of the rank's HostState: `compute_shard`,
+    the device copy the all-gathers read, and the gradient shards on their way to the host."""
+
+    def __init__(self, unit, state: HostState, host_adds: list):
         self.compute_shard = torch.zeros(unit.shard_numel, dtype=unit.gathered.dtype, device=unit.gathered.device)
-        self.host_adds = host_adds  # shared by the model's units: (unit, host copy, device shard, copied event)
+        self.state = state          # the rank's one host buffer and its staging slots
+        self.host_adds = host_adds  # shared by the model's units: (unit, host copy, device shard, copied event, slot)
 
     def add_grad(self, unit, out: torch.Tensor):
-        """A reduce-scattered shard is copied to host memory without waiting (on CUDA) and added there later,
-        by finish_host_adds: the host thread keeps queuing backward meanwhile. At most two copies wait, so
-        their pinned buffers stay small."""
-        host = torch.empty(out.shape, dtype=out.dtype, device="cpu", pin_memory=out.is_cuda)
+        """A reduce-scattered shard is copied into a staging slot of host memory without waiting (on CUDA) and
+        added there later, by finish_host_adds: the host thread keeps queuing backward meanwhile. At most
+        GRAD_SLOTS copies wait: the oldest is finished first when all slots are taken."""
+        finish_host_adds(self.host_adds, keep=GRAD_SLOTS - 1)
+        slot = self.state.free_slots.pop(0)
+        host = slot.view(out.dtype)[:out.numel()]  # --reduce_dtype bfloat16: the slot's first half, as bf16
         host.copy_(out, non_blocking=True)
         copied = torch.cuda.Event() if out.is_cuda else None
         if copied is not None:
             copied.record()
-        self.host_adds.append((unit, host, out, copied))  # `out` stays alive until the copy has read it
-        finish_host_adds(self.host_adds, keep=2)
+        self.host_adds.append((unit, host, out, copied, slot))  # `out` stays alive until the copy has read it
 
 
-def offload_optimizer(units: list, host_adds: list):
+def offload_optimizer(units: list, host_adds: list) -> HostState:
+    """Every unit's fp32 state moved into the rank's one page-locked host buffer, and each unit's device copy."""
+    state = HostState(units, units[0].gathered.device)
     for unit in units:
-        unit.host = HostOptimizer(unit, host_adds)
+        unit.host = HostOptimizer(unit, state, host_adds)
+    return state
 
 
 def finish_host_adds(host_adds: list, keep: int = 0):
-    """Waits for the oldest gradient copies to host memory until `keep` remain, and adds each into its unit's
-    host accumulator (fp32, as on the device)."""
+    """Waits for the oldest gradient copies to host memory until `keep` remain, adds each into its unit's
+    host accumulator (fp32, as on the device) and frees its staging slot."""
     while len(host_adds) > keep:
-        unit, host, _, copied = host_adds.pop(0)
+        unit, host, _, copied, slot = host_adds.pop(0)
         if copied is not None:
             copied.synchronize()
         # A bf16 shard (--reduce_dtype bfloat16) is cast first: the same sum, ~4x faster than a mixed-dtype
         # add_ on the CPU (BENCHMARKS.md, host AdamW), and this runs while backward is being queued.
         unit.grad_shard.add_(host if host.dtype == unit.grad_shard.dtype else host.float())
+        unit.host.state.free_slots.append(slot)
 
 
 def refresh_compute_shards(units: list):

@@ -24,6 +24,7 @@ import math
 
 import model as M
 import checks
+import offload as O
 import metrics
 import sample
 import train as T
@@ -81,6 +82,13 @@ ASSUMPTIONS = {
                                 "assumption for a typical PCIe server. Other servers differ: check yours (free -g)",
     "host_usable_fraction": (0.9, "assumption: the OS, the data loader workers, CUDA/NCCL host allocations and "
                                   "the page cache keep ~10% of host memory; host_fits compares against the rest"),
+    "pinning": "pinned host memory as allocated: pin_memory=True goes through PyTorch's caching host allocator, "
+               "which rounds each allocation up to a power of two (a 408 MiB slice takes 512 MiB); the "
+               "--offload_optimizer state is one exact buffer registered with cudaHostRegister instead "
+               "(offload.HostState). PREDICTION, not measured: registering ~130 GiB per rank (70B, W=8) takes "
+               "~1-2 minutes at start-up, at the ~1-2 GB/s page-locking rate reported in openvm-org/stark-"
+               "backend PR #384, after zeroing it (first touch); 8 ranks registering at once may be slower "
+               "(vllm-project/vllm issue #42632)",
     "host_cores_per_node": "physical CPU cores of the server: DGX H100/H200 2 x Xeon Platinum 8480C, 112 cores "
                            "total (same source); DGX A100 2 x EPYC 7742 (64 each) = 128; h100-pcie 64 (assumption)",
     "host_memory_gbps_per_node": "nominal DRAM bandwidth of the server: 2 sockets x 8 channels x DDR5-4800 x 8 B "
@@ -289,12 +297,22 @@ def recompute_peak_bytes(mcfg: M.ModelConfig, cfg, expanded_kv: bool = False) ->
 
 
 def host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int) -> dict:
-    """Pinned host memory per GPU by part: the offloaded state (--offload_optimizer: fp32 master, gradient
-    accumulator and each optimizer state tensor, 16 B x padded N / W) and the offloaded block inputs
-    (--offload_activations: every offloaded block's input of one micro-batch)."""
-    state = state_bytes() * sum(padded(n, world) for n in unit_numels(mcfg)) / world if cfg.offload_optimizer else 0
-    activations = sum(b for b, off in block_kept_bytes(mcfg, cfg) if off)
+    """Pinned host memory per GPU by part, as allocated: the offloaded state (--offload_optimizer: one
+    registered buffer, offload.HostState: fp32 master, gradient accumulator and each optimizer state tensor,
+    16 B x padded N / W, and the staging slots for the gradients on their way down) and the offloaded block
+    inputs (--offload_activations: every offloaded block's input of one micro-batch, each rounded up to a
+    power of two by PyTorch's caching host allocator)."""
+    state = 0
+    if cfg.offload_optimizer:
+        shards = [padded(n, world) // world for n in unit_numels(mcfg)]
+        state = 4 * O.host_buffer_numel(shards, state_bytes() // 4)
+    activations = sum(pinned_allocation_bytes(b) for b, off in block_kept_bytes(mcfg, cfg) if off)
     return dict(state=state, activations=activations)
+
+
+def pinned_allocation_bytes(nbytes: float) -> int:
+    """What pin_memory=True takes for `nbytes`: the caching host allocator's power of two (ASSUMPTIONS pinning)."""
+    return 1 << max(0, math.ceil(nbytes) - 1).bit_length() if nbytes else 0
 
 
 def host_usable_gib_per_node(cfg) -> float:

@@ -304,9 +304,8 @@ class Unit:
         self.shard_numel = self.padded_numel // world
         self.shard_start = rank * self.shard_numel  # this rank's shard of the flat buffer
 
-        # The fp32 state, on the device (on the host with --offload_optimizer: `host` then holds the rest).
-        state_device = state_device or device
-        f32 = dict(dtype=torch.float32, device=state_device, pin_memory=state_device != device)
+        # The fp32 state, on the device (--offload_optimizer: views of one host buffer, offload.HostState).
+        f32 = dict(dtype=torch.float32, device=state_device or device)
         self.master_shard = torch.zeros(self.shard_numel, **f32)
         self.grad_shard = torch.zeros(self.shard_numel, **f32)
         self.optimizer_state = {name: torch.zeros(self.shard_numel, **f32) for name in OPTIMIZER_STATE}
@@ -539,7 +538,7 @@ class ShardedModel:
         with torch.device("meta"):  # shapes only: construction allocates nothing
             self.model = M.Llama(mcfg)
         self.reduces_in_flight, self.host_adds = [], []  # reduce-scatters, and (offload) copies to the host, in flight
-        state_device = torch.device("cpu") if cfg.offload_optimizer else device
+        state_device = torch.device("meta") if cfg.offload_optimizer else device  # meta: offload.py places it
         self.units = build_units(self.model, rank, world, device, self.compute_dtype, state_device)
         if cfg.offload_optimizer:  # the optimizer on the CPU, the device keeping a compute-dtype copy (offload.py)
             O.offload_optimizer(self.units, self.host_adds)

@@ -631,7 +631,7 @@ def planned(mcfg, cfg, world: int, flash_attn: bool) -> dict:
                           for p, parts in phases.items()}
     peak_phase = max(allocated_by_phase, key=allocated_by_phase.get)
     return dict(phases=phases, allocated_by_phase=allocated_by_phase, peak_phase=peak_phase,
-                allocated_bytes=allocated_by_phase[peak_phase])
+                allocated_bytes=allocated_by_phase[peak_phase], host_bytes=P.host_bytes_per_gpu(mcfg, cfg, world))
 
 
 def child(argv):
@@ -669,6 +669,12 @@ def child(argv):
     install_host_read([2.5, 2 * cfg.grad_clip if cfg.grad_clip else 1.0])  # loss, grad norm: clipped
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
     memory, pinned = DeviceMemory(), weakref.WeakSet()
+
+    def fake_page_lock(buffer):  # cudaHostRegister: the buffer is pinned as it is, no rounding
+        used["host buffers page-locked"] += 1
+        used["host bytes page-locked"] += buffer.numel() * buffer.element_size()
+        pinned.add(buffer.untyped_storage())
+    O.page_lock = fake_page_lock
     memory.snapshot_phase = args.snapshot
     watch_resizes(memory)
     device = torch.device("cuda", 0)

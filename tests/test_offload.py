@@ -71,7 +71,7 @@ def test_offload_without_the_host_memory_for_it_stops_at_once(tmp_path):
     proc = run_train(["--model=llama3-70b", "--offload_optimizer=true", "--steps=1", f"--out_dir={tmp_path}"],
                      nproc=1, check=False, timeout=120)
     assert proc.returncode != 0
-    assert "error: --offload_optimizer: the 1 rank(s) on this node need 1,051.3 GiB of host memory" in proc.stderr
+    assert "error: --offload_optimizer: the 1 rank(s) on this node need 1,059.2 GiB of host memory" in proc.stderr
     assert "GiB available; use more nodes, or train without --offload_optimizer" in proc.stderr
 
 
@@ -96,6 +96,41 @@ def test_offloaded_state_lives_in_host_memory(tmp_path):
     O.refresh_compute_shards(units)
     for u in units:
         assert (u.host.compute_shard == 1.5).all() and u.gather_input() is u.host.compute_shard
+
+
+def test_the_host_state_is_one_buffer_of_exactly_the_planners_bytes():
+    """Pinned memory from pin_memory=True is rounded up to a power of two per allocation (a 70B block's 408 MiB
+    slice at W=8 takes 512 MiB): the state is one buffer, registered as it is, every unit's fp32 tensor a view
+    of it, and plan.py (and so the start-up check) counts its bytes exactly, staging slots included."""
+    import dataclasses
+    import torch
+    import model as M
+    import offload as O
+    import plan as P
+    import train as T
+    mcfg, world = small_config(), 3
+    with torch.device("meta"):
+        model = M.Llama(mcfg)
+    units = T.build_units(model, 0, world, torch.device("cpu"), torch.bfloat16, state_device=torch.device("meta"))
+    state = O.offload_optimizer(units, host_adds=[])
+    buffer = state.buffer
+    assert buffer.is_contiguous() and buffer.dtype == torch.float32
+    start, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel() * 4
+    for u in units:
+        for t in (u.master_shard, u.grad_shard, *u.optimizer_state.values()):
+            assert t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            assert start <= t.data_ptr() and t.data_ptr() + t.numel() * 4 <= end and t.numel() == u.shard_numel
+    assert any(u.padded_numel != u.numel for u in units)  # the padding is counted too
+    cfg = dataclasses.replace(T.TrainConfig(offload_optimizer=True), nnodes=1, nproc_per_node=world)
+    assert P.host_bytes_per_gpu(mcfg, cfg, world)["state"] == buffer.numel() * buffer.element_size()
+    # 70B at W=8: exact where pin_memory=True would take 512 MiB per 408 MiB block slice
+    big, cfg8 = M.PRESETS["llama3-70b"](), dataclasses.replace(cfg, nproc_per_node=8)
+    block_slice = P.unit_numels(big)[1] * 4 // 8
+    assert P.pinned_allocation_bytes(block_slice) == 512 * 2**20 and 400 * 2**20 < block_slice < 410 * 2**20
+    exact = 4 * O.host_buffer_numel([P.padded(n, 8) // 8 for n in P.unit_numels(big)], 4)
+    assert P.host_bytes_per_gpu(big, cfg8, 8)["state"] == exact < 133 * 2**30
+    rounded = sum(4 * P.pinned_allocation_bytes(4 * (P.padded(n, 8) // 8)) for n in P.unit_numels(big))
+    assert rounded > 1.2 * exact  # what one pin_memory=True tensor per state shard would have taken
 
 
 def test_the_cpu_update_gets_its_share_of_the_cores():
