@@ -112,15 +112,18 @@ ASSUMPTIONS = {
                                     "4 B), clipping (read + write 4 B), the bf16 cast for the copy back (read "
                                     "4 B, write 2 B), at the host memory bandwidth"),
     "offload_optimizer": "--offload_optimizer: per micro-batch each unit's reduce-scattered slice goes GPU->host "
-                         "(--reduce_dtype bytes per element) as its reduce-scatter completes and is added into "
-                         "the fp32 accumulator on the CPU (read 4 B + the slice, write 4 B; "
-                         "offload.finish_host_adds, on the rank's main thread while the GPU runs the queued "
-                         "backward, with offload.optimizer_threads = the node's cores / ranks); both overlap "
-                         "backward, only what exceeds the backward compute is exposed (backward = compute less "
-                         "one plain forward, by FLOPs). After the last micro-batch: norm, clip and AdamW on the "
-                         "CPU, then 2 B per element host->GPU: neither overlaps GPU compute (the trainer's "
-                         "first version). CPU throughput per GPU = min(per-core rate x cores "
-                         "per GPU x host_cpu_efficiency, host memory bandwidth per GPU / bytes per element)",
+                         "(--reduce_dtype bytes per element) on a copy stream as its reduce-scatter completes and "
+                         "is added into the fp32 accumulator on the CPU (read 4 B + the slice, write 4 B) by the "
+                         "rank's worker thread (offload.HostState), not the thread that queues backward; "
+                         "offload.optimizer_threads = the node's cores / ranks. Both overlap backward; what exceeds "
+                         "the backward compute (= compute less one plain forward, by FLOPs) is exposed, and, "
+                         "after the last micro-batch only, the last unit's (the embedding's) copy down and add, "
+                         "which nothing overlaps. Then norm, clip and AdamW on the CPU (exposed), and each unit "
+                         "cast to bf16 on the host and sent up (2 B per element) on the copy stream while the "
+                         "host casts the next: only the PCIe time beyond the cast is exposed (the next step's "
+                         "gathers wait for each unit's copy on the GPU, not the host). CPU throughput per GPU = "
+                         "min(per-core rate x cores per GPU x host_cpu_efficiency, host memory bandwidth per GPU / "
+                         "bytes per element)",
     "attention": "memory: flash-attn (flash_attn_varlen_func for --doc_mask) or, where it does not import, "
                  "SDPA, whose memory-efficient kernel takes --doc_mask's T x T mask (per micro-batch, all of a "
                  "step's alive at once) and K/V repeated to the query's heads (model.sdpa_expands_kv). --plan "
@@ -507,7 +510,8 @@ def host_gbps_per_gpu(gpu: dict, nproc_per_node: int) -> float:
 def offload_optimizer_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
     """--offload_optimizer, per step per GPU: PCIe bytes and seconds both ways, the host's gradient
     accumulation and update. Per micro-batch the slices come down (D2H) and are accumulated while backward
-    runs; after the last one the CPU update and the copy back up (H2D) add to the step."""
+    runs; after the last one the CPU update adds to the step, the copy back up (H2D) only where it is slower
+    than the host's cast it overlaps (ASSUMPTIONS offload_optimizer)."""
     slice_numel = sum(padded(n, world) for n in unit_numels(mcfg)) / world
     rbytes = REDUCE_BYTES[cfg.reduce_dtype]
     micro_steps = cfg.batch_size // (world * cfg.micro_batch_size)
@@ -518,8 +522,12 @@ def offload_optimizer_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> d
     adamw = host_elements_per_s(gpu, cfg.nproc_per_node, ASSUMPTIONS["host_adamw_per_core"][0], ADAMW_HOST_BYTES)
     host_gbps = host_gbps_per_gpu(gpu, cfg.nproc_per_node)
     extra_s = ASSUMPTIONS["host_update_extra_bytes"][0] * slice_numel / (1e9 * host_gbps)
+    cast_s = (4 + COMPUTE_BYTES) * slice_numel / (1e9 * host_gbps)  # part of extra_s: the copies up overlap it
+    last_numel = padded(unit_numels(mcfg)[0], world) / world  # the embedding: backward's last unit
     return dict(pcie_d2h_gb=micro_steps * d2h_bytes / 1e9, pcie_h2d_gb=h2d_bytes / 1e9,
                 d2h_s_per_micro=d2h_bytes / pcie, h2d_s=h2d_bytes / pcie,
+                h2d_exposed_s=max(0.0, h2d_bytes / pcie - cast_s),
+                last_unit_tail_s=last_numel * rbytes / pcie + last_numel / accumulate,
                 accumulate_s_per_micro=slice_numel / accumulate,
                 host_adamw_s=slice_numel / adamw, host_extra_s=extra_s,
                 host_adamw_elements_per_s_per_gpu=adamw, host_accumulate_elements_per_s_per_gpu=accumulate)
@@ -565,7 +573,7 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
         optimizer_s = o["host_adamw_s"] + o["host_extra_s"]
         host = dict(pcie_d2h_gb=o["pcie_d2h_gb"], pcie_h2d_gb=o["pcie_h2d_gb"],
                     pcie_d2h_s=micro_steps * o["d2h_s_per_micro"], pcie_h2d_s=o["h2d_s"],
-                    pcie_exposed_s=micro_steps * d2h_exposed + o["h2d_s"],
+                    pcie_exposed_s=micro_steps * d2h_exposed + o["last_unit_tail_s"] + o["h2d_exposed_s"],
                     host_accumulate_s=micro_steps * o["accumulate_s_per_micro"], host_optimizer_s=optimizer_s,
                     host_adamw_elements_per_s_per_gpu=o["host_adamw_elements_per_s_per_gpu"],
                     host_accumulate_elements_per_s_per_gpu=o["host_accumulate_elements_per_s_per_gpu"])
@@ -875,7 +883,8 @@ def table(p: dict, cfg) -> str:
     if cfg.offload_optimizer:
         lines += [f"optimizer offload per step per GPU (predicted): PCIe down {p['pcie_d2h_gb']:.1f} GB "
                   f"({p['pcie_d2h_s']:.2f} s) and host accumulation {p['host_accumulate_s']:.2f} s, both during "
-                  f"backward; PCIe up {p['pcie_h2d_gb']:.1f} GB ({p['pcie_h2d_s']:.2f} s, exposed); CPU update "
+                  f"backward (worker thread); PCIe up {p['pcie_h2d_gb']:.1f} GB ({p['pcie_h2d_s']:.2f} s, during the "
+                  f"host's bf16 cast); exposed PCIe and host adds {p['pcie_exposed_s']:.2f} s; CPU update "
                   f"{p['optimizer_s']:.2f} s at {p['host_adamw_elements_per_s_per_gpu'] / 1e9:.2f}G elements/s per "
                   f"GPU (extrapolated from a per-core rate measured on a 2-core machine, see ASSUMPTIONS)"]
     if cfg.offload_activations:

@@ -351,7 +351,7 @@ class Unit:
     def gather_input(self) -> torch.Tensor:
         """This rank's shard in the compute dtype, on the device: bf16 over the wire is half the bytes."""
         if self.host:  # --offload_optimizer: the device copy (offload.py)
-            return self.host.compute_shard
+            return self.host.gather_input()
         return self.master_shard.to(self.gathered.dtype)
 
     def free(self):
@@ -489,9 +489,9 @@ def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: i
             loss = fault_hook("loss", step, sharded.rank, loss)
         loss.backward()  # the reduce-scatters start inside, unit by unit (reduce_scatter_grad)
         finish_reduces(sharded.reduces_in_flight)
-        if cfg.offload_optimizer:
-            O.finish_host_adds(sharded.host_adds)
         loss_sum += loss.detach().float()
+    if cfg.offload_optimizer:  # the host's adds ran on its worker thread meanwhile: the last ones (offload.py)
+        O.finish_host_adds(sharded.host_adds)
     local_finite = torch.isfinite(loss_sum)  # read only if the step goes bad: reading it waits for the GPU
     dist.all_reduce(loss_sum)
     return loss_sum, local_finite
