@@ -133,7 +133,7 @@ def page_lock(buffer: torch.Tensor):
     error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
     if error:
         raise RuntimeError(f"--offload_optimizer: cudaHostRegister of {nbytes / 2**30:,.1f} GiB of host memory failed "
-                           f"(CUDA error {error}); is the memory locked-memory limit (ulimit -l) unlimited?")
+                           f"(CUDA error {error}); is the locked-memory limit (ulimit -l) unlimited?")
 
 
 def unlock(data_ptr: int):

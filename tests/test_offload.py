@@ -202,6 +202,19 @@ def test_the_host_cast_to_bf16_rounds_as_the_device_does():
         assert torch.equal(got, device_bits[:u.shard_numel])
 
 
+def test_a_host_buffer_cuda_cannot_page_lock_is_one_line(monkeypatch):
+    """cudaHostRegister refuses (e.g. a locked-memory limit below the buffer): train.main turns this
+    RuntimeError into one line, exit 2, on every rank, before the first step."""
+    from types import SimpleNamespace
+    import torch
+    import offload as O
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(cudaHostRegister=lambda ptr, nbytes, flags: 2))
+    with pytest.raises(RuntimeError) as e:
+        O.page_lock(torch.zeros(2**18))
+    assert str(e.value) == ("--offload_optimizer: cudaHostRegister of 0.0 GiB of host memory failed (CUDA error 2); "
+                            "is the locked-memory limit (ulimit -l) unlimited?")
+
+
 def test_the_cpu_update_gets_its_share_of_the_cores():
     """On GPUs torchrun runs each worker with one thread; the offloaded update would then use one core of
     the node's ~100. Each rank takes cores / ranks on the node; on CPU runs nothing changes."""
