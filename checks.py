@@ -230,13 +230,15 @@ def check_host_memory(cfg, mcfg: M.ModelConfig, world: int, state_bytes_per_para
     must fit in what the machine has now, or the kernel kills the job mid-run instead of this line."""
     if not cfg.offload_optimizer or cfg.plan:
         return []
+    import plan as P  # the planner's count is what offload.HostState allocates, byte for byte
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    needed = state_bytes_per_param * M.count_params(mcfg)["total"] / world * local_world
+    needed = sum(P.host_bytes_per_gpu(mcfg, cfg, world).values()) * local_world
     available = host_memory_available_bytes()
     if available is None or needed <= 0.9 * available:  # pinned memory cannot be swapped: leave 10%
         return []
     return [f"--offload_optimizer: the {local_world} rank(s) on this node need {needed / 2**30:,.1f} GiB of host memory "
-            f"for their optimizer state ({state_bytes_per_param} B per parameter / {world} ranks), and this machine has "
+            f"for their optimizer state ({state_bytes_per_param} B per parameter / {world} ranks, and "
+            f"{'staging slots and offloaded block inputs' if cfg.offload_activations else 'staging slots'}), and this machine has "
             f"{available / 2**30:,.1f} GiB available; use more nodes, or train without --offload_optimizer"]
 
 

@@ -233,13 +233,19 @@ def plot_metrics(out_dir: str) -> str:
     return png
 
 
+def host_start_up(state) -> str:
+    """What allocating the offloaded state cost at start-up (plan.ASSUMPTIONS pinning predicts it)."""
+    locked = f", page-locked in {state.page_locked_s:.1f} s" if state.page_locked_s is not None else ""
+    return f"; one buffer, zeroed in {state.zeroed_s:.1f} s{locked}"
+
+
 def startup_line(cfg, sharded, start_step: int) -> str:
     """What runs where, printed once by rank 0 (and where a resumed run starts)."""
     mcfg, world, device = sharded.model.cfg, sharded.world, sharded.device
     state_gib = sum(u.persistent_bytes() for u in sharded.units) / 2**30
     device_gib = sum(u.persistent_bytes(on_device_only=True) for u in sharded.units) / 2**30
     where = (f"persistent state {device_gib:.3f} GiB/rank on {device.type}, {state_gib - device_gib:.3f} GiB/rank "
-             f"in host memory (--offload_optimizer)" if cfg.offload_optimizer else
+             f"in host memory (--offload_optimizer{host_start_up(sharded.units[0].host.state)})" if cfg.offload_optimizer else
              f"persistent state {state_gib:.3f} GiB/rank")
     line = (f"model {mcfg.n_layers}L d={mcfg.dim} {M.count_params(mcfg)['total'] / 1e6:.1f}M params | world {world} on "
             f"{device.type} | {len(sharded.units)} units | {where} | "

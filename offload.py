@@ -10,6 +10,9 @@ state) live in host memory and the optimizer runs on the CPU; the GPU keeps only
 of the master shard, 2 B instead of 16 B per parameter / W. train.Unit asks `unit.host` in two places:
 what the all-gather reads (gather_input) and where a reduce-scattered gradient goes (finish_reduces)."""
 import os
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -111,50 +114,155 @@ class OffloadedCheckpoint(torch.autograd.Function):
 # --offload_optimizer
 # ------------------------------------------------------------------------------------------------
 
-class HostOptimizer:
-    """What --offload_optimizer adds to a unit whose fp32 shards train.build_units put in pinned host memory
-    (pinned: copies to and from the GPU run without the host waiting): `compute_shard`, the device copy the
-    all-gathers read, and the gradient shards on their way to the host."""
+GRAD_SLOTS = 2  # reduce-scattered slices on their way to host memory at once (backward waits for a free slot)
 
-    def __init__(self, unit, host_adds: list):
+
+def host_buffer_numel(shard_numels: list[int], tensors_per_unit: int) -> int:
+    """fp32 elements of a rank's one host buffer: each unit's state tensors (master, gradient, optimizer
+    state: `tensors_per_unit` x its shard), then GRAD_SLOTS staging slots as large as the largest shard. What
+    plan.host_bytes_per_gpu and checks.check_host_memory count, byte for byte."""
+    return tensors_per_unit * sum(shard_numels) + GRAD_SLOTS * max(shard_numels)
+
+
+def page_lock(buffer: torch.Tensor):
+    """Pins an ordinary (exactly sized) host tensor with cudaHostRegister. Not pin_memory=True: PyTorch's
+    caching host allocator rounds every allocation up to a power of two, so a 70B block's 408 MiB shard at
+    W=8 would take 512 MiB, and one 130 GiB buffer 256 GiB. Registered memory is what copies with
+    non_blocking=True need to run without the host waiting (tests/fake_cuda.py replaces this)."""
+    nbytes = buffer.numel() * buffer.element_size()
+    error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+    if error:
+        raise RuntimeError(f"--offload_optimizer: cudaHostRegister of {nbytes / 2**30:,.1f} GiB of host memory failed "
+                           f"(CUDA error {error}); is the locked-memory limit (ulimit -l) unlimited?")
+
+
+def unlock(data_ptr: int):
+    torch.cuda.cudart().cudaHostUnregister(data_ptr)
+
+
+class HostState:
+    """One rank's --offload_optimizer host memory and the machinery around it: a single page-locked fp32 buffer
+    of which every unit's master, gradient and optimizer state shard is a view, GRAD_SLOTS staging slots for
+    the copies between host and device, the copy stream they run on (not the compute stream), and the worker
+    thread that adds the gradients into the host accumulators (not the thread that queues the GPU's work)."""
+
+    def __init__(self, units: list, device: torch.device):
+        tensors_per_unit = 2 + len(units[0].optimizer_state)
+        shards = [u.shard_numel for u in units]
+        start = time.perf_counter()
+        self.buffer = torch.zeros(host_buffer_numel(shards, tensors_per_unit), dtype=torch.float32)
+        self.zeroed_s, self.page_locked_s = time.perf_counter() - start, None  # start-up cost, for the log
+        if device.type == "cuda":
+            start = time.perf_counter()
+            page_lock(self.buffer)
+            self.page_locked_s = time.perf_counter() - start
+            # Unregistered before the buffer's memory goes back (bench/gpu.py runs one model after another);
+            # not at exit, where the process's memory goes anyway.
+            weakref.finalize(self, unlock, self.buffer.data_ptr()).atexit = False
+        views = iter(self.buffer[:tensors_per_unit * sum(shards)].split(
+            [n for n in shards for _ in range(tensors_per_unit)]))
+        for u in units:
+            u.master_shard, u.grad_shard = next(views), next(views)
+            u.optimizer_state = {name: next(views) for name in u.optimizer_state}
+        self.slots = list(self.buffer[tensors_per_unit * sum(shards):].view(GRAD_SLOTS, max(shards)))
+        self.free_slots = list(range(GRAD_SLOTS))
+        self.sent = [None] * GRAD_SLOTS  # CUDA: per slot, the event of the last copy up that reads it
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # One thread, so the adds run in the order the slices arrive (the same sums as on the device); it
+        # uses as many CPU threads as the rank was given (optimizer_threads; torch's count is per thread).
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="host-adds", initializer=torch.set_num_threads,
+                                         initargs=(torch.get_num_threads(),))
+
+
+class HostOptimizer:
+    """What --offload_optimizer adds to a unit whose fp32 shards are views of the rank's HostState: `compute_shard`,
+    the device copy the all-gathers read, and the gradient shards on their way to the host."""
+
+    def __init__(self, unit, state: HostState, host_adds: list):
         self.compute_shard = torch.zeros(unit.shard_numel, dtype=unit.gathered.dtype, device=unit.gathered.device)
-        self.host_adds = host_adds  # shared by the model's units: (unit, host copy, device shard, copied event)
+        self.refreshed = None       # CUDA: the event of compute_shard's latest copy up, until a gather waited for it
+        self.state = state          # the rank's one host buffer, its staging slots, copy stream and worker
+        self.host_adds = host_adds  # shared by the model's units: (the worker's add, its slot, state), oldest first
+
+    def gather_input(self) -> torch.Tensor:
+        """compute_shard for an all-gather; after a refresh the compute stream first waits for its copy up
+        (the GPU waits, not the host: the next step's forward starts while the later units' copies run)."""
+        if self.refreshed is not None:
+            torch.cuda.current_stream(self.compute_shard.device).wait_event(self.refreshed)
+            self.refreshed = None
+        return self.compute_shard
 
     def add_grad(self, unit, out: torch.Tensor):
-        """A reduce-scattered shard is copied to host memory without waiting (on CUDA) and added there later,
-        by finish_host_adds: the host thread keeps queuing backward meanwhile. At most two copies wait, so
-        their pinned buffers stay small."""
-        host = torch.empty(out.shape, dtype=out.dtype, device="cpu", pin_memory=out.is_cuda)
-        host.copy_(out, non_blocking=True)
-        copied = torch.cuda.Event() if out.is_cuda else None
-        if copied is not None:
-            copied.record()
-        self.host_adds.append((unit, host, out, copied))  # `out` stays alive until the copy has read it
-        finish_host_adds(self.host_adds, keep=2)
+        """A reduce-scattered shard is copied into a staging slot of host memory, on the copy stream without
+        waiting (on CUDA), and added into the unit's accumulator by the worker thread once the copy is done:
+        this thread goes on queuing backward. At most GRAD_SLOTS wait; when all slots are taken, the oldest
+        add is waited for."""
+        finish_host_adds(self.host_adds, keep=GRAD_SLOTS - 1)
+        state = self.state
+        slot = state.free_slots.pop(0)
+        host = state.slots[slot].view(out.dtype)[:out.numel()]  # --reduce_dtype bfloat16: the slot's first half
+        copied = None
+        if out.is_cuda:
+            state.copy_stream.wait_stream(torch.cuda.current_stream(out.device))  # after the reduce-scatter
+            with torch.cuda.stream(state.copy_stream):
+                host.copy_(out, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(state.copy_stream)
+        else:
+            host.copy_(out)
+        # `out` stays alive until the worker has seen the copy done: its memory is not reused before
+        self.host_adds.append((state.worker.submit(add_into, unit.grad_shard, host, copied, out), slot, state))
 
 
-def offload_optimizer(units: list, host_adds: list):
+def add_into(accumulator: torch.Tensor, host: torch.Tensor, copied, out: torch.Tensor):
+    """On the worker thread: waits for the copy down (CUDA), then adds the slice into the fp32 accumulator.
+    A bf16 slice (--reduce_dtype bfloat16) is cast first: the same sum, ~4x faster than a mixed-dtype add_ on
+    the CPU (BENCHMARKS.md, host AdamW)."""
+    if copied is not None:
+        copied.synchronize()
+    accumulator.add_(host if host.dtype == accumulator.dtype else host.float())
+
+
+def offload_optimizer(units: list, host_adds: list) -> HostState:
+    """Every unit's fp32 state moved into the rank's one page-locked host buffer, and each unit's device copy."""
+    state = HostState(units, units[0].gathered.device)
     for unit in units:
-        unit.host = HostOptimizer(unit, host_adds)
+        unit.host = HostOptimizer(unit, state, host_adds)
+    return state
 
 
 def finish_host_adds(host_adds: list, keep: int = 0):
-    """Waits for the oldest gradient copies to host memory until `keep` remain, and adds each into its unit's
-    host accumulator (fp32, as on the device)."""
+    """Waits for the oldest adds of the worker thread until `keep` remain (raising here what one raised) and
+    frees their staging slots. With keep=0 every gradient is in its host accumulator."""
     while len(host_adds) > keep:
-        unit, host, _, copied = host_adds.pop(0)
-        if copied is not None:
-            copied.synchronize()
-        # A bf16 shard (--reduce_dtype bfloat16) is cast first: the same sum, ~4x faster than a mixed-dtype
-        # add_ on the CPU (BENCHMARKS.md, host AdamW), and this runs while backward is being queued.
-        unit.grad_shard.add_(host if host.dtype == unit.grad_shard.dtype else host.float())
+        done, slot, state = host_adds.pop(0)
+        done.result()
+        state.free_slots.append(slot)
 
 
 def refresh_compute_shards(units: list):
-    """After the optimizer (or a load) changed the host master shards: each crosses PCIe in fp32 and is cast
-    on the device, so the cast is the same arithmetic as without offload."""
-    for unit in units:
-        unit.host.compute_shard.copy_(unit.master_shard.to(unit.host.compute_shard.device, non_blocking=True))
+    """After the optimizer (or a load) changed the host master shards: each is cast to the compute dtype on
+    the host, into a staging slot, and crosses PCIe in those 2 B (not 4) on the copy stream; the CPU casts
+    the next unit while one is copied. The host's cast rounds to nearest even, as the device's does: the
+    same bits as the trainer without offload (tests/test_offload.py). The gathers wait for each unit's copy
+    (HostOptimizer.gather_input). Called between steps, when no gradient is on its way down."""
+    state, device = units[0].host.state, units[0].host.compute_shard.device
+    assert len(state.free_slots) == GRAD_SLOTS, "a refresh while gradients are on their way to the host"
+    if device.type != "cuda":
+        for unit in units:
+            unit.host.compute_shard.copy_(unit.master_shard)
+        return
+    state.copy_stream.wait_stream(torch.cuda.current_stream(device))  # the gathers that read the old copies
+    for i, unit in enumerate(units):
+        slot, shard = i % GRAD_SLOTS, unit.host.compute_shard
+        if state.sent[slot] is not None:  # its previous copy up has read it
+            state.sent[slot].synchronize()
+        host = state.slots[slot].view(shard.dtype)[:shard.numel()]
+        host.copy_(unit.master_shard)  # the cast, on the host
+        with torch.cuda.stream(state.copy_stream):
+            shard.copy_(host, non_blocking=True)
+            state.sent[slot] = unit.host.refreshed = torch.cuda.Event()
+            state.sent[slot].record(state.copy_stream)
 
 
 def optimizer_threads(cfg, device: torch.device, local_world: int, cores: int) -> int | None:

@@ -24,6 +24,7 @@ import math
 
 import model as M
 import checks
+import offload as O
 import metrics
 import sample
 import train as T
@@ -81,6 +82,13 @@ ASSUMPTIONS = {
                                 "assumption for a typical PCIe server. Other servers differ: check yours (free -g)",
     "host_usable_fraction": (0.9, "assumption: the OS, the data loader workers, CUDA/NCCL host allocations and "
                                   "the page cache keep ~10% of host memory; host_fits compares against the rest"),
+    "pinning": "pinned host memory as allocated: pin_memory=True goes through PyTorch's caching host allocator, "
+               "which rounds each allocation up to a power of two (a 408 MiB slice takes 512 MiB); the "
+               "--offload_optimizer state is one exact buffer registered with cudaHostRegister instead "
+               "(offload.HostState). PREDICTION, not measured: registering ~130 GiB per rank (70B, W=8) takes "
+               "~1-2 minutes at start-up, at the ~1-2 GB/s page-locking rate reported in openvm-org/stark-"
+               "backend PR #384, after zeroing it (first touch); 8 ranks registering at once may be slower "
+               "(vllm-project/vllm issue #42632)",
     "host_cores_per_node": "physical CPU cores of the server: DGX H100/H200 2 x Xeon Platinum 8480C, 112 cores "
                            "total (same source); DGX A100 2 x EPYC 7742 (64 each) = 128; h100-pcie 64 (assumption)",
     "host_memory_gbps_per_node": "nominal DRAM bandwidth of the server: 2 sockets x 8 channels x DDR5-4800 x 8 B "
@@ -104,15 +112,18 @@ ASSUMPTIONS = {
                                     "4 B), clipping (read + write 4 B), the bf16 cast for the copy back (read "
                                     "4 B, write 2 B), at the host memory bandwidth"),
     "offload_optimizer": "--offload_optimizer: per micro-batch each unit's reduce-scattered slice goes GPU->host "
-                         "(--reduce_dtype bytes per element) as its reduce-scatter completes and is added into "
-                         "the fp32 accumulator on the CPU (read 4 B + the slice, write 4 B; "
-                         "offload.finish_host_adds, on the rank's main thread while the GPU runs the queued "
-                         "backward, with offload.optimizer_threads = the node's cores / ranks); both overlap "
-                         "backward, only what exceeds the backward compute is exposed (backward = compute less "
-                         "one plain forward, by FLOPs). After the last micro-batch: norm, clip and AdamW on the "
-                         "CPU, then 2 B per element host->GPU: neither overlaps GPU compute (the trainer's "
-                         "first version). CPU throughput per GPU = min(per-core rate x cores "
-                         "per GPU x host_cpu_efficiency, host memory bandwidth per GPU / bytes per element)",
+                         "(--reduce_dtype bytes per element) on a copy stream as its reduce-scatter completes and "
+                         "is added into the fp32 accumulator on the CPU (read 4 B + the slice, write 4 B) by the "
+                         "rank's worker thread (offload.HostState), not the thread that queues backward; "
+                         "offload.optimizer_threads = the node's cores / ranks. Both overlap backward; what exceeds "
+                         "the backward compute (= compute less one plain forward, by FLOPs) is exposed, and, "
+                         "after the last micro-batch only, the last unit's (the embedding's) copy down and add, "
+                         "which nothing overlaps. Then norm, clip and AdamW on the CPU (exposed), and each unit "
+                         "cast to bf16 on the host and sent up (2 B per element) on the copy stream while the "
+                         "host casts the next: only the PCIe time beyond the cast is exposed (the next step's "
+                         "gathers wait for each unit's copy on the GPU, not the host). CPU throughput per GPU = "
+                         "min(per-core rate x cores per GPU x host_cpu_efficiency, host memory bandwidth per GPU / "
+                         "bytes per element)",
     "attention": "memory: flash-attn (flash_attn_varlen_func for --doc_mask) or, where it does not import, "
                  "SDPA, whose memory-efficient kernel takes --doc_mask's T x T mask (per micro-batch, all of a "
                  "step's alive at once) and K/V repeated to the query's heads (model.sdpa_arguments). --plan "
@@ -289,12 +300,22 @@ def recompute_peak_bytes(mcfg: M.ModelConfig, cfg, expanded_kv: bool = False) ->
 
 
 def host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int) -> dict:
-    """Pinned host memory per GPU by part: the offloaded state (--offload_optimizer: fp32 master, gradient
-    accumulator and each optimizer state tensor, 16 B x padded N / W) and the offloaded block inputs
-    (--offload_activations: every offloaded block's input of one micro-batch)."""
-    state = state_bytes() * sum(padded(n, world) for n in unit_numels(mcfg)) / world if cfg.offload_optimizer else 0
-    activations = sum(b for b, off in block_kept_bytes(mcfg, cfg) if off)
+    """Pinned host memory per GPU by part, as allocated: the offloaded state (--offload_optimizer: one
+    registered buffer, offload.HostState: fp32 master, gradient accumulator and each optimizer state tensor,
+    16 B x padded N / W, and the staging slots for the gradients on their way down) and the offloaded block
+    inputs (--offload_activations: every offloaded block's input of one micro-batch, each rounded up to a
+    power of two by PyTorch's caching host allocator)."""
+    state = 0
+    if cfg.offload_optimizer:
+        shards = [padded(n, world) // world for n in unit_numels(mcfg)]
+        state = 4 * O.host_buffer_numel(shards, state_bytes() // 4)
+    activations = sum(pinned_allocation_bytes(b) for b, off in block_kept_bytes(mcfg, cfg) if off)
     return dict(state=state, activations=activations)
+
+
+def pinned_allocation_bytes(nbytes: float) -> int:
+    """What pin_memory=True takes for `nbytes`: the caching host allocator's power of two (ASSUMPTIONS pinning)."""
+    return 1 << max(0, math.ceil(nbytes) - 1).bit_length() if nbytes else 0
 
 
 def host_usable_gib_per_node(cfg) -> float:
@@ -489,7 +510,8 @@ def host_gbps_per_gpu(gpu: dict, nproc_per_node: int) -> float:
 def offload_optimizer_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
     """--offload_optimizer, per step per GPU: PCIe bytes and seconds both ways, the host's gradient
     accumulation and update. Per micro-batch the slices come down (D2H) and are accumulated while backward
-    runs; after the last one the CPU update and the copy back up (H2D) add to the step."""
+    runs; after the last one the CPU update adds to the step, the copy back up (H2D) only where it is slower
+    than the host's cast it overlaps (ASSUMPTIONS offload_optimizer)."""
     slice_numel = sum(padded(n, world) for n in unit_numels(mcfg)) / world
     rbytes = REDUCE_BYTES[cfg.reduce_dtype]
     micro_steps = cfg.batch_size // (world * cfg.micro_batch_size)
@@ -500,8 +522,12 @@ def offload_optimizer_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> d
     adamw = host_elements_per_s(gpu, cfg.nproc_per_node, ASSUMPTIONS["host_adamw_per_core"][0], ADAMW_HOST_BYTES)
     host_gbps = host_gbps_per_gpu(gpu, cfg.nproc_per_node)
     extra_s = ASSUMPTIONS["host_update_extra_bytes"][0] * slice_numel / (1e9 * host_gbps)
+    cast_s = (4 + COMPUTE_BYTES) * slice_numel / (1e9 * host_gbps)  # part of extra_s: the copies up overlap it
+    last_numel = padded(unit_numels(mcfg)[0], world) / world  # the embedding: backward's last unit
     return dict(pcie_d2h_gb=micro_steps * d2h_bytes / 1e9, pcie_h2d_gb=h2d_bytes / 1e9,
                 d2h_s_per_micro=d2h_bytes / pcie, h2d_s=h2d_bytes / pcie,
+                h2d_exposed_s=max(0.0, h2d_bytes / pcie - cast_s),
+                last_unit_tail_s=last_numel * rbytes / pcie + last_numel / accumulate,
                 accumulate_s_per_micro=slice_numel / accumulate,
                 host_adamw_s=slice_numel / adamw, host_extra_s=extra_s,
                 host_adamw_elements_per_s_per_gpu=adamw, host_accumulate_elements_per_s_per_gpu=accumulate)
@@ -547,7 +573,7 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
         optimizer_s = o["host_adamw_s"] + o["host_extra_s"]
         host = dict(pcie_d2h_gb=o["pcie_d2h_gb"], pcie_h2d_gb=o["pcie_h2d_gb"],
                     pcie_d2h_s=micro_steps * o["d2h_s_per_micro"], pcie_h2d_s=o["h2d_s"],
-                    pcie_exposed_s=micro_steps * d2h_exposed + o["h2d_s"],
+                    pcie_exposed_s=micro_steps * d2h_exposed + o["last_unit_tail_s"] + o["h2d_exposed_s"],
                     host_accumulate_s=micro_steps * o["accumulate_s_per_micro"], host_optimizer_s=optimizer_s,
                     host_adamw_elements_per_s_per_gpu=o["host_adamw_elements_per_s_per_gpu"],
                     host_accumulate_elements_per_s_per_gpu=o["host_accumulate_elements_per_s_per_gpu"])
@@ -857,7 +883,8 @@ def table(p: dict, cfg) -> str:
     if cfg.offload_optimizer:
         lines += [f"optimizer offload per step per GPU (predicted): PCIe down {p['pcie_d2h_gb']:.1f} GB "
                   f"({p['pcie_d2h_s']:.2f} s) and host accumulation {p['host_accumulate_s']:.2f} s, both during "
-                  f"backward; PCIe up {p['pcie_h2d_gb']:.1f} GB ({p['pcie_h2d_s']:.2f} s, exposed); CPU update "
+                  f"backward (worker thread); PCIe up {p['pcie_h2d_gb']:.1f} GB ({p['pcie_h2d_s']:.2f} s, during the "
+                  f"host's bf16 cast); exposed PCIe and host adds {p['pcie_exposed_s']:.2f} s; CPU update "
                   f"{p['optimizer_s']:.2f} s at {p['host_adamw_elements_per_s_per_gpu'] / 1e9:.2f}G elements/s per "
                   f"GPU (extrapolated from a per-core rate measured on a 2-core machine, see ASSUMPTIONS)"]
     if cfg.offload_activations:

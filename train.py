@@ -304,9 +304,8 @@ class Unit:
         self.shard_numel = self.padded_numel // world
         self.shard_start = rank * self.shard_numel  # this rank's shard of the flat buffer
 
-        # The fp32 state, on the device (on the host with --offload_optimizer: `host` then holds the rest).
-        state_device = state_device or device
-        f32 = dict(dtype=torch.float32, device=state_device, pin_memory=state_device != device)
+        # The fp32 state, on the device (--offload_optimizer: views of one host buffer, offload.HostState).
+        f32 = dict(dtype=torch.float32, device=state_device or device)
         self.master_shard = torch.zeros(self.shard_numel, **f32)
         self.grad_shard = torch.zeros(self.shard_numel, **f32)
         self.optimizer_state = {name: torch.zeros(self.shard_numel, **f32) for name in OPTIMIZER_STATE}
@@ -352,7 +351,7 @@ class Unit:
     def gather_input(self) -> torch.Tensor:
         """This rank's shard in the compute dtype, on the device: bf16 over the wire is half the bytes."""
         if self.host:  # --offload_optimizer: the device copy (offload.py)
-            return self.host.compute_shard
+            return self.host.gather_input()
         return self.master_shard.to(self.gathered.dtype)
 
     def free(self):
@@ -490,9 +489,9 @@ def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: i
             loss = fault_hook("loss", step, sharded.rank, loss)
         loss.backward()  # the reduce-scatters start inside, unit by unit (reduce_scatter_grad)
         finish_reduces(sharded.reduces_in_flight)
-        if cfg.offload_optimizer:
-            O.finish_host_adds(sharded.host_adds)
         loss_sum += loss.detach().float()
+    if cfg.offload_optimizer:  # the host's adds ran on its worker thread meanwhile: the last ones (offload.py)
+        O.finish_host_adds(sharded.host_adds)
     local_finite = torch.isfinite(loss_sum)  # read only if the step goes bad: reading it waits for the GPU
     dist.all_reduce(loss_sum)
     return loss_sum, local_finite
@@ -539,7 +538,7 @@ class ShardedModel:
         with torch.device("meta"):  # shapes only: construction allocates nothing
             self.model = M.Llama(mcfg)
         self.reduces_in_flight, self.host_adds = [], []  # reduce-scatters, and (offload) copies to the host, in flight
-        state_device = torch.device("cpu") if cfg.offload_optimizer else device
+        state_device = torch.device("meta") if cfg.offload_optimizer else device  # meta: offload.py places it
         self.units = build_units(self.model, rank, world, device, self.compute_dtype, state_device)
         if cfg.offload_optimizer:  # the optimizer on the CPU, the device keeping a compute-dtype copy (offload.py)
             O.offload_optimizer(self.units, self.host_adds)

@@ -475,7 +475,11 @@ def main() -> int:
 
     def ours(name: str, compiled: bool = False, extra=()):
         mcfg_run, units, step_fn = build_ours(flags + list(extra), compile_blocks=compiled)
+        host = units[0].host.state if units[0].host else None  # --offload_optimizer: its one host buffer
         run = timed_steps(step_fn, warmup, args.steps, device)
+        if host:  # what zeroing and page-locking it took (plan.ASSUMPTIONS pinning predicts the rate)
+            run.update(host_buffer_gib=host.buffer.numel() * 4 / 2**30, host_zeroed_s=host.zeroed_s,
+                       host_page_locked_s=host.page_locked_s)
         release(units)
         if compiled:  # one graph for all blocks (they share code); more means recompiles
             run["graphs_compiled"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])

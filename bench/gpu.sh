@@ -10,6 +10,10 @@
 # PyTorch's allocator (CUDA context + NCCL, NVLS off) against the planner's 1 GiB, whether the selective
 # policy saves flash_attn's attention (flash_attn_unsaved: null) and whether flash_attn failed to import.
 # The group is made by train.init_processes, bound to the GPU: a broken NCCL fails before correctness.
+# --offload_optimizer (the "ours, --offload_optimizer true" run): host_zeroed_s and host_page_locked_s in its JSON
+# are what zeroing and cudaHostRegister of the one host buffer took (plan.ASSUMPTIONS pinning predicts ~1-2 GB/s);
+# its step time against "ours" is what the worker thread's adds, the copy stream and the bf16 copies up
+# leave exposed; an Nsight trace (nsys profile) of it should show the copies down on a stream of their own.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -164,12 +164,28 @@ class Streams:
             self.current = previous
 
 
+class InlineWorker:
+    """offload.HostState's worker thread, run in place: each task as it is submitted (the real thread is
+    exercised by the CPU runs, tests/test_offload.py)."""
+
+    def __init__(self, *args, initializer=None, initargs=(), **kwargs):
+        pass
+
+    def submit(self, fn, *args):
+        import concurrent.futures
+        used["tasks for the host worker"] += 1
+        done = concurrent.futures.Future()
+        done.set_result(fn(*args))
+        return done
+
+
 def record_stream(tensor, stream):
     assert tensor.is_cuda and isinstance(stream, FakeStream), "record_stream needs a CUDA tensor and stream"
     used["record_stream"] += 1
 
 
 CUDA_KERNELS = None  # a torch.library.Library("aten", "IMPL"), alive as long as its registrations
+STREAMS = None       # the Streams stand-in: which stream code runs on
 
 
 def no_kernel(*args, **kwargs):
@@ -184,7 +200,8 @@ def install_cuda_stand_ins():
     # FakeTensorMode creates one real tensor on a new device "to initialise the context": there is none.
     fake_tensor.init_gpu_context = lambda device: None
     CUDA_KERNELS = torch.library.Library("aten", "IMPL")
-    streams = Streams()
+    global STREAMS
+    streams = STREAMS = Streams()
     torch.cuda.Stream, torch.cuda.Event = FakeStream, FakeEvent
     torch.cuda.current_stream, torch.cuda.stream = streams.current_stream, streams.stream
     torch.cuda.synchronize = lambda device=None: used.update(["device synchronized"])
@@ -343,6 +360,11 @@ def is_gradient_accumulation(func, args, out) -> bool:
             and old.dtype == out.dtype and old.is_contiguous() and len(args) == 2)
 
 
+def copy_kind(direction: str, dtype) -> str:
+    """e.g. "async copies host to device bfloat16 on a side stream": what crossed PCIe, and on which stream."""
+    return f"async copies {direction} {str(dtype)[6:]}" + (" on a side stream" if STREAMS.current is not None else "")
+
+
 def make_memory_mode(memory: DeviceMemory, pinned: weakref.WeakSet):
     """The dispatch mode that feeds DeviceMemory and counts host<->device copies (and checks that those
     meant to be asynchronous read or write pinned host memory: from pageable memory CUDA waits)."""
@@ -372,12 +394,14 @@ def make_memory_mode(memory: DeviceMemory, pinned: weakref.WeakSet):
                 if src.device.type == "cpu" and device is not None and device.type == "cuda":
                     assert host_side_pinned(src), "an asynchronous host-to-device copy from pageable memory"
                     used["async copies host to device"] += 1
+                    used[copy_kind("host to device", src.dtype)] += 1
             if func is aten.copy_.default and (args[2:] or [kwargs.get("non_blocking")])[0]:
                 dst, src = args[0], args[1]
                 if dst.device.type != src.device.type:
                     host = dst if dst.device.type == "cpu" else src
                     assert host_side_pinned(host), "an asynchronous copy between host and device in pageable memory"
                     used["async copies " + ("device to host" if host is dst else "host to device")] += 1
+                    used[copy_kind("device to host" if host is dst else "host to device", src.dtype)] += 1
             if is_gradient_accumulation(func, args, out):
                 used["gradient accumulations counted in place"] += 1
                 memory.accumulated_in_place(args[0].untyped_storage(), out.untyped_storage(),
@@ -631,7 +655,7 @@ def planned(mcfg, cfg, world: int, flash_attn: bool) -> dict:
                           for p, parts in phases.items()}
     peak_phase = max(allocated_by_phase, key=allocated_by_phase.get)
     return dict(phases=phases, allocated_by_phase=allocated_by_phase, peak_phase=peak_phase,
-                allocated_bytes=allocated_by_phase[peak_phase])
+                allocated_bytes=allocated_by_phase[peak_phase], host_bytes=P.host_bytes_per_gpu(mcfg, cfg, world))
 
 
 def child(argv):
@@ -670,6 +694,13 @@ def child(argv):
     install_host_read([2.5, 2 * cfg.grad_clip if cfg.grad_clip else 1.0])  # loss, grad norm: clipped
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
     memory, pinned = DeviceMemory(), weakref.WeakSet()
+
+    def fake_page_lock(buffer):  # cudaHostRegister: the buffer is pinned as it is, no rounding
+        used["host buffers page-locked"] += 1
+        used["host bytes page-locked"] += buffer.numel() * buffer.element_size()
+        pinned.add(buffer.untyped_storage())
+    O.page_lock, O.unlock = fake_page_lock, lambda data_ptr: used.update(["host buffers unlocked"])
+    O.ThreadPoolExecutor = InlineWorker  # FakeTensorMode is one state for all threads: no op may run concurrently
     memory.snapshot_phase = args.snapshot
     watch_resizes(memory)
     device = torch.device("cuda", 0)
