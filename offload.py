@@ -114,7 +114,7 @@ class OffloadedCheckpoint(torch.autograd.Function):
 # --offload_optimizer
 # ------------------------------------------------------------------------------------------------
 
-GRAD_SLOTS = 2  # reduce-scattered slices on their way to host memory at once (backward waits for a free slot)
+GRAD_SLOTS = 2  # reduce-scattered shards on their way to host memory at once (backward waits for a free slot)
 
 
 def host_buffer_numel(shard_numels: list[int], tensors_per_unit: int) -> int:
@@ -168,7 +168,7 @@ class HostState:
         self.free_slots = list(range(GRAD_SLOTS))
         self.sent = [None] * GRAD_SLOTS  # CUDA: per slot, the event of the last copy up that reads it
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # One thread, so the adds run in the order the slices arrive (the same sums as on the device); it
+        # One thread, so the adds run in the order the shards arrive (the same sums as on the device); it
         # uses as many CPU threads as the rank was given (optimizer_threads; torch's count is per thread).
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="host-adds", initializer=torch.set_num_threads,
                                          initargs=(torch.get_num_threads(),))
@@ -215,8 +215,8 @@ class HostOptimizer:
 
 
 def add_into(accumulator: torch.Tensor, host: torch.Tensor, copied, out: torch.Tensor):
-    """On the worker thread: waits for the copy down (CUDA), then adds the slice into the fp32 accumulator.
-    A bf16 slice (--reduce_dtype bfloat16) is cast first: the same sum, ~4x faster than a mixed-dtype add_ on
+    """On the worker thread: waits for the copy down (CUDA), then adds the shard into the fp32 accumulator.
+    A bf16 shard (--reduce_dtype bfloat16) is cast first: the same sum, ~4x faster than a mixed-dtype add_ on
     the CPU (BENCHMARKS.md, host AdamW)."""
     if copied is not None:
         copied.synchronize()

@@ -43,7 +43,7 @@ def state_bytes() -> int:
 # bench/host_adamw.py on the development machine (BENCHMARKS.md, "CPU: host AdamW and gradient accumulation"),
 # 1 thread, 256M elements, 2026-12-03.
 HOST_ADAMW_PER_CORE = 7.43e8       # 20.8 GB/s of state touched
-HOST_ACCUMULATE_PER_CORE = 2.25e8  # accumulator.add_(bf16 slice); staged via an fp32 buffer: 8.83e8
+HOST_ACCUMULATE_PER_CORE = 2.25e8  # accumulator.add_(bf16 shard); staged via an fp32 buffer: 8.83e8
 ADAMW_HOST_BYTES = 28       # torch._fused_adamw_: read param, grad, exp_avg, exp_avg_sq; write three of them
 
 
@@ -83,7 +83,7 @@ ASSUMPTIONS = {
     "host_usable_fraction": (0.9, "assumption: the OS, the data loader workers, CUDA/NCCL host allocations and "
                                   "the page cache keep ~10% of host memory; host_fits compares against the rest"),
     "pinning": "pinned host memory as allocated: pin_memory=True goes through PyTorch's caching host allocator, "
-               "which rounds each allocation up to a power of two (a 408 MiB slice takes 512 MiB); the "
+               "which rounds each allocation up to a power of two (a 408 MiB shard takes 512 MiB); the "
                "--offload_optimizer state is one exact buffer registered with cudaHostRegister instead "
                "(offload.HostState). PREDICTION, not measured: registering ~130 GiB per rank (70B, W=8) takes "
                "~1-2 minutes at start-up, at the ~1-2 GB/s page-locking rate reported in openvm-org/stark-"
@@ -99,7 +99,7 @@ ASSUMPTIONS = {
     "host_adamw_per_core": (HOST_ADAMW_PER_CORE, "elements/s of torch._fused_adamw_ on fp32 CPU tensors, 1 thread, "
                                                  "256M elements: MEASURED on the 2-core development machine (AMD "
                                                  "EPYC, torch 2.13.0) by bench/host_adamw.py, see BENCHMARKS.md"),
-    "host_accumulate_per_core": (HOST_ACCUMULATE_PER_CORE, "elements/s of fp32 accumulator.add_(bf16 slice) on CPU, "
+    "host_accumulate_per_core": (HOST_ACCUMULATE_PER_CORE, "elements/s of fp32 accumulator.add_(bf16 shard) on CPU, "
                                                            "1 thread, 256M elements: MEASURED as above. PyTorch's "
                                                            "mixed-dtype add is slow on CPU; casting into a "
                                                            "preallocated fp32 buffer first measured 3.9x faster "
@@ -111,9 +111,9 @@ ASSUMPTIONS = {
     "host_update_extra_bytes": (18, "host bytes per element besides AdamW's: the global gradient norm (read "
                                     "4 B), clipping (read + write 4 B), the bf16 cast for the copy back (read "
                                     "4 B, write 2 B), at the host memory bandwidth"),
-    "offload_optimizer": "--offload_optimizer: per micro-batch each unit's reduce-scattered slice goes GPU->host "
+    "offload_optimizer": "--offload_optimizer: per micro-batch each unit's reduce-scattered shard goes GPU->host "
                          "(--reduce_dtype bytes per element) on a copy stream as its reduce-scatter completes and "
-                         "is added into the fp32 accumulator on the CPU (read 4 B + the slice, write 4 B) by the "
+                         "is added into the fp32 accumulator on the CPU (read 4 B + the shard, write 4 B) by the "
                          "rank's worker thread (offload.HostState), not the thread that queues backward; "
                          "offload.optimizer_threads = the node's cores / ranks. Both overlap backward; what exceeds "
                          "the backward compute (= compute less one plain forward, by FLOPs) is exposed, and, "
@@ -148,7 +148,7 @@ ASSUMPTIONS = {
                        "(offload.OffloadedCheckpoint), each block's backward prefetching the previous block's "
                        "input, so they overlap the compute (and the collectives, over PCIe, not NVLink/IB); "
                        "only the last block's copy back, which its own backward waits for, is exposed",
-    "adamw": "on the GPU: memory-bound: 32 B per parameter of the slice (read + write fp32 master, m, v, "
+    "adamw": "on the GPU: memory-bound: 32 B per parameter of the shard (read + write fp32 master, m, v, "
              "gradient) at 80% of HBM",
     "sample_chars_per_token": (4, "--sample_prompts: the planner has no tokenizer; a prompt's tokens are taken as its "
                                   "characters / 4 (Llama 3's tokenizer on English prose, an assumption), chat markup "
@@ -211,7 +211,7 @@ def unit_gradient_bytes(unit_numel: int, last_param_numel: int, in_flight_numel:
                         world: int) -> dict:
     """Gradient bytes of one unit's backward at the larger of its two moments, by part: split's backward
     concatenating the parameters' gradients while the previous unit's reduce-scatter (in_flight_numel
-    elements, see in_flight_reduce_bytes) is in flight, or the hook's cast and the output slice it
+    elements, see in_flight_reduce_bytes) is in flight, or the hook's cast and the output shard it
     allocates for its own reduce-scatter. fp32 reduce: the cast wins for a unit reduced first (the head:
     6 B per parameter against 4); otherwise the concatenation does."""
     concat = dict(gradients=COMPUTE_BYTES * grad_peak_numel(unit_numel, last_param_numel),
@@ -224,7 +224,7 @@ def unit_gradient_bytes(unit_numel: int, last_param_numel: int, in_flight_numel:
 
 def in_flight_reduce_bytes(unit_numel: int, reduce_bytes: int, world: int) -> float:
     """A reduce-scatter in flight (train.reduce_scatter_grad): the unit's whole gradient in
-    --reduce_dtype, its input, and this rank's slice of the sum, its output, both alive until it completes."""
+    --reduce_dtype, its input, and this rank's shard of the sum, its output, both alive until it completes."""
     return reduce_bytes * unit_numel * (1 + 1 / world)
 
 
@@ -388,13 +388,13 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
     expanded_kv = cfg.doc_mask and not flash_attn
     mask = document_mask_bytes(mcfg, cfg, world) if expanded_kv else 0
     prefetched = block if cfg.prefetch else 0  # the previous unit's all-gather, started as this one runs
-    # ... and its input, this rank's slice cast to the compute dtype (train.Unit.gather_input), alive until it
+    # ... and its input, this rank's shard cast to the compute dtype (train.Unit.gather_input), alive until it
     # completes; --offload_optimizer gathers from the compute-dtype copy the state keeps, no cast
     sending = 0 if cfg.offload_optimizer else prefetched / world
     in_flight = max(head, block)  # the head's gradient is reduced while the last block runs backward
     reduce_buffers = in_flight_reduce_bytes(in_flight, rbytes, world)
     waiting = cbytes * emb * tied  # tied: the head's part of the embedding gradient waits for the embedding's
-    # --offload_optimizer: the fp32 state lives in host memory; the GPU keeps a compute-dtype copy of its slices
+    # --offload_optimizer: the fp32 state lives in host memory; the GPU keeps a compute-dtype copy of its shards
     persistent = cbytes if cfg.offload_optimizer else state_bytes()
 
     def phase(gathered, gradients, reduce, activations, logits=0.0):
@@ -509,7 +509,7 @@ def host_gbps_per_gpu(gpu: dict, nproc_per_node: int) -> float:
 
 def offload_optimizer_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
     """--offload_optimizer, per step per GPU: PCIe bytes and seconds both ways, the host's gradient
-    accumulation and update. Per micro-batch the slices come down (D2H) and are accumulated while backward
+    accumulation and update. Per micro-batch the shards come down (D2H) and are accumulated while backward
     runs; after the last one the CPU update adds to the step, the copy back up (H2D) only where it is slower
     than the host's cast it overlaps (ASSUMPTIONS offload_optimizer)."""
     slice_numel = sum(padded(n, world) for n in unit_numels(mcfg)) / world
@@ -567,7 +567,7 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
                 host_accumulate_s=0.0, host_optimizer_s=0.0)
     if cfg.offload_optimizer:
         o = offload_optimizer_time(mcfg, cfg, gpu, world)
-        # The slices come down and are accumulated while backward runs: everything but one plain forward.
+        # The shards come down and are accumulated while backward runs: everything but one plain forward.
         backward_s = compute_s * (1 - metrics.flops_per_token(mcfg, cfg.seq_len) / 3 / (matmul + attention))
         d2h_exposed = max(0.0, max(o["d2h_s_per_micro"], o["accumulate_s_per_micro"]) - backward_s)
         optimizer_s = o["host_adamw_s"] + o["host_extra_s"]
@@ -577,7 +577,7 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
                     host_accumulate_s=micro_steps * o["accumulate_s_per_micro"], host_optimizer_s=optimizer_s,
                     host_adamw_elements_per_s_per_gpu=o["host_adamw_elements_per_s_per_gpu"],
                     host_accumulate_elements_per_s_per_gpu=o["host_accumulate_elements_per_s_per_gpu"])
-    else:  # the update reads and writes every fp32 slice once (the gradient is zeroed after it)
+    else:  # the update reads and writes every fp32 shard once (the gradient is zeroed after it)
         optimizer_s = (2 * state_bytes() * sum(padded(n, world) for n in unit_numels(mcfg)) / world
                        / (0.8e9 * gpu["hbm_gbps"]))
     return dict(step_time_s=micro_steps * micro_s + optimizer_s + host["pcie_exposed_s"],
@@ -618,8 +618,8 @@ def prompt_sizes(cfg) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------------
 
 def checkpoint_bytes_per_rank(mcfg: M.ModelConfig, world: int) -> int:
-    """The file disk.save_checkpoint writes on each rank: every unit's fp32 master slice and optimizer
-    state slices (4 B each per padded parameter / W; gradients are not saved), and the safetensors header
+    """The file disk.save_checkpoint writes on each rank: every unit's fp32 master shard and optimizer
+    state shards (4 B each per padded parameter / W; gradients are not saved), and the safetensors header
     (at most checkpoint_header_bytes_per_tensor each, a bound)."""
     numels = unit_numels(mcfg)
     tensors_per_unit = 1 + len(T.OPTIMIZER_STATE)

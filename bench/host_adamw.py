@@ -1,14 +1,14 @@
 """Host (CPU) AdamW throughput, for the planner's --offload_optimizer: elements/s of PyTorch's fused AdamW
 (torch._fused_adamw_, the kernel train.adamw_step runs) on fp32 CPU tensors, and of the host-side gradient
-accumulation (fp32 accumulator += the reduce-scattered slice as it arrives from the GPU).
+accumulation (fp32 accumulator += the reduce-scattered shard as it arrives from the GPU).
 
     python bench/host_adamw.py [--sizes 16e6,64e6,256e6] [--repeats 3] [--json out/host_adamw.json]
 
-For each size: the four fp32 tensors of a slice (params, grads, exp_avg, exp_avg_sq) and a step tensor,
+For each size: the four fp32 tensors of a shard (params, grads, exp_avg, exp_avg_sq) and a step tensor,
 lr 1e-5, betas 0.9/0.95, eps 1e-8, weight_decay 0, timed with torch.get_num_threads() threads and with 1.
 "State touched" counts what the update reads and writes: params, grads, exp_avg, exp_avg_sq read (16 B)
 and params, exp_avg, exp_avg_sq written (12 B), 28 B per element. The accumulation reads the accumulator
-and a bf16 slice and writes the accumulator: 10 B per element; "staged" casts the slice into a
+and a bf16 shard and writes the accumulator: 10 B per element; "staged" casts the shard into a
 preallocated fp32 buffer first and adds that (same-dtype add_). The best of --repeats runs is reported
 (after one warm-up), so a run disturbed by other processes on the machine does not count.
 """
@@ -21,7 +21,7 @@ import time
 import torch
 
 ADAMW_BYTES = 28       # read p, g, m, v (4 x 4 B), write p, m, v (3 x 4 B)
-ACCUMULATE_BYTES = 10  # read the fp32 accumulator and the bf16 slice, write the accumulator
+ACCUMULATE_BYTES = 10  # read the fp32 accumulator and the bf16 shard, write the accumulator
 
 
 def best_seconds(fn, repeats: int) -> float:
@@ -45,7 +45,7 @@ def measure(numel: int, threads: int, repeats: int) -> dict:
                             beta2=0.95, weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
 
     adamw_s = best_seconds(adamw, repeats)
-    incoming = grads.to(torch.bfloat16)  # the reduce-scattered slice, --reduce_dtype bfloat16
+    incoming = grads.to(torch.bfloat16)  # the reduce-scattered shard, --reduce_dtype bfloat16
     accumulate_s = best_seconds(lambda: grads.add_(incoming), repeats)
     staging = exp_avg_sq  # a preallocated fp32 buffer: cast into it first, then a same-dtype add
     staged_s = best_seconds(lambda: grads.add_(staging.copy_(incoming)), repeats)
@@ -58,7 +58,7 @@ def measure(numel: int, threads: int, repeats: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="16e6,64e6,256e6", help="elements per slice, comma-separated")
+    parser.add_argument("--sizes", default="16e6,64e6,256e6", help="elements per shard, comma-separated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default="", help="write the results here")
     args = parser.parse_args()

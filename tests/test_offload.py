@@ -1,5 +1,5 @@
-"""--offload_optimizer: the fp32 master slices, optimizer state and gradient accumulators in host memory,
-the optimizer on the CPU, a compute-dtype copy of the slices on the device. On CPU the arithmetic must be
+"""--offload_optimizer: the fp32 master shards, optimizer state and gradient accumulators in host memory,
+the optimizer on the CPU, a compute-dtype copy of the shards on the device. On CPU the arithmetic must be
 the same bit for bit as without it, at any W, and checkpoints must move between the two either way."""
 import os
 
@@ -37,7 +37,7 @@ def same_run(got_out, want_out):
 
 @pytest.mark.parametrize("world,reduce_dtype", [(1, "float32"), (2, "float32"), (3, "float32"), (2, "bfloat16")])
 def test_offloaded_optimizer_is_bit_identical(files, plain, tmp_path, world, reduce_dtype):
-    """bfloat16: the reduce-scattered slices reach host memory in bf16 and are cast before the add."""
+    """bfloat16: the reduce-scattered shards reach host memory in bf16 and are cast before the add."""
     flags = BASE + files + [f"--reduce_dtype={reduce_dtype}"]
     reference = plain
     if (world, reduce_dtype) != (2, "float32"):
@@ -77,7 +77,7 @@ def test_offload_without_the_host_memory_for_it_stops_at_once(tmp_path):
 
 def test_offloaded_state_lives_in_host_memory(tmp_path):
     """What each tensor is: fp32 master, gradient and AdamW state off the compute device, the compute-dtype
-    slice on it (on CPU both are the CPU: the counts and dtypes are what can be checked)."""
+    shard on it (on CPU both are the CPU: the counts and dtypes are what can be checked)."""
     import torch
     import model as M
     import train as T
@@ -100,7 +100,7 @@ def test_offloaded_state_lives_in_host_memory(tmp_path):
 
 def test_the_host_state_is_one_buffer_of_exactly_the_planners_bytes():
     """Pinned memory from pin_memory=True is rounded up to a power of two per allocation (a 70B block's 408 MiB
-    slice at W=8 takes 512 MiB): the state is one buffer, registered as it is, every unit's fp32 tensor a view
+    shard at W=8 takes 512 MiB): the state is one buffer, registered as it is, every unit's fp32 tensor a view
     of it, and plan.py (and so the start-up check) counts its bytes exactly, staging slots included."""
     import dataclasses
     import torch
@@ -123,7 +123,7 @@ def test_the_host_state_is_one_buffer_of_exactly_the_planners_bytes():
     assert any(u.padded_numel != u.numel for u in units)  # the padding is counted too
     cfg = dataclasses.replace(T.TrainConfig(offload_optimizer=True), nnodes=1, nproc_per_node=world)
     assert P.host_bytes_per_gpu(mcfg, cfg, world)["state"] == buffer.numel() * buffer.element_size()
-    # 70B at W=8: exact where pin_memory=True would take 512 MiB per 408 MiB block slice
+    # 70B at W=8: exact where pin_memory=True would take 512 MiB per 408 MiB block shard
     big, cfg8 = M.PRESETS["llama3-70b"](), dataclasses.replace(cfg, nproc_per_node=8)
     block_slice = P.unit_numels(big)[1] * 4 // 8
     assert P.pinned_allocation_bytes(block_slice) == 512 * 2**20 and 400 * 2**20 < block_slice < 410 * 2**20
@@ -145,7 +145,7 @@ def cpu_units(world=1):
 def test_gradients_are_added_on_a_worker_thread_not_the_one_queuing_backward(monkeypatch):
     """The adds into the host accumulators (44.8 s per step at 70B on one node) run on the rank's worker
     thread: add_grad returns while the worker is still busy, in arrival order (the device's sums, bit for
-    bit, bf16 slices cast first), and an error there is raised on the main thread when it waits."""
+    bit, bf16 shards cast first), and an error there is raised on the main thread when it waits."""
     import threading
     import torch
     import offload as O

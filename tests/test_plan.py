@@ -108,7 +108,7 @@ def test_tied_versus_untied_head():
 def test_head_backward_is_the_worst_of_its_three_moments():
     # Measured on fake CUDA (tests/test_fake_cuda.py): the logits and the head's cast for its reduce-scatter
     # are never alive together. fp32 reduce: the hook's cast wins, its bf16 gradient + the fp32 copy + this
-    # rank's output slice; bf16 reduce: a chunk's weight-gradient matmul, the gradient summed over the earlier
+    # rank's output shard; bf16 reduce: a chunk's weight-gradient matmul, the gradient summed over the earlier
     # chunks + this chunk's (vocab x dim, bf16 each) + the chunk's bf16 logits gradient.
     mcfg = M.PRESETS["llama3-70b"]()
     head, emb = (P.padded(n, 16) for n in (P.unit_numels(mcfg)[-1], P.unit_numels(mcfg)[0]))
@@ -140,8 +140,8 @@ def test_without_flash_attn_the_mask_and_expanded_kv_are_counted():
 
 
 def test_slices_and_outputs_alive_beside_the_units():
-    # Measured on fake CUDA: an all-gather's input (this rank's slice, cast to bf16) is alive while the
-    # prefetched unit arrives, a reduce-scatter's output slice while it runs, and an offloaded block's
+    # Measured on fake CUDA: an all-gather's input (this rank's shard, cast to bf16) is alive while the
+    # prefetched unit arrives, a reduce-scatter's output shard while it runs, and an offloaded block's
     # recomputed output through its backward.
     mcfg = M.PRESETS["llama3-70b"]()
     block, head = (P.padded(n, 16) for n in (P.unit_numels(mcfg)[1], P.unit_numels(mcfg)[-1]))
@@ -189,7 +189,7 @@ OFFLOAD_70B_ONE_NODE = dict(CASE_70B, nnodes=1, ac="full", offload_activations="
 
 
 def test_offloaded_optimizer_state_matches_the_trainers_units_with_padding():
-    # --offload_optimizer: the GPU keeps a bf16 copy of its slices (2 B x padded N / W), the host the 16 B.
+    # --offload_optimizer: the GPU keeps a bf16 copy of its shards (2 B x padded N / W), the host the 16 B.
     mcfg, world = M.PRESETS["tiny"](), 3
     units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, torch.device("meta"))
     buffer = O.offload_optimizer(units, host_adds=[]).buffer  # the state and the staging slots
@@ -338,7 +338,7 @@ def test_pcie_and_cpu_adamw_scale_with_the_slice():
         assert p["pcie_h2d_gb"] == pytest.approx(2 * slice_numel / 1e9)  # bf16 up, once per step
         assert p["pcie_d2h_gb"] == pytest.approx(p["micro_steps"] * 2 * slice_numel / 1e9)  # bf16 reduce, down
         assert p["pcie_h2d_s"] == pytest.approx(2 * slice_numel / 40e9)
-    # Twice the GPUs, half the slice each: the copy up and the CPU update halve (the GPUs per node, which
+    # Twice the GPUs, half the shard each: the copy up and the CPU update halve (the GPUs per node, which
     # share the host, are the same); the copies down also halve per micro-batch, and so do the micro-batches.
     assert two["pcie_h2d_s"] == pytest.approx(one["pcie_h2d_s"] / 2, rel=1e-6)
     assert two["optimizer_s"] == pytest.approx(one["optimizer_s"] / 2, rel=1e-6)
