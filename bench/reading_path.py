@@ -48,7 +48,7 @@ def trace_step(flags: list[str]) -> list[tuple[str, str, int, str]]:
         finally:
             sys.setprofile(None)
         T.dist.destroy_process_group()
-        T.C.group = None
+        T.disk.group = None
     return order
 
 
