@@ -132,3 +132,18 @@ def test_checkpoint_io_measures_a_folder_without_a_hugging_face_model(tmp_path):
     predicted_gb = P.checkpoint_bytes_per_rank(M.PRESETS["tiny"](), 1) / 1e9
     assert f"W=1: {predicted_gb:.3f} GB per rank | save " in proc.stdout and "--fs_write_gbps" in proc.stdout
     assert not (out / "checkpoints").exists()
+
+
+def test_train_py_reads_downward_along_one_step():
+    """bench/reading_path.py traces one train_step: every train.py definition the step visits sits below the
+    definition that first calls it, except Unit (section 3, read before the step); the README quotes the counts."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "reading_path.py")], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "train.py definitions above their first caller: 1 ['Unit']" in proc.stdout, proc.stdout
+    counts = {line.split(":")[0]: int(line.split(": ")[1].split()[0]) for line in proc.stdout.splitlines()
+              if " top-level definitions" in line}
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    assert f"{counts.pop('train.py')} definitions of `train.py`" in readme
+    for file, n in counts.items():
+        assert f"{n} of `{file}`" in readme, (file, n)
