@@ -972,7 +972,7 @@ class MixedWindows:
         self.shares = [int(w * denominator) for w in self.weights]  # integers: exact rounding on any machine
         self.rest = [sum(self.shares[k:]) for k in range(len(self.shares))]
         self.seq_len = sources[0].seq_len
-        # make_batch's EOS id: a prepared source's (all share one tokenizer), else the model's
+        # the batch's EOS id: a prepared source's (all share one tokenizer), else the model's
         self.data = next((s.data for s in sources if s.data.meta), sources[0].data)
 
     def counts(self, n: int) -> list[int]:

@@ -249,6 +249,23 @@ def document_mask(doc: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.T
     return padded_rows[..., :T].masked_fill_(allowed[:, None], 0.0)
 
 
+def make_batch(cfg: ModelConfig, inputs: np.ndarray, targets: np.ndarray, eos_id: int, doc_mask: bool, device,
+               dtype: torch.dtype) -> dict:
+    """What the forward of one micro-batch needs besides the weights: the tokens, RoPE's cos/sin at each
+    token's position, the document layout (with doc_mask: a new document starts after each EOS), the
+    targets. Decided and built on the host from the numpy arrays, then copied without waiting (to_device):
+    nothing here makes the host wait for the GPU, so it can queue this micro-batch while the last one runs."""
+    layout = None
+    if doc_mask:
+        starts = document_starts(inputs, eos_id)
+        if starts[:, 1:].any():  # one document per row: plain causal attention is the same and faster
+            layout = document_layout(starts, device, dtype)
+    tokens = to_device(inputs, device)
+    positions = layout.positions if layout else torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+    cos, sin = rope_cos_sin(cfg, positions, dtype)
+    return dict(tokens=tokens, cos=cos, sin=sin, layout=layout, targets=to_device(targets, device))
+
+
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 

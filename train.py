@@ -45,7 +45,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -505,27 +505,10 @@ def micro_batches(cfg, sharded: ShardedModel, windows, position: int) -> list[di
     # loss by the global count -- not by the number of micro-batches, which would make results depend on W.
     n_tokens = M.to_device(np.array(sum((t != -100).sum() for _, t in arrays), dtype=np.float32), sharded.device)
     dist.all_reduce(n_tokens)
-    return [make_batch(cfg, sharded.model.cfg, windows, inputs, targets, sharded.device, sharded.compute_dtype, n_tokens)
-            for inputs, targets in arrays]
-
-
-def make_batch(cfg, mcfg, windows, inputs, targets, device, dtype, n_tokens) -> dict:
-    """What every stage of one micro-batch needs besides its input: the tokens, RoPE's cos/sin at each
-    token's position, the document layout (a new document starts after each EOS), the targets, the
-    global batch's target count. Decided and built on the host from the numpy arrays, then copied
-    without waiting (M.to_device): nothing here makes the host wait for the GPU, so it can queue this
-    micro-batch while the last one still runs."""
-    eos_id = windows.data.eos_id if windows.data.eos_id is not None else mcfg.eos_id
-    layout = None
-    if cfg.doc_mask:
-        starts = M.document_starts(inputs, eos_id)
-        if starts[:, 1:].any():  # one document per row: plain causal attention is the same and faster
-            layout = M.document_layout(starts, device, dtype)
-    tokens = M.to_device(inputs, device)
-    positions = layout.positions if layout else torch.arange(tokens.shape[1], device=device).expand_as(tokens)
-    cos, sin = M.rope_cos_sin(mcfg, positions, dtype)
-    return dict(tokens=tokens, cos=cos, sin=sin, layout=layout, targets=M.to_device(targets, device),
-                n_tokens=n_tokens)
+    mcfg = sharded.model.cfg
+    eos_id = windows.data.eos_id if windows.data.eos_id is not None else mcfg.eos_id  # a new document after each
+    return [dict(M.make_batch(mcfg, inputs, targets, eos_id, cfg.doc_mask, sharded.device, sharded.compute_dtype),
+                 n_tokens=n_tokens) for inputs, targets in arrays]
 
 
 class ShardedModel:
@@ -545,9 +528,8 @@ class ShardedModel:
         for unit in self.units:  # each unit's gradient is reduce-scattered as soon as autograd completes it
             unit.gathered.register_post_accumulate_grad_hook(
                 partial(reduce_scatter_grad, unit, self.reduces_in_flight, getattr(torch, cfg.reduce_dtype)))
-        self.stages = make_stages(self.model, self.units, cfg.ac, cfg.ce_chunk, cfg.offload_activations,
-                                  cfg.ac_blocks, cfg.ac_rest)
-        self.prefetch = cfg.prefetch
+        self.stages = make_stages(self.model, self.units, cfg.ac, cfg.offload_activations, cfg.ac_blocks, cfg.ac_rest)
+        self.prefetch, self.ce_chunk = cfg.prefetch, cfg.ce_chunk
 
     def loss(self, batch: dict) -> torch.Tensor:
         """Forward through all stages, each gathered just before it runs and freed right after, and each
@@ -562,12 +544,21 @@ class ShardedModel:
             if self.prefetch and k + 1 < len(self.stages):  # the next all-gather overlaps this compute
                 for unit in self.stages[k + 1].forward_units:
                     unit.start_gather()
-            x = stage.run(x, batch)
+            x = self.run_stage(k, x, batch)
             if k + 1 < len(self.stages):
                 for unit in stage.forward_units:
                     unit.free()
             x = BackwardBoundary.apply(x, partial(self.on_backward, k))
         return x
+
+    def run_stage(self, k: int, x: torch.Tensor, batch: dict) -> torch.Tensor:
+        """Stage k's forward: the embedding, a block (under its checkpointing policy), or the head and the loss."""
+        if k == 0:
+            return self.model.embed(x)
+        if k == len(self.stages) - 1:
+            return self.model.head_loss(x, batch["targets"], self.ce_chunk) / batch["n_tokens"]
+        stage = self.stages[k]
+        return run_block(self.model.layers[k - 1], stage.ac, x, batch["cos"], batch["sin"], batch["layout"], stage.offload)
 
     def on_backward(self, k: int):
         """Backward has finished stage k + 1 and is about to run stage k."""
@@ -582,26 +573,23 @@ class ShardedModel:
 
 
 class Stage(NamedTuple):
-    run: Callable                # (x, batch) -> the stage's output
     forward_units: list          # gathered for its forward
     backward_units: list         # gathered again for its backward
+    ac: str = "none"             # a block's activation checkpointing (block_policies)
+    offload: bool = False        # a block's input kept in host memory (--offload_activations)
 
 
-def make_stages(model: M.Llama, units: list[Unit], ac: str, ce_chunk: int, offload: bool = False,
-                ac_blocks: int = -1, ac_rest: str = "none") -> list[Stage]:
-    """The embedding's backward only needs the token ids, so it is not gathered again for backward.
-    With tied embeddings the head also needs the embedding unit (its weight is the head's)."""
+def make_stages(model: M.Llama, units: list[Unit], ac: str, offload: bool = False, ac_blocks: int = -1,
+                ac_rest: str = "none") -> list[Stage]:
+    """The embedding, each block, the head (ShardedModel.run_stage runs them). The embedding's backward only
+    needs the token ids, so it is not gathered again for backward. With tied embeddings the head also
+    needs the embedding unit (its weight is the head's)."""
     embed, blocks, head = units[0], units[1:-1], units[-1]
     head_units = [head, embed] if model.cfg.tie_embeddings else [head]
-    stages = [Stage(lambda x, batch: model.embed(x), [embed], [])]
     policies = block_policies(len(blocks), ac, ac_blocks, ac_rest)
-    for i, unit in enumerate(blocks):
-        block_offload = offload and policies[i] == "full"  # --offload_activations moves what `full` keeps
-        stages.append(Stage(lambda x, batch, i=i, ac=policies[i], off=block_offload: run_block(
-            model.layers[i], ac, x, batch["cos"], batch["sin"], batch["layout"], off), [unit], [unit]))
-    stages.append(Stage(lambda x, batch: model.head_loss(x, batch["targets"], ce_chunk) / batch["n_tokens"],
-                        head_units, head_units))
-    return stages
+    # --offload_activations moves what `full` keeps
+    return ([Stage([embed], [])] + [Stage([unit], [unit], policy, offload and policy == "full")
+                                     for unit, policy in zip(blocks, policies)] + [Stage(head_units, head_units)])
 
 
 def block_policies(n_layers: int, ac: str, ac_blocks: int = -1, ac_rest: str = "none") -> list[str]:
@@ -618,8 +606,10 @@ def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False):
         return block(x, cos, sin, layout)
     if ac == "full":  # save only the block's input; recompute the whole block in backward
         return checkpoint(block, x, cos, sin, layout, use_reentrant=False)
+    def keep_saved_ops(ctx, op, *args, **kwargs):  # --ac selective: keep SAVED_OPS' outputs, recompute the rest
+        return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
     return checkpoint(block, x, cos, sin, layout, use_reentrant=False,
-                      context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+                      context_fn=partial(create_selective_checkpoint_contexts, keep_saved_ops))
 
 
 # Selective checkpointing: keep what is expensive to recompute (the matmuls' and attention's outputs),
@@ -635,10 +625,6 @@ for _namespace, _names in ATTENTION_FORWARD_OPS.items():
     for _name in _names:
         if hasattr(getattr(torch.ops, _namespace), _name):
             SAVED_OPS.add(getattr(getattr(torch.ops, _namespace), _name).default)
-
-
-def _selective_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class BackwardBoundary(torch.autograd.Function):

@@ -315,7 +315,7 @@ def build_baseline(mcfg: M.ModelConfig, seq_len: int, accum: int, device, lr_cfg
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
     from transformers import LlamaConfig, LlamaForCausalLM
     hf_cfg = LlamaConfig(**disk.config_to_hf(mcfg, torch.float32))
     hf_cfg._attn_implementation = baseline_attention(device)
@@ -323,7 +323,9 @@ def build_baseline(mcfg: M.ModelConfig, seq_len: int, accum: int, device, lr_cfg
     with torch.device(device):  # random init on the device: fast, and the same bytes as ours (fp32)
         model = LlamaForCausalLM(hf_cfg)
     model.train()
-    policy = partial(create_selective_checkpoint_contexts, T._selective_policy)
+    def keep_saved_ops(ctx, op, *args, **kwargs):  # train.run_block's selective policy
+        return CheckpointPolicy.MUST_SAVE if op in T.SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    policy = partial(create_selective_checkpoint_contexts, keep_saved_ops)
     for i, layer in enumerate(model.model.layers):
         model.model.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=policy)
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)

@@ -94,13 +94,17 @@ def live_tensor_bytes() -> int:
     seen, total = set(), 0
     warnings.simplefilter("ignore", FutureWarning)  # isinstance() pokes deprecated torch attributes
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
-            storage = obj.untyped_storage()
-            try:
-                ptr = storage.data_ptr()
-            except RuntimeError:  # a fake tensor (tests/fake_cuda.py's, still referenced somewhere): no memory
+        try:
+            if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
                 continue
-            if storage.nbytes() and ptr not in seen:
-                seen.add(ptr)
-                total += storage.nbytes()
+        except ReferenceError:  # a weakref.proxy whose object is gone (another test's)
+            continue
+        storage = obj.untyped_storage()
+        try:
+            ptr = storage.data_ptr()
+        except RuntimeError:  # a fake tensor (tests/fake_cuda.py's, still referenced somewhere): no memory
+            continue
+        if storage.nbytes() and ptr not in seen:
+            seen.add(ptr)
+            total += storage.nbytes()
     return total

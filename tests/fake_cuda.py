@@ -619,15 +619,14 @@ class Windows:
 
 def label_phases(sharded, memory: DeviceMemory):
     """Names the stage running (forward) or about to run its backward in DeviceMemory's labels."""
-    import train as T
     names = ["embed"] + [f"layers.{i}" for i in range(len(sharded.stages) - 2)] + ["head"]
 
-    def labelled(run, name):
-        def run_labelled(x, batch):
-            memory.where = f"{name} forward"
-            return run(x, batch)
-        return run_labelled
-    sharded.stages = [T.Stage(labelled(s.run, n), s.forward_units, s.backward_units) for s, n in zip(sharded.stages, names)]
+    run_stage = sharded.run_stage
+
+    def run_stage_labelled(k, x, batch):
+        memory.where = f"{names[k]} forward"
+        return run_stage(k, x, batch)
+    sharded.run_stage = run_stage_labelled
     on_backward = sharded.on_backward
 
     def on_backward_labelled(k):

@@ -182,11 +182,6 @@ class OpRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class FakeWindows:  # make_batch reads only the data's EOS id
-    class data:
-        eos_id = 2
-
-
 def reference_layout(inputs: np.ndarray, eos_id: int):
     """Per-token positions, document ids and the flattened boundaries, by walking the rows."""
     positions, doc_ids, boundaries = np.zeros(inputs.shape, int), np.zeros(inputs.shape, int), []
@@ -205,7 +200,6 @@ def reference_layout(inputs: np.ndarray, eos_id: int):
 def test_make_batch_builds_the_layout_on_the_host_without_syncs(monkeypatch, flash):
     """The layout comes from the numpy token ids (document_layout is handed numpy), no op that would make
     the host wait for a GPU runs, and the result is the layout of the packed documents."""
-    import train as T
     monkeypatch.setattr(M, "uses_flash", lambda device, dtype: flash)  # the varlen layout, on CPU tensors
     handed, real_layout = [], M.document_layout
 
@@ -219,8 +213,7 @@ def test_make_batch_builds_the_layout_on_the_host_without_syncs(monkeypatch, fla
     targets = np.roll(inputs, -1, axis=1)
     recorder = OpRecorder()
     with recorder:
-        ctx = T.make_batch(T.TrainConfig(doc_mask=True), mcfg, FakeWindows, inputs, targets, torch.device("cpu"),
-                              torch.float32, 1.0)
+        ctx = M.make_batch(mcfg, inputs, targets, 2, True, torch.device("cpu"), torch.float32)
     assert not SYNCING_OPS & set(recorder.ops), SYNCING_OPS & set(recorder.ops)
     assert handed == [np.ndarray]
     positions, doc_ids, boundaries = reference_layout(inputs, eos_id=2)
@@ -239,12 +232,10 @@ def test_make_batch_builds_the_layout_on_the_host_without_syncs(monkeypatch, fla
 
 
 def test_make_batch_of_whole_rows_has_no_layout_and_no_syncs():
-    import train as T
     inputs = np.arange(3, 27, dtype=np.int64).reshape(2, 12)  # no EOS: one document per row
     recorder = OpRecorder()
     with recorder:
-        ctx = T.make_batch(T.TrainConfig(doc_mask=True), small_config(), FakeWindows, inputs, inputs,
-                              torch.device("cpu"), torch.float32, 1.0)
+        ctx = M.make_batch(small_config(), inputs, inputs, 2, True, torch.device("cpu"), torch.float32)
     assert not SYNCING_OPS & set(recorder.ops), SYNCING_OPS & set(recorder.ops)
     assert ctx["layout"] is None
     cos, _ = M.rope_cos_sin(small_config(), torch.arange(12).expand(2, 12), torch.float32)

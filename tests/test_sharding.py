@@ -123,7 +123,7 @@ def test_activation_checkpointing_modes_give_the_same_gradients(dtype, tiny_toke
     def rank_gradients(rank):
         sharded, grads = sharded_model(cfg, mcfg, weights), {}
         for mode, (policy, offload, ac_blocks, ac_rest) in modes.items():
-            sharded.stages = T.make_stages(sharded.model, sharded.units, policy, cfg.ce_chunk, offload, ac_blocks, ac_rest)
+            sharded.stages = T.make_stages(sharded.model, sharded.units, policy, offload, ac_blocks, ac_rest)
             loss, _ = T.forward_backward(cfg, sharded, windows, 1, 0)
             grads[mode] = ([u.grad_shard.clone() for u in sharded.units], loss.item())
             for u in sharded.units:
