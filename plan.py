@@ -24,6 +24,7 @@ import math
 
 import model as M
 import checks
+import disk
 import offload as O
 import metrics
 import sample
@@ -170,7 +171,7 @@ ASSUMPTIONS = {
                        "(--ckpt_every) begins, waits for that save, the next step, its evaluation (--eval_every; "
                        "each of --eval_batches counted as a training step, an upper bound for a forward, plus "
                        "--sample_prompts' sampling) and the stop's own save",
-    "mfu_convention": "MFU = tokens/s x train.flops_per_token (6(N-emb) + 12 L H Dh T) / peak; recompute, the "
+    "mfu_convention": "MFU = tokens/s x metrics.flops_per_token (6(N-emb) + 12 L H Dh T) / peak; recompute, the "
                       "tied head's matmul and the chunked cross-entropy's recomputed logits are executed FLOPs "
                       "that cost time but are not counted in MFU",
 }
@@ -459,7 +460,7 @@ def published_anchors() -> list:
     return [
         ("h100", 4096, 5762, *executed_flops(llama8b, 8192, "selective", False), sel,
          "torchtitan docs/performance.md: Llama 3.1 8B, 8 H100 (500 W, 96 GB HBM2e), FSDP2, selective AC, "
-         "seq 8192, local batch 2, no torch.compile: 5,762 tok/s/GPU (33.7% MFU by train.flops_per_token)"),
+         "seq 8192, local batch 2, no torch.compile: 5,762 tok/s/GPU (33.7% MFU by metrics.flops_per_token)"),
         ("h100", 8192, 1039, mpt70b_mm, mpt70b_attn, 1.0,
          "llm-foundry scripts/train/benchmarking: MPT-70B, 64 H100 80GB, FULL_SHARD, full AC, seq 2048, "
          "micro-batch 8: 1,039 tok/s/GPU, 42.57% MFU"),
@@ -944,7 +945,7 @@ def main(cfg):
         try:
             mcfg = checks.model_config(cfg)
             errors += checks.check_model_config(mcfg)
-        except checks.C.CheckpointError as e:  # --init_from one of our checkpoints: its manifest
+        except disk.CheckpointError as e:  # --init_from one of our checkpoints: its manifest
             errors.append(str(e))
         except (OSError, KeyError, json.JSONDecodeError) as e:
             errors.append(f"--init_from: cannot read config.json: {e}")

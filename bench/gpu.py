@@ -21,7 +21,7 @@ trainer against transformers + PyTorch FSDP2 on the same model. `bench/gpu.sh` r
                 imports, else sdpa), the same selective policy through checkpoint_wrapper, fully_shard
                 per layer then the root, MixedPrecisionPolicy(bf16, fp32), fused AdamW.
 Each: 2 warm-up steps, then --steps timed steps (synchronized); the median. MFU = tokens/s/GPU x
-train.flops_per_token / the device's dense BF16 peak (train.PEAK_BF16_FLOPS). Peak memory is
+metrics.flops_per_token / the device's dense BF16 peak (metrics.PEAK_BF16_FLOPS). Peak memory is
 torch.cuda.max_memory_allocated over the timed steps. The timed steps run under CUDA's sync debug mode
 ("warn"): the table counts the times per step the host waited for the GPU, the JSON says where. The
 attention kernel is metrics.attention_kernel's words and, where that is SDPA, the backend SDPA's own

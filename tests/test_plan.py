@@ -439,3 +439,15 @@ def test_cli_bad_flag_is_one_error_line(flags, flag):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {flag}:"), result.stderr
+
+
+def test_plan_from_a_checkpoint_without_a_model_is_one_line(tmp_path):
+    """--plan --init_from one of our checkpoints whose manifest names no model: the checkpoint's error, one
+    line, exit 2 (the planner catches disk's CheckpointError)."""
+    folder = tmp_path / "step_00000001"
+    folder.mkdir()
+    (folder / "manifest.json").write_text('{"step": 1}')
+    result = run_plan("--init_from", str(folder), "--nproc_per_node", "2")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        f"error: --init_from: checkpoint {folder}: manifest.json has no readable model ('model')"]
