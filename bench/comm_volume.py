@@ -112,7 +112,7 @@ def install_counters():
     dist.broadcast_object_list = counting("broadcast_object_list", dist.broadcast_object_list, describe_object)
     dist.barrier = counting("barrier", dist.barrier, lambda *a, **k: ("-", "-", 0))
     T.train_step = in_phase("step", T.train_step)
-    T.save_checkpoint = in_phase("save", T.save_checkpoint)
+    T.disk.save_checkpoint = in_phase("save", T.disk.save_checkpoint)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ def expected_per_step(mcfg: M.ModelConfig, world: int) -> dict:
         out[("step", "all_gather_flat", unit, "bfloat16")] = (n_gather, n_gather * numel[unit] * BF16_BYTES)
         out[("step", "reduce_scatter_flat", unit, "float32")] = (n_reduce, n_reduce * numel[unit] * FP32_BYTES)
     out[("step", "all_reduce", "scalar", "float32")] = (3, 3 * FP32_BYTES)  # n_tokens, loss, grad norm^2
-    out[("loop", "all_reduce", "scalar", "float32")] = (1, FP32_BYTES)      # the stop flag
+    out[("loop", "all_reduce", "2 elements", "float32")] = (1, 2 * FP32_BYTES)  # stop signal, rank 0 cannot write metrics
     return out
 
 

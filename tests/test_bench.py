@@ -147,3 +147,13 @@ def test_train_py_reads_downward_along_one_step():
     assert f"{counts.pop('train.py')} definitions of `train.py`" in readme
     for file, n in counts.items():
         assert f"{n} of `{file}`" in readme, (file, n)
+
+
+def test_comm_volume_counts_the_zero3_schedule():
+    """bench/comm_volume.py counts every collective of 3 steps and a save at W=2, tied and untied, and finds
+    each one the ZeRO-3 schedule predicts (BENCHMARKS.md quotes its tables)."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(ROOT, "bench", "comm_volume.py")], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("all equal, nothing model-sized outside the steps: True") == 2, proc.stdout[-3000:]
