@@ -127,7 +127,7 @@ def profile_one_step(name: str, step_fn, step: int, rank: int):
 def time_parts_of_ours(step_fn, first_step: int, rank: int, steps: int = 10):
     """Wraps train.py's functions, which train_step and the reduce-scatter hook look up at call time."""
     spent_s = {}
-    for name in ("forward_backward", "finish_reduces", "global_grad_norm", "adamw_step"):
+    for name in ("forward_backward", "finish_reduces", "global_grad_norm", "optimizer_step"):
         def timed_part(*args, _fn=getattr(T, name), _name=name, **kwargs):
             t0 = time.perf_counter()
             out = _fn(*args, **kwargs)
