@@ -794,8 +794,9 @@ def setup(cfg: TrainConfig):
     if os.environ.get("RANK", "0") == "0":
         for warning in config_warnings(cfg):  # allowed, but probably not meant
             print(f"warning: {warning}", file=sys.stderr, flush=True)
-        if "selective" in (cfg.ac, cfg.ac_rest) and flash_attn_unsaved_warning(SAVED_OPS):
-            print(f"warning: {flash_attn_unsaved_warning(SAVED_OPS)}", file=sys.stderr, flush=True)
+        unsaved = flash_attn_unsaved_warning(SAVED_OPS) if "selective" in (cfg.ac, cfg.ac_rest) else None
+        if unsaved:
+            print(f"warning: {unsaved}", file=sys.stderr, flush=True)
 
     windows = eval_windows = None
     if cfg.steps > 0 and not cfg.from_ckpt:
@@ -813,28 +814,24 @@ def setup(cfg: TrainConfig):
         if kept:
             print(kept, flush=True)
     dist.barrier()
+    # A checkpoint in --out_dir wins over --init_from: re-running the same command continues the run.
+    # After --overwrite, what is left is this run's own: a restart's checkpoints (overwrite_once).
+    candidates = disk.resume_candidates(ckpt_root) if not cfg.from_ckpt and (cfg.resume == "auto" or cfg.overwrite) else []
+    step = position = 0
     if cfg.from_ckpt:  # weights to export, not to train
         step = disk.load_weights(weights, sharded.units, "--from_ckpt")
         if rank == 0:
             print(f"read checkpoint {weights} (step {step})", flush=True)
-        if cfg.offload_optimizer:
-            O.refresh_compute_shards(sharded.units)
-        return sharded, windows, eval_windows, step, 0
-    # A checkpoint in --out_dir wins over --init_from: re-running the same command continues the run.
-    # After --overwrite, what is left is this run's own: a restart's checkpoints (overwrite_once).
-    candidates = disk.resume_candidates(ckpt_root) if cfg.resume == "auto" or cfg.overwrite else []
-    if candidates:
+    elif candidates:
         step, position = disk.resume(cfg, mcfg, sharded.units, windows, rank, candidates, fallback=True)
-        if cfg.offload_optimizer:
-            O.refresh_compute_shards(sharded.units)
-        return sharded, windows, eval_windows, step, position
-    init_weights(cfg, mcfg, sharded.units, weights)
-    if isinstance(weights, str) and rank == 0:
-        print(f"started from the weights of checkpoint {weights} (a new phase: step 1, a fresh optimizer and data "
-              f"position)", flush=True)
-    if cfg.offload_optimizer:
+    else:
+        init_weights(cfg, mcfg, sharded.units, weights)
+        if isinstance(weights, str) and rank == 0:
+            print(f"started from the weights of checkpoint {weights} (a new phase: step 1, a fresh optimizer and data "
+                  f"position)", flush=True)
+    if cfg.offload_optimizer:  # the device copies of the host master shards just filled
         O.refresh_compute_shards(sharded.units)
-    return sharded, windows, eval_windows, 0, 0
+    return sharded, windows, eval_windows, step, position
 
 
 def catch_stop_signals() -> list:
