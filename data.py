@@ -888,15 +888,21 @@ class TokenWindows:
 SAMPLE_SOURCES = (("messages", 0.6), ("docstrings", 0.4))  # the built-in sample's two sources and weights
 
 
+def split_source(item: str) -> tuple[str, str]:
+    """(path, weight text) of one `PATH[:WEIGHT]`: a path that exists as written keeps its colons."""
+    if ":" in item and not os.path.exists(item):
+        path, _, weight_text = item.rpartition(":")
+        return path, weight_text
+    return item, "1"
+
+
 def parse_sources(spec: str, flag: str) -> list[tuple[str, str, fractions.Fraction]]:
     """[(name, path, weight)] of `PATH[:WEIGHT][,PATH[:WEIGHT]...]` (no weight: 1). The name is the folder's
     name, or the file's without its extension; a repeated name gets -2, -3, ... DataError for an empty
     source, a weight that is not a positive number, or a path that does not exist."""
     sources, names = [], set()
     for item in spec.split(","):
-        path, weight_text = item, "1"
-        if ":" in item and not os.path.exists(item):
-            path, _, weight_text = item.rpartition(":")
+        path, weight_text = split_source(item)
         if not path.strip():
             raise DataError(f"{flag}: {spec!r} has an empty source (expected PATH[:WEIGHT][,PATH[:WEIGHT]...])")
         try:
@@ -929,7 +935,7 @@ def first_prepared_folder(spec: str, out_dir: str) -> str | None:
     if spec == "sample":
         return sample_sources(out_dir, "train")[0][1]
     for item in spec.split(","):
-        path = item if os.path.exists(item) or ":" not in item else item.rpartition(":")[0]
+        path, _ = split_source(item)
         if os.path.isfile(os.path.join(path, "meta.json")):
             return path
     return None
