@@ -2,6 +2,7 @@
 
     python bench/fake_memory.py [--only two-node,one-node,8b] [--flash both|on|off] [--json OUT]
                                 [--build_dir DIR]
+    python bench/fake_memory.py --gpu_bench h100:8,h200:1   # bench/gpu.py's runs: bench/gpu_fake_memory.json
 
 Each recipe runs one optimizer step of train.py's own ShardedModel and train_step as rank 0 of its W, in
 a fresh process, on a CPU-only torch (tests/fake_cuda.py: no tensor has memory, no kernel runs; device
@@ -30,6 +31,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import fake_cuda  # noqa: E402
 import plan as P  # noqa: E402
@@ -73,6 +75,29 @@ def recipes() -> dict:
                                                             "--batch_size", "16", "--micro_batch_size", "1"], 8)}
 
 
+def gpu_bench_rows(spec: str, flash: bool, shim: str, tmp: str) -> list[dict]:
+    """bench/gpu.py's eager runs of ours as it would time them on `spec` = GPU:W[:LAYERS] (layers: as many as
+    gpu.py chooses for that GPU's memory), measured under fake CUDA; gpu.py prints them beside its peaks."""
+    import dataclasses
+    import gpu as G  # bench/gpu.py: its flags and layer choice, not a copy of them
+    gpu, world, *layers = spec.split(":")
+    world, seq_len = int(world), 8192
+    layers = int(layers[0]) if layers else G.layers_that_fit(seq_len, world, P.GPUS[gpu]["memory_mib"] * 2**20, gpu)
+    model_json = json.dumps(dataclasses.asdict(G.bench_model(layers, dry=False)))
+    rows = []
+    for name, extra in G.OURS_RUNS.items():
+        if world == 1 and "prefetch" in name:
+            continue  # gpu.py does not run it on one GPU
+        flags = G.ours_flags("OUT_DIR", "TOKENS", seq_len, world, G.ACCUM, G.WARMUP + 5, "cuda", extra)
+        r = fake_cuda.run(shim, os.path.join(tmp, "out.json"), flags, world, flash=flash, model_json=model_json)
+        rows.append(dict(run=name, gpu=gpu, layers=layers, seq_len=seq_len, world=world, flash=flash, flags=flags,
+                         measured_gib=r["peak_bytes"] / GIB, planned_gib=r["plan"]["allocated_bytes"] / GIB,
+                         measured_at=max(r["peak_by_phase"], key=r["peak_by_phase"].get)))
+        print(f"gpu.py on {spec}: {name:32} flash {'on ' if flash else 'off'} {layers} layers W={world}: "
+              f"{rows[-1]['measured_gib']:.2f} GiB measured, {rows[-1]['planned_gib']:.2f} planned", flush=True)
+    return rows
+
+
 def margins(r: dict) -> dict:
     """The measured peak with what torch does not count added as the planner adds it: CUDA context and
     NCCL (an assumption), and allocator fragmentation on everything but the persistent state."""
@@ -89,10 +114,14 @@ def main():
     parser.add_argument("--only", default="two-node,one-node,8b")
     parser.add_argument("--flash", default="both", choices=("both", "on", "off"))
     parser.add_argument("--json", default="")
+    parser.add_argument("--gpu_bench", default="", metavar="GPU:W[:LAYERS],...", help="instead of the recipes: "
+                        "bench/gpu.py's runs on these GPUs (plan.GPUS keys) and W, merged into bench/gpu_fake_memory.json")
     parser.add_argument("--build_dir", default=os.path.join(os.path.expanduser("~"), ".cache", "llama-zero3"))
     args = parser.parse_args()
     shim = fake_cuda.build_shim(args.build_dir)
     flashes = {"both": (True, False), "on": (True,), "off": (False,)}[args.flash]
+    if args.gpu_bench:
+        return write_gpu_bench(args.gpu_bench, flashes, shim)
     rows, table = [], recipes()
     print(f"measured under fake CUDA, not on a GPU | {datetime.date.today()} | {platform.node()} | "
           f"{platform.processor() or platform.machine()}", flush=True)
@@ -118,6 +147,23 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def write_gpu_bench(specs: str, flashes, shim: str):
+    """Measures each spec and keeps them in bench/gpu_fake_memory.json, replacing rows of the same key."""
+    import gpu as G
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in specs.split(","):
+            for flash in flashes:
+                rows += gpu_bench_rows(spec, flash, shim, tmp)
+    key = lambda r: (r["run"], r["layers"], r["seq_len"], r["world"], r["flash"])  # noqa: E731
+    new = {key(r) for r in rows}
+    old = json.load(open(G.FAKE_MEMORY_JSON)) if os.path.exists(G.FAKE_MEMORY_JSON) else []
+    for r in rows:
+        r["date"] = str(datetime.date.today())
+    with open(G.FAKE_MEMORY_JSON, "w") as f:
+        json.dump([r for r in old if key(r) not in new] + rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ trainer against transformers + PyTorch FSDP2 on the same model. `bench/gpu.sh` r
                 per layer then the root, MixedPrecisionPolicy(bf16, fp32), fused AdamW.
 Each: 2 warm-up steps, then --steps timed steps (synchronized); the median. MFU = tokens/s/GPU x
 metrics.flops_per_token / the device's dense BF16 peak (metrics.PEAK_BF16_FLOPS). Peak memory is
-torch.cuda.max_memory_allocated over the timed steps. The timed steps run under CUDA's sync debug mode
+torch.cuda.max_memory_allocated over the timed steps, shown beside the peak of the same flags, model and W
+measured under fake CUDA on a CPU (bench/fake_memory.py --gpu_bench, kept in bench/gpu_fake_memory.json): where
+they differ, the GPU has something the fake step does not model. The timed steps run under CUDA's sync debug mode
 ("warn"): the table counts the times per step the host waited for the GPU, the JSON says where. The
 attention kernel is metrics.attention_kernel's words and, where that is SDPA, the backend SDPA's own
 dispatch (torch._fused_sdp_choice) picks for attention()'s arguments at these shapes. Results print as
@@ -86,6 +88,34 @@ def train_flags(folder: str, tokens: str, seq_len: int, batch: int, micro: int, 
             f"--steps={steps}", f"--dtype={dtype}", f"--ac={ac}", f"--device={device}", "--eval_every=0",
             f"--lr={lr}", "--warmup_steps=1", "--weight_decay=0.1", "--grad_clip=1.0",
             f"--out_dir={folder}", "--resume=never", "--overwrite=true", *extra]
+
+
+ACCUM, WARMUP = 2, 2  # micro-batches per GPU per step; untimed steps before the timed ones
+# The timed runs of ours: name -> the flags each adds to ours_flags.
+OURS_RUNS = {"ours": [], "ours, --prefetch false": ["--prefetch=false"],
+             "ours, --offload_optimizer true": ["--offload_optimizer=true"]}
+
+
+def ours_flags(folder: str, tokens: str, seq_len: int, world: int, accum: int, steps: int, device: str,
+               extra=()) -> list:
+    """What main times: micro-batch 1 x `accum` per GPU, bf16, --ac selective, one document per row.
+    bench/fake_memory.py --gpu_bench measures the same flags under fake CUDA."""
+    return train_flags(folder, tokens, seq_len, accum * world, 1, steps, "bfloat16", "selective", device,
+                       ["--model=bench", "--doc_mask=false", *extra])
+
+
+FAKE_MEMORY_JSON = os.path.join(ROOT, "bench", "gpu_fake_memory.json")
+
+
+def fake_cuda_peak_gib(name: str, layers: int, seq_len: int, world: int, flash: bool) -> float | None:
+    """This run's peak as bench/fake_memory.py --gpu_bench measured it under fake CUDA on a CPU (the same
+    flags, model and W; flash-attn or SDPA as here), from FAKE_MEMORY_JSON; None if not measured."""
+    if not os.path.exists(FAKE_MEMORY_JSON):
+        return None
+    with open(FAKE_MEMORY_JSON) as f:
+        rows = json.load(f)
+    return next((r["measured_gib"] for r in rows if (r["run"], r["layers"], r["seq_len"], r["world"], r["flash"])
+                 == (name, layers, seq_len, world, flash)), None)
 
 
 EAGER_RUN_BLOCK = T.run_block
@@ -299,8 +329,10 @@ def summarize(name: str, run: dict, mcfg, seq_len: int, tokens_per_step_per_gpu:
     flops = metrics.flops_per_token(mcfg, seq_len)
     run["mfu"] = None if peak is None else run["tokens_per_sec_per_gpu"] * flops / peak
     mfu = "n/a" if run["mfu"] is None else f"{100 * run['mfu']:.1f}%"
+    fake = run.get("fake_cuda_peak_gib")
     log(rank, f"{name}: median step {run['step_s']:.3f} s, {run['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU, "
-              f"MFU {mfu}, peak {run['peak_gib']:.1f} GiB, losses {[round(x, 3) for x in run['losses']]}")
+              f"MFU {mfu}, peak {run['peak_gib']:.1f} GiB" + (f" (under fake CUDA: {fake:.1f} GiB)" if fake else "")
+              + f", losses {[round(x, 3) for x in run['losses']]}")
     if not all(math.isfinite(x) for x in run["losses"]):
         raise RuntimeError(f"{name}: non-finite loss {run['losses']}")
     return run
@@ -456,7 +488,7 @@ def main() -> int:
     else:
         layers = layers_that_fit(seq_len, world, torch.cuda.mem_get_info(device)[1], gpu)
     mcfg = bench_model(layers, dry)
-    accum, warmup = 2, 2
+    accum, warmup = ACCUM, WARMUP
     results.update(attention=attention_report(device, mcfg, seq_len), baseline_attention=baseline_attention(device))
     log(rank, f"attention: ours {json.dumps(results['attention'])}, transformers {results['baseline_attention']}")
     tokens = write_random_tokens(folder, mcfg.vocab_size, seq_len, (warmup + args.steps) * accum * world + 4)
@@ -467,16 +499,15 @@ def main() -> int:
               f"GPU, W={world}")
     results.update(layers=layers, params=n_params, seq_len=seq_len, accum=accum, world=world, runs={})
     tokens_per_step_per_gpu = accum * seq_len
-    flags = train_flags(shared_out_dir("ours"), tokens, seq_len, accum * world, 1, warmup + args.steps,
-                        "bfloat16", "selective", device_flag, ["--model=bench", "--doc_mask=false"])
+    flags = ours_flags(shared_out_dir("ours"), tokens, seq_len, world, accum, warmup + args.steps, device_flag)
     # What plan.py predicts for this run (on CPU, as if on an H100: the dry run only checks the call).
     planned = P.plan(mcfg, T.parse_args(flags + [f"--nproc_per_node={world}", f"--gpu={gpu}"]))
     results["planned"] = dict(gpu=gpu, **{k: planned[k] for k in ("tokens_per_sec_per_gpu", "mfu", "peak_gib_per_gpu")})
     log(rank, f"planner's prediction for ours ({gpu}): {planned['tokens_per_sec_per_gpu']:,.0f} tok/s/GPU, "
               f"MFU {100 * planned['mfu']:.1f}%, peak {planned['peak_gib_per_gpu']:.1f} GiB")
 
-    def ours(name: str, compiled: bool = False, extra=()):
-        mcfg_run, units, step_fn = build_ours(flags + list(extra), compile_blocks=compiled)
+    def ours(name: str, compiled: bool = False):
+        mcfg_run, units, step_fn = build_ours(flags + OURS_RUNS.get(name, []), compile_blocks=compiled)
         host = units[0].host.state if units[0].host else None  # --offload_optimizer: its one host buffer
         run = timed_steps(step_fn, warmup, args.steps, device)
         if host:  # what zeroing and page-locking it took (plan.ASSUMPTIONS pinning predicts the rate)
@@ -485,6 +516,13 @@ def main() -> int:
         release(units)
         if compiled:  # one graph for all blocks (they share code); more means recompiles
             run["graphs_compiled"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        elif not dry:  # beside the peak: what fake CUDA measured for the same flags (eager only)
+            flash = M.uses_flash(device, torch.bfloat16)
+            run["fake_cuda_peak_gib"] = fake_cuda_peak_gib(name, layers, seq_len, world, flash)
+            if run["fake_cuda_peak_gib"] is None:
+                log(rank, f"{name}: no fake-CUDA measurement of these flags in {FAKE_MEMORY_JSON} (make one on any "
+                          f"CPU: python bench/fake_memory.py --gpu_bench {gpu}:{world}:{layers} "
+                          f"--flash {'on' if flash else 'off'})")
         return summarize(name, run, mcfg_run, seq_len, tokens_per_step_per_gpu, device, rank)
 
     def baseline():
@@ -492,12 +530,9 @@ def main() -> int:
         return summarize("transformers + FSDP2", timed_steps(step_fn, warmup, args.steps, device), mcfg, seq_len,
                          tokens_per_step_per_gpu, device, rank)
 
-    runs = [("ours", partial(ours, "ours"))]
-    if world > 1:  # with one GPU the all-gathers are local copies: nothing to overlap
-        runs += [("ours, --prefetch false", partial(ours, "ours, --prefetch false", extra=["--prefetch=false"]))]
-    # The optimizer in host memory and on the CPU (issue 14): what the copies and the CPU update cost per step.
-    runs += [("ours, --offload_optimizer true", partial(ours, "ours, --offload_optimizer true",
-                                                        extra=["--offload_optimizer=true"]))]
+    # With one GPU the all-gathers are local copies: nothing for --prefetch to overlap. --offload_optimizer:
+    # the optimizer in host memory and on the CPU (issue 14), what the copies and the CPU update cost per step.
+    runs = [(name, partial(ours, name)) for name in OURS_RUNS if world > 1 or "prefetch" not in name]
     runs += [] if args.no_baseline else [("transformers + FSDP2", baseline)]
     compiled = "ours + torch.compile per block"  # last: its compile time is the least predictable
     runs += [] if args.no_compile else [(compiled, partial(ours, compiled, compiled=True))]
@@ -562,17 +597,19 @@ def table(results: dict) -> str:
             f"micro-batch 1 x {results['accum']}, bf16, --ac selective, fp32 reduce; median of the timed steps; "
             f"correctness fp32 {results['correctness']['float32']['worst_rel']:.1e}, "
             f"bf16 {results['correctness']['bfloat16']['worst_rel']:.1e}")
-    rows = ["| run | tokens/s/GPU | MFU | peak GiB | step s | host syncs/step |", "|---|---:|---:|---:|---:|---:|"]
+    rows = ["| run | tokens/s/GPU | MFU | peak GiB | fake-CUDA GiB | step s | host syncs/step |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
     p = results["planned"]
     rows.append(f"| ours, predicted by plan.py ({p['gpu']}) | {p['tokens_per_sec_per_gpu']:,.0f} | {100 * p['mfu']:.1f}% | "
-                f"{p['peak_gib_per_gpu']:.1f} | | |")
+                f"{p['peak_gib_per_gpu']:.1f} | | | |")
     for name, r in results["runs"].items():
         if "error" in r:
-            rows.append(f"| {name} | {r['error'][:120]} | | | | |")
+            rows.append(f"| {name} | {r['error'][:120]} | | | | | |")
             continue
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         syncs = "n/a" if r["host_syncs_per_step"] is None else f"{statistics.median(r['host_syncs_per_step']):g}"
-        rows.append(f"| {name} | {r['tokens_per_sec_per_gpu']:,.0f} | {mfu} | {r['peak_gib']:.1f} | "
+        fake = "n/a" if r.get("fake_cuda_peak_gib") is None else f"{r['fake_cuda_peak_gib']:.1f}"
+        rows.append(f"| {name} | {r['tokens_per_sec_per_gpu']:,.0f} | {mfu} | {r['peak_gib']:.1f} | {fake} | "
                     f"{r['step_s']:.3f} | {syncs} |")
     return head + "\n\n" + "\n".join(rows)
 

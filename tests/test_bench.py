@@ -29,6 +29,7 @@ def test_gpu_benchmark_dry_run_on_cpu(tmp_path):
     assert runs["ours + torch.compile per block"]["loss_vs_eager_rel"] <= 2e-2
     assert runs["ours, --offload_optimizer true"]["loss_vs_eager_rel"] == 0.0  # on CPU: the same arithmetic
     assert "| ours | " in proc.stdout and "| transformers + FSDP2 | " in proc.stdout
+    assert "| peak GiB | fake-CUDA GiB |" in proc.stdout  # a dry run (CPU) has no fake-CUDA figure: n/a
 
 
 def test_one_runs_failure_is_agreed_on_and_one_that_strands_the_others_stops_the_benchmark(tmp_path):
@@ -116,6 +117,28 @@ def test_gpu_benchmark_sizes_the_model_to_the_gpu():
     assert sizes["h200"] > sizes["h100"] >= 4
     assert G.layers_that_fit(8192, 8, 81559 * 2**20, "h100") == 32  # one node: the whole 8B
     assert G.planner_gpu("NVIDIA H200") == "h200" and G.planner_gpu("NVIDIA H100 80GB HBM3") == "h100"
+
+
+def test_gpu_benchmark_shows_the_fake_cuda_peak_measured_for_its_own_flags():
+    """bench/gpu.py prints beside each eager run's peak the peak bench/fake_memory.py --gpu_bench measured for
+    the same run under fake CUDA. Each recorded row must still be that run: gpu.py's flags for it today, and
+    the layer count gpu.py chooses on that GPU (a change to either makes the row stale: measure again)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu as G
+    import plan as P
+    rows = json.load(open(G.FAKE_MEMORY_JSON))
+    measured = {(r["gpu"], r["world"], r["run"], r["flash"]) for r in rows}
+    for gpu, world in (("h100", 8), ("h200", 1)):  # an H100 node; the H200 this project may be lent
+        runs = [name for name in G.OURS_RUNS if world > 1 or "prefetch" not in name]
+        assert {(gpu, world, name, flash) for name in runs for flash in (True, False)} <= measured
+    for r in rows:
+        assert r["layers"] == G.layers_that_fit(r["seq_len"], r["world"], P.GPUS[r["gpu"]]["memory_mib"] * 2**20,
+                                                r["gpu"]), r
+        assert r["flags"] == G.ours_flags("OUT_DIR", "TOKENS", r["seq_len"], r["world"], G.ACCUM, G.WARMUP + 5,
+                                          "cuda", G.OURS_RUNS[r["run"]]), r
+        assert G.fake_cuda_peak_gib(r["run"], r["layers"], r["seq_len"], r["world"], r["flash"]) == r["measured_gib"]
+        assert 0.9 < r["measured_gib"] / r["planned_gib"] < 1.05, r  # and it is the planner's order of size
+    assert G.fake_cuda_peak_gib("ours", 3, 8192, 8, True) is None  # not measured: gpu.py says how to measure it
 
 
 def test_checkpoint_io_measures_a_folder_without_a_hugging_face_model(tmp_path):
