@@ -25,21 +25,12 @@ import torch.utils.checkpoint
 from torch import nn
 
 
-def flash_attn_import_problem(error: ImportError) -> str | None:
-    """None when flash_attn is simply not installed (SDPA is then meant); else the error, kept: an install
-    that does not import (built for another torch: "undefined symbol"; its CUDA extension missing) would
-    otherwise fall back to SDPA silently. checks.check_flash_attn refuses it on a CUDA machine."""
-    if isinstance(error, ModuleNotFoundError) and error.name == "flash_attn":
-        return None
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-
-
-try:  # FlashAttention-2: CUDA only, optional. Everything works without it through SDPA.
+try:  # FlashAttention-2: CUDA only, optional. Without it, SDPA; checks.py refuses an install that does not import.
     from flash_attn import flash_attn_func, flash_attn_varlen_func
-    FLASH_ATTN_IMPORT_PROBLEM = None
+    FLASH_ATTN_IMPORT_ERROR = None
 except ImportError as e:
     flash_attn_func = flash_attn_varlen_func = None
-    FLASH_ATTN_IMPORT_PROBLEM = flash_attn_import_problem(e)
+    FLASH_ATTN_IMPORT_ERROR = e
 
 
 # ----------------------------------------------------------------------------------------------
