@@ -48,9 +48,7 @@ class ModelConfig:
     ffn_dim: int = 768
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    # llama3 frequency scaling: {factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings}; None for plain RoPE.
-    rope_scaling: dict | None = None
+    rope_scaling: dict | None = None  # llama3 frequency scaling (its keys: llama3()); None for plain RoPE
     max_seq_len: int = 8192
     tie_embeddings: bool = False
     bos_id: int = 1
@@ -62,12 +60,6 @@ class ModelConfig:
             self.head_dim = self.dim // self.n_heads
 
 
-LLAMA3_ROPE_SCALING_32 = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                              original_max_position_embeddings=8192)
-LLAMA3_ROPE_SCALING_8 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                             original_max_position_embeddings=8192)
-
-
 def tiny() -> ModelConfig:
     """~3.4M parameters: trains on a laptop CPU in minutes. With prepared data (the built-in sample
     included) the vocabulary and BOS/EOS ids are the data tokenizer's (train.py, data.open_data)."""
@@ -75,48 +67,24 @@ def tiny() -> ModelConfig:
                        rope_theta=10000.0, max_seq_len=1024, bos_id=256, eos_id=257)
 
 
-def llama3_2_1b() -> ModelConfig:
-    return ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
-                       ffn_dim=8192, rope_scaling=dict(LLAMA3_ROPE_SCALING_32), max_seq_len=131072,
-                       tie_embeddings=True, bos_id=128000, eos_id=128001)
+def llama3(rope_factor: float = 0.0, **shape) -> ModelConfig:
+    """Llama 3's vocabulary, BOS/EOS ids and 8 K/V heads. 3.1 and 3.2 stretch RoPE from 8192 positions to
+    131072 by `rope_factor` (llama3 frequency scaling); 3.0 has none."""
+    scaling = dict(factor=rope_factor, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    return ModelConfig(vocab_size=128256, n_kv_heads=8, rope_scaling=scaling if rope_factor else None,
+                       max_seq_len=131072 if rope_factor else 8192, bos_id=128000, eos_id=128001, **shape)
 
 
-def llama3_2_3b() -> ModelConfig:
-    return ModelConfig(vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, head_dim=128,
-                       ffn_dim=8192, rope_scaling=dict(LLAMA3_ROPE_SCALING_32), max_seq_len=131072,
-                       tie_embeddings=True, bos_id=128000, eos_id=128001)
-
-
-def llama3_8b() -> ModelConfig:
-    return ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                       max_seq_len=8192, bos_id=128000, eos_id=128001)
-
-
-def llama3_1_8b() -> ModelConfig:
-    cfg = llama3_8b()
-    cfg.rope_scaling, cfg.max_seq_len = dict(LLAMA3_ROPE_SCALING_8), 131072
-    return cfg
-
-
-def llama3_70b() -> ModelConfig:
-    return ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
-                       max_seq_len=8192, bos_id=128000, eos_id=128001)
-
-
-def llama3_1_70b() -> ModelConfig:
-    cfg = llama3_70b()
-    cfg.rope_scaling, cfg.max_seq_len = dict(LLAMA3_ROPE_SCALING_8), 131072
-    return cfg
-
-
+LLAMA3_8B = dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336)
+LLAMA3_70B = dict(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672)
 PRESETS = {
     "tiny": tiny,
-    "llama3.2-1b": llama3_2_1b,
-    "llama3.2-3b": llama3_2_3b,
-    "llama3-8b": llama3_8b,
-    "llama3.1-8b": llama3_1_8b,
-    "llama3-70b": llama3_70b,
-    "llama3.1-70b": llama3_1_70b,
+    "llama3.2-1b": lambda: llama3(32.0, dim=2048, n_layers=16, n_heads=32, ffn_dim=8192, tie_embeddings=True),
+    "llama3.2-3b": lambda: llama3(32.0, dim=3072, n_layers=28, n_heads=24, ffn_dim=8192, tie_embeddings=True),
+    "llama3-8b": lambda: llama3(**LLAMA3_8B),
+    "llama3.1-8b": lambda: llama3(8.0, **LLAMA3_8B),
+    "llama3-70b": lambda: llama3(**LLAMA3_70B),
+    "llama3.1-70b": lambda: llama3(8.0, **LLAMA3_70B),
 }
 
 
