@@ -242,12 +242,22 @@ def check_host_memory(cfg, mcfg: M.ModelConfig, world: int, state_bytes_per_para
             f"{available / 2**30:,.1f} GiB available; use more nodes, or train without --offload_optimizer"]
 
 
+def flash_attn_import_problem(error: ImportError | None) -> str | None:
+    """model.FLASH_ATTN_IMPORT_ERROR as one line; None when flash_attn imported or is simply not installed (SDPA
+    is then meant). An install that does not import (built for another torch: "undefined symbol"; its CUDA
+    extension missing) would otherwise fall back to SDPA silently."""
+    if error is None or (isinstance(error, ModuleNotFoundError) and error.name == "flash_attn"):
+        return None
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
 def check_flash_attn(cfg) -> list[str]:
     """On a CUDA machine, a flash_attn that is installed but does not import is an error, not a silent SDPA."""
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if not cuda or M.FLASH_ATTN_IMPORT_PROBLEM is None:
+    problem = flash_attn_import_problem(M.FLASH_ATTN_IMPORT_ERROR)
+    if not cuda or problem is None:
         return []
-    return [f"flash_attn is installed but does not import ({M.FLASH_ATTN_IMPORT_PROBLEM}), so attention would "
+    return [f"flash_attn is installed but does not import ({problem}), so attention would "
             f"silently run on SDPA: reinstall it for this torch (pip install 'flash-attn>=2.7' --no-build-isolation), "
             f"or uninstall it (pip uninstall flash-attn) to use SDPA"]
 

@@ -2,16 +2,13 @@
 
 Read top to bottom: config and presets, RoPE (with the llama3 frequency scaling), then the layers:
 RMSNorm, packed documents kept apart (DocumentLayout), attention (FlashAttention-2 where it applies,
-PyTorch SDPA elsewhere: uses_flash), the decoder block, the model. Module and parameter names are Hugging Face's minus
-the leading "model." (`layers.3.self_attn.q_proj.weight` here is `model.layers.3.self_attn.q_proj.weight`
-there), so import and export are a rename, never a permutation: HF's q/k layout already suits its
-`rotate_half` RoPE, and that is the RoPE used here. Hugging Face's config.json is read and written beside
-the import and export, in disk.py.
+PyTorch SDPA elsewhere: uses_flash), the decoder block, the model. Parameter names are Hugging Face's minus
+the leading "model.", and HF's q/k layout already suits its `rotate_half` RoPE, used here: import and export
+(disk.py, with config.json) are a rename, never a permutation.
 
-Nothing in this file knows about sharding. `train.py` calls the three pieces the forward is made of
-(`embed`, each block, `head_loss`) with its gather/free logic around each; `Llama.forward` strings the
-same pieces together for one process, which is what the tests compare against Hugging Face. Sampling
-(sample.py) runs the same blocks with a `sample.KVCache` each, an optional argument training never passes.
+Nothing here knows about sharding: train.py calls the forward's three pieces (`embed`, each block,
+`head_loss`) with its gather/free around each; `Llama.forward` strings them together in one process, which
+is what the tests compare against HF. sample.py runs the same blocks with a `sample.KVCache` each.
 """
 
 import math
@@ -25,21 +22,12 @@ import torch.utils.checkpoint
 from torch import nn
 
 
-def flash_attn_import_problem(error: ImportError) -> str | None:
-    """None when flash_attn is simply not installed (SDPA is then meant); else the error, kept: an install
-    that does not import (built for another torch: "undefined symbol"; its CUDA extension missing) would
-    otherwise fall back to SDPA silently. checks.check_flash_attn refuses it on a CUDA machine."""
-    if isinstance(error, ModuleNotFoundError) and error.name == "flash_attn":
-        return None
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-
-
-try:  # FlashAttention-2: CUDA only, optional. Everything works without it through SDPA.
+try:  # FlashAttention-2: CUDA only, optional. Without it, SDPA; checks.py refuses an install that does not import.
     from flash_attn import flash_attn_func, flash_attn_varlen_func
-    FLASH_ATTN_IMPORT_PROBLEM = None
+    FLASH_ATTN_IMPORT_ERROR = None
 except ImportError as e:
     flash_attn_func = flash_attn_varlen_func = None
-    FLASH_ATTN_IMPORT_PROBLEM = flash_attn_import_problem(e)
+    FLASH_ATTN_IMPORT_ERROR = e
 
 
 # ----------------------------------------------------------------------------------------------
@@ -57,9 +45,7 @@ class ModelConfig:
     ffn_dim: int = 768
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    # llama3 frequency scaling: {factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings}; None for plain RoPE.
-    rope_scaling: dict | None = None
+    rope_scaling: dict | None = None  # llama3 frequency scaling (its keys: llama3()); None for plain RoPE
     max_seq_len: int = 8192
     tie_embeddings: bool = False
     bos_id: int = 1
@@ -71,12 +57,6 @@ class ModelConfig:
             self.head_dim = self.dim // self.n_heads
 
 
-LLAMA3_ROPE_SCALING_32 = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                              original_max_position_embeddings=8192)
-LLAMA3_ROPE_SCALING_8 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                             original_max_position_embeddings=8192)
-
-
 def tiny() -> ModelConfig:
     """~3.4M parameters: trains on a laptop CPU in minutes. With prepared data (the built-in sample
     included) the vocabulary and BOS/EOS ids are the data tokenizer's (train.py, data.open_data)."""
@@ -84,48 +64,24 @@ def tiny() -> ModelConfig:
                        rope_theta=10000.0, max_seq_len=1024, bos_id=256, eos_id=257)
 
 
-def llama3_2_1b() -> ModelConfig:
-    return ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
-                       ffn_dim=8192, rope_scaling=dict(LLAMA3_ROPE_SCALING_32), max_seq_len=131072,
-                       tie_embeddings=True, bos_id=128000, eos_id=128001)
+def llama3(rope_factor: float = 0.0, **shape) -> ModelConfig:
+    """Llama 3's vocabulary, BOS/EOS ids and 8 K/V heads. 3.1 and 3.2 stretch RoPE from 8192 positions to
+    131072 by `rope_factor` (llama3 frequency scaling); 3.0 has none."""
+    scaling = dict(factor=rope_factor, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    return ModelConfig(vocab_size=128256, n_kv_heads=8, rope_scaling=scaling if rope_factor else None,
+                       max_seq_len=131072 if rope_factor else 8192, bos_id=128000, eos_id=128001, **shape)
 
 
-def llama3_2_3b() -> ModelConfig:
-    return ModelConfig(vocab_size=128256, dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, head_dim=128,
-                       ffn_dim=8192, rope_scaling=dict(LLAMA3_ROPE_SCALING_32), max_seq_len=131072,
-                       tie_embeddings=True, bos_id=128000, eos_id=128001)
-
-
-def llama3_8b() -> ModelConfig:
-    return ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                       max_seq_len=8192, bos_id=128000, eos_id=128001)
-
-
-def llama3_1_8b() -> ModelConfig:
-    cfg = llama3_8b()
-    cfg.rope_scaling, cfg.max_seq_len = dict(LLAMA3_ROPE_SCALING_8), 131072
-    return cfg
-
-
-def llama3_70b() -> ModelConfig:
-    return ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
-                       max_seq_len=8192, bos_id=128000, eos_id=128001)
-
-
-def llama3_1_70b() -> ModelConfig:
-    cfg = llama3_70b()
-    cfg.rope_scaling, cfg.max_seq_len = dict(LLAMA3_ROPE_SCALING_8), 131072
-    return cfg
-
-
+LLAMA3_8B = dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336)
+LLAMA3_70B = dict(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672)
 PRESETS = {
     "tiny": tiny,
-    "llama3.2-1b": llama3_2_1b,
-    "llama3.2-3b": llama3_2_3b,
-    "llama3-8b": llama3_8b,
-    "llama3.1-8b": llama3_1_8b,
-    "llama3-70b": llama3_70b,
-    "llama3.1-70b": llama3_1_70b,
+    "llama3.2-1b": lambda: llama3(32.0, dim=2048, n_layers=16, n_heads=32, ffn_dim=8192, tie_embeddings=True),
+    "llama3.2-3b": lambda: llama3(32.0, dim=3072, n_layers=28, n_heads=24, ffn_dim=8192, tie_embeddings=True),
+    "llama3-8b": lambda: llama3(**LLAMA3_8B),
+    "llama3.1-8b": lambda: llama3(8.0, **LLAMA3_8B),
+    "llama3-70b": lambda: llama3(**LLAMA3_70B),
+    "llama3.1-70b": lambda: llama3(8.0, **LLAMA3_70B),
 }
 
 
@@ -163,10 +119,9 @@ def to_device(array, device) -> torch.Tensor:
 
 
 def rope_cos_sin(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype):
-    """cos and sin of shape (B, T, head_dim) in `dtype`, computed in fp32 from integer positions (B, T).
-    Recomputed each forward: it is tiny next to a block, and a cached buffer would be one more tensor to
-    shard or replicate. The inverse frequencies are computed on the CPU, as Hugging Face computes them,
-    and copied with to_device: a plain copy would make the host wait for the GPU in every micro-batch."""
+    """cos and sin (B, T, head_dim) in `dtype`, computed in fp32 from integer positions (B, T). Recomputed each
+    forward: tiny next to a block, where a cached buffer would be one more tensor to shard or replicate. The
+    inverse frequencies come from the CPU, as HF computes them, through to_device (no host wait)."""
     freqs = positions[..., None].float() * to_device(rope_inv_freq(cfg), positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -208,9 +163,8 @@ def document_starts(tokens: np.ndarray, eos_id: int) -> np.ndarray:
 
 
 class DocumentLayout(NamedTuple):
-    """Packed documents, as attention reads them: RoPE positions restarting at 0 in each document, and what
-    keeps attention inside a document. For flash_attn_varlen_func the documents' boundaries in the
-    flattened B*T tokens (cu_seqlens, max_seqlen); for SDPA a block-diagonal causal mask (document_mask)."""
+    """Packed documents, as attention reads them: RoPE positions restarting at 0 in each document, and either
+    the documents' boundaries in the flattened B*T tokens (flash_attn_varlen_func) or SDPA's document_mask."""
     positions: torch.Tensor              # (B, T) int64
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
@@ -218,11 +172,10 @@ class DocumentLayout(NamedTuple):
 
 
 def document_layout(starts, device="cpu", dtype: torch.dtype = torch.bool) -> DocumentLayout:
-    """The layout on `device` for `starts` (B, T), a numpy array (or CPU tensor) that is True where a
-    document begins (always at t = 0), in the form the kernel for the compute `dtype` reads (uses_flash);
-    SDPA's mask is in `dtype` (bool: a bool mask). Computed on the host from the token ids the host already
-    has, so nothing waits for the GPU: on the GPU, nonzero() and int() would. Only the T x T mask is built
-    on the device, from each token's document index: copying it would move B*T*T elements instead of B*T."""
+    """The layout on `device` for `starts` (document_starts, numpy or CPU), in the form the kernel for the
+    compute `dtype` reads (uses_flash). Computed on the host, which has the token ids: on the GPU, nonzero()
+    and int() would make the host wait. Only the T x T mask is built on the device, from each token's
+    document index: copying it would move B*T*T elements instead of B*T."""
     starts = np.asarray(starts, dtype=bool)
     B, T = starts.shape
     t = np.broadcast_to(np.arange(T), (B, T))
@@ -236,11 +189,10 @@ def document_layout(starts, device="cpu", dtype: torch.dtype = torch.bool) -> Do
 
 
 def document_mask(doc: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.Tensor:
-    """(B, 1, T, T) from each token's document index doc (B, T): query t may see key s if both are in the
-    same document and s <= t. Bool (True: may see), or additive in a floating `dtype` (0 or -inf), in the
-    form CUDA's memory-efficient SDPA kernel reads as it is: the compute dtype, and each row starting at
-    a multiple of 8 elements (the row length is padded in memory, the padding sliced off). Otherwise SDPA
-    converts and pads the mask again in every layer's forward and backward."""
+    """(B, 1, T, T) from each token's document index doc (B, T): query t sees key s in its document, s <= t.
+    Bool (True: sees), or additive in a floating `dtype` (0 or -inf), as CUDA's memory-efficient SDPA kernel
+    reads it: in the compute dtype, each row starting at a multiple of 8 elements (rows padded in memory, the
+    padding sliced off). Otherwise SDPA converts and pads the mask again in every layer's forward and backward."""
     B, T = doc.shape
     allowed = (doc[:, :, None] == doc[:, None, :]) & torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
     if dtype == torch.bool:
@@ -251,10 +203,9 @@ def document_mask(doc: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.T
 
 def make_batch(cfg: ModelConfig, inputs: np.ndarray, targets: np.ndarray, eos_id: int, doc_mask: bool, device,
                dtype: torch.dtype) -> dict:
-    """What the forward of one micro-batch needs besides the weights: the tokens, RoPE's cos/sin at each
-    token's position, the document layout (with doc_mask: a new document starts after each EOS), the
-    targets. Decided and built on the host from the numpy arrays, then copied without waiting (to_device):
-    nothing here makes the host wait for the GPU, so it can queue this micro-batch while the last one runs."""
+    """One micro-batch's forward inputs besides the weights: tokens, RoPE's cos/sin at each token's position,
+    the document layout (with doc_mask: a document starts after each EOS), targets. Built on the host and
+    copied with to_device, so the host never waits for the GPU: it queues this micro-batch as the last runs."""
     layout = None
     if doc_mask:
         starts = document_starts(inputs, eos_id)
@@ -293,14 +244,13 @@ def attention(q, k, v, layout: DocumentLayout | None = None):
 
 
 def sdpa_arguments(q, k, v, mask=None, causal: bool = True) -> dict:
-    """F.scaled_dot_product_attention's arguments for q (B, H, T, D), k and v (B, KV, S, D) and a mask (None:
-    causal, or no mask at all with causal=False), in a form one of CUDA's fused kernels takes. On CUDA
-    (torch 2.11 to 2.13) SDPA's flash kernel takes grouped K/V but no mask, and bf16/fp16 only; its
-    memory-efficient kernel takes a mask and fp32 but not grouped K/V. Anything else runs the math kernel,
-    which holds the B x H x T x T scores (8 GiB per layer for Llama-3-8B at T = 8192 in fp32): an OOM. So
-    there K/V are repeated to the query's head count for a mask or fp32, at 2 x (H - KV) x T x D elements
-    per layer (recomputed in backward under --ac selective). On CPU, SDPA's kernel takes a mask with
-    grouped K/V as they are."""
+    """F.scaled_dot_product_attention's arguments for q (B, H, T, D), k, v (B, KV, S, D) and a mask (None:
+    causal, or none at all with causal=False), in a form a fused kernel takes. On CUDA (torch 2.11 to 2.13)
+    SDPA's flash kernel takes grouped K/V but no mask, bf16/fp16 only; its memory-efficient kernel takes a
+    mask and fp32 but not grouped K/V; the math kernel, which takes anything, holds the B x H x T x T scores
+    (8 GiB per layer for Llama-3-8B at T = 8192 in fp32): an OOM. So there K/V are repeated to H heads for
+    a mask or fp32, 2 x (H - KV) x T x D elements per layer (recomputed in backward under --ac selective).
+    On CPU, SDPA takes a mask with grouped K/V as they are."""
     H = q.shape[1]
     if q.is_cuda and (mask is not None or q.dtype not in HALF_DTYPES):
         k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))  # what HF's repeat_kv does
@@ -393,9 +343,7 @@ class Llama(nn.Module):
         """Logits for (B, T) tokens, all in one process: the unsharded reference path. With `doc_starts`
         (B, T) bool, packed documents do not see each other (see document_layout)."""
         dtype = self.embed_tokens.weight.dtype
-        layout = None
-        if doc_starts is not None:
-            layout = document_layout(doc_starts.cpu().numpy(), tokens.device, dtype)
+        layout = None if doc_starts is None else document_layout(doc_starts.cpu().numpy(), tokens.device, dtype)
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens) if layout is None else layout.positions
         h = self.embed(tokens)
         cos, sin = rope_cos_sin(self.cfg, positions, h.dtype)

@@ -400,7 +400,7 @@ def environment(device) -> dict:
                # and what sits outside PyTorch's allocator after the correctness run (CUDA context, NCCL with
                # NCCL_NVLS_ENABLE as gpu.sh sets it) against the planner's 1 GiB.
                flash_attn_unsaved=checks.flash_attn_unsaved_warning(T.SAVED_OPS),
-               flash_attn_import_problem=M.FLASH_ATTN_IMPORT_PROBLEM)
+               flash_attn_import_problem=checks.flash_attn_import_problem(M.FLASH_ATTN_IMPORT_ERROR))
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         env.update(gpu=torch.cuda.get_device_name(device), memory_gib=total / GIB,

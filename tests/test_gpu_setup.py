@@ -79,13 +79,13 @@ def test_the_nccl_group_is_bound_to_the_ranks_gpu_so_its_set_up_fails_at_start(m
 def test_a_flash_attn_that_is_installed_but_does_not_import_is_kept_not_swallowed():
     """Not installed (ModuleNotFoundError for flash_attn itself) is SDPA, as meant; anything else (an ABI
     mismatch with this torch, its CUDA extension missing) is kept for checks.py to refuse on CUDA."""
-    import model as M
-    assert M.flash_attn_import_problem(ModuleNotFoundError("No module named 'flash_attn'", name="flash_attn")) is None
+    assert checks.flash_attn_import_problem(None) is None  # imported
+    assert checks.flash_attn_import_problem(ModuleNotFoundError("No module named 'flash_attn'", name="flash_attn")) is None
     abi = ImportError(".../flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi")
-    assert M.flash_attn_import_problem(abi) == ("ImportError: .../flash_attn_2_cuda.so: undefined symbol: "
-                                                "_ZN3c104cuda9SetDeviceEi")
+    assert checks.flash_attn_import_problem(abi) == ("ImportError: .../flash_attn_2_cuda.so: undefined symbol: "
+                                                     "_ZN3c104cuda9SetDeviceEi")
     no_extension = ModuleNotFoundError("No module named 'flash_attn_2_cuda'", name="flash_attn_2_cuda")
-    assert M.flash_attn_import_problem(no_extension) == "ModuleNotFoundError: No module named 'flash_attn_2_cuda'"
+    assert checks.flash_attn_import_problem(no_extension) == "ModuleNotFoundError: No module named 'flash_attn_2_cuda'"
 
 
 def test_model_keeps_the_import_error_of_a_broken_flash_attn(tmp_path):
@@ -97,7 +97,7 @@ def test_model_keeps_the_import_error_of_a_broken_flash_attn(tmp_path):
     (tmp_path / "flash_attn").mkdir()
     (tmp_path / "flash_attn" / "__init__.py").write_text(
         "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')\n")
-    proc = subprocess.run([sys.executable, "-c", "import model; print(model.FLASH_ATTN_IMPORT_PROBLEM)"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", "import checks, model; print(checks.flash_attn_import_problem(model.FLASH_ATTN_IMPORT_ERROR))"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert proc.stdout.strip() == "ImportError: flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi", proc.stderr
 
@@ -108,14 +108,16 @@ def test_a_broken_flash_attn_is_an_error_on_a_cuda_machine(monkeypatch, device, 
     import checks
     import model as M
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_available)
-    monkeypatch.setattr(M, "FLASH_ATTN_IMPORT_PROBLEM", "ImportError: flash_attn_2_cuda.so: undefined symbol: _ZN3c10")
+    monkeypatch.setattr(M, "FLASH_ATTN_IMPORT_ERROR", ImportError("flash_attn_2_cuda.so: undefined symbol: _ZN3c10"))
     errors = checks.check_flash_attn(T.parse_args(["--device", device]))
     assert errors == ([("flash_attn is installed but does not import (ImportError: flash_attn_2_cuda.so: undefined "
                         "symbol: _ZN3c10), so attention would silently run on SDPA: reinstall it for this torch (pip "
                         "install 'flash-attn>=2.7' --no-build-isolation), or uninstall it (pip uninstall flash-attn) "
                         "to use SDPA")] if refused else [])
-    monkeypatch.setattr(M, "FLASH_ATTN_IMPORT_PROBLEM", None)  # not installed, or installed and working
+    monkeypatch.setattr(M, "FLASH_ATTN_IMPORT_ERROR", None)  # installed and working
     assert checks.check_flash_attn(T.parse_args(["--device", device])) == []
+    monkeypatch.setattr(M, "FLASH_ATTN_IMPORT_ERROR", ModuleNotFoundError("No module named 'flash_attn'", name="flash_attn"))
+    assert checks.check_flash_attn(T.parse_args(["--device", device])) == []  # not installed: SDPA, as meant
 
 
 def test_a_flash_attn_whose_attention_the_selective_policy_cannot_save_is_a_warning(monkeypatch):
