@@ -9,6 +9,8 @@
 # What only a GPU shows of issue 20's start-up hazards is in the "environment" line: the memory outside
 # PyTorch's allocator (CUDA context + NCCL, NVLS off) against the planner's 1 GiB, whether the selective
 # policy saves flash_attn's attention (flash_attn_unsaved: null) and whether flash_attn failed to import.
+# Each eager run's peak is printed beside the peak the same flags reached under fake CUDA on a CPU
+# (bench/gpu_fake_memory.json; `python bench/fake_memory.py --gpu_bench GPU:W` measures a missing one).
 # The group is made by train.init_processes, bound to the GPU: a broken NCCL fails before correctness.
 # --offload_optimizer (the "ours, --offload_optimizer true" run): host_zeroed_s and host_page_locked_s in its JSON
 # are what zeroing and cudaHostRegister of the one host buffer took (plan.ASSUMPTIONS pinning predicts ~1-2 GB/s);
