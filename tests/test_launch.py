@@ -115,12 +115,12 @@ def test_two_nodes_equal_one_node_bit_for_bit(files, reference, tmp_path):
 
 
 def test_restart_across_nodes(files, reference, tmp_path):
-    """A rank on node A is killed mid-step while node B, which hosts the rendezvous store, is busy for 20 s
+    """A rank on node A is killed mid-step while node B, which hosts the rendezvous store, is busy for 10 s
     (as an NCCL rank is until its collective times out). Both nodes must come back and finish, bit-exact."""
     port, out = free_port(), tmp_path / "run"
     args = BASE + files + [f"--out_dir={out}"]
     with open(tmp_path / "a.log", "w") as la, open(tmp_path / "b.log", "w") as lb:
-        node_b = start_node(args, port, lb, ZERO3_FAULT="hang:3::20",
+        node_b = start_node(args, port, lb, ZERO3_FAULT="hang:3::10",
                             ZERO3_FAULT_ONCE=str(tmp_path / "b.fired"))
         wait_for_port(port)  # B's torchrun hosts the store
         node_a = start_node(args, port, la, ZERO3_FAULT="kill_mid_step:3", ZERO3_FAULT_ONCE=str(tmp_path / "a.fired"))
