@@ -3,15 +3,14 @@ what resume needs, `latest` that resume reads, exports and metrics that survive 
 paths that stay the caller's. Multi-process gloo on CPU."""
 import json
 import os
-import signal
+import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from common import ROOT, model_and_tokens, read_metrics, run_train
-from test_launch import free_port, start_launch, start_node, wait_all, wait_for_steps, worker_pids
+from test_launch import free_port, wait_all, wait_for_steps
 
 import disk  # noqa: E402
 import train as T  # noqa: E402
@@ -25,56 +24,93 @@ def files(tmp_path_factory):
     return model_and_tokens(tmp_path_factory.mktemp("outdir"))
 
 
+# The resume tests go on from a copy of one finished W=2 run of these flags (saves at steps 2, 4 and 6).
+SAVING = ["--ckpt_every=2", "--keep_ckpts=3"]
+
+
+@pytest.fixture(scope="module")
+def finished(files, tmp_path_factory):
+    """ROOT/run: a finished W=2 run of BASE + SAVING; ROOT/hf: its export (several files and an index).
+    Read only: a test that goes on from the run copies it (copy_of_finished)."""
+    root = tmp_path_factory.mktemp("finished")
+    run_train(BASE + files + SAVING + [f"--out_dir={root / 'run'}", f"--export_hf={root / 'hf'}",
+                                       "--export_shard_gb=0.000005"], nproc=2)
+    return root
+
+
+def copy_of_finished(finished, files, out) -> list[str]:
+    """The finished run's folder copied to `out` (its .lock and all); returns the flags that continue it there."""
+    shutil.copytree(finished / "run", out, dirs_exist_ok=True)
+    return BASE + files + SAVING + [f"--out_dir={out}"]
+
+
+def start_alone(args, **kwargs) -> subprocess.Popen:
+    """`python train.py ARGS`: one process, world 1, no torchrun (the cheapest run there is)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **kwargs.pop("env", {}))
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], env=env, cwd=ROOT, text=True,
+                            **kwargs)
+
+
+def run_alone(args, check=True) -> subprocess.CompletedProcess:
+    proc = start_alone(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stdout, stderr = proc.communicate(timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{stdout[-4000:]}\n{stderr[-6000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 def ckpts(out):
     return sorted(n for n in os.listdir(out / "checkpoints") if n.startswith("step_"))
 
 
 def test_a_second_run_on_the_same_out_dir_stops_naming_the_first(files, tmp_path):
+    """The first run, which holds the folder's lock (rank 0 holds it, whatever the world size), is one
+    process; the second is W=2, so that every rank's refusal shows."""
     cmd = BASE + files + [f"--out_dir={tmp_path}"]
     with open(tmp_path.parent / f"{tmp_path.name}.first.log", "w") as log:
-        # Both ranks stop mid-step 2 for five minutes (no collective pending, so no timeout): still running.
-        first = start_launch(cmd, log, NPROC_PER_NODE="2", ZERO3_FAULT="hang:2::300")
-        wait_for_steps(tmp_path, 1)
-        second = run_train(cmd, nproc=2, check=False)
-        assert second.returncode != 0  # torchrun's 1 for a worker's exit code 2
-        assert f"error: --out_dir: {tmp_path} is in use by another run (host " in second.stderr
-        assert second.stderr.count("is in use by another run") == 2  # every rank says it
-        # The lock dies with its holder, kill -9 included: the same command then continues the run.
-        assert first.poll() is None
-        torchrun, workers = worker_pids(first.pid)
-        for pid in workers + torchrun:  # each worker runs in a session of its own (torchrun's doing)
-            os.kill(pid, signal.SIGKILL)
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
-        while any(os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read()
-                  for pid in workers):
-            time.sleep(0.1)
-    run_train(cmd + ["--steps=2"], nproc=2)
+        # It stops mid-step 2 for five minutes: still running.
+        first = start_alone(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(ZERO3_FAULT="hang:2::300"))
+        try:
+            wait_for_steps(tmp_path, 1)
+            second = run_train(cmd, nproc=2, check=False)
+            assert second.returncode != 0  # torchrun's 1 for a worker's exit code 2
+            assert f"error: --out_dir: {tmp_path} is in use by another run (host " in second.stderr
+            assert second.stderr.count("is in use by another run") == 2  # every rank says it
+            # The lock dies with its holder, kill -9 included: the same command then continues the run.
+            assert first.poll() is None
+        finally:
+            first.kill()  # SIGKILL
+            first.wait()
+    run_alone(cmd + ["--steps=2"])
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
 
 
 def test_an_out_dir_that_is_not_shared_fails_before_the_first_step(files, tmp_path):
-    """Two "nodes" whose --out_dir is not one folder (each node its own local disk; here two paths)."""
+    """Two ranks whose --out_dir is not one folder (each node its own local disk; here two paths): two
+    `python train.py` joined through MASTER_ADDR/MASTER_PORT as torchrun's workers are, without torchrun
+    (launch.sh's exit 2 for a worker's exit 2 is test_launch.py's test_errors_a_restart_repeats_are_not_retried)."""
     port = free_port()
     with open(tmp_path / "a.log", "w") as la, open(tmp_path / "b.log", "w") as lb:
-        nodes = [start_node(BASE + files + [f"--out_dir={tmp_path / name}"], port, log)
-                 for name, log in (("a", la), ("b", lb))]
-        codes = wait_all(nodes, 180)
+        ranks = [start_alone(BASE + files + [f"--out_dir={tmp_path / name}"], stdout=log, stderr=subprocess.STDOUT,
+                             env=dict(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+                 for rank, (name, log) in enumerate((("a", la), ("b", lb)))]
+        codes = wait_all(ranks, 180)
     logs = (tmp_path / "a.log").read_text() + (tmp_path / "b.log").read_text()
     assert codes == [2, 2], logs[-4000:]
     assert "is not one folder for all ranks: rank(s) 1 do not see" in logs
     assert not any((tmp_path / name / "metrics.jsonl").exists() for name in "ab")
 
 
-def test_retention_keeps_the_new_save_whatever_else_is_in_the_folder(files, tmp_path):
-    root, cmd = tmp_path / "checkpoints", BASE + files + [f"--out_dir={tmp_path}", "--ckpt_every=1", "--keep_ckpts=2"]
-    run_train(cmd + ["--steps=2"], nproc=2)
+def test_retention_keeps_the_new_save_whatever_else_is_in_the_folder(files, finished, tmp_path):
+    root, cmd = tmp_path / "checkpoints", copy_of_finished(finished, files, tmp_path)  # saved 2, 4, 6
     for name in ("step_99999998", "step_99999999"):  # damaged or foreign, numbered above anything saved
         os.makedirs(root / name)
     os.makedirs(root / ".tmp-step_00000777")  # a crashed save's leftover
-    run_train(cmd, nproc=2)  # resumes at step 2, which `latest` names
-    assert ckpts(tmp_path) == ["step_00000005", "step_00000006", "step_99999998", "step_99999999"]
-    assert (root / "latest").read_text().strip() == "step_00000006"
+    # Rank 0 deletes, whatever the world size: one process resumes at step 6, which `latest` names.
+    run_alone(cmd + ["--steps=8", "--ckpt_every=1", "--keep_ckpts=2"])
+    assert ckpts(tmp_path) == ["step_00000007", "step_00000008", "step_99999998", "step_99999999"]
+    assert (root / "latest").read_text().strip() == "step_00000008"
     assert not (root / ".tmp-step_00000777").exists()
 
 
@@ -91,9 +127,8 @@ def test_a_retention_error_is_a_warning(tmp_path, monkeypatch, capsys):
     assert "warning: retention could not delete" in err and "step_00000001" in err, err
 
 
-def test_latest_is_where_resume_starts(files, tmp_path):
-    cmd = BASE + files + [f"--out_dir={tmp_path}", "--ckpt_every=2", "--keep_ckpts=3"]
-    run_train(cmd, nproc=2)
+def test_latest_is_where_resume_starts(files, finished, tmp_path):
+    cmd = copy_of_finished(finished, files, tmp_path)
     first = read_metrics(tmp_path)
     (tmp_path / "checkpoints" / "latest").write_text("step_00000004\n")  # roll back two steps
     proc = run_train(cmd + ["--steps=8"], nproc=2)
@@ -103,29 +138,29 @@ def test_latest_is_where_resume_starts(files, tmp_path):
     # Steps 5 and 6 ran again from step 4's state: the same losses (the cosine schedule differs, so only step 5's lr is equal).
     assert again[4]["loss"] == first[4]["loss"]
     (tmp_path / "checkpoints" / "latest").write_text("step_00000099\n")
-    proc = run_train(cmd + ["--steps=9"], nproc=2, check=False)
-    assert proc.returncode != 0 and "latest names 'step_00000099', which is not a folder" in proc.stderr
+    proc = run_alone(cmd + ["--steps=9"], check=False)  # refused before any step, at any world size
+    assert proc.returncode == 2 and "latest names 'step_00000099', which is not a folder" in proc.stderr
 
 
-def test_a_torn_metrics_line_does_not_block_resume(files, tmp_path):
-    cmd = BASE + files + [f"--out_dir={tmp_path}", "--ckpt_every=2"]
-    run_train(cmd + ["--steps=4"], nproc=2)
+def test_a_torn_metrics_line_does_not_block_resume(files, finished, tmp_path):
+    cmd = copy_of_finished(finished, files, tmp_path)  # saved step 6
     with open(tmp_path / "metrics.jsonl", "a") as f:
-        f.write('{"step": 5, "loss": 4.4')  # the crash or the full disk came mid-line
-    proc = run_train(cmd, nproc=2)
+        f.write('{"step": 7, "loss": 4.4')  # a longer run's crash or full disk came mid-line, after step 6's save
+    proc = run_alone(cmd + ["--steps=8"])  # rank 0 reads metrics.jsonl, whatever the world size
     assert "dropping a torn line" in proc.stderr
-    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
-def test_export_never_mixes_a_stale_partial_export_with_a_new_one(files, tmp_path):
+def test_export_never_mixes_a_stale_partial_export_with_a_new_one(finished, tmp_path):
+    """The finished run's export (made with no .partial about) against the same weights exported again, from
+    its last checkpoint (--from_ckpt, one process: only rank 0 writes an export), over a stale .partial."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
-    clean, hf = tmp_path / "clean_hf", tmp_path / "hf"
-    cmd = BASE + files + ["--steps=2", "--export_shard_gb=0.000005"]  # several files and an index
-    run_train(cmd + [f"--out_dir={tmp_path / 'a'}", f"--export_hf={clean}"], nproc=2)
+    clean, hf = finished / "hf", tmp_path / "hf"
     os.makedirs(f"{hf}.partial")  # an earlier export of other weights that crashed
     save_file({"lm_head.weight": torch.zeros(97, 32)}, f"{hf}.partial/model.safetensors")
-    run_train(cmd + [f"--out_dir={tmp_path / 'b'}", f"--export_hf={hf}"], nproc=2)
+    run_alone(["--dtype=float32", f"--from_ckpt={finished / 'run'}", f"--out_dir={tmp_path / 'b'}",
+               f"--export_hf={hf}", "--export_shard_gb=0.000005"])  # several files and an index
     assert not (hf / "model.safetensors").exists() and (hf / "model.safetensors.index.json").exists()
     tokens = torch.arange(12).view(1, 12)
     logits = [AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)(tokens).logits for p in (clean, hf)]
@@ -133,7 +168,7 @@ def test_export_never_mixes_a_stale_partial_export_with_a_new_one(files, tmp_pat
 
 
 def test_launch_keeps_relative_paths_the_callers_and_checks_its_numbers(files, tmp_path):
-    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", NPROC_PER_NODE="2")
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", NPROC_PER_NODE="1")  # paths, not ranks
     proc = subprocess.run([os.path.join(ROOT, "launch.sh"), *BASE, *files, "--steps=1", "--out_dir=run1"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,5 +1,6 @@
 """The tools around training: --plot, ./launch.sh --check, --gpu_hour_usd."""
 import os
+import shutil
 import subprocess
 import sys
 
@@ -9,12 +10,20 @@ from common import ROOT, read_metrics, run_train
 TINY = ["--seq_len=32", "--batch_size=4", "--micro_batch_size=2", "--steps=3", "--warmup_steps=1"]
 
 
-def test_plot_writes_a_png_of_the_metrics(tmp_path):
+@pytest.fixture(scope="module")
+def priced_run(tmp_path_factory):
+    """A W=2 run priced at $2 per GPU-hour: its out_dir and CompletedProcess (read only)."""
+    out = tmp_path_factory.mktemp("priced")
+    return out, run_train(TINY + [f"--out_dir={out}", "--gpu_hour_usd=2.0"], nproc=2)
+
+
+def test_plot_writes_a_png_of_the_metrics(priced_run, tmp_path, capsys):
+    """train.py --plot, in-process (main's argv): the run's metrics, copied so the run's folder stays as it was."""
     pytest.importorskip("matplotlib")
-    run_train(TINY + [f"--out_dir={tmp_path}", "--gpu_hour_usd=2.0"], nproc=2)
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--plot", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    import train as T
+    shutil.copy(priced_run[0] / "metrics.jsonl", tmp_path)
+    T.main(["--plot", str(tmp_path)])
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'metrics.png'}\n"
     with open(tmp_path / "metrics.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
@@ -26,9 +35,9 @@ def test_plot_without_matplotlib_says_so(tmp_path):
     assert proc.returncode == 2 and "error: --plot needs matplotlib: pip install matplotlib" in proc.stderr
 
 
-def test_cost_is_logged_per_gpu_hour(tmp_path):
-    proc = run_train(TINY + [f"--out_dir={tmp_path}", "--gpu_hour_usd=2.0"], nproc=2)
-    rows = read_metrics(tmp_path)
+def test_cost_is_logged_per_gpu_hour(priced_run):
+    out, proc = priced_run
+    rows = read_metrics(out)
     for r in rows:  # 2 GPUs x $2/h over the elapsed time; projected = elapsed + ETA
         assert abs(r["cost_usd"] - r["elapsed_s"] / 3600 * 2 * 2.0) < 1e-9
         assert abs(r["projected_cost_usd"] - (r["elapsed_s"] + r["eta_s"]) / 3600 * 2 * 2.0) < 1e-9
