@@ -38,9 +38,11 @@ def args(files, out, *extra):
 
 @pytest.fixture(scope="module")
 def baseline(files, tmp_path_factory):
-    """An uninterrupted 6-step run at W=2: the losses and final weights every resume must reproduce."""
+    """An uninterrupted 6-step run at W=2: the losses and final weights every resume must reproduce. It saves
+    every step, keeping 2 (test_retention_and_consolidation): the other runs save at other steps, so a save
+    that changed the training would show in their bit-for-bit comparisons."""
     out = tmp_path_factory.mktemp("baseline")
-    run_train(args(files, out, f"--export_hf={out / 'hf'}"), nproc=2)
+    run_train(args(files, out, "--ckpt_every=1", "--keep_ckpts=2", f"--export_hf={out / 'hf'}"), nproc=2)
     return read_metrics(out), out
 
 
@@ -368,12 +370,11 @@ def run_one_process(argv: list[str], check=True):
     return proc
 
 
-def test_retention_and_consolidation(files, baseline, tmp_path):
-    expected, base_out = baseline
-    run_train(args(files, tmp_path, "--ckpt_every=1", "--keep_ckpts=2"), nproc=2)
-    assert ckpts(tmp_path) == ["step_00000005", "step_00000006"]
+def test_retention_and_consolidation(baseline, tmp_path):
+    _, base_out = baseline
+    assert ckpts(base_out) == ["step_00000005", "step_00000006"]
     # Any checkpoint to a Hugging Face folder, here at W=1: the same weights as the run's own export.
-    run_one_process([f"--from_ckpt={tmp_path / 'checkpoints' / 'step_00000006'}", f"--export_hf={tmp_path / 'hf'}",
+    run_one_process([f"--from_ckpt={base_out / 'checkpoints' / 'step_00000006'}", f"--export_hf={tmp_path / 'hf'}",
                      "--dtype=float32", f"--out_dir={tmp_path / 'convert'}"])
     a, b = exported(tmp_path / "hf"), exported(base_out / "hf")
     assert all(torch.equal(a[k], b[k]) for k in b)
@@ -386,7 +387,7 @@ def test_resume_never_refuses_a_used_folder(files, baseline, tmp_path):
     # Refused by checks.py before any process group or step, the same at any W: one process.
     proc = run_one_process(args(files, base_out, "--resume=never"), check=False)
     assert proc.returncode != 0 and "--resume auto continues from it, --overwrite true deletes them" in proc.stderr
-    out = copy_of(base_out, tmp_path)  # a used folder: 6 steps' metrics and a checkpoint
+    out = copy_of(base_out, tmp_path)  # a used folder: 6 steps' metrics and 2 checkpoints
     run_train(args(files, out, "--steps=2", "--resume=never", "--overwrite=true"), nproc=2)
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
 
