@@ -15,6 +15,7 @@ import pytest
 import torch
 from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
 from ranks import config_and_data, run_ranks, sharded_model
+from test_disk import main_in_process  # noqa: F401 -- a fixture: train.main at W=1 in this process
 
 import disk  # noqa: E402
 
@@ -156,14 +157,17 @@ DAMAGE = {
 
 
 def resume_on_two_ranks(cmd) -> list:
-    """What train.setup's resume returns, (step, data position), on each of two ranks in this process
-    (tests/ranks.py): the same collectives, candidates and messages as a W=2 launch, before any step."""
+    """What train.setup's resume returns, (step, data position) or the CheckpointError it raises, on each of
+    two ranks in this process (tests/ranks.py): the same collectives, candidates and messages as a W=2 launch."""
     cfg, mcfg, weights, windows = config_and_data(cmd)
     root = os.path.join(cfg.out_dir, "checkpoints")
 
     def rank_resume(rank):
         sharded = sharded_model(cfg, mcfg, weights)
-        return disk.resume(cfg, mcfg, sharded.units, windows, rank, disk.resume_candidates(root), fallback=True)
+        try:
+            return disk.resume(cfg, mcfg, sharded.units, windows, rank, disk.resume_candidates(root), fallback=True)
+        except disk.CheckpointError as e:  # each rank's own, to compare
+            return e
     return run_ranks(2, rank_resume)
 
 
@@ -219,22 +223,26 @@ def test_a_damaged_newest_checkpoint_falls_back_and_trains_on(fell_back):
     assert latest(out) == "step_00000007" and read_metrics(out)[-1]["step"] == 7
 
 
-def test_resume_with_another_model_or_seq_len_names_each_and_never_falls_back(files, three_checkpoints):
+def test_resume_with_another_model_or_seq_len_names_each_and_never_falls_back(files, three_checkpoints, monkeypatch,
+                                                                             main_in_process, capsys):
+    """In-process: the refusal comes before any step. At W=2 (two rank threads) both ranks stop with the same
+    error; train.main (W=1) prints it as its one line and exits non-zero."""
     cmd, newest = three_checkpoints
     changed = [a for a in cmd if not a.startswith(("--init_from", "--seq_len"))] + [
         f"--init_from={files['other']}", "--seq_len=32", "--steps=7"]  # --steps 7: a resume, not a finished run
-    proc = run_train(changed, nproc=2, check=False)
-    assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    # One line on every rank (the ranks agree in resume before they raise), but the first rank to exit makes
-    # torchrun end the other, which on a loaded CPU may not have printed yet: one or two copies of one line.
-    assert len(errors) in (1, 2) and len(set(errors)) == 1, proc.stderr[-3000:]
+    monkeypatch.setattr(disk, "group", None)  # each rank thread's own default group
+    by_rank = resume_on_two_ranks(changed)
+    assert all(isinstance(e, disk.CheckpointError) for e in by_rank) and str(by_rank[0]) == str(by_rank[1]), by_rank
+    assert main_in_process(changed) != 0
+    stderr = capsys.readouterr().err
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {by_rank[0]}"], stderr[-3000:]
     assert errors[0].startswith(f"error: --resume: checkpoint {newest} (step 6) was saved under other values of what a "
                                 f"resume must keep: --init_from was '{files['init']}', now '{files['other']}' (")
     assert "--seq_len was 16, now 32 (" in errors[0] and "the model (" in errors[0] and "n_layers was 2, now 3" in errors[0]
     assert errors[0].endswith(f"--init_from {newest} --out_dir NEW_DIR")
     # The checkpoints are intact: no walk back through older ones, and nothing that would delete them.
-    assert "not using" not in proc.stderr and "step_00000004" not in proc.stderr and "--overwrite" not in proc.stderr
+    assert "not using" not in stderr and "step_00000004" not in stderr and "--overwrite" not in stderr
     assert ckpts(newest.parent.parent) == ["step_00000002", "step_00000004", "step_00000006"]
 
 
