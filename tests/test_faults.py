@@ -17,6 +17,14 @@ def files(tmp_path_factory):
     return model_and_tokens(tmp_path_factory.mktemp("faults"))
 
 
+@pytest.fixture(scope="module")
+def clean(files, tmp_path_factory):
+    """The run without a fault, W=2: the losses the faulty runs are held to (read only)."""
+    out = tmp_path_factory.mktemp("clean")
+    run_train(BASE + files + [f"--out_dir={out}"], nproc=2)
+    return read_metrics(out)
+
+
 def test_nan_on_one_rank_stops_every_rank_naming_the_step(files, tmp_path):
     proc = run_train(BASE + files + [f"--out_dir={tmp_path}"], nproc=2, env={"ZERO3_FAULT": "nan:3:1"}, check=False)
     assert proc.returncode != 0
@@ -26,23 +34,19 @@ def test_nan_on_one_rank_stops_every_rank_naming_the_step(files, tmp_path):
     assert not os.path.exists(tmp_path / "checkpoints")  # the bad state is never checkpointed
 
 
-def test_nan_step_is_skipped_when_allowed(files, tmp_path):
-    clean = tmp_path / "clean"
-    run_train(BASE + files + [f"--out_dir={clean}"], nproc=2)
+def test_nan_step_is_skipped_when_allowed(files, clean, tmp_path):
     proc = run_train(BASE + files + [f"--out_dir={tmp_path / 'nan'}", "--max_skipped_steps=1"], nproc=2,
                      env={"ZERO3_FAULT": "nan:3:0"})
     assert "warning: step 3: loss nan" in proc.stderr
-    got, ref = read_metrics(tmp_path / "nan"), read_metrics(clean)
+    got, ref = read_metrics(tmp_path / "nan"), clean
     assert got[2]["loss"] is None and got[2]["grad_norm"] is None
     assert [m["loss"] for m in got[:2]] == [m["loss"] for m in ref[:2]]
     # Step 3's update was skipped, so step 4 sees other weights than in the clean run -- but it trains on.
     assert got[3]["loss"] != ref[3]["loss"] and all(m["loss"] is not None for m in got[3:])
 
 
-def test_killed_rank_ends_the_job_and_the_restart_resumes(files, tmp_path):
+def test_killed_rank_ends_the_job_and_the_restart_resumes(files, clean, tmp_path):
     cmd = BASE + files + [f"--out_dir={tmp_path / 'run'}", "--ckpt_every=2"]
-    ref_out = tmp_path / "ref"
-    run_train(BASE + files + [f"--out_dir={ref_out}"], nproc=2)
     t0 = time.time()
     proc = run_train(cmd, nproc=2, env={"ZERO3_FAULT": "kill_mid_step:3:1"}, check=False)
     assert proc.returncode != 0 and time.time() - t0 < 60  # the survivor did not wait out a hang
@@ -53,7 +57,7 @@ def test_killed_rank_ends_the_job_and_the_restart_resumes(files, tmp_path):
     proc = subprocess.run([os.path.join(ROOT, "launch.sh"), *cmd], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert once.exists() and "at step 4 (torchrun restart 1 of 1)" in proc.stdout
-    assert [m["loss"] for m in read_metrics(tmp_path / "run")] == [m["loss"] for m in read_metrics(ref_out)]
+    assert [m["loss"] for m in read_metrics(tmp_path / "run")] == [m["loss"] for m in clean]
 
 
 def test_hung_rank_ends_the_job_within_the_timeout(files, tmp_path):

@@ -3,6 +3,7 @@ those proportions, the same windows for any W and micro-batch; the loader's stat
 refuses another mix; --eval_data logs each source's loss and their weighted mean; bad input is one line."""
 import json
 import os
+import shutil
 import types
 
 import numpy as np
@@ -145,7 +146,7 @@ def test_the_plot_draws_each_sources_eval_loss(tmp_path):
 # -- one W=2 run, stopped and continued ----------------------------------------------------------
 
 TRAIN = ["--seq_len=16", "--batch_size=12", "--micro_batch_size=2", "--dtype=float32", "--lr=3e-3", "--warmup_steps=1",
-         "--schedule=constant", "--seed=1", "--model=tiny", "--eval_every=2", "--eval_batches=1"]
+         "--schedule=constant", "--seed=1", "--model=tiny", "--eval_every=2", "--eval_batches=1", "--ckpt_every=2"]
 
 
 def test_a_mix_stopped_and_continued_logs_what_an_uninterrupted_run_logs(tmp_path):
@@ -163,7 +164,13 @@ def test_a_mix_stopped_and_continued_logs_what_an_uninterrupted_run_logs(tmp_pat
     step4 = next(line for line in proc.stdout.splitlines() if line.startswith("step 4/4"))
     assert "| eval_loss/fr " in step4 and "| eval_loss/en " in step4 and "| epochs fr 0.16, en 1.58" in step4
 
-    run_train(TRAIN + mixes + ["--steps=2", f"--out_dir={parts}"], nproc=2)
+    # Stopped after step 2: the out_dir as that run leaves it, its step-2 checkpoint and metrics lines (a
+    # --steps 2 run's, but for the --steps the manifest records), then continued by another launch.
+    shutil.copytree(os.path.join(whole, "checkpoints", "step_00000002"), os.path.join(parts, "checkpoints", "step_00000002"))
+    with open(os.path.join(parts, "checkpoints", "latest"), "w") as f:
+        f.write("step_00000002\n")
+    with open(os.path.join(whole, "metrics.jsonl")) as f, open(os.path.join(parts, "metrics.jsonl"), "w") as out:
+        out.writelines(line for line in f if json.loads(line)["step"] <= 2)
     proc = run_train(TRAIN + mixes + ["--steps=4", f"--out_dir={parts}"], nproc=2)  # continues from step 2
     assert "at step 2" in proc.stdout
     got = read_metrics(parts)

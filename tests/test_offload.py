@@ -1,7 +1,9 @@
 """--offload_optimizer: the fp32 master shards, optimizer state and gradient accumulators in host memory,
 the optimizer on the CPU, a compute-dtype copy of the shards on the device. On CPU the arithmetic must be
 the same bit for bit as without it, at any W, and checkpoints must move between the two either way."""
+import json
 import os
+import shutil
 
 import pytest
 from common import model_and_tokens, read_metrics, run_train, small_config
@@ -23,6 +25,15 @@ def plain(files, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def offloaded(files, tmp_path_factory):
+    """The same run with --offload_optimizer: its stdout, and its out_dir (checkpoints at 3 and 6, exported)."""
+    out = tmp_path_factory.mktemp("offloaded")
+    proc = run_train(BASE + files + [f"--out_dir={out}", f"--export_hf={out / 'hf'}", "--offload_optimizer=true"],
+                     nproc=2)
+    return proc, out
+
+
 def exported(out):
     from safetensors.torch import load_file
     return load_file(os.path.join(out, "hf", "model.safetensors"))
@@ -35,30 +46,60 @@ def same_run(got_out, want_out):
     assert got_w.keys() == want_w.keys() and all((got_w[k] == want_w[k]).all() for k in want_w)
 
 
-@pytest.mark.parametrize("world,reduce_dtype", [(1, "float32"), (2, "float32"), (3, "float32"), (2, "bfloat16")])
-def test_offloaded_optimizer_is_bit_identical(files, plain, tmp_path, world, reduce_dtype):
-    """bfloat16: the reduce-scattered shards reach host memory in bf16 and are cast before the add."""
-    flags = BASE + files + [f"--reduce_dtype={reduce_dtype}"]
-    reference = plain
-    if (world, reduce_dtype) != (2, "float32"):
-        reference = tmp_path / "plain"
-        run_train(flags + [f"--out_dir={reference}", f"--export_hf={reference / 'hf'}"], nproc=world)
-    out = tmp_path / "offload"
-    proc = run_train(flags + [f"--out_dir={out}", f"--export_hf={out / 'hf'}", "--offload_optimizer=true"],
-                     nproc=world)
+def test_an_offloaded_run_is_the_run_without_offload_bit_for_bit(plain, offloaded):
+    """Through torchrun at W=2: the logged losses and norms and the exported weights (so set-up's first
+    refresh, the checkpoint saves and the export with offload too)."""
+    proc, out = offloaded
     assert "in host memory" in proc.stdout  # the start-up line says where the state is
-    same_run(out, reference)
+    same_run(out, plain)
     assert read_metrics(out)[-1]["loss"] < read_metrics(out)[0]["loss"]  # it trained
 
 
+@pytest.mark.parametrize("world,reduce_dtype", [(1, "float32"), (2, "float32"), (3, "float32"), (2, "bfloat16")])
+def test_offloaded_optimizer_steps_are_bit_identical(files, tmp_path, world, reduce_dtype):
+    """The step at each W (ranks as threads of this process, tests/ranks.py): six steps with and without
+    offload give the same losses and norms and, after them, the same master shards and optimizer state, bit
+    for bit. bfloat16: the reduce-scattered shards reach host memory in bf16 and are cast before the add."""
+    import torch
+    from ranks import config_and_data, run_ranks, sharded_model
+    import train as T
+
+    def six_steps(offload):
+        flags = BASE + files + [f"--reduce_dtype={reduce_dtype}", f"--offload_optimizer={offload}",
+                                f"--out_dir={tmp_path / offload}"]
+        data_of_rank = [config_and_data(flags) for _ in range(world)]  # a loader each: its epoch cache is per thread
+
+        def rank_steps(rank):
+            cfg, mcfg, weights, windows = data_of_rank[rank]
+            sharded = sharded_model(cfg, mcfg, weights)
+            log = [T.train_step(cfg, sharded, windows, step, (step - 1) * cfg.batch_size)
+                   for step in range(1, cfg.steps + 1)]
+            return log, [torch.cat([u.master_shard, *u.optimizer_state.values()]) for u in sharded.units]
+        return run_ranks(world, rank_steps)
+    without, offloaded = six_steps("false"), six_steps("true")
+    for (want_log, want_state), (got_log, got_state) in zip(without, offloaded, strict=True):
+        assert got_log == want_log
+        assert len(got_state) == len(want_state) and all(torch.equal(g, w) for g, w in zip(got_state, want_state))
+    assert offloaded[0][0][-1][0] < offloaded[0][0][0][0]  # it trained
+
+
+def rolled_back_to_step_3(out, into):
+    """An --out_dir as a run killed in step 4 leaves it: `out`'s step-3 checkpoint, named by `latest`, and its
+    metrics.jsonl lines of steps 1-3 (the run resumes from there)."""
+    os.makedirs(into / "checkpoints")
+    shutil.copytree(out / "checkpoints" / "step_00000003", into / "checkpoints" / "step_00000003")
+    (into / "checkpoints" / "latest").write_text("step_00000003\n")
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (into / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line)["step"] <= 3))
+    return into
+
+
 @pytest.mark.parametrize("first,then", [("true", "false"), ("false", "true")], ids=["offloaded->device", "device->offloaded"])
-def test_checkpoints_move_between_offloaded_and_not(files, plain, tmp_path, first, then):
-    """Save at step 3 one way (killed in step 4), resume to step 6 the other way: the run is the
+def test_checkpoints_move_between_offloaded_and_not(files, plain, offloaded, tmp_path, first, then):
+    """Saved at step 3 one way (the 6-step run's checkpoint), resumed to step 6 the other way: the run is the
     uninterrupted one, bit for bit."""
-    out = tmp_path / "run"
-    proc = run_train(BASE + files + [f"--out_dir={out}", f"--offload_optimizer={first}"], nproc=2,
-                     env={"ZERO3_FAULT": "kill_mid_step:4"}, check=False)
-    assert proc.returncode != 0 and os.path.isdir(out / "checkpoints" / "step_00000003")
+    saved_by = offloaded[1] if first == "true" else plain
+    out = rolled_back_to_step_3(saved_by, tmp_path / "run")
     proc = run_train(BASE + files + [f"--out_dir={out}", f"--export_hf={out / 'hf'}", f"--offload_optimizer={then}"],
                      nproc=2)
     assert "resumed from" in proc.stdout and "at step 3" in proc.stdout

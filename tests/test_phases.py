@@ -5,6 +5,7 @@ the run's data. Multi-process gloo on CPU."""
 import json
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -21,8 +22,11 @@ TINY = ["--model=tiny", "--dtype=float32", "--eval_every=0", "--micro_batch_size
 
 @pytest.fixture(scope="module")
 def phase_one(tmp_path_factory):
-    """Data prepared with a data.py sentencepiece tokenizer; run A: 2 steps at W=2, exported; its step-2
-    checkpoint converted at W=1 with --from_ckpt given A's --out_dir."""
+    """Data prepared with a data.py sentencepiece tokenizer; run A: 2 steps at W=2, exported; then, side by
+    side (each one process, independent: 2 cores), A's step-2 checkpoint converted at W=1 with --from_ckpt
+    given A's --out_dir, and run B: --init_from A's step folder at W=1 with --seq_len 32 and a learning rate
+    too small to move any weight (Adam moves a weight by about lr; 1e-30 is far below a float32 weight's last
+    bit), exported."""
     root = tmp_path_factory.mktemp("phases")
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in TEXTS * 40), encoding="utf-8")
@@ -30,12 +34,18 @@ def phase_one(tmp_path_factory):
     D.train_tokenizer([str(corpus)], 400, tokenizer)
     data = str(root / "data")
     D.prepare([str(corpus)], tokenizer, data, quiet=True)
-    a = root / "a"
+    a, b = root / "a", root / "b"
     run_train(TINY + [f"--data={data}", "--steps=2", "--seq_len=16", "--batch_size=4", "--warmup_steps=1",
                       f"--out_dir={a}", f"--export_hf={a / 'hf'}"], nproc=2)
-    convert = run_train(["--dtype=float32", f"--from_ckpt={a}", f"--export_hf={root / 'a_converted'}",
-                         f"--out_dir={root / 'convert'}"], nproc=1)
-    return dict(root=root, data=data, tokenizer=tokenizer, a=a, convert=convert)
+    step_folder = os.path.join(a, "checkpoints", "step_00000002")
+    with ThreadPoolExecutor(2) as pool:
+        convert = pool.submit(run_train, ["--dtype=float32", f"--from_ckpt={a}", f"--export_hf={root / 'a_converted'}",
+                                          f"--out_dir={root / 'convert'}"], nproc=1)
+        phase_b = pool.submit(run_train, TINY[1:] + [
+            f"--init_from={step_folder}", f"--data={data}", "--steps=1", "--seq_len=32", "--batch_size=2", "--lr=1e-30",
+            "--weight_decay=0", "--warmup_steps=0", f"--out_dir={b}", f"--export_hf={b / 'hf'}"], nproc=1)
+        convert, phase_b = convert.result(), phase_b.result()
+    return dict(root=root, data=data, tokenizer=tokenizer, a=a, convert=convert, b=b, phase_b=phase_b)
 
 
 def weights(folder):
@@ -63,16 +73,11 @@ def test_from_ckpt_names_the_checkpoint_it_read_and_exports_the_tokenizer(phase_
 
 
 def test_a_new_phase_starts_from_the_checkpoint_weights_at_another_world_size_and_seq_len(phase_one):
-    """Run B: --init_from A's step folder at W=1 with --seq_len 32 and a learning rate too small to move any
-    weight (Adam moves a weight by about lr; 1e-30 is far below a float32 weight's last bit): step 1, and
-    its export is exactly A's checkpoint, with A's tokenizer."""
-    a, root = phase_one["a"], phase_one["root"]
+    """Run B (the fixture's), from A's step folder at W=1 and seq 32 with lr 1e-30: step 1, and its export
+    is exactly A's checkpoint, with A's tokenizer."""
+    a, b, root = phase_one["a"], phase_one["b"], phase_one["root"]
     step_folder = os.path.join(a, "checkpoints", "step_00000002")
-    b = root / "b"
-    proc = run_train(TINY[1:] + [f"--init_from={step_folder}", f"--data={phase_one['data']}", "--steps=1",
-                                 "--seq_len=32", "--batch_size=2", "--lr=1e-30", "--weight_decay=0", "--warmup_steps=0",
-                                 f"--out_dir={b}", f"--export_hf={b / 'hf'}"], nproc=1)
-    assert f"started from the weights of checkpoint {step_folder}" in proc.stdout
+    assert f"started from the weights of checkpoint {step_folder}" in phase_one["phase_b"].stdout
     assert [m["step"] for m in read_metrics(b)] == [1]
     assert json.load(open(b / "checkpoints" / "step_00000001" / "manifest.json"))["model"] == \
         json.load(open(os.path.join(step_folder, "manifest.json")))["model"]
