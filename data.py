@@ -840,14 +840,15 @@ class TokenWindows:
         if self.n_windows < 1:
             raise DataError(f"{flag}: {data.path} has {len(data)} tokens; at least seq_len + 1 = "
                             f"{seq_len + 1} are needed")
-        self._epoch, self._perm = -1, None
+        self._order = (-1, None)  # (epoch, its permutation): one permutation in memory, 8 bytes a window
 
     def _window_start(self, position: int) -> int:
         epoch, pos = divmod(position, self.n_windows)
-        if epoch != self._epoch:  # one permutation in memory at a time: 8 bytes a window
-            self._epoch = epoch
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-        return int(self._perm[pos]) * self.seq_len
+        order = self._order  # read and replaced whole: readers on several threads never see a half update
+        if order[0] != epoch:
+            order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_windows))
+            self._order = order
+        return int(order[1][pos]) * self.seq_len
 
     def window(self, position: int):
         """(tokens, mask or None) of the window at stream position `position`: seq_len + 1 tokens."""

@@ -356,3 +356,40 @@ def test_the_builtin_sample_is_english_and_french_in_two_sources(tmp_path):
     mtime = os.path.getmtime(os.path.join(folder, "train", "messages", "meta.json"))
     D.build_sample(folder)  # cached: not rebuilt
     assert os.path.getmtime(os.path.join(folder, "train", "messages", "meta.json")) == mtime
+
+
+def test_a_loader_shared_by_threads_gives_each_the_same_windows():
+    """tests/ranks.py runs ranks as threads of one process, sharing one loader. The epoch's permutation is
+    replaced whole, so a thread never reads a half-updated one (it read None or the last epoch's order)."""
+    import threading
+
+    class Tokens:  # stands in for TokenData: a window "reads" its start
+        path = "tokens"
+
+        def __len__(self):
+            return 1001
+
+        def read(self, start, n):
+            return start
+    shared, positions = D.TokenWindows(Tokens(), 10, 0), range(100 * 50)  # 100 windows an epoch, 50 epochs
+    expected = [D.TokenWindows(Tokens(), 10, 0).window(p) for p in positions]
+    wrong = []
+
+    def read_all():
+        for p in positions:
+            try:
+                if shared.window(p) != expected[p]:
+                    wrong.append(p)
+            except TypeError as e:
+                wrong.append(repr(e))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        threads = [threading.Thread(target=read_all) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert wrong == []
