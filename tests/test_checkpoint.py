@@ -15,7 +15,6 @@ import pytest
 import torch
 from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
 from ranks import config_and_data, run_ranks, sharded_model
-from test_disk import main_in_process  # noqa: F401 -- a fixture: train.main at W=1 in this process
 
 import disk  # noqa: E402
 

@@ -5,7 +5,6 @@ is found at the next save; nothing is written through a symbolic link planted in
 while the processes connect exits 1, which torchrun retries."""
 import errno
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -174,30 +173,6 @@ def test_the_write_probe_never_writes_through_a_planted_link(tmp_path, monkeypat
     os.symlink(victim, out / f".write-test-{os.getpid()}-00000000")
     assert checks.check_config(cfg, 1) == [f"--out_dir: {out} is not writable (File exists)"]
     assert victim.read_text() == "someone else's file\n"
-
-
-@pytest.fixture
-def main_in_process(monkeypatch):
-    """train.main at W=1 in this process: its exit code, with fail()'s os._exit turned into SystemExit; the
-    signal handlers it installs are put back afterwards."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
-    monkeypatch.setattr(os, "_exit", lambda code: sys.exit(code))
-
-    def run(argv):
-        try:
-            T.main(argv)
-        except SystemExit as e:
-            return e.code
-        return 0
-    yield run
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
-    if dist.is_initialized():  # a failed run leaves its group
-        dist.destroy_process_group()
-    disk.group = None
-    if disk.out_dir_lock is not None:
-        disk.out_dir_lock.close()
-    disk.out_dir_lock = disk.out_dir_claim = None
 
 
 def tiny_run(tmp_path, *extra):
