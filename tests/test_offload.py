@@ -67,10 +67,9 @@ def test_offloaded_optimizer_steps_are_bit_identical(files, tmp_path, world, red
     def six_steps(offload):
         flags = BASE + files + [f"--reduce_dtype={reduce_dtype}", f"--offload_optimizer={offload}",
                                 f"--out_dir={tmp_path / offload}"]
-        data_of_rank = [config_and_data(flags) for _ in range(world)]  # a loader each: its epoch cache is per thread
+        cfg, mcfg, weights, windows = config_and_data(flags)
 
         def rank_steps(rank):
-            cfg, mcfg, weights, windows = data_of_rank[rank]
             sharded = sharded_model(cfg, mcfg, weights)
             log = [T.train_step(cfg, sharded, windows, step, (step - 1) * cfg.batch_size)
                    for step in range(1, cfg.steps + 1)]
