@@ -85,10 +85,8 @@ def gpu_bench_rows(spec: str, flash: bool, shim: str, tmp: str) -> list[dict]:
     layers = int(layers[0]) if layers else G.layers_that_fit(seq_len, world, P.GPUS[gpu]["memory_mib"] * 2**20, gpu)
     model_json = json.dumps(dataclasses.asdict(G.bench_model(layers, dry=False)))
     rows = []
-    for name, extra in G.OURS_RUNS.items():
-        if world == 1 and "prefetch" in name:
-            continue  # gpu.py does not run it on one GPU
-        flags = G.ours_flags("OUT_DIR", "TOKENS", seq_len, world, G.ACCUM, G.WARMUP + 5, "cuda", extra)
+    for name in G.ours_runs(world):
+        flags = G.ours_flags("OUT_DIR", "TOKENS", seq_len, world, G.ACCUM, G.WARMUP + 5, "cuda", G.OURS_RUNS[name])
         r = fake_cuda.run(shim, os.path.join(tmp, "out.json"), flags, world, flash=flash, model_json=model_json)
         rows.append(dict(run=name, gpu=gpu, layers=layers, seq_len=seq_len, world=world, flash=flash, flags=flags,
                          measured_gib=r["peak_bytes"] / GIB, planned_gib=r["plan"]["allocated_bytes"] / GIB,
@@ -157,13 +155,12 @@ def write_gpu_bench(specs: str, flashes, shim: str):
         for spec in specs.split(","):
             for flash in flashes:
                 rows += gpu_bench_rows(spec, flash, shim, tmp)
-    key = lambda r: (r["run"], r["layers"], r["seq_len"], r["world"], r["flash"])  # noqa: E731
-    new = {key(r) for r in rows}
+    new = {G.fake_memory_key(r) for r in rows}
     old = json.load(open(G.FAKE_MEMORY_JSON)) if os.path.exists(G.FAKE_MEMORY_JSON) else []
     for r in rows:
         r["date"] = str(datetime.date.today())
     with open(G.FAKE_MEMORY_JSON, "w") as f:
-        json.dump([r for r in old if key(r) not in new] + rows, f, indent=1)
+        json.dump([r for r in old if G.fake_memory_key(r) not in new] + rows, f, indent=1)
 
 
 if __name__ == "__main__":

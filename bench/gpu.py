@@ -96,6 +96,13 @@ OURS_RUNS = {"ours": [], "ours, --prefetch false": ["--prefetch=false"],
              "ours, --offload_optimizer true": ["--offload_optimizer=true"]}
 
 
+def ours_runs(world: int) -> list[str]:
+    """The runs of ours main times at `world` GPUs: with one GPU the all-gathers are local copies, nothing for
+    --prefetch to overlap. --offload_optimizer: the optimizer in host memory and on the CPU (issue 14), what
+    the copies and the CPU update cost per step."""
+    return [name for name in OURS_RUNS if world > 1 or "prefetch" not in name]
+
+
 def ours_flags(folder: str, tokens: str, seq_len: int, world: int, accum: int, steps: int, device: str,
                extra=()) -> list:
     """What main times: micro-batch 1 x `accum` per GPU, bf16, --ac selective, one document per row.
@@ -107,6 +114,11 @@ def ours_flags(folder: str, tokens: str, seq_len: int, world: int, accum: int, s
 FAKE_MEMORY_JSON = os.path.join(ROOT, "bench", "gpu_fake_memory.json")
 
 
+def fake_memory_key(row: dict) -> tuple:
+    """What identifies a FAKE_MEMORY_JSON row: the run of ours, the model's depth, seq_len, W, flash-attn or not."""
+    return row["run"], row["layers"], row["seq_len"], row["world"], row["flash"]
+
+
 def fake_cuda_peak_gib(name: str, layers: int, seq_len: int, world: int, flash: bool) -> float | None:
     """This run's peak as bench/fake_memory.py --gpu_bench measured it under fake CUDA on a CPU (the same
     flags, model and W; flash-attn or SDPA as here), from FAKE_MEMORY_JSON; None if not measured."""
@@ -114,8 +126,8 @@ def fake_cuda_peak_gib(name: str, layers: int, seq_len: int, world: int, flash: 
         return None
     with open(FAKE_MEMORY_JSON) as f:
         rows = json.load(f)
-    return next((r["measured_gib"] for r in rows if (r["run"], r["layers"], r["seq_len"], r["world"], r["flash"])
-                 == (name, layers, seq_len, world, flash)), None)
+    key = fake_memory_key(dict(run=name, layers=layers, seq_len=seq_len, world=world, flash=flash))
+    return next((r["measured_gib"] for r in rows if fake_memory_key(r) == key), None)
 
 
 EAGER_RUN_BLOCK = T.run_block
@@ -530,9 +542,7 @@ def main() -> int:
         return summarize("transformers + FSDP2", timed_steps(step_fn, warmup, args.steps, device), mcfg, seq_len,
                          tokens_per_step_per_gpu, device, rank)
 
-    # With one GPU the all-gathers are local copies: nothing for --prefetch to overlap. --offload_optimizer:
-    # the optimizer in host memory and on the CPU (issue 14), what the copies and the CPU update cost per step.
-    runs = [(name, partial(ours, name)) for name in OURS_RUNS if world > 1 or "prefetch" not in name]
+    runs = [(name, partial(ours, name)) for name in ours_runs(world)]
     runs += [] if args.no_baseline else [("transformers + FSDP2", baseline)]
     compiled = "ours + torch.compile per block"  # last: its compile time is the least predictable
     runs += [] if args.no_compile else [(compiled, partial(ours, compiled, compiled=True))]

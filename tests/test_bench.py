@@ -129,8 +129,7 @@ def test_gpu_benchmark_shows_the_fake_cuda_peak_measured_for_its_own_flags():
     rows = json.load(open(G.FAKE_MEMORY_JSON))
     measured = {(r["gpu"], r["world"], r["run"], r["flash"]) for r in rows}
     for gpu, world in (("h100", 8), ("h200", 1)):  # an H100 node; the H200 this project may be lent
-        runs = [name for name in G.OURS_RUNS if world > 1 or "prefetch" not in name]
-        assert {(gpu, world, name, flash) for name in runs for flash in (True, False)} <= measured
+        assert {(gpu, world, name, flash) for name in G.ours_runs(world) for flash in (True, False)} <= measured
     for r in rows:
         assert r["layers"] == G.layers_that_fit(r["seq_len"], r["world"], P.GPUS[r["gpu"]]["memory_mib"] * 2**20,
                                                 r["gpu"]), r
