@@ -368,20 +368,11 @@ def test_sigterm_on_one_rank_saves_and_exits_zero(files, baseline, tmp_path):
     same_losses(read_metrics(tmp_path), expected)
 
 
-def run_one_process(argv: list[str], check=True):
-    """`python train.py ...`: one process, W=1, no torchrun."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *argv], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return proc
-
-
 def test_retention_and_consolidation(baseline, tmp_path):
     _, base_out = baseline
     assert ckpts(base_out) == ["step_00000005", "step_00000006"]
     # Any checkpoint to a Hugging Face folder, here at W=1: the same weights as the run's own export.
-    run_one_process([f"--from_ckpt={base_out / 'checkpoints' / 'step_00000006'}", f"--export_hf={tmp_path / 'hf'}",
+    run_train([f"--from_ckpt={base_out / 'checkpoints' / 'step_00000006'}", f"--export_hf={tmp_path / 'hf'}",
                      "--dtype=float32", f"--out_dir={tmp_path / 'convert'}"])
     a, b = exported(tmp_path / "hf"), exported(base_out / "hf")
     assert all(torch.equal(a[k], b[k]) for k in b)
@@ -392,7 +383,7 @@ def test_retention_and_consolidation(baseline, tmp_path):
 def test_resume_never_refuses_a_used_folder(files, baseline, tmp_path):
     _, base_out = baseline
     # Refused by checks.py before any process group or step, the same at any W: one process.
-    proc = run_one_process(args(files, base_out, "--resume=never"), check=False)
+    proc = run_train(args(files, base_out, "--resume=never"), check=False)
     assert proc.returncode != 0 and "--resume auto continues from it, --overwrite true deletes them" in proc.stderr
     out = copy_of(base_out, tmp_path)  # a used folder: 6 steps' metrics and 2 checkpoints
     run_train(args(files, out, "--steps=2", "--resume=never", "--overwrite=true"), nproc=2)

@@ -45,18 +45,10 @@ def copy_of_finished(finished, files, out) -> list[str]:
 
 
 def start_alone(args, **kwargs) -> subprocess.Popen:
-    """`python train.py ARGS`: one process, world 1, no torchrun (the cheapest run there is)."""
+    """`python train.py ARGS` started, not waited for: one process, no torchrun (common.run_train waits for one)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", **kwargs.pop("env", {}))
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], env=env, cwd=ROOT, text=True,
                             **kwargs)
-
-
-def run_alone(args, check=True) -> subprocess.CompletedProcess:
-    proc = start_alone(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    stdout, stderr = proc.communicate(timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"train.py failed ({proc.returncode}):\n{stdout[-4000:]}\n{stderr[-6000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def ckpts(out):
@@ -81,7 +73,7 @@ def test_a_second_run_on_the_same_out_dir_stops_naming_the_first(files, tmp_path
         finally:
             first.kill()  # SIGKILL
             first.wait()
-    run_alone(cmd + ["--steps=2"])
+    run_train(cmd + ["--steps=2"])
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
 
 
@@ -108,7 +100,7 @@ def test_retention_keeps_the_new_save_whatever_else_is_in_the_folder(files, fini
         os.makedirs(root / name)
     os.makedirs(root / ".tmp-step_00000777")  # a crashed save's leftover
     # Rank 0 deletes, whatever the world size: one process resumes at step 6, which `latest` names.
-    run_alone(cmd + ["--steps=8", "--ckpt_every=1", "--keep_ckpts=2"])
+    run_train(cmd + ["--steps=8", "--ckpt_every=1", "--keep_ckpts=2"])
     assert ckpts(tmp_path) == ["step_00000007", "step_00000008", "step_99999998", "step_99999999"]
     assert (root / "latest").read_text().strip() == "step_00000008"
     assert not (root / ".tmp-step_00000777").exists()
@@ -138,7 +130,7 @@ def test_latest_is_where_resume_starts(files, finished, tmp_path):
     # Steps 5 and 6 ran again from step 4's state: the same losses (the cosine schedule differs, so only step 5's lr is equal).
     assert again[4]["loss"] == first[4]["loss"]
     (tmp_path / "checkpoints" / "latest").write_text("step_00000099\n")
-    proc = run_alone(cmd + ["--steps=9"], check=False)  # refused before any step, at any world size
+    proc = run_train(cmd + ["--steps=9"], check=False)  # refused before any step, at any world size
     assert proc.returncode == 2 and "latest names 'step_00000099', which is not a folder" in proc.stderr
 
 
@@ -146,7 +138,7 @@ def test_a_torn_metrics_line_does_not_block_resume(files, finished, tmp_path):
     cmd = copy_of_finished(finished, files, tmp_path)  # saved step 6
     with open(tmp_path / "metrics.jsonl", "a") as f:
         f.write('{"step": 7, "loss": 4.4')  # a longer run's crash or full disk came mid-line, after step 6's save
-    proc = run_alone(cmd + ["--steps=8"])  # rank 0 reads metrics.jsonl, whatever the world size
+    proc = run_train(cmd + ["--steps=8"])  # rank 0 reads metrics.jsonl, whatever the world size
     assert "dropping a torn line" in proc.stderr
     assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6, 7, 8]
 
@@ -159,7 +151,7 @@ def test_export_never_mixes_a_stale_partial_export_with_a_new_one(finished, tmp_
     clean, hf = finished / "hf", tmp_path / "hf"
     os.makedirs(f"{hf}.partial")  # an earlier export of other weights that crashed
     save_file({"lm_head.weight": torch.zeros(97, 32)}, f"{hf}.partial/model.safetensors")
-    run_alone(["--dtype=float32", f"--from_ckpt={finished / 'run'}", f"--out_dir={tmp_path / 'b'}",
+    run_train(["--dtype=float32", f"--from_ckpt={finished / 'run'}", f"--out_dir={tmp_path / 'b'}",
                f"--export_hf={hf}", "--export_shard_gb=0.000005"])  # several files and an index
     assert not (hf / "model.safetensors").exists() and (hf / "model.safetensors.index.json").exists()
     tokens = torch.arange(12).view(1, 12)
