@@ -2,6 +2,7 @@
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -80,6 +81,18 @@ def run_train(args: list[str], nproc: int = 1, env: dict | None = None, timeout:
 def read_metrics(out_dir: str) -> list[dict]:
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def stopped_at(out, into, step: int):
+    """An --out_dir as a run stopped after `step` leaves it: `out`'s step-`step` checkpoint, named by `latest`,
+    and `out`'s metrics.jsonl lines up to that step (the same command resumes from there). Returns `into`."""
+    name = f"step_{step:08d}"
+    shutil.copytree(os.path.join(out, "checkpoints", name), os.path.join(into, "checkpoints", name))
+    with open(os.path.join(into, "checkpoints", "latest"), "w") as f:
+        f.write(name + "\n")
+    with open(os.path.join(out, "metrics.jsonl")) as f, open(os.path.join(into, "metrics.jsonl"), "w") as kept:
+        kept.writelines(line for line in f if json.loads(line)["step"] <= step)
+    return into
 
 
 def model_and_tokens(root) -> list[str]:

@@ -3,12 +3,11 @@ those proportions, the same windows for any W and micro-batch; the loader's stat
 refuses another mix; --eval_data logs each source's loss and their weighted mean; bad input is one line."""
 import json
 import os
-import shutil
 import types
 
 import numpy as np
 import pytest
-from common import learnable_tokens, read_metrics, run_train, small_config
+from common import learnable_tokens, read_metrics, run_train, small_config, stopped_at
 from test_data import corpus  # noqa: F401 (a fixture)
 
 import checks
@@ -166,11 +165,7 @@ def test_a_mix_stopped_and_continued_logs_what_an_uninterrupted_run_logs(tmp_pat
 
     # Stopped after step 2: the out_dir as that run leaves it, its step-2 checkpoint and metrics lines (a
     # --steps 2 run's, but for the --steps the manifest records), then continued by another launch.
-    shutil.copytree(os.path.join(whole, "checkpoints", "step_00000002"), os.path.join(parts, "checkpoints", "step_00000002"))
-    with open(os.path.join(parts, "checkpoints", "latest"), "w") as f:
-        f.write("step_00000002\n")
-    with open(os.path.join(whole, "metrics.jsonl")) as f, open(os.path.join(parts, "metrics.jsonl"), "w") as out:
-        out.writelines(line for line in f if json.loads(line)["step"] <= 2)
+    stopped_at(whole, parts, 2)
     proc = run_train(TRAIN + mixes + ["--steps=4", f"--out_dir={parts}"], nproc=2)  # continues from step 2
     assert "at step 2" in proc.stdout
     got = read_metrics(parts)

@@ -1,12 +1,10 @@
 """--offload_optimizer: the fp32 master shards, optimizer state and gradient accumulators in host memory,
 the optimizer on the CPU, a compute-dtype copy of the shards on the device. On CPU the arithmetic must be
 the same bit for bit as without it, at any W, and checkpoints must move between the two either way."""
-import json
 import os
-import shutil
 
 import pytest
-from common import model_and_tokens, read_metrics, run_train, small_config
+from common import model_and_tokens, read_metrics, run_train, small_config, stopped_at
 
 BASE = ["--seq_len=16", "--batch_size=12", "--micro_batch_size=2", "--dtype=float32", "--steps=6", "--lr=3e-3",
         "--warmup_steps=2", "--seed=1", "--ckpt_every=3", "--eval_every=0"]
@@ -82,23 +80,12 @@ def test_offloaded_optimizer_steps_are_bit_identical(files, tmp_path, world, red
     assert offloaded[0][0][-1][0] < offloaded[0][0][0][0]  # it trained
 
 
-def rolled_back_to_step_3(out, into):
-    """An --out_dir as a run killed in step 4 leaves it: `out`'s step-3 checkpoint, named by `latest`, and its
-    metrics.jsonl lines of steps 1-3 (the run resumes from there)."""
-    os.makedirs(into / "checkpoints")
-    shutil.copytree(out / "checkpoints" / "step_00000003", into / "checkpoints" / "step_00000003")
-    (into / "checkpoints" / "latest").write_text("step_00000003\n")
-    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
-    (into / "metrics.jsonl").write_text("".join(line for line in lines if json.loads(line)["step"] <= 3))
-    return into
-
-
 @pytest.mark.parametrize("first,then", [("true", "false"), ("false", "true")], ids=["offloaded->device", "device->offloaded"])
 def test_checkpoints_move_between_offloaded_and_not(files, plain, offloaded, tmp_path, first, then):
     """Saved at step 3 one way (the 6-step run's checkpoint), resumed to step 6 the other way: the run is the
     uninterrupted one, bit for bit."""
     saved_by = offloaded[1] if first == "true" else plain
-    out = rolled_back_to_step_3(saved_by, tmp_path / "run")
+    out = stopped_at(saved_by, tmp_path / "run", 3)  # as a run killed in step 4 leaves it
     proc = run_train(BASE + files + [f"--out_dir={out}", f"--export_hf={out / 'hf'}", f"--offload_optimizer={then}"],
                      nproc=2)
     assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
