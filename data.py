@@ -942,6 +942,17 @@ def first_prepared_folder(spec: str, out_dir: str) -> str | None:
     return None
 
 
+def resolved_mix(spec: str, flag: str) -> list[list[str]]:
+    """What a mix means, however it is written: [real path, normalised weight as an exact fraction] per
+    source, in order. `fr:3,en:2` and `./fr/:0.6,/abs/en:0.4` resolve alike; `en:0.4,fr:0.6` does not: the
+    schedule rounds source by source in order (MixedWindows.counts), so another order is another stream.
+    Weights stay exact fractions (parse_sources reads '0.6' as 3/5), so equal means the same schedule; a float
+    tolerance would accept a weight the integer shares tell apart. DataError as parse_sources."""
+    sources = parse_sources(spec, flag)
+    total = sum(weight for _, _, weight in sources)
+    return [[os.path.realpath(path), str(weight / total)] for _, path, weight in sources]
+
+
 def describe_mix(names: list, weights: list) -> str:
     return ",".join(f"{name}:{float(weight):g}" for name, weight in zip(names, weights))
 

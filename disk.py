@@ -289,7 +289,7 @@ RESUME_NOT_COMPARED = (  # how the run runs (memory, speed, logs, where it write
     "log_every", "device", "sample_prompts", "sample_tokens", "plan", "nnodes", "nproc_per_node", "gpu",
     "train_tokens", "plan_json", "fs_write_gbps",
 )
-PATH_FLAGS = ("init_from", "data", "eval_data")  # the same file under another spelling is the same value
+PATH_FLAGS = ("init_from", "data", "eval_data")  # compared by what they name (flag_meaning), not by their spelling
 
 
 class ResumeMismatch(CheckpointError):
@@ -372,7 +372,8 @@ def saved_tensors(unit) -> list:
 
 def checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files) -> dict:
     return {"format": CKPT_FORMAT, "step": step, "world_size": world, "model": asdict(mcfg),
-            "train": asdict(cfg), "files": files, "optimizer_state": list(units[0].optimizer_state),
+            "train": asdict(cfg), "resolved": {key: flag_meaning(key, getattr(cfg, key)) for key in PATH_FLAGS},
+            "files": files, "optimizer_state": list(units[0].optimizer_state),
             "units": {u.name: {"numel": u.numel, "shard_numel": u.shard_numel} for u in units},
             "data": data_state}
 
@@ -564,17 +565,49 @@ WAY_FORWARD = ("Restore those flags to continue this run, or start a new phase f
                "(step 1, a fresh optimizer and data position) in another folder: --init_from {path} --out_dir NEW_DIR")
 
 
-def same_value(key: str, saved, current) -> bool:
+def flag_meaning(key: str, value):
+    """What a path flag names, whatever its spelling: --init_from's real path; a --data or --eval_data mix's
+    [real path, normalised weight] per source, in order (data.resolved_mix). The manifest keeps it
+    ("resolved"), so a resume from another folder, by an absolute path or a link, compares the files the run
+    read. A value that names no path ("", "sample", "auto") means itself; a mix that does not parse here, None."""
+    if not isinstance(value, str) or value in ("", "sample", "auto"):
+        return value
+    if key == "init_from":
+        return os.path.realpath(value)
+    try:
+        return D.resolved_mix(value, f"--{key}")
+    except D.DataError:  # a source that is gone: only the same spelling is the same value
+        return None
+
+
+def same_value(key: str, saved, current, saved_meaning=None) -> bool:
+    """Whether a flag saved as `saved` and now `current` mean the same. A path flag is compared by what it
+    names: `saved_meaning` is what the saving run resolved (a manifest's "resolved"); a manifest from before
+    that has None, and its relative paths are read from this run's folder, as they were then."""
     if saved == current:
         return True
-    if key in PATH_FLAGS and isinstance(saved, str) and saved and current:
-        if os.path.normpath(saved) == os.path.normpath(current):
-            return True
-        try:
-            return os.path.samefile(saved, current)
-        except OSError:
-            return False
-    return False
+    if key not in PATH_FLAGS or not isinstance(saved, str) or not isinstance(current, str):
+        return False
+    if saved_meaning is None:
+        saved_meaning = flag_meaning(key, saved)
+    current_meaning = flag_meaning(key, current)
+    if saved_meaning is None or current_meaning is None or type(saved_meaning) is not type(current_meaning):
+        return False
+    if isinstance(saved_meaning, str):  # --init_from's path; "sample", "auto" mean only themselves
+        return key == "init_from" and same_path(saved_meaning, current_meaning)
+    return len(saved_meaning) == len(current_meaning) and all(  # a mix: source by source, in order
+        same_path(path, now_path) and weight == now_weight
+        for (path, weight), (now_path, now_weight) in zip(saved_meaning, current_meaning))
+
+
+def same_path(saved: str, current: str) -> bool:
+    """One file or folder: the same real path, or the same inode under another mount (a bind mount)."""
+    if saved == current:
+        return True
+    try:
+        return os.path.samefile(saved, current)
+    except OSError:
+        return False
 
 
 def config_changes(manifest: dict, cfg, mcfg) -> tuple[list[str], list[str]]:
@@ -582,9 +615,10 @@ def config_changes(manifest: dict, cfg, mcfg) -> tuple[list[str], list[str]]:
     (`mcfg`): (what a resume must keep, each "--flag was A, now B (why)"; what may change, each "--flag
     A -> B"). A field a manifest lacks (saved before the field existed) counts as its default."""
     saved = {f.name: f.default for f in fields(cfg)} | (manifest.get("train") or {})
+    resolved = manifest.get("resolved") or {}
     must, may = [], []
     for key, why in RESUME_MUST_MATCH.items():
-        if not same_value(key, saved[key], getattr(cfg, key)):
+        if not same_value(key, saved[key], getattr(cfg, key), resolved.get(key)):
             must.append(f"--{key} was {saved[key]!r}, now {getattr(cfg, key)!r} ({why})")
     model_fields = {f.name for f in fields(mcfg)}
     saved_model = asdict(M.ModelConfig(**{k: v for k, v in (manifest.get("model") or {}).items() if k in model_fields}))
@@ -592,7 +626,7 @@ def config_changes(manifest: dict, cfg, mcfg) -> tuple[list[str], list[str]]:
     if model_diff:
         must.append(f"the model (from --model, --init_from's config.json, --data's tokenizer): {', '.join(model_diff)}")
     for key in RESUME_MAY_CHANGE:
-        if not same_value(key, saved[key], getattr(cfg, key)):
+        if not same_value(key, saved[key], getattr(cfg, key), resolved.get(key)):
             may.append(f"--{key} {saved[key]} -> {getattr(cfg, key)}")
     return must, may
 
