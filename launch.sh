@@ -130,12 +130,36 @@ export ZERO3_FATAL_FILE
 trap 'rm -f "$ZERO3_FATAL_FILE"' EXIT
 
 # torchrun with SIGTERM and SIGINT blocked (see "Stopping" above): a signal mask, unlike a handler, survives
-# exec and torchrun's own signal.signal calls.
-BLOCK_STOP_SIGNALS='import os, signal, sys
+# into torchrun's own signal.signal calls. And torchrun quiet once train.py has written its fatal line:
+# stopping it (SIGHUP, below) would otherwise print its log and a 30-line SignalException traceback after
+# the trainer's one line, and on two nodes the other node's torchrun its store client's C++ stack traces
+# when this one's rendezvous store goes away. Python's writes are checked as they are made (torchrun's
+# log handlers are made after sys.stderr is replaced); a thread points torchrun's descriptor 2 at
+# /dev/null within 50 ms for what its C++ code writes. The workers keep their own descriptor 2 (they are
+# started before the fatal line), so nothing they print passes through this or waits for it.
+TORCHRUN_QUIET_AFTER_FATAL='import os, runpy, signal, sys, threading, time
 signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGINT])
-os.execv(sys.executable, [sys.executable] + sys.argv[1:])'
+def fatal():
+    try:
+        return os.path.getsize(os.environ["ZERO3_FATAL_FILE"]) > 0
+    except OSError:
+        return False
+class QuietAfterFatal:
+    def __init__(self, stream):
+        self.stream = stream
+    def write(self, text):
+        return len(text) if fatal() else self.stream.write(text)
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+def quiet_descriptor_after_fatal():
+    while not fatal():
+        time.sleep(0.05)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+sys.stderr = QuietAfterFatal(sys.stderr)
+threading.Thread(target=quiet_descriptor_after_fatal, daemon=True).start()
+runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)'
 set -m  # the next background job gets its own process group: a signal to ours does not reach torchrun
-( trap '' USR1; exec "$PYTHON" -c "$BLOCK_STOP_SIGNALS" -m torch.distributed.run "${RENDEZVOUS[@]}" \
+( trap '' USR1; exec "$PYTHON" -c "$TORCHRUN_QUIET_AFTER_FATAL" "${RENDEZVOUS[@]}" \
     --nproc_per_node "$NPROC_PER_NODE" ${BIND[@]+"${BIND[@]}"} --max-restarts "$MAX_RESTARTS" "$HERE/train.py" "$@" ) &
 TORCHRUN=$!
 set +m

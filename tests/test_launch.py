@@ -19,6 +19,7 @@ hosts the rendezvous store) with ZERO3_FAULT=hang:3::20, node A with ZERO3_FAULT
   - the same with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 finishes, resuming bit-exact: test_restart_across_nodes.
 """
 import os
+import re
 import shlex
 import signal
 import socket
@@ -145,7 +146,23 @@ def test_errors_a_restart_repeats_are_not_retried(files, tmp_path, fault, error)
     assert codes == [2], text[-3000:]
     # From one attempt only: at most once per rank (torchrun may stop the second rank before it prints).
     assert 1 <= text.count(error) <= 2, text[-3000:]
-    assert "not restarting" in text
+    assert_last_words(text, error)
+
+
+# What torchrun itself prints when it is stopped, or when the other node's store goes away: its log lines
+# (W1204 12:00:00.000 ...), its SignalException traceback, and its store client's C++ warnings with their frames.
+TORCHRUN_NOISE = re.compile(r"^[WEI]\d{4} |^\[[WEI]\d{4}|Traceback|SignalException|Exception raised from|^frame #", re.M)
+
+
+def assert_last_words(log: str, error: str):
+    """The trainer's error line is the last thing printed but launch.sh's one-line note right after it,
+    and nothing of torchrun's own is printed at all."""
+    lines = [line for line in log.splitlines() if line.strip()]
+    assert lines[-1] == "launch.sh: train.py stopped with an error a restart would repeat (above); not restarting", log
+    assert lines[-2].startswith(error), log
+    assert not TORCHRUN_NOISE.search(log), log
+
+
 
 
 def worker_pids(launch_pid):
