@@ -4,6 +4,7 @@ the safetensors headers of --init_from. train.py's setup stops on the first list
 import difflib
 import json
 import os
+import socket
 import sys
 from dataclasses import asdict
 
@@ -13,6 +14,26 @@ import disk
 import data as D
 import model as M
 import sample
+
+
+def check_nodes(env=os.environ) -> list[str]:
+    """Every node must run as many processes as the others (one per GPU): a node that sees 7 GPUs would make
+    the world 15 and the first error a --batch_size that is not a multiple of it, which never names the
+    GPUs. torchrun gives each worker its node's count (LOCAL_WORLD_SIZE), the number of nodes
+    (GROUP_WORLD_SIZE) and the world; they disagree exactly when the nodes' counts differ. No process group
+    is needed, so this comes first, before the flags' checks."""
+    try:
+        local, nodes, world = (int(env[name]) for name in ("LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "WORLD_SIZE"))
+    except (KeyError, ValueError):  # not under torchrun: one process, or a caller's own group
+        return []
+    if local * nodes == world:
+        return []
+    host = env.get("SLURMD_NODENAME") or socket.gethostname()
+    return [f"this node ({host}) runs {local} of the {world} processes on {nodes} nodes, so the other "
+            f"{'node runs' if nodes == 2 else f'{nodes - 1} nodes run'} {world - local}, not {local * (nodes - 1)}: "
+            f"every node must run as many processes as the others, one per GPU (launch.sh starts one per GPU torch "
+            f"sees, or NPROC_PER_NODE); check the GPUs of the node with fewer (nvidia-smi) and leave it out "
+            f"(sbatch --exclude=NODE), or set NPROC_PER_NODE to the smaller count on every node"]
 
 
 def check_config(cfg, world: int) -> list[str]:
@@ -283,7 +304,7 @@ def check_run(cfg, world: int, state_bytes_per_param: int):
     """Returns (model config, where the first weights come from, errors). The weights: None (seeded),
     {HF tensor name: file} (an --init_from Hugging Face folder), or a checkpoint folder (--from_ckpt, or
     --init_from one of ours: its manifest and file sizes checked here, its SHA-256 as it is read)."""
-    errors = check_config(cfg, world) + check_flash_attn(cfg)
+    errors = check_nodes() or check_config(cfg, world) + check_flash_attn(cfg)
     mcfg = weights = None
     if not errors:
         try:

@@ -67,8 +67,8 @@ def start_launch(args, log, **env) -> subprocess.Popen:
 
 
 def start_node(args, port, log, **env) -> subprocess.Popen:
-    return start_launch(args, log, NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NPROC_PER_NODE="1",
-                        RDZV_ID="test", **env)
+    env = {"NPROC_PER_NODE": "1", **env}
+    return start_launch(args, log, NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_ID="test", **env)
 
 
 def wait_all(procs, timeout):
@@ -163,6 +163,25 @@ def assert_last_words(log: str, error: str):
     assert not TORCHRUN_NOISE.search(log), log
 
 
+def test_a_node_with_fewer_gpus_is_named_and_its_error_is_the_last_word(files, tmp_path):
+    """Node A runs 1 process, node B 2 (as a node with 7 GPUs beside one with 8 would): a world of 3, where
+    the first error used to be --batch_size's (8 is not a multiple of 3 x 2), naming no GPU count. Every
+    rank names its node's count instead, before any work, and on both nodes that line is the last word:
+    the node whose torchrun hosts the store (B) stops it, and A's torchrun says nothing about it."""
+    port = free_port()
+    args = BASE + files + [f"--out_dir={tmp_path / 'run'}"]
+    with open(tmp_path / "a.log", "w") as la, open(tmp_path / "b.log", "w") as lb:
+        node_b = start_node(args, port, lb, NPROC_PER_NODE="2")
+        wait_for_port(port)
+        node_a = start_node(args, port, la)
+        codes = wait_all([node_a, node_b], 120)
+    logs = {node: (tmp_path / f"{node}.log").read_text() for node in "ab"}
+    assert codes == [2, 2], logs
+    host = socket.gethostname()
+    assert_last_words(logs["a"], f"error: this node ({host}) runs 1 of the 3 processes on 2 nodes, so the other "
+                                 f"node runs 2, not 1: every node must run as many processes as the others")
+    assert_last_words(logs["b"], f"error: this node ({host}) runs 2 of the 3 processes on 2 nodes, so the other "
+                                 f"node runs 1, not 2")
 
 
 def worker_pids(launch_pid):
