@@ -11,9 +11,11 @@
 #                                        (NCCL on GPUs) and in gloo, the checkpoint group's (bench/comm_check.py)
 # Overridable: NPROC_PER_NODE, NNODES, MASTER_ADDR, MASTER_PORT (29500), RDZV_ID, MAX_RESTARTS (3), PYTHON.
 # Under SLURM, NNODES is the job's (an exported NNODES that differs from SLURM_NNODES is an error: each node
-# would otherwise wait for a different number of nodes). RDZV_ID, the name of the rendezvous on
-# MASTER_ADDR, is SLURM_JOB_ID under SLURM, else derived from --out_dir's absolute path: two runs on one
-# MASTER_ADDR never join each other's rendezvous, and every node of one run must name the same --out_dir.
+# would otherwise wait for a different number of nodes), as are MASTER_ADDR (an exported one that is not a
+# node of the job is ignored, with a warning) and RDZV_ID (always SLURM_JOB_ID), and one task per node is
+# required. RDZV_ID, the name of the rendezvous on MASTER_ADDR, is otherwise derived from --out_dir's
+# absolute path: two runs on one MASTER_ADDR never join each other's rendezvous, and every node of one run
+# must name the same --out_dir. Every node must run as many processes as the others (train.py checks).
 #
 # Restarts are torchrun's own (--max-restarts): when a rank dies, every node's torchrun stops its workers,
 # meets the others again in the same rendezvous and starts them; train.py resumes from the newest intact
@@ -55,8 +57,48 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
     exit 2
   fi
   NNODES=${SLURM_NNODES:-1}
-  MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
-  RDZV_ID=${RDZV_ID:-$SLURM_JOB_ID}
+  # One launch.sh per node: its torchrun starts the node's processes. Two tasks on a node would start two
+  # torchruns there, each with all of the node's GPUs.
+  if [ -n "${SLURM_NTASKS:-}" ] && [ "$SLURM_NTASKS" != "$NNODES" ]; then
+    echo "launch.sh: this SLURM step runs $SLURM_NTASKS tasks on $NNODES node(s); launch.sh must run once per node" \
+         "(its torchrun starts one process per GPU): srun --ntasks-per-node=1 ./launch.sh, or #SBATCH --ntasks-per-node=1" >&2
+    exit 2
+  fi
+  # MASTER_ADDR and RDZV_ID are the job's. Both come through sbatch's copy of the submitting shell's
+  # environment too: an old node's name, or RDZV_ID=manual left from a run by hand, would have the nodes
+  # wait for a rendezvous nobody hosts, or meet another run's. Ignored, with a warning: the job's own are
+  # always right, and refusing would stop an unattended requeue chain for a leftover. A MASTER_ADDR that is
+  # one of the job's nodes (by name, short name, or an address one of them resolves to) is kept.
+  is_job_node() {
+    local node addresses node_addresses
+    for node in $job_nodes; do
+      if [ "$1" = "$node" ] || [ "${1%%.*}" = "$node" ]; then return 0; fi
+    done
+    addresses=$(getent ahosts "$1" | awk '{print $1}') || return 1
+    for node in $job_nodes; do
+      node_addresses=$(getent ahosts "$node" | awk '{print $1}') || continue
+      if grep -qxF "$addresses" <<<"$node_addresses"; then return 0; fi
+    done
+    return 1
+  }
+  if job_nodes=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null) && [ -n "$job_nodes" ]; then
+    first_node=${job_nodes%%$'\n'*}
+    if [ -n "${MASTER_ADDR:-}" ] && ! is_job_node "$MASTER_ADDR"; then
+      echo "launch.sh: ignoring MASTER_ADDR=$MASTER_ADDR from the environment: it is not a node of SLURM job" \
+           "$SLURM_JOB_ID ($SLURM_JOB_NODELIST); the rendezvous is on its first node, $first_node" >&2
+      MASTER_ADDR=$first_node
+    fi
+    MASTER_ADDR=${MASTER_ADDR:-$first_node}
+  elif [ -z "${MASTER_ADDR:-}" ]; then  # no scontrol (a container without SLURM's commands)
+    echo "launch.sh: cannot list this SLURM job's nodes (scontrol show hostnames '${SLURM_JOB_NODELIST:-}' failed);" \
+         "set MASTER_ADDR to the job's first node" >&2
+    exit 2
+  fi
+  if [ -n "${RDZV_ID:-}" ] && [ "$RDZV_ID" != "$SLURM_JOB_ID" ]; then
+    echo "launch.sh: ignoring RDZV_ID=$RDZV_ID from the environment (left from a run by hand?): under SLURM the" \
+         "rendezvous is the job's, $SLURM_JOB_ID" >&2
+  fi
+  RDZV_ID=$SLURM_JOB_ID
 fi
 NNODES=${NNODES:-1}
 MAX_RESTARTS=${MAX_RESTARTS:-3}

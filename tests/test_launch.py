@@ -375,6 +375,45 @@ def test_rendezvous_is_one_per_run_and_nodes_are_the_jobs(tmp_path):
                                         "NNODES (under SLURM it comes from the job) or submit the job with --nodes 1"]
 
 
+def slurm_job(tmp_path, nodes: str, **env) -> dict:
+    """The environment of one task of SLURM job 4242 on `nodes` (a stand-in scontrol lists them), one task
+    per node, and `env` (what the submitting shell exported)."""
+    bin_dir = tmp_path / "slurm-bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\n[ "$1 $2 $3" = "show hostnames n[1-2]" ] && printf "%s\\n" {nodes}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    count = str(len(nodes.split()))
+    return dict(dict(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="n[1-2]", SLURM_NNODES=count, SLURM_NTASKS=count,
+                     PATH=f"{bin_dir}:{os.environ['PATH']}"), **env)
+
+
+def test_under_slurm_the_rendezvous_is_the_jobs_whatever_the_shell_exported(tmp_path):
+    """sbatch copies the submitting shell's environment: a MASTER_ADDR that is not a node of the job (an old
+    node) and an RDZV_ID left from a run by hand are ignored with a warning each; the job's first node and
+    its id are used. A MASTER_ADDR that is a node of the job (by name, short name, or address) is kept. Two
+    tasks on a node (two torchruns with all its GPUs each) are refused with the fix."""
+    launched = "launch.sh: torchrun is pid"
+    code, err, torchrun = launch_dry(tmp_path, [], **slurm_job(tmp_path, "n1 n2"))
+    assert code == 0 and [line for line in err.splitlines() if not line.startswith(launched)] == [], err
+    assert flag_value(torchrun, "--rdzv_endpoint") == "n1:29500" and flag_value(torchrun, "--rdzv_id") == "4242"
+    code, err, torchrun = launch_dry(tmp_path, [], **slurm_job(tmp_path, "n1 n2", MASTER_ADDR="old-node", RDZV_ID="manual"))
+    assert code == 0, err
+    assert flag_value(torchrun, "--rdzv_endpoint") == "n1:29500" and flag_value(torchrun, "--rdzv_id") == "4242"
+    assert [line for line in err.splitlines() if not line.startswith(launched)] == [
+        "launch.sh: ignoring MASTER_ADDR=old-node from the environment: it is not a node of SLURM job 4242 (n[1-2]); "
+        "the rendezvous is on its first node, n1",
+        "launch.sh: ignoring RDZV_ID=manual from the environment (left from a run by hand?): under SLURM the "
+        "rendezvous is the job's, 4242"]
+    for kept, nodes in (("n2", "n1 n2"), ("n2.cluster.example", "n1 n2"), ("127.0.0.1", "n1 localhost")):
+        code, err, torchrun = launch_dry(tmp_path, [], **slurm_job(tmp_path, nodes, MASTER_ADDR=kept))
+        assert code == 0 and "ignoring" not in err and flag_value(torchrun, "--rdzv_endpoint") == f"{kept}:29500", err
+    code, err, torchrun = launch_dry(tmp_path, [], **slurm_job(tmp_path, "n1 n2", SLURM_NTASKS="16"))
+    assert code == 2 and torchrun == [], err
+    assert err.strip().splitlines() == [
+        "launch.sh: this SLURM step runs 16 tasks on 2 node(s); launch.sh must run once per node (its torchrun starts "
+        "one process per GPU): srun --ntasks-per-node=1 ./launch.sh, or #SBATCH --ntasks-per-node=1"]
+
+
 def launch_env(tmp_path) -> dict:
     """The environment the last launch_dry's torchrun got."""
     return dict(line.split("=", 1) for line in (tmp_path / "torchrun.args.env").read_text().splitlines() if "=" in line)
