@@ -112,6 +112,15 @@ if [ "$GPUS" -eq 0 ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per CPU process: 2 processes on 2 cores
 fi
 
+OUT_DIR=out  # --out_dir's absolute path (train.py's default: out), for the rendezvous id and the flight recorder
+previous=
+for arg in "$@"; do
+  [ "$previous" = --out_dir ] && OUT_DIR=$arg
+  case "$arg" in --out_dir=*) OUT_DIR=${arg#--out_dir=} ;; esac
+  previous=$arg
+done
+case "$OUT_DIR" in /*) ;; *) OUT_DIR="$PWD/$OUT_DIR" ;; esac
+
 # GPU memory and diagnosis (each can be overridden from the environment; none matters on CPU).
 # NVLS (NVLink SHARP, NVSwitch systems: H100/H200 HGX) makes NCCL bind multicast buffers outside PyTorch's
 # allocator, 1 GiB or more per communicator (NCCL's log: "NVLS Bind mem ... size 1073741824"); NVIDIA's own
@@ -128,10 +137,21 @@ if [ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]; then
   export PYTORCH_ALLOC_CONF=expandable_segments:True
 fi
 # NCCL's flight recorder: the last 2000 collectives per rank, dumped when the watchdog times one out, to
-# /tmp/nccl_trace_rank_<N> on each node (TORCH_FR_DUMP_TEMP_FILE moves it); `torchfrtrace DIR` names the
-# collective and the ranks that never joined it.
-export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+# OUT_DIR/nccl_trace/rank_<N>: in the run's folder, which every node shares and which outlives the job, not
+# torch's default /tmp/nccl_trace_rank_<N> on each node, which many sites wipe when the job ends. Exported
+# values win (TORCH_FR_DUMP_TEMP_FILE, or its older name TORCH_NCCL_DEBUG_INFO_TEMP_FILE). The folder is
+# made here: torch's writer opens the file and does not make folders (GPUs only: gloo records nothing).
+# `torchfrtrace OUT_DIR/nccl_trace` names the collective and the ranks that never joined it.
+if [ -z "${TORCH_FR_BUFFER_SIZE:-}${TORCH_NCCL_TRACE_BUFFER_SIZE:-}" ]; then
+  export TORCH_FR_BUFFER_SIZE=2000  # torch 2.13's name: TORCH_NCCL_TRACE_BUFFER_SIZE prints that it is deprecated
+fi
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+if [ -z "${TORCH_FR_DUMP_TEMP_FILE:-}${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}" ] && [ "${1:-}" != --check ]; then
+  export TORCH_FR_DUMP_TEMP_FILE=$OUT_DIR/nccl_trace/rank_
+  if [ "$GPUS" -gt 0 ]; then
+    mkdir -p "$OUT_DIR/nccl_trace" 2>/dev/null || true  # an --out_dir that cannot be written: train.py says so
+  fi
+fi
 # NUMA: torchrun (torch 2.9+) binds each worker to CPUs of its GPU's NUMA node (numactl); "exclusive" splits
 # that node's physical cores evenly between its GPUs, the cores per GPU the planner's CPU update assumes
 # (plan.py host_cores_per_node / GPUs per node); offload.optimizer_threads then uses all of the rank's own.
@@ -145,16 +165,8 @@ fi
 
 if [ "$NNODES" -gt 1 ]; then
   : "${MASTER_ADDR:?set MASTER_ADDR (address of the first node) for a multi-node run}"
-  if [ -z "${RDZV_ID:-}" ]; then  # one per run: a hash of --out_dir's absolute path (train.py's default: out)
-    out_dir=out
-    previous=
-    for arg in "$@"; do
-      [ "$previous" = --out_dir ] && out_dir=$arg
-      case "$arg" in --out_dir=*) out_dir=${arg#--out_dir=} ;; esac
-      previous=$arg
-    done
-    case "$out_dir" in /*) ;; *) out_dir="$PWD/$out_dir" ;; esac
-    RDZV_ID=llama-zero3-$(printf '%s' "$out_dir" | cksum | cut -d ' ' -f 1)
+  if [ -z "${RDZV_ID:-}" ]; then  # one per run: a hash of --out_dir's absolute path
+    RDZV_ID=llama-zero3-$(printf '%s' "$OUT_DIR" | cksum | cut -d ' ' -f 1)
   fi
   RENDEZVOUS=(--nnodes "$NNODES" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"
               --rdzv_id "$RDZV_ID")

@@ -414,6 +414,23 @@ def test_under_slurm_the_rendezvous_is_the_jobs_whatever_the_shell_exported(tmp_
         "one process per GPU): srun --ntasks-per-node=1 ./launch.sh, or #SBATCH --ntasks-per-node=1"]
 
 
+def test_the_flight_recorder_dumps_into_the_runs_folder(tmp_path):
+    """Not torch's default /tmp/nccl_trace_rank_N, which many sites wipe at the end of a job: OUT_DIR/nccl_trace,
+    a relative --out_dir resolved from the caller's folder, the folder made (torch does not make it); a value
+    exported by the user wins, under either of torch's names."""
+    code, err, _ = launch_dry(tmp_path, ["--lr", "1e-4", "--out_dir", "run_a"], FAKE_GPUS="8")
+    assert code == 0, err
+    assert launch_env(tmp_path)["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/run_a/nccl_trace/rank_"
+    assert (tmp_path / "run_a" / "nccl_trace").is_dir()
+    code, err, _ = launch_dry(tmp_path, [f"--out_dir={tmp_path / 'run_b'}"], FAKE_GPUS="8")
+    assert launch_env(tmp_path)["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/run_b/nccl_trace/rank_"
+    code, err, _ = launch_dry(tmp_path, ["--out_dir", "run_a"], FAKE_GPUS="8", TORCH_FR_DUMP_TEMP_FILE="/scratch/fr_")
+    assert launch_env(tmp_path)["TORCH_FR_DUMP_TEMP_FILE"] == "/scratch/fr_"
+    code, err, _ = launch_dry(tmp_path, ["--out_dir", "run_a"], FAKE_GPUS="8", TORCH_NCCL_DEBUG_INFO_TEMP_FILE="/scratch/fr_")
+    env = launch_env(tmp_path)
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/scratch/fr_" and "TORCH_FR_DUMP_TEMP_FILE" not in env
+
+
 def launch_env(tmp_path) -> dict:
     """The environment the last launch_dry's torchrun got."""
     return dict(line.split("=", 1) for line in (tmp_path / "torchrun.args.env").read_text().splitlines() if "=" in line)
@@ -447,7 +464,8 @@ def test_launch_leaves_a_trace_of_a_hang_and_binds_each_rank_to_its_gpus_cores(t
     code, err, torchrun = launch_dry(tmp_path, [], FAKE_GPUS="8", PATH=with_numactl)
     env = launch_env(tmp_path)
     assert code == 0, err
-    assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0 and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert int(env["TORCH_FR_BUFFER_SIZE"]) > 0 and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env  # torch 2.13 prints that it is deprecated, on every rank
     assert flag_value(torchrun, "--numa-binding") == "exclusive" and env["ZERO3_NUMA_BINDING"] == "exclusive"
     assert torchrun.index("--numa-binding") < torchrun.index(os.path.join(ROOT, "train.py"))
     for unbound in (dict(FAKE_GPUS="8", PATH=with_numactl, NUMA_BINDING="none"), dict(FAKE_GPUS="0", PATH=with_numactl),
