@@ -18,6 +18,7 @@ hosts the rendezvous store) with ZERO3_FAULT=hang:3::20, node A with ZERO3_FAULT
     (pytorch/pytorch#135712, #167288; NCCL fails the same way).
   - the same with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 finishes, resuming bit-exact: test_restart_across_nodes.
 """
+import functools
 import os
 import re
 import shlex
@@ -429,6 +430,32 @@ def test_the_flight_recorder_dumps_into_the_runs_folder(tmp_path):
     code, err, _ = launch_dry(tmp_path, ["--out_dir", "run_a"], FAKE_GPUS="8", TORCH_NCCL_DEBUG_INFO_TEMP_FILE="/scratch/fr_")
     env = launch_env(tmp_path)
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/scratch/fr_" and "TORCH_FR_DUMP_TEMP_FILE" not in env
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_the_host_memory_check_reads_the_jobs_cgroup_limit(tmp_path, monkeypatch, version):
+    """A SLURM job granted less memory than the node has (--exclusive without --mem=0) is held to its cgroup's
+    limit, set on the job's cgroup above the step's own: the check compares with the smaller of that limit and
+    the machine's available memory, and names the one it used. Paths as on SLURM's cgroup v2 and v1 plugins."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       2147483648 kB\nMemAvailable:   2000000000 kB\n")  # ~1.9 TiB available
+    job = "system.slice/slurmstepd.scope/job_7" if version == "v2" else "slurm/uid_0/job_7"
+    folder, name = (tmp_path, "memory.max") if version == "v2" else (tmp_path / "memory", "memory.limit_in_bytes")
+    (folder / job / "step_0").mkdir(parents=True)
+    (tmp_path / "cgroup").write_text(f"0::/{job}/step_0\n" if version == "v2" else f"4:memory:/{job}/step_0\n1:cpu:/\n")
+    (folder / job / "step_0" / name).write_text("max\n" if version == "v2" else "9223372036854771712\n")
+    limit = functools.partial(checks.host_memory_limit, meminfo=str(meminfo), proc_cgroup=str(tmp_path / "cgroup"),
+                              cgroup_root=str(tmp_path))
+    monkeypatch.setattr(checks, "host_memory_limit", limit)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = T.parse_args(["--model=llama3-8b", "--offload_optimizer=true", f"--out_dir={tmp_path / 'out'}"])
+    mcfg = checks.model_config(cfg)
+    assert checks.check_host_memory(cfg, mcfg, 16, 16) == []  # no limit on the job: 8 ranks' ~8 GiB each fit
+    (folder / job / name).write_text(f"{64 * 2**30}\n")
+    [line] = checks.check_host_memory(cfg, mcfg, 16, 16)
+    assert line.startswith("--offload_optimizer: the 8 rank(s) on this node need "), line
+    assert line.endswith(f"and this job's cgroup allows 64.0 GiB ({folder / job / name}); ask SLURM for all of the "
+                         f"node's memory (sbatch --mem=0), use more nodes, or train without --offload_optimizer"), line
 
 
 def launch_env(tmp_path) -> dict:
