@@ -190,7 +190,9 @@ trap 'rm -f "$ZERO3_FATAL_FILE"' EXIT
 # when this one's rendezvous store goes away. Python's writes are checked as they are made (torchrun's
 # log handlers are made after sys.stderr is replaced); a thread points torchrun's descriptor 2 at
 # /dev/null within 50 ms for what its C++ code writes. The workers keep their own descriptor 2 (they are
-# started before the fatal line), so nothing they print passes through this or waits for it.
+# started before the fatal line), so nothing they print passes through this or waits for it. What torchrun
+# prints before this node's line is left as it is (the other node's store gone while this node's workers
+# were still on their way to the same error: its warnings, then the error line, last).
 TORCHRUN_QUIET_AFTER_FATAL='import os, runpy, signal, sys, threading, time
 signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGINT])
 def fatal():
