@@ -4,6 +4,7 @@ the safetensors headers of --init_from. train.py's setup stops on the first list
 import difflib
 import json
 import os
+import socket
 import sys
 from dataclasses import asdict
 
@@ -13,6 +14,26 @@ import disk
 import data as D
 import model as M
 import sample
+
+
+def check_nodes(env=os.environ) -> list[str]:
+    """Every node must run as many processes as the others (one per GPU): a node that sees 7 GPUs would make
+    the world 15 and the first error a --batch_size that is not a multiple of it, which never names the
+    GPUs. torchrun gives each worker its node's count (LOCAL_WORLD_SIZE), the number of nodes
+    (GROUP_WORLD_SIZE) and the world; they disagree exactly when the nodes' counts differ. No process group
+    is needed, so this comes first, before the flags' checks."""
+    try:
+        local, nodes, world = (int(env[name]) for name in ("LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "WORLD_SIZE"))
+    except (KeyError, ValueError):  # not under torchrun: one process, or a caller's own group
+        return []
+    if local * nodes == world:
+        return []
+    host = env.get("SLURMD_NODENAME") or socket.gethostname()
+    return [f"this node ({host}) runs {local} of the {world} processes on {nodes} nodes, so the other "
+            f"{'node runs' if nodes == 2 else f'{nodes - 1} nodes run'} {world - local}, not {local * (nodes - 1)}: "
+            f"every node must run as many processes as the others, one per GPU (launch.sh starts one per GPU torch "
+            f"sees, or NPROC_PER_NODE); check the GPUs of the node with fewer (nvidia-smi) and leave it out "
+            f"(sbatch --exclude=NODE), or set NPROC_PER_NODE to the smaller count on every node"]
 
 
 def check_config(cfg, world: int) -> list[str]:
@@ -216,30 +237,78 @@ def check_phase_tokenizer(cfg, checkpoint: str) -> list[str]:
     return []
 
 
-def host_memory_available_bytes() -> int | None:
+def host_memory_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
     """MemAvailable from /proc/meminfo (Linux): what the kernel can give without swapping."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo) as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):
         return None
 
 
+def cgroup_memory_limit(proc_cgroup: str = "/proc/self/cgroup", cgroup_root: str = "/sys/fs/cgroup"):
+    """(bytes, file) of the smallest memory limit on this process's cgroup and its ancestors, or None: a
+    SLURM job's (--mem; a step's cgroup sits under its job's, which holds the limit), a container's. cgroup
+    v2 ("0::PATH" in /proc/self/cgroup): ROOT/PATH/memory.max, "max" when none; v1 ("N:memory:PATH"):
+    ROOT/memory/PATH/memory.limit_in_bytes, about 2**63 when none (the kernel's documentation,
+    admin-guide/cgroup-v2.rst and cgroup-v1/memory.rst)."""
+    try:
+        with open(proc_cgroup) as f:
+            entries = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    found = None
+    for _, controllers, path in entries:
+        if controllers == "":
+            folder, name = cgroup_root, "memory.max"
+        elif "memory" in controllers.split(","):
+            folder, name = os.path.join(cgroup_root, "memory"), "memory.limit_in_bytes"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):  # this cgroup, then each ancestor up to the root
+            limit_file = os.path.join(folder, *parts[:depth], name)
+            try:
+                with open(limit_file) as f:
+                    limit = f.read().strip()
+            except OSError:
+                continue
+            if limit.isdigit() and int(limit) < 2**62 and (found is None or int(limit) < found[0]):
+                found = (int(limit), limit_file)
+    return found
+
+
+def host_memory_limit(meminfo: str = "/proc/meminfo", proc_cgroup: str = "/proc/self/cgroup",
+                      cgroup_root: str = "/sys/fs/cgroup"):
+    """(bytes, what they are, in words): the smaller of the machine's available memory and this job's
+    cgroup limit (a SLURM job granted less than the node has: --exclusive without --mem=0); None if neither
+    is known."""
+    available = host_memory_available_bytes(meminfo)
+    cgroup = cgroup_memory_limit(proc_cgroup, cgroup_root)
+    if cgroup and (available is None or cgroup[0] < available):
+        return cgroup[0], f"this job's cgroup allows {cgroup[0] / 2**30:,.1f} GiB ({cgroup[1]})"
+    if available is None:
+        return None
+    return available, f"this machine has {available / 2**30:,.1f} GiB available"
+
+
 def check_host_memory(cfg, mcfg: M.ModelConfig, world: int, state_bytes_per_param: int) -> list[str]:
     """--offload_optimizer puts each rank's fp32 state in pinned host memory: all the node's ranks together
-    must fit in what the machine has now, or the kernel kills the job mid-run instead of this line."""
+    must fit in what the machine has now and what the job may use, or the kernel kills the job mid-run
+    instead of this line."""
     if not cfg.offload_optimizer or cfg.plan:
         return []
     import plan as P  # the planner's count is what offload.HostState allocates, byte for byte
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     needed = sum(P.host_bytes_per_gpu(mcfg, cfg, world).values()) * local_world
-    available = host_memory_available_bytes()
-    if available is None or needed <= 0.9 * available:  # pinned memory cannot be swapped: leave 10%
+    limit = host_memory_limit()
+    if limit is None or needed <= 0.9 * limit[0]:  # pinned memory cannot be swapped: leave 10%
         return []
+    fix = "ask SLURM for all of the node's memory (sbatch --mem=0), " if "cgroup" in limit[1] else ""
     return [f"--offload_optimizer: the {local_world} rank(s) on this node need {needed / 2**30:,.1f} GiB of host memory "
             f"for their optimizer state ({state_bytes_per_param} B per parameter / {world} ranks, and "
-            f"{'staging slots and offloaded block inputs' if cfg.offload_activations else 'staging slots'}), and this machine has "
-            f"{available / 2**30:,.1f} GiB available; use more nodes, or train without --offload_optimizer"]
+            f"{'staging slots and offloaded block inputs' if cfg.offload_activations else 'staging slots'}), and "
+            f"{limit[1]}; {fix}use more nodes, or train without --offload_optimizer"]
 
 
 def flash_attn_import_problem(error: ImportError | None) -> str | None:
@@ -283,7 +352,7 @@ def check_run(cfg, world: int, state_bytes_per_param: int):
     """Returns (model config, where the first weights come from, errors). The weights: None (seeded),
     {HF tensor name: file} (an --init_from Hugging Face folder), or a checkpoint folder (--from_ckpt, or
     --init_from one of ours: its manifest and file sizes checked here, its SHA-256 as it is read)."""
-    errors = check_config(cfg, world) + check_flash_attn(cfg)
+    errors = check_nodes() or check_config(cfg, world) + check_flash_attn(cfg)
     mcfg = weights = None
     if not errors:
         try:

@@ -11,9 +11,11 @@
 #                                        (NCCL on GPUs) and in gloo, the checkpoint group's (bench/comm_check.py)
 # Overridable: NPROC_PER_NODE, NNODES, MASTER_ADDR, MASTER_PORT (29500), RDZV_ID, MAX_RESTARTS (3), PYTHON.
 # Under SLURM, NNODES is the job's (an exported NNODES that differs from SLURM_NNODES is an error: each node
-# would otherwise wait for a different number of nodes). RDZV_ID, the name of the rendezvous on
-# MASTER_ADDR, is SLURM_JOB_ID under SLURM, else derived from --out_dir's absolute path: two runs on one
-# MASTER_ADDR never join each other's rendezvous, and every node of one run must name the same --out_dir.
+# would otherwise wait for a different number of nodes), as are MASTER_ADDR (an exported one that is not a
+# node of the job is ignored, with a warning) and RDZV_ID (always SLURM_JOB_ID), and one task per node is
+# required. RDZV_ID, the name of the rendezvous on MASTER_ADDR, is otherwise derived from --out_dir's
+# absolute path: two runs on one MASTER_ADDR never join each other's rendezvous, and every node of one run
+# must name the same --out_dir. Every node must run as many processes as the others (train.py checks).
 #
 # Restarts are torchrun's own (--max-restarts): when a rank dies, every node's torchrun stops its workers,
 # meets the others again in the same rendezvous and starts them; train.py resumes from the newest intact
@@ -55,8 +57,48 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
     exit 2
   fi
   NNODES=${SLURM_NNODES:-1}
-  MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
-  RDZV_ID=${RDZV_ID:-$SLURM_JOB_ID}
+  # One launch.sh per node: its torchrun starts the node's processes. Two tasks on a node would start two
+  # torchruns there, each with all of the node's GPUs.
+  if [ -n "${SLURM_NTASKS:-}" ] && [ "$SLURM_NTASKS" != "$NNODES" ]; then
+    echo "launch.sh: this SLURM step runs $SLURM_NTASKS tasks on $NNODES node(s); launch.sh must run once per node" \
+         "(its torchrun starts one process per GPU): srun --ntasks-per-node=1 ./launch.sh, or #SBATCH --ntasks-per-node=1" >&2
+    exit 2
+  fi
+  # MASTER_ADDR and RDZV_ID are the job's. Both come through sbatch's copy of the submitting shell's
+  # environment too: an old node's name, or RDZV_ID=manual left from a run by hand, would have the nodes
+  # wait for a rendezvous nobody hosts, or meet another run's. Ignored, with a warning: the job's own are
+  # always right, and refusing would stop an unattended requeue chain for a leftover. A MASTER_ADDR that is
+  # one of the job's nodes (by name, short name, or an address one of them resolves to) is kept.
+  is_job_node() {
+    local node addresses node_addresses
+    for node in $job_nodes; do
+      if [ "$1" = "$node" ] || [ "${1%%.*}" = "$node" ]; then return 0; fi
+    done
+    addresses=$(getent ahosts "$1" | awk '{print $1}') || return 1
+    for node in $job_nodes; do
+      node_addresses=$(getent ahosts "$node" | awk '{print $1}') || continue
+      if grep -qxF "$addresses" <<<"$node_addresses"; then return 0; fi
+    done
+    return 1
+  }
+  if job_nodes=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-}" 2>/dev/null) && [ -n "$job_nodes" ]; then
+    first_node=${job_nodes%%$'\n'*}
+    if [ -n "${MASTER_ADDR:-}" ] && ! is_job_node "$MASTER_ADDR"; then
+      echo "launch.sh: ignoring MASTER_ADDR=$MASTER_ADDR from the environment: it is not a node of SLURM job" \
+           "$SLURM_JOB_ID ($SLURM_JOB_NODELIST); the rendezvous is on its first node, $first_node" >&2
+      MASTER_ADDR=$first_node
+    fi
+    MASTER_ADDR=${MASTER_ADDR:-$first_node}
+  elif [ -z "${MASTER_ADDR:-}" ]; then  # no scontrol (a container without SLURM's commands)
+    echo "launch.sh: cannot list this SLURM job's nodes (scontrol show hostnames '${SLURM_JOB_NODELIST:-}' failed);" \
+         "set MASTER_ADDR to the job's first node" >&2
+    exit 2
+  fi
+  if [ -n "${RDZV_ID:-}" ] && [ "$RDZV_ID" != "$SLURM_JOB_ID" ]; then
+    echo "launch.sh: ignoring RDZV_ID=$RDZV_ID from the environment (left from a run by hand?): under SLURM the" \
+         "rendezvous is the job's, $SLURM_JOB_ID" >&2
+  fi
+  RDZV_ID=$SLURM_JOB_ID
 fi
 NNODES=${NNODES:-1}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
@@ -69,6 +111,15 @@ NPROC_PER_NODE=${NPROC_PER_NODE:-$([ "$GPUS" -gt 0 ] && echo "$GPUS" || echo 2)}
 if [ "$GPUS" -eq 0 ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per CPU process: 2 processes on 2 cores
 fi
+
+OUT_DIR=out  # --out_dir's absolute path (train.py's default: out), for the rendezvous id and the flight recorder
+previous=
+for arg in "$@"; do
+  [ "$previous" = --out_dir ] && OUT_DIR=$arg
+  case "$arg" in --out_dir=*) OUT_DIR=${arg#--out_dir=} ;; esac
+  previous=$arg
+done
+case "$OUT_DIR" in /*) ;; *) OUT_DIR="$PWD/$OUT_DIR" ;; esac
 
 # GPU memory and diagnosis (each can be overridden from the environment; none matters on CPU).
 # NVLS (NVLink SHARP, NVSwitch systems: H100/H200 HGX) makes NCCL bind multicast buffers outside PyTorch's
@@ -86,10 +137,21 @@ if [ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]; then
   export PYTORCH_ALLOC_CONF=expandable_segments:True
 fi
 # NCCL's flight recorder: the last 2000 collectives per rank, dumped when the watchdog times one out, to
-# /tmp/nccl_trace_rank_<N> on each node (TORCH_FR_DUMP_TEMP_FILE moves it); `torchfrtrace DIR` names the
-# collective and the ranks that never joined it.
-export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+# OUT_DIR/nccl_trace/rank_<N>: in the run's folder, which every node shares and which outlives the job, not
+# torch's default /tmp/nccl_trace_rank_<N> on each node, which many sites wipe when the job ends. Exported
+# values win (TORCH_FR_DUMP_TEMP_FILE, or its older name TORCH_NCCL_DEBUG_INFO_TEMP_FILE). The folder is
+# made here: torch's writer opens the file and does not make folders (GPUs only: gloo records nothing).
+# `torchfrtrace OUT_DIR/nccl_trace` names the collective and the ranks that never joined it.
+if [ -z "${TORCH_FR_BUFFER_SIZE:-}${TORCH_NCCL_TRACE_BUFFER_SIZE:-}" ]; then
+  export TORCH_FR_BUFFER_SIZE=2000  # torch 2.13's name: TORCH_NCCL_TRACE_BUFFER_SIZE prints that it is deprecated
+fi
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+if [ -z "${TORCH_FR_DUMP_TEMP_FILE:-}${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}" ] && [ "${1:-}" != --check ]; then
+  export TORCH_FR_DUMP_TEMP_FILE=$OUT_DIR/nccl_trace/rank_
+  if [ "$GPUS" -gt 0 ]; then
+    mkdir -p "$OUT_DIR/nccl_trace" 2>/dev/null || true  # an --out_dir that cannot be written: train.py says so
+  fi
+fi
 # NUMA: torchrun (torch 2.9+) binds each worker to CPUs of its GPU's NUMA node (numactl); "exclusive" splits
 # that node's physical cores evenly between its GPUs, the cores per GPU the planner's CPU update assumes
 # (plan.py host_cores_per_node / GPUs per node); offload.optimizer_threads then uses all of the rank's own.
@@ -103,16 +165,8 @@ fi
 
 if [ "$NNODES" -gt 1 ]; then
   : "${MASTER_ADDR:?set MASTER_ADDR (address of the first node) for a multi-node run}"
-  if [ -z "${RDZV_ID:-}" ]; then  # one per run: a hash of --out_dir's absolute path (train.py's default: out)
-    out_dir=out
-    previous=
-    for arg in "$@"; do
-      [ "$previous" = --out_dir ] && out_dir=$arg
-      case "$arg" in --out_dir=*) out_dir=${arg#--out_dir=} ;; esac
-      previous=$arg
-    done
-    case "$out_dir" in /*) ;; *) out_dir="$PWD/$out_dir" ;; esac
-    RDZV_ID=llama-zero3-$(printf '%s' "$out_dir" | cksum | cut -d ' ' -f 1)
+  if [ -z "${RDZV_ID:-}" ]; then  # one per run: a hash of --out_dir's absolute path
+    RDZV_ID=llama-zero3-$(printf '%s' "$OUT_DIR" | cksum | cut -d ' ' -f 1)
   fi
   RENDEZVOUS=(--nnodes "$NNODES" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"
               --rdzv_id "$RDZV_ID")
@@ -130,12 +184,38 @@ export ZERO3_FATAL_FILE
 trap 'rm -f "$ZERO3_FATAL_FILE"' EXIT
 
 # torchrun with SIGTERM and SIGINT blocked (see "Stopping" above): a signal mask, unlike a handler, survives
-# exec and torchrun's own signal.signal calls.
-BLOCK_STOP_SIGNALS='import os, signal, sys
+# into torchrun's own signal.signal calls. And torchrun quiet once train.py has written its fatal line:
+# stopping it (SIGHUP, below) would otherwise print its log and a 30-line SignalException traceback after
+# the trainer's one line, and on two nodes the other node's torchrun its store client's C++ stack traces
+# when this one's rendezvous store goes away. Python's writes are checked as they are made (torchrun's
+# log handlers are made after sys.stderr is replaced); a thread points torchrun's descriptor 2 at
+# /dev/null within 50 ms for what its C++ code writes. The workers keep their own descriptor 2 (they are
+# started before the fatal line), so nothing they print passes through this or waits for it. What torchrun
+# prints before this node's line is left as it is (the other node's store gone while this node's workers
+# were still on their way to the same error: its warnings, then the error line, last).
+TORCHRUN_QUIET_AFTER_FATAL='import os, runpy, signal, sys, threading, time
 signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM, signal.SIGINT])
-os.execv(sys.executable, [sys.executable] + sys.argv[1:])'
+def fatal():
+    try:
+        return os.path.getsize(os.environ["ZERO3_FATAL_FILE"]) > 0
+    except OSError:
+        return False
+class QuietAfterFatal:
+    def __init__(self, stream):
+        self.stream = stream
+    def write(self, text):
+        return len(text) if fatal() else self.stream.write(text)
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+def quiet_descriptor_after_fatal():
+    while not fatal():
+        time.sleep(0.05)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+sys.stderr = QuietAfterFatal(sys.stderr)
+threading.Thread(target=quiet_descriptor_after_fatal, daemon=True).start()
+runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)'
 set -m  # the next background job gets its own process group: a signal to ours does not reach torchrun
-( trap '' USR1; exec "$PYTHON" -c "$BLOCK_STOP_SIGNALS" -m torch.distributed.run "${RENDEZVOUS[@]}" \
+( trap '' USR1; exec "$PYTHON" -c "$TORCHRUN_QUIET_AFTER_FATAL" "${RENDEZVOUS[@]}" \
     --nproc_per_node "$NPROC_PER_NODE" ${BIND[@]+"${BIND[@]}"} --max-restarts "$MAX_RESTARTS" "$HERE/train.py" "$@" ) &
 TORCHRUN=$!
 set +m

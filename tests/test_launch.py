@@ -18,7 +18,9 @@ hosts the rendezvous store) with ZERO3_FAULT=hang:3::20, node A with ZERO3_FAULT
     (pytorch/pytorch#135712, #167288; NCCL fails the same way).
   - the same with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 finishes, resuming bit-exact: test_restart_across_nodes.
 """
+import functools
 import os
+import re
 import shlex
 import signal
 import socket
@@ -66,8 +68,8 @@ def start_launch(args, log, **env) -> subprocess.Popen:
 
 
 def start_node(args, port, log, **env) -> subprocess.Popen:
-    return start_launch(args, log, NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NPROC_PER_NODE="1",
-                        RDZV_ID="test", **env)
+    env = {"NPROC_PER_NODE": "1", **env}
+    return start_launch(args, log, NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RDZV_ID="test", **env)
 
 
 def wait_all(procs, timeout):
@@ -145,7 +147,42 @@ def test_errors_a_restart_repeats_are_not_retried(files, tmp_path, fault, error)
     assert codes == [2], text[-3000:]
     # From one attempt only: at most once per rank (torchrun may stop the second rank before it prints).
     assert 1 <= text.count(error) <= 2, text[-3000:]
-    assert "not restarting" in text
+    assert_last_words(text, error)
+
+
+# What torchrun itself prints when it is stopped, or when the other node's store goes away: its log lines
+# (W1204 12:00:00.000 ...), its SignalException traceback, and its store client's C++ warnings with their frames.
+TORCHRUN_NOISE = re.compile(r"^[WEI]\d{4} |^\[[WEI]\d{4}|Traceback|SignalException|Exception raised from|^frame #", re.M)
+
+
+def assert_last_words(log: str, error: str):
+    """The trainer's error line is the last thing printed but launch.sh's one-line note right after it,
+    and nothing of torchrun's own is printed at all."""
+    lines = [line for line in log.splitlines() if line.strip()]
+    assert lines[-1] == "launch.sh: train.py stopped with an error a restart would repeat (above); not restarting", log
+    assert lines[-2].startswith(error), log
+    assert not TORCHRUN_NOISE.search(log), log
+
+
+def test_a_node_with_fewer_gpus_is_named_and_its_error_is_the_last_word(files, tmp_path):
+    """Node A runs 1 process, node B 2 (as a node with 7 GPUs beside one with 8 would): a world of 3, where
+    the first error used to be --batch_size's (8 is not a multiple of 3 x 2), naming no GPU count. Every
+    rank names its node's count instead, before any work, and on both nodes that line is the last word:
+    the node whose torchrun hosts the store (B) stops it, and A's torchrun says nothing about it."""
+    port = free_port()
+    args = BASE + files + [f"--out_dir={tmp_path / 'run'}"]
+    with open(tmp_path / "a.log", "w") as la, open(tmp_path / "b.log", "w") as lb:
+        node_b = start_node(args, port, lb, NPROC_PER_NODE="2")
+        wait_for_port(port)
+        node_a = start_node(args, port, la)
+        codes = wait_all([node_a, node_b], 120)
+    logs = {node: (tmp_path / f"{node}.log").read_text() for node in "ab"}
+    assert codes == [2, 2], logs
+    host = socket.gethostname()
+    assert_last_words(logs["a"], f"error: this node ({host}) runs 1 of the 3 processes on 2 nodes, so the other "
+                                 f"node runs 2, not 1: every node must run as many processes as the others")
+    assert_last_words(logs["b"], f"error: this node ({host}) runs 2 of the 3 processes on 2 nodes, so the other "
+                                 f"node runs 1, not 2")
 
 
 def worker_pids(launch_pid):
@@ -339,6 +376,88 @@ def test_rendezvous_is_one_per_run_and_nodes_are_the_jobs(tmp_path):
                                         "NNODES (under SLURM it comes from the job) or submit the job with --nodes 1"]
 
 
+def slurm_job(tmp_path, nodes: str, **env) -> dict:
+    """The environment of one task of SLURM job 4242 on `nodes` (a stand-in scontrol lists them), one task
+    per node, and `env` (what the submitting shell exported)."""
+    bin_dir = tmp_path / "slurm-bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\n[ "$1 $2 $3" = "show hostnames n[1-2]" ] && printf "%s\\n" {nodes}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    count = str(len(nodes.split()))
+    return dict(dict(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="n[1-2]", SLURM_NNODES=count, SLURM_NTASKS=count,
+                     PATH=f"{bin_dir}:{os.environ['PATH']}"), **env)
+
+
+def test_under_slurm_the_rendezvous_is_the_jobs_whatever_the_shell_exported(tmp_path):
+    """sbatch copies the submitting shell's environment: a MASTER_ADDR that is not a node of the job (an old
+    node) and an RDZV_ID left from a run by hand are ignored with a warning each; the job's first node and
+    its id are used. A MASTER_ADDR that is a node of the job (by name, short name, or address) is kept. Two
+    tasks on a node (two torchruns with all its GPUs each) are refused with the fix."""
+    launched = "launch.sh: torchrun is pid"
+    code, err, torchrun = launch_dry(tmp_path, [], **slurm_job(tmp_path, "n1 n2"))
+    assert code == 0 and [line for line in err.splitlines() if not line.startswith(launched)] == [], err
+    assert flag_value(torchrun, "--rdzv_endpoint") == "n1:29500" and flag_value(torchrun, "--rdzv_id") == "4242"
+    code, err, torchrun = launch_dry(tmp_path, [], **slurm_job(tmp_path, "n1 n2", MASTER_ADDR="old-node", RDZV_ID="manual"))
+    assert code == 0, err
+    assert flag_value(torchrun, "--rdzv_endpoint") == "n1:29500" and flag_value(torchrun, "--rdzv_id") == "4242"
+    assert [line for line in err.splitlines() if not line.startswith(launched)] == [
+        "launch.sh: ignoring MASTER_ADDR=old-node from the environment: it is not a node of SLURM job 4242 (n[1-2]); "
+        "the rendezvous is on its first node, n1",
+        "launch.sh: ignoring RDZV_ID=manual from the environment (left from a run by hand?): under SLURM the "
+        "rendezvous is the job's, 4242"]
+    for kept, nodes in (("n2", "n1 n2"), ("n2.cluster.example", "n1 n2"), ("127.0.0.1", "n1 localhost")):
+        code, err, torchrun = launch_dry(tmp_path, [], **slurm_job(tmp_path, nodes, MASTER_ADDR=kept))
+        assert code == 0 and "ignoring" not in err and flag_value(torchrun, "--rdzv_endpoint") == f"{kept}:29500", err
+    code, err, torchrun = launch_dry(tmp_path, [], **slurm_job(tmp_path, "n1 n2", SLURM_NTASKS="16"))
+    assert code == 2 and torchrun == [], err
+    assert err.strip().splitlines() == [
+        "launch.sh: this SLURM step runs 16 tasks on 2 node(s); launch.sh must run once per node (its torchrun starts "
+        "one process per GPU): srun --ntasks-per-node=1 ./launch.sh, or #SBATCH --ntasks-per-node=1"]
+
+
+def test_the_flight_recorder_dumps_into_the_runs_folder(tmp_path):
+    """Not torch's default /tmp/nccl_trace_rank_N, which many sites wipe at the end of a job: OUT_DIR/nccl_trace,
+    a relative --out_dir resolved from the caller's folder, the folder made (torch does not make it); a value
+    exported by the user wins, under either of torch's names."""
+    code, err, _ = launch_dry(tmp_path, ["--lr", "1e-4", "--out_dir", "run_a"], FAKE_GPUS="8")
+    assert code == 0, err
+    assert launch_env(tmp_path)["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/run_a/nccl_trace/rank_"
+    assert (tmp_path / "run_a" / "nccl_trace").is_dir()
+    code, err, _ = launch_dry(tmp_path, [f"--out_dir={tmp_path / 'run_b'}"], FAKE_GPUS="8")
+    assert launch_env(tmp_path)["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/run_b/nccl_trace/rank_"
+    code, err, _ = launch_dry(tmp_path, ["--out_dir", "run_a"], FAKE_GPUS="8", TORCH_FR_DUMP_TEMP_FILE="/scratch/fr_")
+    assert launch_env(tmp_path)["TORCH_FR_DUMP_TEMP_FILE"] == "/scratch/fr_"
+    code, err, _ = launch_dry(tmp_path, ["--out_dir", "run_a"], FAKE_GPUS="8", TORCH_NCCL_DEBUG_INFO_TEMP_FILE="/scratch/fr_")
+    env = launch_env(tmp_path)
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/scratch/fr_" and "TORCH_FR_DUMP_TEMP_FILE" not in env
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_the_host_memory_check_reads_the_jobs_cgroup_limit(tmp_path, monkeypatch, version):
+    """A SLURM job granted less memory than the node has (--exclusive without --mem=0) is held to its cgroup's
+    limit, set on the job's cgroup above the step's own: the check compares with the smaller of that limit and
+    the machine's available memory, and names the one it used. Paths as on SLURM's cgroup v2 and v1 plugins."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       2147483648 kB\nMemAvailable:   2000000000 kB\n")  # ~1.9 TiB available
+    job = "system.slice/slurmstepd.scope/job_7" if version == "v2" else "slurm/uid_0/job_7"
+    folder, name = (tmp_path, "memory.max") if version == "v2" else (tmp_path / "memory", "memory.limit_in_bytes")
+    (folder / job / "step_0").mkdir(parents=True)
+    (tmp_path / "cgroup").write_text(f"0::/{job}/step_0\n" if version == "v2" else f"4:memory:/{job}/step_0\n1:cpu:/\n")
+    (folder / job / "step_0" / name).write_text("max\n" if version == "v2" else "9223372036854771712\n")
+    limit = functools.partial(checks.host_memory_limit, meminfo=str(meminfo), proc_cgroup=str(tmp_path / "cgroup"),
+                              cgroup_root=str(tmp_path))
+    monkeypatch.setattr(checks, "host_memory_limit", limit)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    cfg = T.parse_args(["--model=llama3-8b", "--offload_optimizer=true", f"--out_dir={tmp_path / 'out'}"])
+    mcfg = checks.model_config(cfg)
+    assert checks.check_host_memory(cfg, mcfg, 16, 16) == []  # no limit on the job: 8 ranks' ~8 GiB each fit
+    (folder / job / name).write_text(f"{64 * 2**30}\n")
+    [line] = checks.check_host_memory(cfg, mcfg, 16, 16)
+    assert line.startswith("--offload_optimizer: the 8 rank(s) on this node need "), line
+    assert line.endswith(f"and this job's cgroup allows 64.0 GiB ({folder / job / name}); ask SLURM for all of the "
+                         f"node's memory (sbatch --mem=0), use more nodes, or train without --offload_optimizer"), line
+
+
 def launch_env(tmp_path) -> dict:
     """The environment the last launch_dry's torchrun got."""
     return dict(line.split("=", 1) for line in (tmp_path / "torchrun.args.env").read_text().splitlines() if "=" in line)
@@ -372,7 +491,8 @@ def test_launch_leaves_a_trace_of_a_hang_and_binds_each_rank_to_its_gpus_cores(t
     code, err, torchrun = launch_dry(tmp_path, [], FAKE_GPUS="8", PATH=with_numactl)
     env = launch_env(tmp_path)
     assert code == 0, err
-    assert int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0 and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert int(env["TORCH_FR_BUFFER_SIZE"]) > 0 and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env  # torch 2.13 prints that it is deprecated, on every rank
     assert flag_value(torchrun, "--numa-binding") == "exclusive" and env["ZERO3_NUMA_BINDING"] == "exclusive"
     assert torchrun.index("--numa-binding") < torchrun.index(os.path.join(ROOT, "train.py"))
     for unbound in (dict(FAKE_GPUS="8", PATH=with_numactl, NUMA_BINDING="none"), dict(FAKE_GPUS="0", PATH=with_numactl),
