@@ -944,12 +944,13 @@ def table(p: dict, cfg) -> str:
                  + (f"its evaluation {p['eval_s']:.0f} s, " if cfg.eval_every else "")
                  + f"the stop's save {p['save_s']:.0f} s, x {ASSUMPTIONS['stop_margin'][0]}): "
                  f"#SBATCH --signal=USR1@{p['signal_lead_s']}")
-    if cfg.export_hf:
+    if cfg.export_hf:  # after the last step's save: with the lead's time left at the least, unless stopped in that step
+        room = "enough" if p["export_s"] <= p["signal_lead_s"] else "NOT enough: export in a job of its own"
         lines.append(f"final export (predicted): {p['export_gb']:.1f} GB of bf16 weights written by rank 0, "
-                     f"{p['export_s']:.0f} s at {cfg.fs_write_gbps:g} GB/s; not in the stop's lead: it runs after "
-                     f"the last step. If the last allocation may end during it, export in a job of its own: "
-                     f"python train.py --from_ckpt {cfg.out_dir} --export_hf "
-                     f"{cfg.export_hf} (docs/operations.md)")
+                     f"{p['export_s']:.0f} s at {cfg.fs_write_gbps:g} GB/s; not in the stop's lead: it runs after the "
+                     f"last step's save, which, ending before the stop request, leaves {p['signal_lead_s']} s ({room}). "
+                     f"A stop request during the last step saves it without exporting; then: python train.py "
+                     f"--from_ckpt {cfg.out_dir} --export_hf {cfg.export_hf} (docs/operations.md)")
     if p["hours"] is not None and cfg.train_tokens:
         lines.append(f"{cfg.train_tokens:,.0f} tokens: {p['hours']:,.0f} h ({p['hours'] / 24:.1f} days) on "
                      f"{p['world']} GPUs = ${p['cost_usd']:,.0f} at ${cfg.gpu_hour_usd:.2f}/GPU-hour")
