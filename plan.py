@@ -12,8 +12,9 @@ derived from published runs), against the bytes the collectives move, plus, with
 PCIe copies and the CPU update. `partial_checkpointing` finds the fewest --ac blocks that fit. Every
 constant is in GPUS or ASSUMPTIONS, with where it comes from; `plan()` returns them all.
 
-It also predicts a checkpoint save from the bytes each rank writes and --fs_write_gbps, and from it how
-long before a time limit a stop request must arrive (launch.sbatch's --signal). A configuration that does
+It also predicts a checkpoint save and a restart's load from the bytes each rank writes and --fs_write_gbps,
+and from them how long before a time limit a stop request must arrive (launch.sbatch's --signal;
+`stop_lead_time`); the final --export_hf is predicted beside it, outside it. A configuration that does
 not fit ends --plan with an error naming the nearest one that does (`nearest_fit`).
 """
 

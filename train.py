@@ -143,9 +143,9 @@ class TrainConfig:
     gpu: str = opt("h100", "--plan: GPU type (see plan.py GPUS)")
     train_tokens: float = opt(0.0, "--plan: tokens to train on, for hours and cost (0: one epoch of nothing)")
     plan_json: str = opt("", "--plan: also write the prediction as JSON here")
-    fs_write_gbps: float = opt(0.45, "--plan: checkpoint write bandwidth per rank of --out_dir's filesystem, GB/s "
-                                     "(the default: measured on a local disk, BENCHMARKS.md; bench/checkpoint_io.py "
-                                     "measures yours)")
+    fs_write_gbps: float = opt(0.45, "--plan: checkpoint bandwidth per rank of --out_dir's filesystem, every rank at "
+                                     "once, GB/s: a save's and a restart's load (the default: measured on a local "
+                                     "disk, BENCHMARKS.md; bench/checkpoint_io.py measures yours and prints this)")
 
 
 def parse_args(argv=None) -> TrainConfig:
