@@ -187,7 +187,7 @@ def use_deterministic_kernels():
     deterministic mode picks an order-fixed kernel where one exists and raises where none does (SDPA's
     fused backwards take their deterministic path only in this strict mode, not with warn_only);
     model.attention passes it on to flash-attn (deterministic=True). cuBLAS is deterministic only with a
-    fixed workspace, read from CUBLAS_WORKSPACE_CONFIG when cuBLAS first runs: set before any CUDA work
+    fixed workspace, read from CUBLAS_WORKSPACE_CONFIG when cuBLAS first runs: set before any matmul
     (PyTorch's "Reproducibility" notes). On CPU the kernels are deterministic already."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
@@ -196,7 +196,7 @@ def use_deterministic_kernels():
 def init_processes(cfg: TrainConfig):
     """Returns (rank, world, device). Under torchrun RANK/WORLD_SIZE are set; plain `python train.py`
     gets a one-process group, so the code below never special-cases W = 1."""
-    if cfg.deterministic:  # before the first CUDA call
+    if cfg.deterministic:  # before the first matmul on a GPU, where cuBLAS reads its workspace setting
         use_deterministic_kernels()
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
