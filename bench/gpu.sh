@@ -49,7 +49,7 @@ if [[ " $* " != *" --dry-run "* ]]; then
     for run in plain deterministic deterministic_again; do
         flag=false; [[ $run == plain ]] || flag=true
         CUDA_VISIBLE_DEVICES=0 timeout 240 "$PYTHON" train.py --model llama3.2-1b --data "$WORK/tokens.npy" --seq_len 8192 \
-            --batch_size 2 --micro_batch_size 1 --steps 12 --eval_every 0 --deterministic "$flag" --out_dir "$WORK/$run" \
+            --batch_size 2 --micro_batch_size 1 --steps 12 --warmup_steps 2 --eval_every 0 --deterministic "$flag" --out_dir "$WORK/$run" \
             >"$WORK/$run.log" 2>&1 || echo "bench/gpu.sh: --deterministic $flag failed: $(tail -n 1 "$WORK/$run.log")" >&2
     done
     "$PYTHON" - "$WORK" <<'PY'
