@@ -79,7 +79,7 @@ def test_cuda_sdpa_calls_suit_a_kernel_without_dense_scores(sdpa_calls, cuda_lik
     call is one the flash or memory-efficient kernel takes. Today's packed path (mask + enable_gqa) and
     fp32 causal path (enable_gqa) are neither."""
     cfg = small_config(dim=64, n_heads=8, n_kv_heads=2)  # head_dim 8: the memory-efficient kernel's alignment
-    _, starts, _ = packed_batch(cfg)
+    tokens, starts, _ = packed_batch(cfg)
     for dtype in (torch.bfloat16, torch.float32):
         model = M.Llama(cfg).to(dtype)
         with torch.no_grad():
