@@ -232,11 +232,14 @@ def attention(q, k, v, layout: DocumentLayout | None = None):
     With a `layout` (document_layout), no token attends to another document."""
     B, T, H, D = q.shape
     if uses_flash(q.device, q.dtype):
-        if layout is None:
-            return flash_attn_func(q, k, v, causal=True)  # handles GQA itself, (B, T, H, D) layout
+        # --deterministic (train.use_deterministic_kernels) turns torch's switch on: flash-attn's own follows it
+        # (its backward's dQ is otherwise summed with atomic adds; the forward is always deterministic).
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        if layout is None:  # handles GQA itself, (B, T, H, D) layout
+            return flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
         cu, n = layout.cu_seqlens, layout.max_seqlen  # each document is its own sequence
         out = flash_attn_varlen_func(q.reshape(B * T, H, D), k.reshape(B * T, -1, D), v.reshape(B * T, -1, D),
-                                     cu, cu, n, n, causal=True)
+                                     cu, cu, n, n, causal=True, deterministic=deterministic)
         return out.view(B, T, H, D)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))   # SDPA wants (B, H, T, D)
     mask = None if layout is None else layout.mask

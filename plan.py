@@ -12,8 +12,9 @@ derived from published runs), against the bytes the collectives move, plus, with
 PCIe copies and the CPU update. `partial_checkpointing` finds the fewest --ac blocks that fit. Every
 constant is in GPUS or ASSUMPTIONS, with where it comes from; `plan()` returns them all.
 
-It also predicts a checkpoint save from the bytes each rank writes and --fs_write_gbps, and from it how
-long before a time limit a stop request must arrive (launch.sbatch's --signal). A configuration that does
+It also predicts a checkpoint save and a restart's load from the bytes each rank writes and --fs_write_gbps,
+and from them how long before a time limit a stop request must arrive (launch.sbatch's --signal;
+`stop_lead_time`); the final --export_hf is predicted beside it, outside it. A configuration that does
 not fit ends --plan with an error naming the nearest one that does (`nearest_fit`).
 """
 
@@ -159,18 +160,39 @@ ASSUMPTIONS = {
                 "forward does. Each pass runs the prompts one after another through each gathered unit: the "
                 "prefill's matmuls at the training matmul efficiency, then per new token every prompt reads every "
                 "gathered weight from HBM once (at 80% of HBM bandwidth); with --prefetch the gathers overlap that",
-    "fs_write_gbps": "--fs_write_gbps, checkpoint write bandwidth per rank, every rank writing at once: default "
-                     "0.45 GB/s, the slower of two CPU measurements on a local disk (0.45 at W=1, 0.67 per rank at "
-                     "W=2; bench/checkpoint_io.py, BENCHMARKS.md). A shared filesystem under 16 writers may be "
-                     "slower or faster: run bench/checkpoint_io.py --out_dir on it and pass what it prints",
+    "fs_write_gbps": "--fs_write_gbps, checkpoint bandwidth per rank, every rank writing (or reading) at once: the "
+                     "stop's save and a restart's load are both timed at it. Default 0.45 GB/s, the slower of the "
+                     "CPU measurements on a local disk (BENCHMARKS.md, 'CPU: checkpoint throughput'). A shared "
+                     "filesystem under 16 writers may be slower or faster: run bench/checkpoint_io.py --out_dir on "
+                     "it with training's ranks per node and pass the --fs_write_gbps it prints (the lower of its "
+                     "save and load rates)",
     "checkpoint_header_bytes_per_tensor": (128, "checkpoint.write_safetensors_streaming's JSON header: one entry per "
                                                 "tensor (name, dtype, shape, offsets), under 128 B each"),
     "stop_margin": (1.25, "assumption: the lead time a stop request needs is the predicted worst case x 1.25, for "
                           "the error in the step time and the filesystem's bandwidth"),
-    "stop_worst_case": "a stop request (SIGUSR1) that lands just after a step's stop check, as a periodic save "
-                       "(--ckpt_every) begins, waits for that save, the next step, its evaluation (--eval_every; "
-                       "each of --eval_batches counted as a training step, an upper bound for a forward, plus "
-                       "--sample_prompts' sampling) and the stop's own save",
+    "stop_worst_case": "what may stand between SLURM's stop request (SIGUSR1 at --signal's lead) and the time limit "
+                       "(plan.stop_lead_time): first, before the next step can start, the longer of (a) a periodic "
+                       "save (--ckpt_every) that began just after a step's stop check, or (b) a restart (torchrun "
+                       "replacing a failed worker) that began just before the request: its set-up and its load of the "
+                       "checkpoint, during which no rank can act on the request; then the step (train.py checks for "
+                       "a stop only after a step), its evaluation (--eval_every; each of --eval_batches counted as a "
+                       "training step, an upper bound for a forward, plus --sample_prompts' sampling) and the stop's "
+                       "own save. (a) and (b) exclude each other: a restart ends the save in progress. Not covered, "
+                       "and left to launch.sbatch's requeue: a second failure after the request, a hang that lasts "
+                       "until --timeout_min. The final --export_hf is not in the lead: it runs after the last step "
+                       "(see 'export')",
+    "restart_setup_s": (120, "assumption, not measured at 70B: a restart's set-up before its load: torchrun stopping "
+                             "the failed attempt's workers (SIGKILL after 30 s at most, launch.sh), the rendezvous, "
+                             "a fresh interpreter importing torch and train.py (~5 s measured on the 2-core "
+                             "development machine), the process groups, data and the sharded state allocated; "
+                             "with --offload_optimizer plus its host state page-locked at host_page_locking_gbps"),
+    "host_page_locking_gbps": (1.0, "--offload_optimizer's host state zeroed and registered at a restart: the slower "
+                                    "end of the ~1-2 GB/s in 'pinning' (a prediction, not measured)"),
+    "export": "--export_hf after the last step: rank 0 writes the bf16 weights (2 B per parameter, 141 GB for "
+              "70B) alone, predicted at --fs_write_gbps (one writer may be faster). It is no part of the stop's lead: "
+              "when the time limit could cut it (or the stop request lands in the last step, which then saves and "
+              "stops without exporting), the run's checkpoint is complete and `python train.py --from_ckpt "
+              "OUT_DIR --export_hf DIR` (OUT_DIR's latest checkpoint) exports it as a job of its own (docs/operations.md)",
     "mfu_convention": "MFU = tokens/s x metrics.flops_per_token (6(N-emb) + 12 L H Dh T) / peak; recompute, the "
                       "tied head's matmul and the chunked cross-entropy's recomputed logits are executed FLOPs "
                       "that cost time but are not counted in MFU",
@@ -629,18 +651,30 @@ def checkpoint_bytes_per_rank(mcfg: M.ModelConfig, world: int) -> int:
 
 
 def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: float = 0.0) -> dict:
-    """Seconds a save takes at --fs_write_gbps per rank (every rank writes its file at once), and how long
-    before a time limit a stop request must arrive to be saved (ASSUMPTIONS stop_worst_case, stop_margin),
-    rounded up to a whole minute for launch.sbatch's --signal=USR1@N. `sampling_s`: what --sample_prompts
-    adds to each evaluation."""
+    """How long before a time limit a stop request must arrive for the run to reach a step boundary and save
+    (ASSUMPTIONS stop_worst_case): the longer of a periodic save in progress and a late restart's set-up +
+    load, then the step, its evaluation and the stop's save, x stop_margin; rounded up to a whole minute for
+    launch.sbatch's --signal=USR1@N. Saves and loads at --fs_write_gbps per rank (every rank at once).
+    `sampling_s`: what --sample_prompts adds to each evaluation. Also the final export's prediction, which
+    the lead does not include."""
     world = cfg.nnodes * cfg.nproc_per_node
     ckpt_bytes = checkpoint_bytes_per_rank(mcfg, world)
     save_s = ckpt_bytes / (1e9 * cfg.fs_write_gbps)
-    eval_s = cfg.eval_batches * step_time_s + sampling_s if cfg.eval_every else 0.0
+    load_s = save_s  # a restart reads back what a save wrote, at the same rate per rank
     periodic_save_s = save_s if cfg.ckpt_every else 0.0
-    lead_s = ASSUMPTIONS["stop_margin"][0] * (periodic_save_s + step_time_s + eval_s + save_s)
-    return dict(checkpoint_gb_per_rank=ckpt_bytes / 1e9, save_s=save_s, eval_s=eval_s, stop_lead_s=lead_s,
-                signal_lead_s=60 * math.ceil(lead_s / 60))
+    page_locking_s = (host_bytes_per_gpu(mcfg, cfg, world)["state"] / 1e9 / ASSUMPTIONS["host_page_locking_gbps"][0]
+                      if cfg.offload_optimizer else 0.0)
+    restart_setup_s = ASSUMPTIONS["restart_setup_s"][0] + page_locking_s
+    restart_s = restart_setup_s + load_s
+    before_step_s = max(periodic_save_s, restart_s)  # one or the other: a restart ends the save in progress
+    eval_s = cfg.eval_batches * step_time_s + sampling_s if cfg.eval_every else 0.0
+    lead_s = ASSUMPTIONS["stop_margin"][0] * (before_step_s + step_time_s + eval_s + save_s)
+    export_bytes = COMPUTE_BYTES * M.count_params(mcfg)["total"]
+    return dict(checkpoint_gb_per_rank=ckpt_bytes / 1e9, save_s=save_s, load_s=load_s,
+                periodic_save_s=periodic_save_s, restart_setup_s=restart_setup_s, restart_s=restart_s,
+                before_step_s=before_step_s, eval_s=eval_s, stop_lead_s=lead_s,
+                signal_lead_s=60 * math.ceil(lead_s / 60),
+                export_gb=export_bytes / 1e9, export_s=export_bytes / (1e9 * cfg.fs_write_gbps))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -901,12 +935,23 @@ def table(p: dict, cfg) -> str:
                      + (f", {100 * p['sampling_s'] / (cfg.eval_every * p['step_time_s']):.1f}% of the "
                         f"{cfg.eval_every} steps between evaluations" if cfg.eval_every else "")
                      + f"; KV cache {p['sampling_kv_cache_gib']:.2f} GiB per GPU")
-    lines.append(f"checkpoint (predicted): {p['checkpoint_gb_per_rank']:.1f} GB per rank, {p['save_s']:.0f} s at "
-                 f"{cfg.fs_write_gbps:g} GB/s per rank (--fs_write_gbps; bench/checkpoint_io.py measures yours) | "
-                 f"a stop request needs {p['stop_lead_s']:.0f} s before a time limit ("
-                 f"{'a periodic save in progress, ' if cfg.ckpt_every else ''}the step, "
-                 f"{'its evaluation, ' if cfg.eval_every else ''}the stop's save, x {ASSUMPTIONS['stop_margin'][0]}): "
+    before = (f"the longer of a periodic save in progress ({p['periodic_save_s']:.0f} s) and a late restart's "
+              f"set-up + load ({p['restart_setup_s']:.0f} + {p['load_s']:.0f} s)" if cfg.ckpt_every else
+              f"a late restart's set-up + load ({p['restart_setup_s']:.0f} + {p['load_s']:.0f} s)")
+    lines.append(f"checkpoint (predicted): {p['checkpoint_gb_per_rank']:.1f} GB per rank, {p['save_s']:.0f} s to save "
+                 f"or load at {cfg.fs_write_gbps:g} GB/s per rank (--fs_write_gbps; bench/checkpoint_io.py --out_dir "
+                 f"measures yours) | a stop request needs {p['stop_lead_s']:.0f} s before a time limit ({before}, "
+                 f"the step {p['step_time_s']:.0f} s, "
+                 + (f"its evaluation {p['eval_s']:.0f} s, " if cfg.eval_every else "")
+                 + f"the stop's save {p['save_s']:.0f} s, x {ASSUMPTIONS['stop_margin'][0]}): "
                  f"#SBATCH --signal=USR1@{p['signal_lead_s']}")
+    if cfg.export_hf:  # after the last step's save: with the lead's time left at the least, unless stopped in that step
+        room = "enough" if p["export_s"] <= p["signal_lead_s"] else "NOT enough: export in a job of its own"
+        lines.append(f"final export (predicted): {p['export_gb']:.1f} GB of bf16 weights written by rank 0, "
+                     f"{p['export_s']:.0f} s at {cfg.fs_write_gbps:g} GB/s; not in the stop's lead: it runs after the "
+                     f"last step's save, which, ending before the stop request, leaves {p['signal_lead_s']} s ({room}). "
+                     f"A stop request during the last step saves it without exporting; then: python train.py "
+                     f"--from_ckpt {cfg.out_dir} --export_hf {cfg.export_hf} (docs/operations.md)")
     if p["hours"] is not None and cfg.train_tokens:
         lines.append(f"{cfg.train_tokens:,.0f} tokens: {p['hours']:,.0f} h ({p['hours'] / 24:.1f} days) on "
                      f"{p['world']} GPUs = ${p['cost_usd']:,.0f} at ${cfg.gpu_hour_usd:.2f}/GPU-hour")

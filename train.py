@@ -133,6 +133,9 @@ class TrainConfig:
     export_shard_gb: float = opt(5.0, "largest safetensors file of --export_hf, in GB")
     log_every: int = opt(1, "print a line every N steps (metrics.jsonl gets every step)")
     device: str = opt("auto", "'auto' (CUDA when available), 'cuda' or 'cpu'")
+    deterministic: bool = opt(False, "GPU kernels that give the same bits every run: torch's deterministic algorithms "
+                                     "(CUBLAS_WORKSPACE_CONFIG=:4096:8 when unset) and flash-attn's deterministic "
+                                     "backward; slower (docs/operations.md, 'What exact means where')")
     # The planner (plan.py): memory, speed and cost per GPU predicted from the flags above, no GPU needed.
     plan: bool = opt(False, "only predict memory by part, fit, step time, tokens/s/GPU, MFU, hours, cost")
     nnodes: int = opt(1, "--plan: nodes")
@@ -140,9 +143,9 @@ class TrainConfig:
     gpu: str = opt("h100", "--plan: GPU type (see plan.py GPUS)")
     train_tokens: float = opt(0.0, "--plan: tokens to train on, for hours and cost (0: one epoch of nothing)")
     plan_json: str = opt("", "--plan: also write the prediction as JSON here")
-    fs_write_gbps: float = opt(0.45, "--plan: checkpoint write bandwidth per rank of --out_dir's filesystem, GB/s "
-                                     "(the default: measured on a local disk, BENCHMARKS.md; bench/checkpoint_io.py "
-                                     "measures yours)")
+    fs_write_gbps: float = opt(0.45, "--plan: checkpoint bandwidth per rank of --out_dir's filesystem, every rank at "
+                                     "once, GB/s: a save's and a restart's load (the default: measured on a local "
+                                     "disk, BENCHMARKS.md; bench/checkpoint_io.py measures yours and prints this)")
 
 
 def parse_args(argv=None) -> TrainConfig:
@@ -178,9 +181,23 @@ def true_or_false(text: str) -> bool:
 # 2. Processes
 # ================================================================================================
 
+def use_deterministic_kernels():
+    """--deterministic. On a GPU some kernels sum in an order that varies from run to run (atomic adds):
+    flash-attn's backward (its dQ), cuBLAS with several workspaces, SDPA's fused backwards. torch's
+    deterministic mode picks an order-fixed kernel where one exists and raises where none does (SDPA's
+    fused backwards take their deterministic path only in this strict mode, not with warn_only);
+    model.attention passes it on to flash-attn (deterministic=True). cuBLAS is deterministic only with a
+    fixed workspace, read from CUBLAS_WORKSPACE_CONFIG when cuBLAS first runs: set before any matmul
+    (PyTorch's "Reproducibility" notes). On CPU the kernels are deterministic already."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
 def init_processes(cfg: TrainConfig):
     """Returns (rank, world, device). Under torchrun RANK/WORLD_SIZE are set; plain `python train.py`
     gets a one-process group, so the code below never special-cases W = 1."""
+    if cfg.deterministic:  # before the first matmul on a GPU, where cuBLAS reads its workspace setting
+        use_deterministic_kernels()
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark (bench/gpu.py): correctness on the device, then ours vs transformers + FSDP2 on
 # Llama-3-8B-shaped blocks at seq 8192. All local GPUs, one torchrun; stopped after 8 minutes whatever
-# it is doing (what it printed by then stays).
+# it is doing (what it printed by then stays). Then, on one GPU, what --deterministic costs (up to 3 x 4 minutes).
 #
 #   bash bench/gpu.sh                      # on an H100/H200 node: paste the table into BENCHMARKS.md
 #   bash bench/gpu.sh --json out/gpu.json  # also every number as JSON
@@ -35,5 +35,39 @@ fi
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 [ -n "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ] || export PYTORCH_ALLOC_CONF=expandable_segments:True
 export PYTHONUNBUFFERED=1
-exec timeout --signal=TERM --kill-after=20 "${BENCH_TIMEOUT_S:-480}" \
-    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" bench/gpu.py "$@"
+status=0
+timeout --signal=TERM --kill-after=20 "${BENCH_TIMEOUT_S:-480}" \
+    "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" bench/gpu.py "$@" || status=$?
+
+# --deterministic's cost and effect (docs/operations.md, "What exact means where"; unmeasured so far): one GPU,
+# Llama-3.2-1B at seq 8192 through train.py for 12 steps without it, then twice with it. Prints the median
+# step time of steps 3-12 of each and whether the two deterministic runs' losses are equal bit for bit (and
+# the plain run's against them). Not with --dry-run: on a CPU the kernels are deterministic already.
+if [[ " $* " != *" --dry-run "* ]]; then
+    WORK=$(mktemp -d)
+    "$PYTHON" -c "import numpy as np, sys; np.save(sys.argv[1], np.random.default_rng(0).integers(0, 128000, 1_000_000).astype(np.uint32))" "$WORK/tokens.npy"
+    for run in plain deterministic deterministic_again; do
+        flag=false; [[ $run == plain ]] || flag=true
+        CUDA_VISIBLE_DEVICES=0 timeout 240 "$PYTHON" train.py --model llama3.2-1b --data "$WORK/tokens.npy" --seq_len 8192 \
+            --batch_size 2 --micro_batch_size 1 --steps 12 --warmup_steps 2 --eval_every 0 --deterministic "$flag" --out_dir "$WORK/$run" \
+            >"$WORK/$run.log" 2>&1 || echo "bench/gpu.sh: --deterministic $flag failed: $(tail -n 1 "$WORK/$run.log")" >&2
+    done
+    "$PYTHON" - "$WORK" <<'PY'
+import json, os, statistics, sys
+rows = {}
+for run in ("plain", "deterministic", "deterministic_again"):
+    path = os.path.join(sys.argv[1], run, "metrics.jsonl")
+    rows[run] = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+if all(len(r) == 12 for r in rows.values()):
+    median = {run: statistics.median(r["step_time_s"] for r in rs[2:]) for run, rs in rows.items()}
+    loss = {run: [r["loss"] for r in rs] for run, rs in rows.items()}
+    print(f"--deterministic (llama3.2-1b, seq 8192, 1 GPU): median step {median['plain']:.3f} s without, "
+          f"{median['deterministic']:.3f} s with ({100 * (median['deterministic'] / median['plain'] - 1):+.1f}%) | "
+          f"two runs with it bit-identical: {loss['deterministic'] == loss['deterministic_again']} | "
+          f"without it, equal to them: {loss['plain'] == loss['deterministic']}")
+else:
+    print("--deterministic: not measured (a run failed; see above)")
+PY
+    rm -rf "$WORK"
+fi
+exit "$status"

@@ -282,3 +282,68 @@ def test_benchmark_reports_the_attention_kernel_and_host_syncs():
     text = G.table(results)
     assert "SDPA picks EFFICIENT_ATTENTION" in text and "host syncs/step" in text
     assert "| ours | 1,000 | 40.0% | 50.0 | 49.0 | 1.500 | 7 |" in text  # the peak beside fake CUDA's
+
+
+@pytest.fixture
+def deterministic_off_after():
+    """torch's deterministic mode and CUBLAS_WORKSPACE_CONFIG as they were before the test."""
+    was_on, workspace = torch.are_deterministic_algorithms_enabled(), os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    yield
+    torch.use_deterministic_algorithms(was_on)
+    os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    if workspace is not None:
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
+
+
+def test_deterministic_reaches_flash_attn_and_torch(monkeypatch, deterministic_off_after):
+    """--deterministic: train.init_processes turns torch's deterministic algorithms on and sets cuBLAS's fixed
+    workspace (only where unset), and both flash-attn calls (whole rows, packed documents) get
+    deterministic=True; without the flag, False. flash-attn is faked: it records its keyword arguments."""
+    import torch.distributed as dist
+    import disk
+    import train as T
+    calls = []
+
+    def fake_flash(q, *args, **kwargs):
+        calls.append(kwargs.get("deterministic"))
+        return torch.zeros_like(q)
+    monkeypatch.setattr(M, "uses_flash", lambda device, dtype: True)
+    monkeypatch.setattr(M, "flash_attn_func", fake_flash)
+    monkeypatch.setattr(M, "flash_attn_varlen_func", fake_flash)
+    cfg = small_config()
+    _, starts, _ = packed_batch(cfg)
+    q = torch.randn(2, 24, 4, 8)
+    kv = torch.randn(2, 24, 2, 8)
+    layout = M.document_layout(starts)  # uses_flash: the varlen form, cu_seqlens
+    assert layout.cu_seqlens is not None
+    for flag, workspace_before, workspace_after in (("false", None, None), ("true", None, ":4096:8"),
+                                                   ("true", ":16:8", ":16:8")):
+        torch.use_deterministic_algorithms(False)
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        if workspace_before:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace_before
+        T.init_processes(T.parse_args(["--deterministic", flag, "--device", "cpu"]))
+        dist.destroy_process_group()
+        disk.group = None
+        assert torch.are_deterministic_algorithms_enabled() == (flag == "true")
+        assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == workspace_after
+        calls.clear()
+        M.attention(q, kv, kv)
+        M.attention(q, kv, kv, layout)
+        assert calls == [flag == "true"] * 2, (flag, calls)
+
+
+def test_deterministic_trains_the_same_on_cpu_and_is_not_compared_on_resume(tmp_path):
+    """On CPU the kernels are deterministic already: --deterministic (torch's strict mode, which raises on an op
+    without a deterministic kernel) trains bit for bit as without it, packed documents included. A run
+    stopped without it resumes with it, exactly and without a changed-flag warning (disk.RESUME_NOT_COMPARED:
+    it chooses kernels, not what is trained)."""
+    from common import read_metrics, run_train, stopped_at
+    flags = ["--model", "tiny", "--steps", "4", "--ckpt_every", "2", "--seq_len", "64", "--batch_size", "4",
+             "--micro_batch_size", "2", "--eval_every", "0"]
+    run_train(flags + ["--out_dir", str(tmp_path / "plain")])
+    plain = [r["loss"] for r in read_metrics(str(tmp_path / "plain"))]
+    resumed = stopped_at(str(tmp_path / "plain"), str(tmp_path / "resumed"), 2)
+    proc = run_train(flags + ["--out_dir", str(resumed), "--deterministic", "true"])
+    assert "deterministic" not in proc.stderr, proc.stderr[-2000:]
+    assert [r["loss"] for r in read_metrics(str(resumed))] == plain

@@ -153,6 +153,9 @@ def test_checkpoint_io_measures_a_folder_without_a_hugging_face_model(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     predicted_gb = P.checkpoint_bytes_per_rank(M.PRESETS["tiny"](), 1) / 1e9
     assert f"W=1: {predicted_gb:.3f} GB per rank | save " in proc.stdout and "--fs_write_gbps" in proc.stdout
+    # The rate to plan with is the lower of save and load: the planner times the stop's save and a restart's load at it.
+    save, load, planned = (float(proc.stdout.split(key)[1].split()[0]) for key in ("| save ", "| load ", "--fs_write_gbps "))
+    assert planned == min(save, load) and "page cache dropped" in proc.stdout, proc.stdout
     assert not (out / "checkpoints").exists()
 
 

@@ -263,8 +263,9 @@ def test_sbatch_runs_the_readme_recipe_and_it_fits():
 
 
 def test_sbatch_stop_signal_comes_early_enough_to_save():
-    """SLURM's --signal=USR1@N must leave time for what the planner says a stop takes for TRAIN_ARGS: a
-    periodic save in progress, the step, its evaluation and the stop's own save (53 GB per rank)."""
+    """SLURM's --signal=USR1@N must leave time for what the planner says a stop takes for TRAIN_ARGS: the
+    longer of a periodic save in progress and a late restart's set-up + load, the step, its evaluation and
+    the stop's own save (53 GB per rank); the final export is not part of it."""
     signal_name, lead_s = sbatch_setting("signal").split("@")
     assert signal_name == "USR1"
     assert int(lead_s) >= sbatch_plan()["stop_lead_s"]

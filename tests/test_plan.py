@@ -1,4 +1,5 @@
 """The planner (plan.py): published anchors, the memory parts, the fit of the 70B case study, the CLI."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -401,21 +402,63 @@ def test_checkpoint_bytes_per_rank_are_what_the_trainer_writes(tmp_path):
 
 
 def test_stop_lead_time_covers_a_save_the_step_an_evaluation_and_the_stops_save(tmp_path):
+    """The lead before a time limit is the sum of its parts: the longer of a periodic save in progress and a
+    late restart's set-up + load, then the step, its evaluation and the stop's save, x 1.25 (ASSUMPTIONS
+    stop_worst_case)."""
     p = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4)
     assert p["checkpoint_gb_per_rank"] == pytest.approx(12 * 70.55e9 / 16 / 1e9, rel=1e-3)  # master, m, v: 52.9 GB
     save_s = p["checkpoint_gb_per_rank"] / 0.45  # --fs_write_gbps default
-    assert p["save_s"] == pytest.approx(save_s)
-    assert p["stop_lead_s"] == pytest.approx(1.25 * (save_s + p["step_time_s"] + 4 * p["step_time_s"] + save_s))
+    setup_s = P.ASSUMPTIONS["restart_setup_s"][0]
+    assert p["save_s"] == pytest.approx(save_s) and p["load_s"] == pytest.approx(save_s)
+    assert p["periodic_save_s"] == pytest.approx(save_s) and p["restart_setup_s"] == setup_s
+    assert p["restart_s"] == pytest.approx(setup_s + save_s)
+    assert p["before_step_s"] == max(p["periodic_save_s"], p["restart_s"]) == p["restart_s"]  # the restart is longer
+    assert p["eval_s"] == pytest.approx(4 * p["step_time_s"])
+    assert p["stop_lead_s"] == pytest.approx(1.25 * (setup_s + save_s + p["step_time_s"] + 4 * p["step_time_s"] + save_s))
     assert p["signal_lead_s"] % 60 == 0 and 0 <= p["signal_lead_s"] - p["stop_lead_s"] < 60
-    # No periodic saves, no evaluation, a filesystem twice as fast: the step and a save half as long.
-    quick = predict(**RECOMMENDED_70B, ckpt_every=0, eval_every=0, fs_write_gbps=0.9)
-    assert quick["stop_lead_s"] == pytest.approx(1.25 * (p["step_time_s"] + save_s / 2))
     assert f"#SBATCH --signal=USR1@{p['signal_lead_s']}" in P.table(p, config(**RECOMMENDED_70B, ckpt_every=200))
     # --sample_prompts samples at each evaluation, before the stop check: its time is part of the evaluation.
     (tmp_path / "p.jsonl").write_text('{"text": "Bonjour"}\n' * 4)
     sampled = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4,
                       sample_prompts=tmp_path / "p.jsonl")
     assert sampled["stop_lead_s"] == pytest.approx(p["stop_lead_s"] + 1.25 * sampled["sampling_s"])
+
+
+def test_stop_lead_time_scales_with_the_measured_bandwidth_and_always_counts_a_restart():
+    """--fs_write_gbps (what bench/checkpoint_io.py prints) times the save and the restart's load: twice the
+    bandwidth, half of each. Without periodic saves or evaluations a late restart still stands before the
+    step; with --offload_optimizer its set-up also page-locks the host state."""
+    p = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=0)
+    setup_s = P.ASSUMPTIONS["restart_setup_s"][0]
+    for gbps in (0.9, 0.1):
+        q = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=0, fs_write_gbps=gbps)
+        ratio = 0.45 / gbps
+        assert q["save_s"] == pytest.approx(p["save_s"] * ratio) and q["load_s"] == pytest.approx(p["load_s"] * ratio)
+        assert q["stop_lead_s"] == pytest.approx(1.25 * (setup_s + 2 * p["save_s"] * ratio + p["step_time_s"]))
+    quick = predict(**RECOMMENDED_70B, ckpt_every=0, eval_every=0)
+    assert quick["periodic_save_s"] == 0 and quick["before_step_s"] == pytest.approx(setup_s + p["load_s"])
+    assert quick["stop_lead_s"] == pytest.approx(1.25 * (setup_s + p["load_s"] + p["step_time_s"] + p["save_s"]))
+    offloaded = predict(**RECOMMENDED_70B, ckpt_every=0, eval_every=0, offload_optimizer="true")
+    host_state_gb = P.host_bytes_per_gpu(M.PRESETS["llama3-70b"](), config(**RECOMMENDED_70B, offload_optimizer="true"),
+                                         16)["state"] / 1e9
+    assert host_state_gb > 50  # 16 B per parameter / W and the staging slots
+    assert offloaded["restart_setup_s"] == pytest.approx(setup_s + host_state_gb / P.ASSUMPTIONS["host_page_locking_gbps"][0])
+
+
+def test_the_final_export_is_predicted_but_not_part_of_the_stop_lead():
+    """The 141 GB bf16 export runs after the last step: the planner predicts it and says how to run it on its
+    own, and the stop's lead is the same with or without --export_hf."""
+    cfg = config(**RECOMMENDED_70B, ckpt_every=200, out_dir="/shared/run", export_hf="/shared/run/hf")
+    p = P.plan(checks.model_config(cfg), cfg)
+    assert p["export_gb"] == pytest.approx(2 * 70.55e9 / 1e9, rel=1e-3) and p["export_s"] == pytest.approx(p["export_gb"] / 0.45)
+    assert p["stop_lead_s"] == predict(**RECOMMENDED_70B, ckpt_every=200)["stop_lead_s"]
+    text = P.table(p, cfg)
+    assert "not in the stop's lead" in text and "python train.py --from_ckpt /shared/run --export_hf /shared/run/hf" in text
+    assert f"leaves {p['signal_lead_s']} s (enough)" in text  # 314 s after a save that ended before the request
+    # Without evaluations, on a slow filesystem, the 141 GB outlast the lead (2.7 saves against 2 and the rest).
+    slow = dataclasses.replace(cfg, eval_every=0, fs_write_gbps=0.02)
+    q = P.plan(checks.model_config(slow), slow)
+    assert q["export_s"] > q["signal_lead_s"] and "(NOT enough: export in a job of its own)" in P.table(q, slow)
 
 
 def test_cli_writes_json_with_the_required_keys(tmp_path):
