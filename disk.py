@@ -19,8 +19,11 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import socket
+import stat
+import subprocess
 import sys
 import time
 from dataclasses import asdict, fields
@@ -47,7 +50,35 @@ def make_group(timeout_min: float):
 
 
 class CheckpointError(Exception):
-    """A checkpoint or out_dir that must not be used; the message names the folder and the problem."""
+    """A checkpoint or out_dir that must not be used; the message names the folder and the problem. `os_errno`:
+    the errno of the OSError behind it, when there is one (a failed save's, on every rank: the ranks agree on it),
+    from which train.exit_code decides whether a restart may help."""
+
+    def __init__(self, message: str, os_errno: int | None = None):
+        super().__init__(message)
+        self.os_errno = os_errno
+
+
+class OutDirHeld(CheckpointError):
+    """--out_dir's lock is held by a run that may be gone (a crashed node's lock, kept by NFS or Lustre until the
+    holder's lease ends) and nothing proves it: the lock is kept, and a restart may find it free."""
+
+
+class CheckpointUnreadable(OSError):
+    """A checkpoint file that could not be read, after READ_WAITS_S's retries: EIO, ESTALE, anything but a missing
+    file (a disk or a network filesystem having a moment, as far as anyone can tell). An OSError, so that nothing
+    that takes a CheckpointError for damage takes this for damage: resume never rolls back past it."""
+
+    def __init__(self, os_errno: int, message: str):
+        super().__init__(os_errno, message)
+
+    def __str__(self):
+        return self.strerror
+
+
+# A write error a restart meets again (train.exit_code: exit 2): the disk is full of bytes or inodes, over quota,
+# read-only, forbidden, or the file over its size limit (write_error's hints). Any other (EIO, ESTALE) may pass.
+LASTING_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
 
 
 # ================================================================================================
@@ -386,44 +417,52 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
     tmp, final = os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
     # Rank 0 checks the folder is still this run's and makes the temporary folder; the broadcast is also the
     # barrier no rank writes before. A failure here is every rank's one line, not a traceback and a wait.
-    ready, my_error = torch.zeros((), dtype=torch.int64), ""
+    # [ready, the errno of what stopped it (0: none, or not an OSError)]: every rank raises with rank 0's errno,
+    # so every rank exits with the same code (train.exit_code: a full disk stops for good, EIO is retried).
+    ready, my_error = torch.zeros(2, dtype=torch.int64), ""
     if rank == 0:
         try:
             check_out_dir_claim(cfg.out_dir, step)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-            ready.fill_(1)
+            ready[0] = 1
         except CheckpointError as e:
             my_error = str(e)
         except OSError as e:
             my_error = f"checkpoint {final} was not saved: rank 0 could not create {write_error(tmp, e)}{kept_note(root)}"
+            ready[1] = e.errno or errno.EIO
     dist.broadcast(ready, src=0, group=group)
-    if not ready:
-        raise CheckpointError(my_error or f"checkpoint {final} was not saved: rank 0 could not prepare it (its error says why)")
+    if not ready[0]:
+        raise CheckpointError(my_error or f"checkpoint {final} was not saved: rank 0 could not prepare it (its error says why)",
+                              os_errno=ready[1].item() or None)
     # What each rank tells rank 0, as numbers (nothing crosses the wire pickled): written or not, the
-    # file's size, its SHA-256 as 32 byte values. An error's text stays with the rank that met it.
-    report = torch.zeros(34, dtype=torch.int64)
+    # file's size, its SHA-256 as 32 byte values, the errno of a failed write. An error's text stays with the
+    # rank that met it.
+    report = torch.zeros(35, dtype=torch.int64)
     try:
         tensors = [(f"{u.name}.{kind}", t) for u in units for kind, t in saved_tensors(u)]
         sha256, nbytes = write_safetensors_streaming(os.path.join(tmp, rank_file(rank, world)), tensors)
-        report[0], report[1], report[2:] = 1, nbytes, torch.tensor(list(bytes.fromhex(sha256)))
+        report[0], report[1], report[2:34] = 1, nbytes, torch.tensor(list(bytes.fromhex(sha256)))
         if fault_hook:
             fault_hook("save", step, rank)
     except OSError as e:
         report.zero_()
+        report[34] = e.errno or errno.EIO
         my_error = f"rank {rank} could not write {write_error(os.path.join(tmp, rank_file(rank, world)), e)}"
-    reports = torch.zeros(world, 34, dtype=torch.int64)
+    reports = torch.zeros(world, 35, dtype=torch.int64)
     all_gather_flat(reports.view(-1), report, group=group)
     unwritten = [r for r in range(world) if not reports[r, 0]]
-    saved = torch.zeros((), dtype=torch.int64)
+    saved = torch.zeros(2, dtype=torch.int64)  # [saved, the errno of what stopped it], as `ready`
+    if unwritten:
+        saved[1] = reports[unwritten[0], 34]
     if rank == 0 and not unwritten:
         renamed = False
         try:
-            files = {rank_file(r, world): {"sha256": bytes(reports[r, 2:].tolist()).hex(), "bytes": int(reports[r, 1])}
+            files = {rank_file(r, world): {"sha256": bytes(reports[r, 2:34].tolist()).hex(), "bytes": int(reports[r, 1])}
                      for r in range(world)}
             for fname, expect in files.items():
                 if os.path.getsize(os.path.join(tmp, fname)) != expect["bytes"]:
-                    raise OSError(f"{fname} has the wrong size on disk")
+                    raise OSError(errno.EIO, f"{fname} has the wrong size on disk")
             manifest = checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files)
             write_atomic(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1))
             shutil.rmtree(final, ignore_errors=True)  # a re-save of a step (after a fallback)
@@ -431,21 +470,22 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
             renamed = True
             fsync_dir(root)
             write_atomic(os.path.join(root, "latest"), name + "\n")
-            saved.fill_(1)
+            saved[0] = 1
         except OSError as e:
             my_error = f"rank 0 could not commit it: {write_error(tmp, e)}"
+            saved[1] = e.errno or errno.EIO
             if renamed and latest_name(root) != name:  # complete, but `latest` does not name it: not saved
                 with contextlib.suppress(OSError):
                     os.replace(final, tmp)  # removed below with the rest of a failed save
-    if rank == 0 and saved:
+    if rank == 0 and saved[0]:
         remove_old_checkpoints(root, cfg.keep_ckpts, final)
     elif rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.broadcast(saved, src=0, group=group)
-    if not saved:
+    if not saved[0]:
         why = my_error or (f"rank(s) {', '.join(map(str, unwritten))} could not write their files" if unwritten
                            else "rank 0 could not commit it")
-        raise CheckpointError(f"checkpoint {final} was not saved: {why}{kept_note(root)}")
+        raise CheckpointError(f"checkpoint {final} was not saved: {why}{kept_note(root)}", os_errno=saved[1].item() or None)
     return final
 
 
@@ -1079,13 +1119,13 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
         files[-1].append(unit)
         size += unit.numel * bytes_per
     tmp = out.rstrip("/") + ".partial"
-    error = ""  # rank 0's first write error: it stops writing but gathers on, so no rank waits for it
+    error, error_errno = "", 0  # rank 0's first write error: it stops writing but gathers on, so no rank waits for it
     if rank == 0:  # a fresh folder: a crashed export's model.safetensors must not sit beside a new index
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         except OSError as e:
-            error = f"--export_hf: cannot create {write_error(tmp, e)}"
+            error, error_errno = f"--export_hf: cannot create {write_error(tmp, e)}", e.errno or errno.EIO
     weight_map, total_bytes = {}, 0
     for i, file_units in enumerate(files):
         fname = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
@@ -1103,17 +1143,18 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
                 weight_map.update({name: fname for name, _ in tensors})
                 total_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
             except OSError as e:
-                error = f"--export_hf: cannot write {write_error(os.path.join(tmp, fname), e)}"
+                error, error_errno = f"--export_hf: cannot write {write_error(os.path.join(tmp, fname), e)}", e.errno or errno.EIO
         # Paced per file: the other ranks wait here, on the CPU (gloo, --ckpt_timeout_min), while rank 0 writes,
         # and queue the next file's all-gathers only then. Queued all at once, the last ones would wait on the
         # GPU for rank 0's whole ~140 GB (70B) and NCCL's watchdog would end them after --timeout_min.
-        written = torch.tensor(int(not error))
+        written = torch.tensor([int(not error), error_errno])  # every rank raises with rank 0's errno (save_checkpoint)
         dist.broadcast(written, src=0, group=group)
-        if not written:
+        if not written[0]:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(error or f"--export_hf: rank 0 could not write {fname} of {out} (its error says why)")
-    done, note = torch.zeros((), dtype=torch.int64), ""
+            raise CheckpointError(error or f"--export_hf: rank 0 could not write {fname} of {out} (its error says why)",
+                                  os_errno=written[1].item() or None)
+    done, note = torch.zeros(2, dtype=torch.int64), ""
     if rank == 0:
         try:
             if len(files) > 1:
@@ -1124,11 +1165,13 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
                 os.rmdir(out)  # checked empty before training started
             os.replace(tmp, out)  # the folder appears complete or not at all
             fsync_dir(os.path.dirname(os.path.abspath(out)))
-            done.fill_(1)
+            done[0] = 1
         except (OSError, ValueError) as e:
             error = str(e) if isinstance(e, ValueError) else f"--export_hf: cannot write {write_error(tmp, e)}"
+            done[1] = (e.errno or errno.EIO) if isinstance(e, OSError) else 0
             shutil.rmtree(tmp, ignore_errors=True)
     dist.broadcast(done, src=0, group=group)
-    if not done:
-        raise CheckpointError(error or f"--export_hf: rank 0 could not write {out} (its error says why)")
+    if not done[0]:
+        raise CheckpointError(error or f"--export_hf: rank 0 could not write {out} (its error says why)",
+                              os_errno=done[1].item() or None)
     return note
