@@ -361,6 +361,46 @@ def write_safetensors_streaming(path: str, tensors: list, metadata: dict | None 
     return digest.hexdigest(), 8 + len(header_bytes) + offset
 
 
+# Reading a checkpoint back. Only content that is provably damaged (a hash that does not match, a file of the
+# wrong size or missing, a manifest that does not parse) makes resume fall back to an older checkpoint. Any other
+# read error (EIO, ESTALE: a disk or a network filesystem having a moment) is tried again, then stops the run with
+# the file named and exit code 1: a restart may read it, and falling back would silently throw away the newest
+# steps. (A fault of a memory-mapped read is SIGBUS, not an OSError: safetensors reads happen after the hash.)
+READ_WAITS_S = (1.0, 3.0, 10.0)  # between the tries of a read that failed
+MISSING = (errno.ENOENT, errno.ENOTDIR)
+
+
+def read_retrying(read, path: str, *args):
+    """read(path, *args), tried again READ_WAITS_S apart after an OSError that may pass. A missing file
+    (FileNotFoundError: damage, for the caller to say) and an error that lasts (EACCES) are not retried. What
+    still fails is CheckpointUnreadable, naming the file."""
+    for tries, wait_s in enumerate((*READ_WAITS_S, None), 1):
+        try:
+            return read(path, *args)
+        except OSError as e:
+            if e.errno in MISSING:
+                raise FileNotFoundError(e.errno, e.strerror, path) from None
+            if wait_s is None or e.errno in LASTING_ERRNOS:
+                waited = f" (tried {tries} times over {sum(READ_WAITS_S[:tries - 1]):g} s)" if tries > 1 else ""
+                raise CheckpointUnreadable(e.errno or errno.EIO, f"cannot read {path}: {e.strerror or e}{waited}") from None
+            time.sleep(wait_s)
+
+
+def file_size(path: str) -> int | None:
+    """The size of the file `path`, None when there is none (os.path.isfile would also say "none" for EIO or
+    ESTALE, and a passing fault would look like a missing file: damage)."""
+    try:
+        st = read_retrying(os.stat, path)
+    except FileNotFoundError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def load_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
 def sha256_file(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -541,6 +581,8 @@ def finished_run(cfg) -> str | None:
             step = check_manifest(path, None, None, None)["step"]
         except (CheckpointError, AttributeError, KeyError, TypeError):
             continue  # damaged: resume passes it by too
+        except OSError:
+            return None  # unreadable now (CheckpointUnreadable): resume says so
         if not isinstance(step, int) or step < cfg.steps:
             return None
         done = f" of {cfg.steps}" if step == cfg.steps else f", beyond --steps {cfg.steps}"
@@ -552,10 +594,12 @@ def finished_run(cfg) -> str | None:
 
 
 def is_complete(path: str) -> bool:
+    """A readable manifest of this format. An unreadable one (CheckpointUnreadable) counts as not complete: retention
+    neither counts nor deletes what it cannot read, and never raises in the middle of a save."""
     try:
-        check_manifest(path, None, None, None)  # a readable manifest of this format
+        check_manifest(path, None, None, None)
         return True
-    except CheckpointError:
+    except (CheckpointError, OSError):
         return False
 
 
@@ -574,12 +618,11 @@ def remove_old_checkpoints(root: str, keep: int, just_saved: str):
 
 def check_manifest(path: str, cfg, mcfg, windows) -> dict:
     manifest_path = os.path.join(path, "manifest.json")
-    if not os.path.isfile(manifest_path):
+    if file_size(manifest_path) is None:
         raise CheckpointError(f"checkpoint {path}: no manifest.json (an unfinished save)")
     try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
+        manifest = read_retrying(load_json, manifest_path)
+    except (FileNotFoundError, ValueError) as e:  # not JSON: damaged (a read error raises CheckpointUnreadable)
         raise CheckpointError(f"checkpoint {path}: manifest.json is unreadable ({e})") from None
     if manifest.get("format") != CKPT_FORMAT:
         raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}, expected {CKPT_FORMAT!r}")
@@ -695,13 +738,13 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
             fname = rank_file(old_rank, old_world)
             fpath = os.path.join(path, fname)
             if fname not in verified:
-                expect = manifest["files"].get(fname)
-                if expect is None or not os.path.isfile(fpath):
+                expect, size = manifest["files"].get(fname), file_size(fpath)
+                if expect is None or size is None:
                     raise CheckpointError(f"checkpoint {path}: {fname} is missing")
-                if os.path.getsize(fpath) != expect["bytes"]:
-                    raise CheckpointError(f"checkpoint {path}: {fname} has {os.path.getsize(fpath)} bytes, "
+                if size != expect["bytes"]:
+                    raise CheckpointError(f"checkpoint {path}: {fname} has {size} bytes, "
                                           f"the manifest says {expect['bytes']} (truncated?)")
-                if sha256_file(fpath) != expect["sha256"]:
+                if read_retrying(sha256_file, fpath) != expect["sha256"]:
                     raise CheckpointError(f"checkpoint {path}: {fname} does not match its SHA-256 (damaged)")
                 verified.add(fname)
             a, b = max(lo, old_rank * old_shard), min(hi, (old_rank + 1) * old_shard)
@@ -716,25 +759,48 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
                     tensor[a - unit.shard_start:b - unit.shard_start] = piece.to(tensor.device)
 
 
+USABLE, DAMAGED, MISMATCHED, UNREADABLE = range(4)  # what a rank found reading a checkpoint
+
+
+def read_checkpoint(path: str, cfg, mcfg, windows, units, master_only: bool = False) -> tuple[str, int, int, dict]:
+    """This rank's shards from the checkpoint `path` (check_manifest, load_checkpoint): (the error's line, or "";
+    USABLE, DAMAGED, MISMATCHED or UNREADABLE; the errno of a read error, or 0; the manifest, when usable)."""
+    try:
+        manifest = check_manifest(path, cfg, mcfg, windows)
+        load_checkpoint(path, manifest, units, master_only=master_only)
+        return "", USABLE, 0, manifest
+    except ResumeMismatch as e:  # intact, but saved under other flags: no older checkpoint is better
+        return str(e), MISMATCHED, 0, {}
+    except CheckpointUnreadable as e:  # read_retrying's: tried again already
+        return f"checkpoint {path}: {e}", UNREADABLE, e.errno or errno.EIO, {}
+    except (CheckpointError, ValueError, KeyError, FileNotFoundError) as e:  # provably damaged content
+        return (str(e) if isinstance(e, CheckpointError) else f"checkpoint {path}: unreadable ({e})"), DAMAGED, 0, {}
+    except OSError as e:  # safetensors' own reads, after the hash matched: not damage either
+        return f"checkpoint {path}: cannot read it: {e.strerror or e}", UNREADABLE, e.errno or errno.EIO, {}
+
+
+def unreadable_on_some_rank(path: str, error: str, by_rank: torch.Tensor) -> CheckpointUnreadable:
+    """What every rank raises when a rank could not read `path` (by_rank: each rank's [code, errno]): never a
+    fallback to an older checkpoint, whatever the other ranks found."""
+    ranks = [r for r, (code, _) in enumerate(by_rank.tolist()) if code == UNREADABLE]
+    line = error or f"checkpoint {path}: rank(s) {', '.join(map(str, ranks))} could not read it (their line names the file)"
+    return CheckpointUnreadable(int(by_rank[ranks[0], 1]), f"{line}; the older checkpoints were not used: a read error "
+                                                            f"is not damage")
+
+
 def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: bool) -> tuple[int, int]:
     """Loads the newest intact checkpoint among `candidates`; returns its step and data position. All ranks agree on each
     candidate (a damaged file seen by one rank rejects it for all), and with `fallback` a damaged
     checkpoint is reported and the previous one tried, while one saved under flags a resume must keep
     stops the resume (config_changes); flags that may change are a warning on rank 0."""
     for path in candidates:
-        error, mismatch = "", False
-        try:
-            manifest = check_manifest(path, cfg if fallback else None, mcfg, windows)
-            load_checkpoint(path, manifest, units)
-        except ResumeMismatch as e:  # intact, but saved under other flags: no older checkpoint is better
-            error, mismatch = str(e), True
-        except (CheckpointError, OSError, ValueError, KeyError) as e:
-            error = str(e) if isinstance(e, CheckpointError) else f"checkpoint {path}: unreadable ({e})"
-        # Every rank must agree: a code per rank, 0 usable, 1 damaged, 2 mismatched (reading 53 GB can
-        # outlast --timeout_min: the checkpoint group).
-        failed_by_rank = torch.zeros(dist.get_world_size(), dtype=torch.int64)
-        all_gather_flat(failed_by_rank, torch.tensor([2 if mismatch else int(bool(error))]), group=group)
-        failed = [r for r, bad in enumerate(failed_by_rank.tolist()) if bad]
+        error, code, os_errno, manifest = read_checkpoint(path, cfg if fallback else None, mcfg, windows, units)
+        # Every rank must agree: a code per rank (read_checkpoint's), and the errno of a read error (reading 53 GB
+        # can outlast --timeout_min: the checkpoint group).
+        by_rank = torch.zeros(dist.get_world_size(), 2, dtype=torch.int64)
+        all_gather_flat(by_rank.view(-1), torch.tensor([code, os_errno]), group=group)
+        codes = by_rank[:, 0].tolist()
+        failed = [r for r, bad in enumerate(codes) if bad]
         if not failed:
             if rank == 0 and fallback:
                 changed = config_changes(manifest, cfg, mcfg)[1]
@@ -743,7 +809,11 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: boo
                           f"under the new values from step {manifest['step'] + 1}", file=sys.stderr, flush=True)
             data = manifest["data"] or {"position": 0}  # a conversion run (--steps 0) saved no data state
             return manifest["step"], data["position"]
-        if 2 in failed_by_rank.tolist() or not fallback:
+        if MISMATCHED in codes:
+            raise CheckpointError(error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} cannot use it")
+        if UNREADABLE in codes:
+            raise unreadable_on_some_rank(path, error if code == UNREADABLE else "", by_rank)
+        if not fallback:
             raise CheckpointError(error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} cannot use it")
         if error:
             print(f"warning: {error}", file=sys.stderr, flush=True)
@@ -797,15 +867,13 @@ def load_weights(path: str, units: list, flag: str) -> int:
     optimizer state: --init_from (a new phase: step 1, a fresh optimizer and data position) and
     --from_ckpt. Each rank verifies the files it reads (size, SHA-256) and all agree before any step.
     Returns the checkpoint's step."""
-    error, manifest = "", None
-    try:
-        manifest = check_manifest(path, None, None, None)
-        load_checkpoint(path, manifest, units, master_only=True)
-    except (CheckpointError, OSError, ValueError, KeyError) as e:
-        error = str(e) if isinstance(e, CheckpointError) else f"checkpoint {path}: unreadable ({e})"
-    failed_by_rank = torch.zeros(dist.get_world_size(), dtype=torch.int64)
-    all_gather_flat(failed_by_rank, torch.tensor([int(bool(error))]), group=group)
-    failed = [r for r, bad in enumerate(failed_by_rank.tolist()) if bad]
+    error, code, os_errno, manifest = read_checkpoint(path, None, None, None, units, master_only=True)
+    by_rank = torch.zeros(dist.get_world_size(), 2, dtype=torch.int64)
+    all_gather_flat(by_rank.view(-1), torch.tensor([code, os_errno]), group=group)
+    failed = [r for r, bad in enumerate(by_rank[:, 0].tolist()) if bad]
+    if UNREADABLE in by_rank[:, 0].tolist():
+        e = unreadable_on_some_rank(path, error if code == UNREADABLE else "", by_rank)
+        raise CheckpointUnreadable(e.errno, f"{flag}: {e.strerror}")
     if failed:
         raise CheckpointError(f"{flag}: " + (error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} "
                                                       f"cannot use it"))

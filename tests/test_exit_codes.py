@@ -4,10 +4,13 @@ in-process at W=1 (tests/conftest.py's main_in_process) or on two rank threads (
 one line on stderr, no traceback; only exit code 2 writes ZERO3_FATAL_FILE."""
 import errno
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
-from common import learnable_tokens, read_metrics
+import torch.distributed as dist
+from common import learnable_tokens, read_metrics, small_config
+from ranks import run_ranks
 
 import data as D
 import disk
@@ -150,3 +153,111 @@ def test_metrics_on_a_full_disk_is_one_line_even_when_the_close_fails_too(main_i
     assert fatal_file.exists() == (exit_code == 2)
     assert [m["step"] for m in read_metrics(tmp_path / "out")] == [1, 2]
     assert (tmp_path / "out" / "checkpoints" / "latest").read_text() == "step_00000002\n"
+
+
+# -- reading a checkpoint: an I/O error is retried, then named; never a rollback ----------------------------------
+
+def units_of(rank: int, world: int = 2):
+    """What save_checkpoint and load_checkpoint use of train.py's units: two units of 6 elements, this rank's half."""
+    n = 6 // world
+    return [SimpleNamespace(name=f"u{i}", numel=6, shard_numel=n, shard_start=n * rank,
+                            master_shard=torch.arange(n * rank, n * rank + n, dtype=torch.float32) + 10 * i,
+                            optimizer_state={"exp_avg": torch.zeros(n), "exp_avg_sq": torch.ones(n)})
+            for i in range(2)]
+
+
+def failing_open(monkeypatch, suffix: str, code: int, times: int):
+    """disk.py's open() raises OSError(code) for a path ending in `suffix`, the first `times` times. Returns the
+    list of the paths it failed."""
+    failed = []
+
+    def fake_open(path, *args, **kwargs):
+        if os.fspath(path).endswith(suffix) and len(failed) < times:
+            failed.append(os.fspath(path))
+            raise OSError(code, os.strerror(code), os.fspath(path))
+        return open(path, *args, **kwargs)
+    monkeypatch.setattr(disk, "open", fake_open, raising=False)
+    return failed
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path, monkeypatch):
+    """Steps 2 and 4 saved by two ranks (threads); `latest` names step 4."""
+    monkeypatch.setattr(disk, "group", None)  # each rank thread's own default group
+    monkeypatch.setattr(disk, "READ_WAITS_S", (0.0, 0.0))
+    cfg = T.parse_args([f"--out_dir={tmp_path}", "--keep_ckpts=3"])
+
+    def save(rank):
+        for step in (2, 4):
+            disk.save_checkpoint(cfg, small_config(), units_of(rank), step, rank, 2, {"position": 10 * step})
+    run_ranks(2, save)
+    return cfg
+
+
+def resume_on_two_ranks(cfg):
+    def rank_resume(rank):
+        units = units_of(rank)
+        for u in units:
+            u.master_shard.zero_()
+        try:
+            step = disk.resume(cfg, small_config(), units, None, rank, disk.resume_candidates(
+                os.path.join(cfg.out_dir, "checkpoints")), fallback=True)
+            return step, [u.master_shard.tolist() for u in units]
+        except (disk.CheckpointError, OSError) as e:
+            return e
+    return run_ranks(2, rank_resume)
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ESTALE], ids=["EIO", "ESTALE"])
+def test_a_checkpoint_read_error_that_passes_is_retried(two_checkpoints, monkeypatch, capsys, code):
+    failed = failing_open(monkeypatch, "step_00000004/rank00001-of-00002.safetensors", code, times=1)
+    resumed = resume_on_two_ranks(two_checkpoints)
+    assert len(failed) == 1  # rank 1 met it once, and read the file on the second try
+    assert [r[0] for r in resumed] == [(4, 40), (4, 40)]
+    assert [r[1] for r in resumed] == [[u.master_shard.tolist() for u in units_of(rank)] for rank in (0, 1)]
+    assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ESTALE], ids=["EIO", "ESTALE"])
+def test_a_checkpoint_read_error_that_lasts_is_named_and_never_rolls_back(two_checkpoints, monkeypatch, capsys, code):
+    """Rank 1 cannot read its file of step 4; rank 0 read its own. Both stop (exit code 1: a restart may read it),
+    neither resumes from step 2: falling back would silently throw away steps 3 and 4."""
+    failed = failing_open(monkeypatch, "step_00000004/rank00001-of-00002.safetensors", code, times=100)
+    resumed = resume_on_two_ranks(two_checkpoints)
+    assert len(failed) == 3  # READ_WAITS_S: two waits, three tries
+    ckpt = os.path.join(two_checkpoints.out_dir, "checkpoints", "step_00000004")
+    assert all(isinstance(r, disk.CheckpointUnreadable) and T.exit_code(r) == 1 for r in resumed), resumed
+    assert str(resumed[1]) == (f"checkpoint {ckpt}: cannot read {ckpt}/rank00001-of-00002.safetensors: "
+                               f"{os.strerror(code)} (tried 3 times over 0 s); the older checkpoints were not used: a "
+                               f"read error is not damage")
+    assert str(resumed[0]) == (f"checkpoint {ckpt}: rank(s) 1 could not read it (their line names the file); the older "
+                               f"checkpoints were not used: a read error is not damage")
+    assert "previous checkpoint" not in capsys.readouterr().err
+
+
+def test_a_checkpoint_read_error_at_resume_exits_1_naming_the_file(main_in_process, tmp_path, monkeypatch, capsys,
+                                                                   fatal_file):
+    """The whole run: the same command after a 4-step run, whose step-4 file cannot be read. One line, exit code 1,
+    and nothing trained from the older step 2 (metrics.jsonl and the checkpoints as they were)."""
+    assert main_in_process(tiny_run(tmp_path)) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(disk, "READ_WAITS_S", (0.0,))
+    failing_open(monkeypatch, "step_00000004/rank00000-of-00001.safetensors", errno.EIO, times=100)
+    assert main_in_process(tiny_run(tmp_path, "--steps=6")) == 1
+    ckpt = tmp_path / "out" / "checkpoints" / "step_00000004"
+    assert only_line(capsys.readouterr().err) == (
+        f"error: checkpoint {ckpt}: cannot read {ckpt}/rank00000-of-00001.safetensors: Input/output error (tried 2 "
+        f"times over 0 s); the older checkpoints were not used: a read error is not damage")
+    assert not fatal_file.exists()
+    assert [m["step"] for m in read_metrics(tmp_path / "out")] == [1, 2, 3, 4]
+    assert sorted(os.listdir(tmp_path / "out" / "checkpoints")) == ["latest", "step_00000002", "step_00000004"]
+
+
+def test_a_damaged_checkpoint_still_falls_back(two_checkpoints, capsys):
+    """Provably damaged content (a byte changed: the SHA-256 does not match) is what resume passes by, as before."""
+    path = os.path.join(two_checkpoints.out_dir, "checkpoints", "step_00000004", "rank00001-of-00002.safetensors")
+    with open(path, "r+b") as f:
+        f.seek(-1, 2)
+        f.write(b"\xff")
+    assert [r[0] for r in resume_on_two_ranks(two_checkpoints)] == [(2, 20), (2, 20)]
+    assert "does not match its SHA-256 (damaged)" in capsys.readouterr().err
