@@ -128,45 +128,54 @@ def create_file(path: str, mode: str = "w"):
 
 
 def read_lock(path: str) -> tuple[str, str]:
-    """(token, holder) written in a .lock file: holder is "host H pid P since T"."""
+    """(token, holder) written in a .lock file: holder is lock_holder()'s "host H pid P since T[ job J restart R]"."""
     with os.fdopen(open_no_follow(path, os.O_RDONLY)) as f:
         token, _, holder = f.read().strip().partition(" ")
     return token, holder
 
 
-def take_lock(path: str) -> tuple[int, str]:
-    """Rank 0: the exclusive flock on `path`, holding a new random token. Returns (token, ""), (0, "") when
-    another process holds the lock, or (-1, one line saying why the lock could not be taken)."""
+def lock_holder(env=os.environ) -> str:
+    """Who holds the lock, as .lock records it after the token: "host H pid P since T", and under SLURM
+    " job J restart R" (SLURM_JOB_ID, SLURM_RESTART_COUNT): what held_lock_verdict judges a lock by."""
+    holder = f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    if env.get("SLURM_JOB_ID"):
+        holder += f" job {env['SLURM_JOB_ID']} restart {restart_count({'SLURM_RESTART_COUNT': env.get('SLURM_RESTART_COUNT', '0')})}"
+    return holder
+
+
+def take_lock(path: str, env=os.environ) -> tuple[int, str, int | None]:
+    """Rank 0: the exclusive flock on `path`, holding a new random token. Returns (token, "", None), (0, "", None)
+    when another process holds the lock, or (-1, one line saying why the lock could not be taken, its errno)."""
     global out_dir_lock
     try:
         fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            return -1, f"--out_dir: {path} is a symbolic link; the lock is never taken through one: delete it"
-        return -1, f"--out_dir: cannot create the lock file {write_error(path, e)}"
+            return -1, f"--out_dir: {path} is a symbolic link; the lock is never taken through one: delete it", None
+        return -1, f"--out_dir: cannot create the lock file {write_error(path, e)}", e.errno
     f = os.fdopen(fd, "r+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
-        return 0, ""
+        return 0, "", None
     except OSError as e:  # ENOLCK, ENOSYS, EOPNOTSUPP: the filesystem does not lock
         f.close()
         return -1, (f"--out_dir: cannot lock {path}: {e.strerror or e}: the filesystem of --out_dir does not support "
-                    f"flock (Lustre mounted without the flock option, NFS mounted with nolock); mount it with "
-                    f"'-o flock' (Lustre) or with the lock service running (NFS), or choose another --out_dir")
+                    f"flock (Lustre mounted without the flock option, NFS mounted with nolock); mount it with '-o flock' "
+                    f"(Lustre) or with the lock service running (NFS), or choose another --out_dir"), None
     try:
         value = int.from_bytes(os.urandom(6), "little") + 1
         f.seek(0)
         f.truncate()
-        f.write(f"{value} host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.write(f"{value} {lock_holder(env)}\n")
         f.flush()
         os.fsync(f.fileno())
     except OSError as e:
         f.close()
-        return -1, f"--out_dir: cannot write the lock file {write_error(path, e)}"
+        return -1, f"--out_dir: cannot write the lock file {write_error(path, e)}", e.errno
     out_dir_lock = f
-    return value, ""
+    return value, "", None
 
 
 def stale_lock_hint(holder: str, path: str) -> str:
@@ -178,28 +187,122 @@ def stale_lock_hint(holder: str, path: str) -> str:
     return f"; if that run is gone, the lock is stale: delete {path}"
 
 
-def claim_out_dir(out_dir: str, rank: int, world: int, device):
+# A lock outlives its holder where the filesystem keeps a crashed node's flock: NFS until the client's lease
+# ends (~90 s for NFSv4; NFSv3 until that node reboots), Lustre until the client is evicted. A requeued job
+# would then find its own folder "in use". So a held lock is judged by what SLURM says of the job that holds
+# it, never by its age: a node cut off from the network but alive keeps its folder as long as its job runs.
+SLURM_ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+               "BOOT_FAIL", "DEADLINE")
+SLURM_ALIVE = ("RUNNING", "PENDING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
+               "CONFIGURING", "SIGNALING", "STOPPED", "SPECIAL_EXIT", "RESV_DEL_HOLD", "STAGE_OUT")  # will run again
+# Anything else (COMPLETING: ending right now; a word this list does not know) is unclear: a restart asks again.
+
+
+def slurm_job_state(job: str) -> str | None:
+    """SLURM job `job`'s state as `scontrol show job` gives it (RUNNING, TIMEOUT, ...), "GONE" when SLURM no longer
+    knows the job (purged MinJobAge, 300 s by default, after it ended), None when scontrol cannot be asked or
+    its answer is unclear (no scontrol here, the controller unreachable)."""
+    if not job.isdigit():
+        return None
+    try:
+        proc = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return "GONE" if "Invalid job id" in proc.stderr else None
+    states = {state for line in proc.stdout.splitlines() if re.search(rf"\bJobId={job}\b", line)
+              for state in re.findall(r"\bJobState=(\w+)", line)}
+    return states.pop() if len(states) == 1 else None
+
+
+def held_lock_verdict(holder: str, env=os.environ) -> tuple[str, str]:
+    """Whether the run that `holder` (a held lock's lock_holder line) names still runs: ("gone", why): SLURM says
+    its job ended, or it is this very job before a requeue (the same SLURM_JOB_ID, a lower SLURM_RESTART_COUNT);
+    ("alive", why): SLURM says its job runs or will run again, or it is a live process on this host; ("unclear",
+    why) for anything else (no SLURM job recorded, scontrol unavailable or unclear)."""
+    fields_ = dict(re.findall(r"\b(host|pid|job|restart) (\S+)", holder))
+    job, ours, pid = fields_.get("job"), env.get("SLURM_JOB_ID"), fields_.get("pid", "")
+    if fields_.get("host") == socket.gethostname() and pid.isdigit():  # a lock of this host's dies with its holder
+        try:
+            os.kill(int(pid), 0)
+            return "alive", f"process {pid} runs on this host"
+        except PermissionError:  # another user's process
+            return "alive", f"process {pid} runs on this host"
+        except (ProcessLookupError, OverflowError):
+            pass
+    if job and job == ours:
+        held_restart, our_restart = fields_.get("restart", ""), restart_count({"SLURM_RESTART_COUNT": env.get("SLURM_RESTART_COUNT", "0")})
+        if held_restart.isdigit() and our_restart > int(held_restart):
+            return "gone", (f"it is this SLURM job {job} before its requeue (restart {held_restart}, now {our_restart}): "
+                            f"SLURM ended that allocation")
+        return "unclear", f"it is this allocation of SLURM job {job}, an earlier attempt of which may still be ending"
+    if job:
+        state = slurm_job_state(job)
+        if state == "GONE" or state in SLURM_ENDED:
+            return "gone", f"SLURM job {job} " + ("is no longer known to SLURM" if state == "GONE" else f"is {state}")
+        if state in SLURM_ALIVE:
+            return "alive", f"SLURM job {job} is {state}"
+        return "unclear", (f"scontrol show job {job} " + ("cannot be asked here" if state is None else f"says {state}"))
+    return "unclear", "it recorded no SLURM job to ask about"
+
+
+def take_over_lock(path: str, seen: tuple[str, str], env=os.environ) -> tuple[int, str, int | None]:
+    """Rank 0: the lock a run that is gone still holds (held_lock_verdict), taken: the file is replaced by a new one
+    (flock belongs to the old file's inode, which the dead holder keeps). Only if .lock still holds what was judged:
+    another contender that took it first keeps it. A holder that was alive after all finds another token in .lock
+    at its next save and stops (check_out_dir_claim)."""
+    try:
+        if read_lock(path) != seen:
+            return 0, "", None
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        return -1, f"--out_dir: cannot replace the lock file {write_error(path, e)}", e.errno
+    return take_lock(path, env)
+
+
+def claim_out_dir(out_dir: str, rank: int, world: int, device, env=os.environ):
     global out_dir_lock, out_dir_claim
     if out_dir_lock is not None:  # a caller running several trainings in one process (bench/): the last one ended
         out_dir_lock.close()
         out_dir_lock = out_dir_claim = None
     path = os.path.join(out_dir, ".lock")
-    # > 0: this run's token; 0: another run holds the lock; -1: rank 0 could not lock (its line says why)
-    token, error = torch.zeros((), dtype=torch.int64, device=device), ""
+    # [0] > 0: this run's token; 0: a live run holds the lock; -1: rank 0 could not lock (its line says why, [1]
+    # its errno or 0); -2: a run that may have ended holds it (kept: a restart may find it free)
+    claim, error, verdict = torch.zeros(2, dtype=torch.int64, device=device), "", ""
     if rank == 0:
-        value, error = take_lock(path)
-        token.fill_(value)
+        value, error, os_errno = take_lock(path, env)
+        if value == 0:
+            try:
+                seen = read_lock(path)
+            except OSError:
+                seen = ("", "")
+            verdict, why = held_lock_verdict(seen[1], env)
+            if verdict == "gone":
+                value, error, os_errno = take_over_lock(path, seen, env)
+                if value > 0:
+                    print(f"--out_dir: took over {path} from {seen[1]}: {why}", flush=True)
+            if value == 0:
+                error, value = why, -2 if verdict != "alive" else 0
+        claim[0], claim[1] = value, os_errno or 0
         out_dir_claim = (out_dir, value) if value > 0 else None
-    dist.broadcast(token, src=0)
-    if token.item() < 0:
-        raise CheckpointError(error or f"--out_dir: rank 0 could not lock {path} (its error says why)")
+    dist.broadcast(claim, src=0)
+    token = claim[0]
+    if token.item() == -1:
+        raise CheckpointError(error or f"--out_dir: rank 0 could not lock {path} (its error says why)",
+                              os_errno=claim[1].item() or None)
     try:
         token_seen, holder = read_lock(path)
     except OSError:
         token_seen, holder = "", ""
+    why = f": {error}" if error else ""  # rank 0's judgement (held_lock_verdict)
     if token.item() == 0:
-        raise CheckpointError(f"--out_dir: {out_dir} is in use by another run ({holder}); wait for it to end or choose "
-                              f"another --out_dir{stale_lock_hint(holder, path)}")
+        raise CheckpointError(f"--out_dir: {out_dir} is in use by another run ({holder}{why}); wait for it to end or "
+                              f"choose another --out_dir")
+    if token.item() == -2:
+        raise OutDirHeld(f"--out_dir: {out_dir} is locked by a run that may have ended ({holder}{why}); the lock is kept "
+                         f"and a restart may find it free{stale_lock_hint(holder, path)}")
     seen_by_rank = torch.zeros(world, dtype=torch.int64, device=device)
     all_gather_flat(seen_by_rank, torch.tensor([int(token_seen == str(token.item()))], device=device))
     blind = [r for r, seen in enumerate(seen_by_rank.tolist()) if not seen]
