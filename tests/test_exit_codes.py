@@ -261,3 +261,23 @@ def test_a_damaged_checkpoint_still_falls_back(two_checkpoints, capsys):
         f.write(b"\xff")
     assert [r[0] for r in resume_on_two_ranks(two_checkpoints)] == [(2, 20), (2, 20)]
     assert "does not match its SHA-256 (damaged)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("code,exit_code", [(errno.ENOSPC, 2), (errno.EIO, 1)], ids=["ENOSPC", "EIO"])
+def test_a_save_that_fails_on_one_rank_gives_every_rank_its_exit_code(tmp_path, monkeypatch, code, exit_code):
+    """Rank 1 cannot write its file; rank 0 only learns that it failed. Both raise with rank 1's errno, so both exit
+    with the same code: a full disk stops every rank for good, an EIO is retried by every rank."""
+    monkeypatch.setattr(disk, "group", None)
+    cfg = T.parse_args([f"--out_dir={tmp_path}", "--keep_ckpts=3"])
+    failing_open(monkeypatch, "rank00001-of-00002.safetensors", code, times=100)
+
+    def save(rank):
+        try:
+            disk.save_checkpoint(cfg, small_config(), units_of(rank), 2, rank, 2, None)
+        except disk.CheckpointError as e:
+            return e
+    errors = run_ranks(2, save)
+    assert [T.exit_code(e) for e in errors] == [exit_code, exit_code], errors
+    assert f"rank 1 could not write {tmp_path}/checkpoints/.tmp-step_00000002/rank00001-of-00002.safetensors: " \
+           f"{os.strerror(code)}" in str(errors[1])
+    assert not os.path.exists(tmp_path / "checkpoints" / "step_00000002")
