@@ -139,8 +139,14 @@ def lock_holder(env=os.environ) -> str:
     " job J restart R" (SLURM_JOB_ID, SLURM_RESTART_COUNT): what held_lock_verdict judges a lock by."""
     holder = f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
     if env.get("SLURM_JOB_ID"):
-        holder += f" job {env['SLURM_JOB_ID']} restart {restart_count({'SLURM_RESTART_COUNT': env.get('SLURM_RESTART_COUNT', '0')})}"
+        holder += f" job {env['SLURM_JOB_ID']} restart {slurm_restarts(env)}"
     return holder
+
+
+def slurm_restarts(env) -> int:
+    """SLURM_RESTART_COUNT: how many times SLURM has requeued this job (unset before the first requeue)."""
+    count = env.get("SLURM_RESTART_COUNT", "0")
+    return int(count) if count.isdigit() else 0
 
 
 def take_lock(path: str, env=os.environ) -> tuple[int, str, int | None]:
@@ -222,16 +228,10 @@ def held_lock_verdict(holder: str, env=os.environ) -> tuple[str, str]:
     why) for anything else (no SLURM job recorded, scontrol unavailable or unclear)."""
     fields_ = dict(re.findall(r"\b(host|pid|job|restart) (\S+)", holder))
     job, ours, pid = fields_.get("job"), env.get("SLURM_JOB_ID"), fields_.get("pid", "")
-    if fields_.get("host") == socket.gethostname() and pid.isdigit():  # a lock of this host's dies with its holder
-        try:
-            os.kill(int(pid), 0)
-            return "alive", f"process {pid} runs on this host"
-        except PermissionError:  # another user's process
-            return "alive", f"process {pid} runs on this host"
-        except (ProcessLookupError, OverflowError):
-            pass
+    if fields_.get("host") == socket.gethostname() and pid.isdigit() and process_exists(int(pid)):
+        return "alive", f"process {pid} runs on this host"  # a lock of this host's dies with its holder
     if job and job == ours:
-        held_restart, our_restart = fields_.get("restart", ""), restart_count({"SLURM_RESTART_COUNT": env.get("SLURM_RESTART_COUNT", "0")})
+        held_restart, our_restart = fields_.get("restart", ""), slurm_restarts(env)
         if held_restart.isdigit() and our_restart > int(held_restart):
             return "gone", (f"it is this SLURM job {job} before its requeue (restart {held_restart}, now {our_restart}): "
                             f"SLURM ended that allocation")
@@ -244,6 +244,16 @@ def held_lock_verdict(holder: str, env=os.environ) -> tuple[str, str]:
             return "alive", f"SLURM job {job} is {state}"
         return "unclear", (f"scontrol show job {job} " + ("cannot be asked here" if state is None else f"says {state}"))
     return "unclear", "it recorded no SLURM job to ask about"
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only whether it could be sent
+    except PermissionError:  # another user's process
+        return True
+    except (ProcessLookupError, OverflowError):
+        return False
+    return True
 
 
 def take_over_lock(path: str, seen: tuple[str, str], env=os.environ) -> tuple[int, str, int | None]:

@@ -1,8 +1,9 @@
 """Disk faults and shared-filesystem locks on --out_dir, in-process at W=1 (one gloo group over a HashStore):
 a full, read-only or forbidden disk at any point of a save, the metrics or the export is one line naming the
 path and its cause, with `latest` and the previous checkpoint untouched; another run that takes the folder
-is found at the next save; nothing is written through a symbolic link planted in the folder. A network error
-while the processes connect exits 1, which torchrun retries."""
+is found at the next save; a lock a crashed node left is judged by what SLURM says of its job (a fake scontrol);
+nothing is written through a symbolic link planted in the folder. A network error while the processes connect
+exits 1, which torchrun retries."""
 import errno
 import os
 import socket
