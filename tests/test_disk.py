@@ -214,6 +214,10 @@ def test_a_lock_of_this_job_before_its_requeue_is_taken_over(one_process_group, 
     assert token == str(disk.out_dir_claim[1]) and mine.endswith(" job 77 restart 2")
     assert capsys.readouterr().out == (f"--out_dir: took over {lock} from {holder}: it is this SLURM job 77 before its "
                                        f"requeue (restart 1, now 2): SLURM ended that allocation\n")
+    # A process of this host that holds the lock is alive whatever it recorded (a second run inside one allocation).
+    this_host = f"host {socket.gethostname()} pid {os.getpid()} since 2026-01-02 03:04:05 job 77 restart 1"
+    assert disk.held_lock_verdict(this_host, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "2"}) == (
+        "alive", f"process {os.getpid()} runs on this host")
 
 
 def test_a_lock_file_that_cannot_be_made_is_one_line(one_process_group, tmp_path, monkeypatch):
