@@ -19,8 +19,11 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import socket
+import stat
+import subprocess
 import sys
 import time
 from dataclasses import asdict, fields
@@ -47,7 +50,35 @@ def make_group(timeout_min: float):
 
 
 class CheckpointError(Exception):
-    """A checkpoint or out_dir that must not be used; the message names the folder and the problem."""
+    """A checkpoint or out_dir that must not be used; the message names the folder and the problem. `os_errno`:
+    the errno of the OSError behind it, when there is one (a failed save's, on every rank: the ranks agree on it),
+    from which train.exit_code decides whether a restart may help."""
+
+    def __init__(self, message: str, os_errno: int | None = None):
+        super().__init__(message)
+        self.os_errno = os_errno
+
+
+class OutDirHeld(CheckpointError):
+    """--out_dir's lock is held by a run that may be gone (a crashed node's lock, kept by NFS or Lustre until the
+    holder's lease ends) and nothing proves it: the lock is kept, and a restart may find it free."""
+
+
+class CheckpointUnreadable(OSError):
+    """A checkpoint file that could not be read, after READ_WAITS_S's retries: EIO, ESTALE, anything but a missing
+    file (a disk or a network filesystem having a moment, as far as anyone can tell). An OSError, so that nothing
+    that takes a CheckpointError for damage takes this for damage: resume never rolls back past it."""
+
+    def __init__(self, os_errno: int, message: str):
+        super().__init__(os_errno, message)
+
+    def __str__(self):
+        return self.strerror
+
+
+# A write error a restart meets again (train.exit_code: exit 2): the disk is full of bytes or inodes, over quota,
+# read-only, forbidden, or the file over its size limit (write_error's hints). Any other (EIO, ESTALE) may pass.
+LASTING_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
 
 
 # ================================================================================================
@@ -97,45 +128,60 @@ def create_file(path: str, mode: str = "w"):
 
 
 def read_lock(path: str) -> tuple[str, str]:
-    """(token, holder) written in a .lock file: holder is "host H pid P since T"."""
+    """(token, holder) written in a .lock file: holder is lock_holder()'s "host H pid P since T[ job J restart R]"."""
     with os.fdopen(open_no_follow(path, os.O_RDONLY)) as f:
         token, _, holder = f.read().strip().partition(" ")
     return token, holder
 
 
-def take_lock(path: str) -> tuple[int, str]:
-    """Rank 0: the exclusive flock on `path`, holding a new random token. Returns (token, ""), (0, "") when
-    another process holds the lock, or (-1, one line saying why the lock could not be taken)."""
+def lock_holder(env=os.environ) -> str:
+    """Who holds the lock, as .lock records it after the token: "host H pid P since T", and under SLURM
+    " job J restart R" (SLURM_JOB_ID, SLURM_RESTART_COUNT): what held_lock_verdict judges a lock by."""
+    holder = f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    if env.get("SLURM_JOB_ID"):
+        holder += f" job {env['SLURM_JOB_ID']} restart {slurm_restarts(env)}"
+    return holder
+
+
+def slurm_restarts(env) -> int:
+    """SLURM_RESTART_COUNT: how many times SLURM has requeued this job (unset before the first requeue)."""
+    count = env.get("SLURM_RESTART_COUNT", "0")
+    return int(count) if count.isdigit() else 0
+
+
+def take_lock(path: str, env=os.environ) -> tuple[int, str, int | None]:
+    """Rank 0: the exclusive flock on `path`, holding a new random token. Returns (token, "", None), (0, "", None)
+    when another process holds the lock, or (-1, one line saying why the lock could not be taken, its errno)."""
     global out_dir_lock
     try:
         fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            return -1, f"--out_dir: {path} is a symbolic link; the lock is never taken through one: delete it"
-        return -1, f"--out_dir: cannot create the lock file {write_error(path, e)}"
+            return -1, f"--out_dir: {path} is a symbolic link; the lock is never taken through one: delete it", None
+        return -1, f"--out_dir: cannot create the lock file {write_error(path, e)}", e.errno
     f = os.fdopen(fd, "r+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.close()
-        return 0, ""
+        return 0, "", None
     except OSError as e:  # ENOLCK, ENOSYS, EOPNOTSUPP: the filesystem does not lock
         f.close()
         return -1, (f"--out_dir: cannot lock {path}: {e.strerror or e}: the filesystem of --out_dir does not support "
-                    f"flock (Lustre mounted without the flock option, NFS mounted with nolock); mount it with "
-                    f"'-o flock' (Lustre) or with the lock service running (NFS), or choose another --out_dir")
+                    f"flock (Lustre mounted without the flock option, NFS mounted with nolock); mount it with '-o flock' "
+                    f"(Lustre) or with the lock service running (NFS), or choose another --out_dir"), None
     try:
         value = int.from_bytes(os.urandom(6), "little") + 1
         f.seek(0)
         f.truncate()
-        f.write(f"{value} host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.write(f"{value} {lock_holder(env)}\n")
         f.flush()
         os.fsync(f.fileno())
     except OSError as e:
         f.close()
-        return -1, f"--out_dir: cannot write the lock file {write_error(path, e)}"
+        return -1, f"--out_dir: cannot write the lock file {write_error(path, e)}", e.errno
     out_dir_lock = f
-    return value, ""
+    return value, "", None
 
 
 def stale_lock_hint(holder: str, path: str) -> str:
@@ -147,28 +193,126 @@ def stale_lock_hint(holder: str, path: str) -> str:
     return f"; if that run is gone, the lock is stale: delete {path}"
 
 
-def claim_out_dir(out_dir: str, rank: int, world: int, device):
+# A lock outlives its holder where the filesystem keeps a crashed node's flock: NFS until the client's lease
+# ends (~90 s for NFSv4; NFSv3 until that node reboots), Lustre until the client is evicted. A requeued job
+# would then find its own folder "in use". So a held lock is judged by what SLURM says of the job that holds
+# it, never by its age: a node cut off from the network but alive keeps its folder as long as its job runs.
+SLURM_ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+               "BOOT_FAIL", "DEADLINE")
+SLURM_ALIVE = ("RUNNING", "PENDING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
+               "CONFIGURING", "SIGNALING", "STOPPED", "SPECIAL_EXIT", "RESV_DEL_HOLD", "STAGE_OUT")  # will run again
+# Anything else (COMPLETING: ending right now; a word this list does not know) is unclear: a restart asks again.
+
+
+def slurm_job_state(job: str) -> str | None:
+    """SLURM job `job`'s state as `scontrol show job` gives it (RUNNING, TIMEOUT, ...), "GONE" when SLURM no longer
+    knows the job (purged MinJobAge, 300 s by default, after it ended), None when scontrol cannot be asked or
+    its answer is unclear (no scontrol here, the controller unreachable)."""
+    if not job.isdigit():
+        return None
+    try:
+        proc = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if proc.returncode != 0:
+        return "GONE" if "Invalid job id" in proc.stderr else None
+    states = {state for line in proc.stdout.splitlines() if re.search(rf"\bJobId={job}\b", line)
+              for state in re.findall(r"\bJobState=(\w+)", line)}
+    return states.pop() if len(states) == 1 else None
+
+
+def held_lock_verdict(holder: str, env=os.environ) -> tuple[str, str]:
+    """Whether the run that `holder` (a held lock's lock_holder line) names still runs: ("gone", why): SLURM says
+    its job ended, or it is this very job before a requeue (the same SLURM_JOB_ID, a lower SLURM_RESTART_COUNT);
+    ("alive", why): SLURM says its job runs or will run again, or it is a live process on this host; ("unclear",
+    why) for anything else (no SLURM job recorded, scontrol unavailable or unclear)."""
+    fields_ = dict(re.findall(r"\b(host|pid|job|restart) (\S+)", holder))
+    job, ours, pid = fields_.get("job"), env.get("SLURM_JOB_ID"), fields_.get("pid", "")
+    if fields_.get("host") == socket.gethostname() and pid.isdigit() and process_exists(int(pid)):
+        return "alive", f"process {pid} runs on this host"  # a lock of this host's dies with its holder
+    if job and job == ours:
+        held_restart, our_restart = fields_.get("restart", ""), slurm_restarts(env)
+        if held_restart.isdigit() and our_restart > int(held_restart):
+            return "gone", (f"it is this SLURM job {job} before its requeue (restart {held_restart}, now {our_restart}): "
+                            f"SLURM ended that allocation")
+        return "unclear", f"it is this allocation of SLURM job {job}, an earlier attempt of which may still be ending"
+    if job:
+        state = slurm_job_state(job)
+        if state == "GONE" or state in SLURM_ENDED:
+            return "gone", f"SLURM job {job} " + ("is no longer known to SLURM" if state == "GONE" else f"is {state}")
+        if state in SLURM_ALIVE:
+            return "alive", f"SLURM job {job} is {state}"
+        return "unclear", (f"scontrol show job {job} " + ("cannot be asked here" if state is None else f"says {state}"))
+    return "unclear", "it recorded no SLURM job to ask about"
+
+
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only whether it could be sent
+    except PermissionError:  # another user's process
+        return True
+    except (ProcessLookupError, OverflowError):
+        return False
+    return True
+
+
+def take_over_lock(path: str, seen: tuple[str, str], env=os.environ) -> tuple[int, str, int | None]:
+    """Rank 0: the lock a run that is gone still holds (held_lock_verdict), taken: the file is replaced by a new one
+    (flock belongs to the old file's inode, which the dead holder keeps). Only if .lock still holds what was judged:
+    another contender that took it first keeps it. A holder that was alive after all finds another token in .lock
+    at its next save and stops (check_out_dir_claim)."""
+    try:
+        if read_lock(path) != seen:
+            return 0, "", None
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        return -1, f"--out_dir: cannot replace the lock file {write_error(path, e)}", e.errno
+    return take_lock(path, env)
+
+
+def claim_out_dir(out_dir: str, rank: int, world: int, device, env=os.environ):
     global out_dir_lock, out_dir_claim
     if out_dir_lock is not None:  # a caller running several trainings in one process (bench/): the last one ended
         out_dir_lock.close()
         out_dir_lock = out_dir_claim = None
     path = os.path.join(out_dir, ".lock")
-    # > 0: this run's token; 0: another run holds the lock; -1: rank 0 could not lock (its line says why)
-    token, error = torch.zeros((), dtype=torch.int64, device=device), ""
+    # [0] > 0: this run's token; 0: a live run holds the lock; -1: rank 0 could not lock (its line says why, [1]
+    # its errno or 0); -2: a run that may have ended holds it (kept: a restart may find it free)
+    claim, error, verdict = torch.zeros(2, dtype=torch.int64, device=device), "", ""
     if rank == 0:
-        value, error = take_lock(path)
-        token.fill_(value)
+        value, error, os_errno = take_lock(path, env)
+        if value == 0:
+            try:
+                seen = read_lock(path)
+            except OSError:
+                seen = ("", "")
+            verdict, why = held_lock_verdict(seen[1], env)
+            if verdict == "gone":
+                value, error, os_errno = take_over_lock(path, seen, env)
+                if value > 0:
+                    print(f"--out_dir: took over {path} from {seen[1]}: {why}", flush=True)
+            if value == 0:
+                error, value = why, -2 if verdict != "alive" else 0
+        claim[0], claim[1] = value, os_errno or 0
         out_dir_claim = (out_dir, value) if value > 0 else None
-    dist.broadcast(token, src=0)
-    if token.item() < 0:
-        raise CheckpointError(error or f"--out_dir: rank 0 could not lock {path} (its error says why)")
+    dist.broadcast(claim, src=0)
+    token = claim[0]
+    if token.item() == -1:
+        raise CheckpointError(error or f"--out_dir: rank 0 could not lock {path} (its error says why)",
+                              os_errno=claim[1].item() or None)
     try:
         token_seen, holder = read_lock(path)
     except OSError:
         token_seen, holder = "", ""
+    why = f": {error}" if error else ""  # rank 0's judgement (held_lock_verdict)
     if token.item() == 0:
-        raise CheckpointError(f"--out_dir: {out_dir} is in use by another run ({holder}); wait for it to end or choose "
-                              f"another --out_dir{stale_lock_hint(holder, path)}")
+        raise CheckpointError(f"--out_dir: {out_dir} is in use by another run ({holder}{why}); wait for it to end or "
+                              f"choose another --out_dir")
+    if token.item() == -2:
+        raise OutDirHeld(f"--out_dir: {out_dir} is locked by a run that may have ended ({holder}{why}); the lock is kept "
+                         f"and a restart may find it free{stale_lock_hint(holder, path)}")
     seen_by_rank = torch.zeros(world, dtype=torch.int64, device=device)
     all_gather_flat(seen_by_rank, torch.tensor([int(token_seen == str(token.item()))], device=device))
     blind = [r for r, seen in enumerate(seen_by_rank.tolist()) if not seen]
@@ -331,6 +475,46 @@ def write_safetensors_streaming(path: str, tensors: list, metadata: dict | None 
     return digest.hexdigest(), 8 + len(header_bytes) + offset
 
 
+# Reading a checkpoint back. Only content that is provably damaged (a hash that does not match, a file of the
+# wrong size or missing, a manifest that does not parse) makes resume fall back to an older checkpoint. Any other
+# read error (EIO, ESTALE: a disk or a network filesystem having a moment) is tried again, then stops the run with
+# the file named and exit code 1: a restart may read it, and falling back would silently throw away the newest
+# steps. (A fault of a memory-mapped read is SIGBUS, not an OSError: safetensors reads happen after the hash.)
+READ_WAITS_S = (1.0, 3.0, 10.0)  # between the tries of a read that failed
+MISSING = (errno.ENOENT, errno.ENOTDIR)
+
+
+def read_retrying(read, path: str, *args):
+    """read(path, *args), tried again READ_WAITS_S apart after an OSError that may pass. A missing file
+    (FileNotFoundError: damage, for the caller to say) and an error that lasts (EACCES) are not retried. What
+    still fails is CheckpointUnreadable, naming the file."""
+    for tries, wait_s in enumerate((*READ_WAITS_S, None), 1):
+        try:
+            return read(path, *args)
+        except OSError as e:
+            if e.errno in MISSING:
+                raise FileNotFoundError(e.errno, e.strerror, path) from None
+            if wait_s is None or e.errno in LASTING_ERRNOS:
+                waited = f" (tried {tries} times over {sum(READ_WAITS_S[:tries - 1]):g} s)" if tries > 1 else ""
+                raise CheckpointUnreadable(e.errno or errno.EIO, f"cannot read {path}: {e.strerror or e}{waited}") from None
+            time.sleep(wait_s)
+
+
+def file_size(path: str) -> int | None:
+    """The size of the file `path`, None when there is none (os.path.isfile would also say "none" for EIO or
+    ESTALE, and a passing fault would look like a missing file: damage)."""
+    try:
+        st = read_retrying(os.stat, path)
+    except FileNotFoundError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def load_json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
 def sha256_file(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -388,44 +572,52 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
     tmp, final = os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
     # Rank 0 checks the folder is still this run's and makes the temporary folder; the broadcast is also the
     # barrier no rank writes before. A failure here is every rank's one line, not a traceback and a wait.
-    ready, my_error = torch.zeros((), dtype=torch.int64), ""
+    # [ready, the errno of what stopped it (0: none, or not an OSError)]: every rank raises with rank 0's errno,
+    # so every rank exits with the same code (train.exit_code: a full disk stops for good, EIO is retried).
+    ready, my_error = torch.zeros(2, dtype=torch.int64), ""
     if rank == 0:
         try:
             check_out_dir_claim(cfg.out_dir, step)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-            ready.fill_(1)
+            ready[0] = 1
         except CheckpointError as e:
             my_error = str(e)
         except OSError as e:
             my_error = f"checkpoint {final} was not saved: rank 0 could not create {write_error(tmp, e)}{kept_note(root)}"
+            ready[1] = e.errno or errno.EIO
     dist.broadcast(ready, src=0, group=group)
-    if not ready:
-        raise CheckpointError(my_error or f"checkpoint {final} was not saved: rank 0 could not prepare it (its error says why)")
+    if not ready[0]:
+        raise CheckpointError(my_error or f"checkpoint {final} was not saved: rank 0 could not prepare it (its error says why)",
+                              os_errno=ready[1].item() or None)
     # What each rank tells rank 0, as numbers (nothing crosses the wire pickled): written or not, the
-    # file's size, its SHA-256 as 32 byte values. An error's text stays with the rank that met it.
-    report = torch.zeros(34, dtype=torch.int64)
+    # file's size, its SHA-256 as 32 byte values, the errno of a failed write. An error's text stays with the
+    # rank that met it.
+    report = torch.zeros(35, dtype=torch.int64)
     try:
         tensors = [(f"{u.name}.{kind}", t) for u in units for kind, t in saved_tensors(u)]
         sha256, nbytes = write_safetensors_streaming(os.path.join(tmp, rank_file(rank, world)), tensors)
-        report[0], report[1], report[2:] = 1, nbytes, torch.tensor(list(bytes.fromhex(sha256)))
+        report[0], report[1], report[2:34] = 1, nbytes, torch.tensor(list(bytes.fromhex(sha256)))
         if fault_hook:
             fault_hook("save", step, rank)
     except OSError as e:
         report.zero_()
+        report[34] = e.errno or errno.EIO
         my_error = f"rank {rank} could not write {write_error(os.path.join(tmp, rank_file(rank, world)), e)}"
-    reports = torch.zeros(world, 34, dtype=torch.int64)
+    reports = torch.zeros(world, 35, dtype=torch.int64)
     all_gather_flat(reports.view(-1), report, group=group)
     unwritten = [r for r in range(world) if not reports[r, 0]]
-    saved = torch.zeros((), dtype=torch.int64)
+    saved = torch.zeros(2, dtype=torch.int64)  # [saved, the errno of what stopped it], as `ready`
+    if unwritten:
+        saved[1] = reports[unwritten[0], 34]
     if rank == 0 and not unwritten:
         renamed = False
         try:
-            files = {rank_file(r, world): {"sha256": bytes(reports[r, 2:].tolist()).hex(), "bytes": int(reports[r, 1])}
+            files = {rank_file(r, world): {"sha256": bytes(reports[r, 2:34].tolist()).hex(), "bytes": int(reports[r, 1])}
                      for r in range(world)}
             for fname, expect in files.items():
                 if os.path.getsize(os.path.join(tmp, fname)) != expect["bytes"]:
-                    raise OSError(f"{fname} has the wrong size on disk")
+                    raise OSError(errno.EIO, f"{fname} has the wrong size on disk")
             manifest = checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files)
             write_atomic(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1))
             shutil.rmtree(final, ignore_errors=True)  # a re-save of a step (after a fallback)
@@ -433,21 +625,22 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
             renamed = True
             fsync_dir(root)
             write_atomic(os.path.join(root, "latest"), name + "\n")
-            saved.fill_(1)
+            saved[0] = 1
         except OSError as e:
             my_error = f"rank 0 could not commit it: {write_error(tmp, e)}"
+            saved[1] = e.errno or errno.EIO
             if renamed and latest_name(root) != name:  # complete, but `latest` does not name it: not saved
                 with contextlib.suppress(OSError):
                     os.replace(final, tmp)  # removed below with the rest of a failed save
-    if rank == 0 and saved:
+    if rank == 0 and saved[0]:
         remove_old_checkpoints(root, cfg.keep_ckpts, final)
     elif rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.broadcast(saved, src=0, group=group)
-    if not saved:
+    if not saved[0]:
         why = my_error or (f"rank(s) {', '.join(map(str, unwritten))} could not write their files" if unwritten
                            else "rank 0 could not commit it")
-        raise CheckpointError(f"checkpoint {final} was not saved: {why}{kept_note(root)}")
+        raise CheckpointError(f"checkpoint {final} was not saved: {why}{kept_note(root)}", os_errno=saved[1].item() or None)
     return final
 
 
@@ -503,6 +696,8 @@ def finished_run(cfg) -> str | None:
             step = check_manifest(path, None, None, None)["step"]
         except (CheckpointError, AttributeError, KeyError, TypeError):
             continue  # damaged: resume passes it by too
+        except OSError:
+            return None  # unreadable now (CheckpointUnreadable): resume says so
         if not isinstance(step, int) or step < cfg.steps:
             return None
         done = f" of {cfg.steps}" if step == cfg.steps else f", beyond --steps {cfg.steps}"
@@ -514,10 +709,12 @@ def finished_run(cfg) -> str | None:
 
 
 def is_complete(path: str) -> bool:
+    """A readable manifest of this format. An unreadable one (CheckpointUnreadable) counts as not complete: retention
+    neither counts nor deletes what it cannot read, and never raises in the middle of a save."""
     try:
-        check_manifest(path, None, None, None)  # a readable manifest of this format
+        check_manifest(path, None, None, None)
         return True
-    except CheckpointError:
+    except (CheckpointError, OSError):
         return False
 
 
@@ -536,12 +733,11 @@ def remove_old_checkpoints(root: str, keep: int, just_saved: str):
 
 def check_manifest(path: str, cfg, mcfg, windows) -> dict:
     manifest_path = os.path.join(path, "manifest.json")
-    if not os.path.isfile(manifest_path):
+    if file_size(manifest_path) is None:
         raise CheckpointError(f"checkpoint {path}: no manifest.json (an unfinished save)")
     try:
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
+        manifest = read_retrying(load_json, manifest_path)
+    except (FileNotFoundError, ValueError) as e:  # not JSON: damaged (a read error raises CheckpointUnreadable)
         raise CheckpointError(f"checkpoint {path}: manifest.json is unreadable ({e})") from None
     if manifest.get("format") != CKPT_FORMAT:
         raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}, expected {CKPT_FORMAT!r}")
@@ -690,13 +886,13 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
             fname = rank_file(old_rank, old_world)
             fpath = os.path.join(path, fname)
             if fname not in verified:
-                expect = manifest["files"].get(fname)
-                if expect is None or not os.path.isfile(fpath):
+                expect, size = manifest["files"].get(fname), file_size(fpath)
+                if expect is None or size is None:
                     raise CheckpointError(f"checkpoint {path}: {fname} is missing")
-                if os.path.getsize(fpath) != expect["bytes"]:
-                    raise CheckpointError(f"checkpoint {path}: {fname} has {os.path.getsize(fpath)} bytes, "
+                if size != expect["bytes"]:
+                    raise CheckpointError(f"checkpoint {path}: {fname} has {size} bytes, "
                                           f"the manifest says {expect['bytes']} (truncated?)")
-                if sha256_file(fpath) != expect["sha256"]:
+                if read_retrying(sha256_file, fpath) != expect["sha256"]:
                     raise CheckpointError(f"checkpoint {path}: {fname} does not match its SHA-256 (damaged)")
                 verified.add(fname)
             a, b = max(lo, old_rank * old_shard), min(hi, (old_rank + 1) * old_shard)
@@ -711,25 +907,48 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
                     tensor[a - unit.shard_start:b - unit.shard_start] = piece.to(tensor.device)
 
 
+USABLE, DAMAGED, MISMATCHED, UNREADABLE = range(4)  # what a rank found reading a checkpoint
+
+
+def read_checkpoint(path: str, cfg, mcfg, windows, units, master_only: bool = False) -> tuple[str, int, int, dict]:
+    """This rank's shards from the checkpoint `path` (check_manifest, load_checkpoint): (the error's line, or "";
+    USABLE, DAMAGED, MISMATCHED or UNREADABLE; the errno of a read error, or 0; the manifest, when usable)."""
+    try:
+        manifest = check_manifest(path, cfg, mcfg, windows)
+        load_checkpoint(path, manifest, units, master_only=master_only)
+        return "", USABLE, 0, manifest
+    except ResumeMismatch as e:  # intact, but saved under other flags: no older checkpoint is better
+        return str(e), MISMATCHED, 0, {}
+    except CheckpointUnreadable as e:  # read_retrying's: tried again already
+        return f"checkpoint {path}: {e}", UNREADABLE, e.errno or errno.EIO, {}
+    except (CheckpointError, ValueError, KeyError, FileNotFoundError) as e:  # provably damaged content
+        return (str(e) if isinstance(e, CheckpointError) else f"checkpoint {path}: unreadable ({e})"), DAMAGED, 0, {}
+    except OSError as e:  # safetensors' own reads, after the hash matched: not damage either
+        return f"checkpoint {path}: cannot read it: {e.strerror or e}", UNREADABLE, e.errno or errno.EIO, {}
+
+
+def unreadable_on_some_rank(path: str, error: str, by_rank: torch.Tensor) -> CheckpointUnreadable:
+    """What every rank raises when a rank could not read `path` (by_rank: each rank's [code, errno]): never a
+    fallback to an older checkpoint, whatever the other ranks found."""
+    ranks = [r for r, (code, _) in enumerate(by_rank.tolist()) if code == UNREADABLE]
+    line = error or f"checkpoint {path}: rank(s) {', '.join(map(str, ranks))} could not read it (their line names the file)"
+    return CheckpointUnreadable(int(by_rank[ranks[0], 1]), f"{line}; the older checkpoints were not used: a read error "
+                                                            f"is not damage")
+
+
 def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: bool) -> tuple[int, int]:
     """Loads the newest intact checkpoint among `candidates`; returns its step and data position. All ranks agree on each
     candidate (a damaged file seen by one rank rejects it for all), and with `fallback` a damaged
     checkpoint is reported and the previous one tried, while one saved under flags a resume must keep
     stops the resume (config_changes); flags that may change are a warning on rank 0."""
     for path in candidates:
-        error, mismatch = "", False
-        try:
-            manifest = check_manifest(path, cfg if fallback else None, mcfg, windows)
-            load_checkpoint(path, manifest, units)
-        except ResumeMismatch as e:  # intact, but saved under other flags: no older checkpoint is better
-            error, mismatch = str(e), True
-        except (CheckpointError, OSError, ValueError, KeyError) as e:
-            error = str(e) if isinstance(e, CheckpointError) else f"checkpoint {path}: unreadable ({e})"
-        # Every rank must agree: a code per rank, 0 usable, 1 damaged, 2 mismatched (reading 53 GB can
-        # outlast --timeout_min: the checkpoint group).
-        failed_by_rank = torch.zeros(dist.get_world_size(), dtype=torch.int64)
-        all_gather_flat(failed_by_rank, torch.tensor([2 if mismatch else int(bool(error))]), group=group)
-        failed = [r for r, bad in enumerate(failed_by_rank.tolist()) if bad]
+        error, code, os_errno, manifest = read_checkpoint(path, cfg if fallback else None, mcfg, windows, units)
+        # Every rank must agree: a code per rank (read_checkpoint's), and the errno of a read error (reading 53 GB
+        # can outlast --timeout_min: the checkpoint group).
+        by_rank = torch.zeros(dist.get_world_size(), 2, dtype=torch.int64)
+        all_gather_flat(by_rank.view(-1), torch.tensor([code, os_errno]), group=group)
+        codes = by_rank[:, 0].tolist()
+        failed = [r for r, bad in enumerate(codes) if bad]
         if not failed:
             if rank == 0 and fallback:
                 changed = config_changes(manifest, cfg, mcfg)[1]
@@ -738,7 +957,11 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: boo
                           f"under the new values from step {manifest['step'] + 1}", file=sys.stderr, flush=True)
             data = manifest["data"] or {"position": 0}  # a conversion run (--steps 0) saved no data state
             return manifest["step"], data["position"]
-        if 2 in failed_by_rank.tolist() or not fallback:
+        if MISMATCHED in codes:
+            raise CheckpointError(error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} cannot use it")
+        if UNREADABLE in codes:
+            raise unreadable_on_some_rank(path, error if code == UNREADABLE else "", by_rank)
+        if not fallback:
             raise CheckpointError(error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} cannot use it")
         if error:
             print(f"warning: {error}", file=sys.stderr, flush=True)
@@ -792,15 +1015,13 @@ def load_weights(path: str, units: list, flag: str) -> int:
     optimizer state: --init_from (a new phase: step 1, a fresh optimizer and data position) and
     --from_ckpt. Each rank verifies the files it reads (size, SHA-256) and all agree before any step.
     Returns the checkpoint's step."""
-    error, manifest = "", None
-    try:
-        manifest = check_manifest(path, None, None, None)
-        load_checkpoint(path, manifest, units, master_only=True)
-    except (CheckpointError, OSError, ValueError, KeyError) as e:
-        error = str(e) if isinstance(e, CheckpointError) else f"checkpoint {path}: unreadable ({e})"
-    failed_by_rank = torch.zeros(dist.get_world_size(), dtype=torch.int64)
-    all_gather_flat(failed_by_rank, torch.tensor([int(bool(error))]), group=group)
-    failed = [r for r, bad in enumerate(failed_by_rank.tolist()) if bad]
+    error, code, os_errno, manifest = read_checkpoint(path, None, None, None, units, master_only=True)
+    by_rank = torch.zeros(dist.get_world_size(), 2, dtype=torch.int64)
+    all_gather_flat(by_rank.view(-1), torch.tensor([code, os_errno]), group=group)
+    failed = [r for r, bad in enumerate(by_rank[:, 0].tolist()) if bad]
+    if UNREADABLE in by_rank[:, 0].tolist():
+        e = unreadable_on_some_rank(path, error if code == UNREADABLE else "", by_rank)
+        raise CheckpointUnreadable(e.errno, f"{flag}: {e.strerror}")
     if failed:
         raise CheckpointError(f"{flag}: " + (error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} "
                                                       f"cannot use it"))
@@ -1114,13 +1335,13 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
         files[-1].append(unit)
         size += unit.numel * bytes_per
     tmp = out.rstrip("/") + ".partial"
-    error = ""  # rank 0's first write error: it stops writing but gathers on, so no rank waits for it
+    error, error_errno = "", 0  # rank 0's first write error: it stops writing but gathers on, so no rank waits for it
     if rank == 0:  # a fresh folder: a crashed export's model.safetensors must not sit beside a new index
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         except OSError as e:
-            error = f"--export_hf: cannot create {write_error(tmp, e)}"
+            error, error_errno = f"--export_hf: cannot create {write_error(tmp, e)}", e.errno or errno.EIO
     weight_map, total_bytes = {}, 0
     for i, file_units in enumerate(files):
         fname = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
@@ -1138,17 +1359,18 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
                 weight_map.update({name: fname for name, _ in tensors})
                 total_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
             except OSError as e:
-                error = f"--export_hf: cannot write {write_error(os.path.join(tmp, fname), e)}"
+                error, error_errno = f"--export_hf: cannot write {write_error(os.path.join(tmp, fname), e)}", e.errno or errno.EIO
         # Paced per file: the other ranks wait here, on the CPU (gloo, --ckpt_timeout_min), while rank 0 writes,
         # and queue the next file's all-gathers only then. Queued all at once, the last ones would wait on the
         # GPU for rank 0's whole ~140 GB (70B) and NCCL's watchdog would end them after --timeout_min.
-        written = torch.tensor(int(not error))
+        written = torch.tensor([int(not error), error_errno])  # every rank raises with rank 0's errno (save_checkpoint)
         dist.broadcast(written, src=0, group=group)
-        if not written:
+        if not written[0]:
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(error or f"--export_hf: rank 0 could not write {fname} of {out} (its error says why)")
-    done, note = torch.zeros((), dtype=torch.int64), ""
+            raise CheckpointError(error or f"--export_hf: rank 0 could not write {fname} of {out} (its error says why)",
+                                  os_errno=written[1].item() or None)
+    done, note = torch.zeros(2, dtype=torch.int64), ""
     if rank == 0:
         try:
             if len(files) > 1:
@@ -1159,11 +1381,13 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
                 os.rmdir(out)  # checked empty before training started
             os.replace(tmp, out)  # the folder appears complete or not at all
             fsync_dir(os.path.dirname(os.path.abspath(out)))
-            done.fill_(1)
+            done[0] = 1
         except (OSError, ValueError) as e:
             error = str(e) if isinstance(e, ValueError) else f"--export_hf: cannot write {write_error(tmp, e)}"
+            done[1] = (e.errno or errno.EIO) if isinstance(e, OSError) else 0
             shutil.rmtree(tmp, ignore_errors=True)
     dist.broadcast(done, src=0, group=group)
-    if not done:
-        raise CheckpointError(error or f"--export_hf: rank 0 could not write {out} (its error says why)")
+    if not done[0]:
+        raise CheckpointError(error or f"--export_hf: rank 0 could not write {out} (its error says why)",
+                              os_errno=done[1].item() or None)
     return note

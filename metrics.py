@@ -5,6 +5,7 @@ Conventions: tokens/s/GPU counts every token of the global batch (padding-free p
 trained on) over the step's wall time, divided by the world size. MFU is that times the model FLOPs per
 token (flops_per_token) over the GPU's dense BF16 peak.
 """
+import contextlib
 import json
 import os
 import resource
@@ -119,16 +120,17 @@ class MetricsLog:
         self.file = self.tensorboard = None
         self.elapsed_before = 0.0  # time spent before a restart
         self.error = ""  # rank 0: why metrics.jsonl cannot be written (a full disk); train.py stops every rank on it
+        self.error_cause = None  # the OSError behind it: train.exit_code decides from it whether a restart may help
         if rank == 0 and steps:
             try:
                 self.file, self.elapsed_before = open_metrics(cfg.out_dir, start_step)
             except OSError as e:
-                self.error = disk.unwritable(os.path.join(cfg.out_dir, "metrics.jsonl"), e)
+                self.unwritable(e)
         if rank == 0 and cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise RuntimeError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+            except ImportError:  # train.exit_code: a missing package repeats on a restart
+                raise ImportError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
             self.tensorboard = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
         self.start = time.perf_counter()
 
@@ -158,19 +160,35 @@ class MetricsLog:
         try:
             log_step(self.cfg, metrics, self.file, epochs if any(e > 1 for e in epochs.values()) else None)
         except OSError as e:  # a torn last line is dropped on resume
-            self.error = disk.unwritable(os.path.join(self.cfg.out_dir, "metrics.jsonl"), e)
-            self.file.close()
-            self.file = None
+            self.unwritable(e)
             return
         for key, value in metrics.items() if self.tensorboard else ():
             for name, number in (value.items() if isinstance(value, dict) else [(None, value)]):
                 if key != "step" and number is not None:
                     self.tensorboard.add_scalar(f"{key}/{name}" if name else key, number, step)
 
+    def unwritable(self, e: OSError):
+        """Notes why metrics.jsonl cannot be written, for train.py's stop at the step boundary, and lets the file
+        go. Closing it flushes what is still buffered, which fails again on a full disk: that second error is the
+        same one, and must not escape as a traceback (the first is what the run stops on)."""
+        if not self.error:
+            self.error, self.error_cause = disk.unwritable(os.path.join(self.cfg.out_dir, "metrics.jsonl"), e), e
+        if self.file is not None:
+            with contextlib.suppress(OSError):
+                self.file.close()  # CPython closes the descriptor even when the flush raises
+            self.file = None
+
     def close(self):
+        """At the end of the run. An error here (the disk filled after the last step was logged) is a warning:
+        the steps, the checkpoint and the export are done."""
         for f in (self.file, self.tensorboard):
-            if f is not None:
-                f.close()
+            try:
+                if f is not None:
+                    f.close()
+            except OSError as e:
+                print(f"warning: --out_dir: {disk.write_error(os.path.join(self.cfg.out_dir, 'metrics.jsonl'), e)}",
+                      file=sys.stderr, flush=True)
+        self.file = self.tensorboard = None
 
 
 def open_metrics(out_dir: str, start_step: int):

@@ -197,11 +197,12 @@ class Sampler:
         self.stop_ids = end_ids(cfg, mcfg, self.tok)
         self.path = os.path.join(cfg.out_dir, "samples.jsonl")
         self.error = ""  # rank 0: why samples.jsonl cannot be written; train.py stops every rank on it
+        self.error_cause = None  # the OSError behind it, for train.exit_code
         if rank == 0:
             try:
                 keep_rows_up_to(self.path, start_step)
             except OSError as e:
-                self.error = disk.unwritable(self.path, e)
+                self.error, self.error_cause = disk.unwritable(self.path, e), e
 
     def sample(self, sharded, step: int):
         """Completes every prompt; rank 0 prints them and appends them to samples.jsonl with the step."""
@@ -217,8 +218,8 @@ class Sampler:
         try:
             with os.fdopen(disk.open_no_follow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
                 f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        except OSError as e:  # a torn last line is dropped on resume (keep_rows_up_to)
-            self.error = disk.unwritable(self.path, e)
+        except OSError as e:  # a torn last line is dropped on resume (keep_rows_up_to); `with` closed the file
+            self.error, self.error_cause = disk.unwritable(self.path, e), e
         print(f"samples at step {step} ({len(rows)} prompts, {time.perf_counter() - t0:.1f} s, {self.path}):", flush=True)
         for row in rows:
             prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]

@@ -43,6 +43,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from typing import NamedTuple
@@ -231,16 +232,60 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 
 
 def fail(message: str, exit_code: int = 2):
-    """One line, on every rank, and exit code 2: never a traceback wall or a hang. These errors come back
-    on a restart (a bad flag, bad data, a non-finite loss), so launch.sh, which gives us ZERO3_FATAL_FILE,
-    stops torchrun from restarting when the line appears there. Exit code 1 (a network error at start-up)
-    is left to torchrun's restarts."""
+    """One line, on every rank, and the exit code: never a traceback wall or a hang. Exit code 2 (the default:
+    a line our own checks wrote, a bad flag) says a restart would meet the same error, so launch.sh, which gives
+    us ZERO3_FATAL_FILE, stops torchrun from restarting when the line appears there. Exit code 1 (exit_code(e)
+    of anything not shown to repeat) is left to torchrun's restarts and then to a requeue."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     if exit_code == 2 and os.environ.get("ZERO3_FATAL_FILE"):
         with open(os.environ["ZERO3_FATAL_FILE"], "a") as f:
             f.write(f"error: {message}\n")
     os._exit(exit_code)  # no interpreter teardown (see the end of this file)
+
+
+# Exit code 2 stops the run for good (launch.sh stops torchrun's restarts, launch.sbatch does not requeue): only
+# for what a restart is shown to repeat. Everything else, an exception type nobody listed here included, exits 1:
+# a restart may fix it (torchrun restarts the workers, then the allocation is requeued, a bounded number of times).
+# That covers NCCL/gloo errors at set-up, CUDA out of memory because a previous attempt's process still holds
+# the GPU, an ECC error, a lock a crashed node left (disk.OutDirHeld), a checkpoint read failing with EIO/ESTALE.
+REPEATS_ON_RESTART = (
+    ValueError, KeyError,  # a bad flag or value; a config.json or weight file this code does not load
+    ImportError,           # a package a flag needs
+    D.DataError,           # bad or missing data
+    FileNotFoundError,     # a file a flag names is not there
+    disk.CheckpointError,  # checkpoints all damaged, a resume under other flags, an out_dir not shared by all ranks
+)                          # (but its subclass OutDirHeld, and its os_errno when it has one: below)
+
+
+def exit_code(e: BaseException) -> int:
+    """2 if `e` will happen again on a restart, else 1 (REPEATS_ON_RESTART). An OSError, or a CheckpointError
+    caused by one, repeats when the disk is full, over quota, read-only or forbidden (disk.LASTING_ERRNOS)."""
+    if isinstance(e, disk.OutDirHeld):
+        return 1
+    os_errno = e.os_errno if isinstance(e, disk.CheckpointError) else getattr(e, "errno", None)
+    if os_errno and isinstance(e, (OSError, disk.CheckpointError)) and not isinstance(e, FileNotFoundError):
+        return 2 if os_errno in disk.LASTING_ERRNOS else 1
+    return 2 if isinstance(e, REPEATS_ON_RESTART) else 1
+
+
+def error_line(e: BaseException, when: str) -> str:
+    """fail()'s line for `e`: our own errors' messages as they are; anything else with its type (and, for an
+    exception not from torch.distributed, which names its peer itself, the line of code that raised it), so
+    that no traceback is needed to find it."""
+    if isinstance(e, OSError) and e.filename and e.strerror:  # the system's words, and what usually fixes it
+        line = disk.write_error(e.filename, e)
+        return line if exit_code(e) == 2 else f"{type(e).__name__} {when}: {line}; a restart may succeed"
+    if exit_code(e) == 2 or isinstance(e, (disk.CheckpointError, disk.CheckpointUnreadable)):
+        return str(e).strip("'\"")
+    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "").rstrip(".")
+    place = ""
+    if not isinstance(e, dist.DistError) and e.__traceback__ is not None:  # the innermost frame of ours
+        frames = traceback.extract_tb(e.__traceback__)
+        ours = [f for f in frames if os.path.dirname(os.path.abspath(f.filename)) == os.path.dirname(os.path.abspath(__file__))]
+        frame = (ours or frames)[-1]
+        place = f" (at {os.path.basename(frame.filename)}:{frame.lineno})"
+    return f"{type(e).__name__} {when}: {text}{place}; a restart may succeed"
 
 
 # ================================================================================================
@@ -902,11 +947,8 @@ def main(argv=None):
         steps = 0 if cfg.from_ckpt else cfg.steps
         log = metrics.MetricsLog(cfg, sharded.model.cfg, sharded.world, sharded.device, sharded.rank, start_step, steps)
         sampler = sample.Sampler(cfg, sharded.model.cfg, sharded.rank, start_step) if cfg.sample_prompts and steps else None
-    except (dist.DistNetworkError, dist.DistStoreError) as e:  # a node or its port not up yet: a restart may work
-        first_line = str(e).strip().splitlines()[0].rstrip(".")
-        fail(f"{type(e).__name__} while starting: {first_line}; a restart may succeed", exit_code=1)
-    except (D.DataError, KeyError, ValueError, FileNotFoundError, RuntimeError, disk.CheckpointError) as e:
-        fail(str(e).strip("'\""))
+    except Exception as e:  # a node or its port not up yet, a GPU still held, bad data: one line, exit_code's code
+        fail(error_line(e, "while starting"), exit_code(e))
     rank, device = sharded.rank, sharded.device
     if rank == 0:
         print(metrics.startup_line(cfg, sharded, start_step), flush=True)
@@ -940,19 +982,22 @@ def main(argv=None):
         if sampler and (step % cfg.eval_every == 0 or step == steps):
             sampler.sample(sharded, step)  # greedy completions of --sample_prompts (sample.py)
 
-        # One all-reduce: a stop signal on any rank; rank 0 unable to write metrics.jsonl or samples.jsonl.
-        unwritten = log.error or (sampler.error if sampler else "")
-        stop = torch.tensor([bool(stop_signals), bool(unwritten)], dtype=torch.float32, device=device)
+        # One all-reduce: a stop signal on any rank; rank 0 unable to write metrics.jsonl or samples.jsonl (the
+        # exit code of its error, so that every rank exits with it).
+        unwritten = log if log.error else sampler if sampler and sampler.error else None
+        stop = torch.tensor([bool(stop_signals), exit_code(unwritten.error_cause) if unwritten else 0],
+                            dtype=torch.float32, device=device)
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         signalled, unwritable = stop.tolist()
         if unwritable:
-            fail(unwritten or "--out_dir: rank 0 cannot write its metrics (its error says why); the run stops without saving")
+            fail(unwritten.error if unwritten else "--out_dir: rank 0 cannot write its metrics (its error says why); the "
+                 "run stops without saving", int(unwritable))
         if signalled or step == steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
             try:
                 path = disk.save_checkpoint(cfg, sharded.model.cfg, sharded.units, step, rank, sharded.world,
                                          windows.state(position) if windows else None)
             except disk.CheckpointError as e:
-                fail(str(e))
+                fail(str(e), exit_code(e))
             if rank == 0:
                 print(f"saved checkpoint {path}", flush=True)
         if signalled:
@@ -966,7 +1011,7 @@ def main(argv=None):
                 note = disk.export_hf(sharded.units, sharded.model.cfg, cfg.export_hf, sharded.compute_dtype,
                                    cfg.export_shard_gb, rank, disk.export_origin(asdict(cfg)))
             except disk.CheckpointError as e:
-                fail(str(e))
+                fail(str(e), exit_code(e))
             if rank == 0:
                 print(f"exported a Hugging Face folder to {cfg.export_hf} ({note})", flush=True)
     log.close()
@@ -976,7 +1021,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Exception as e:  # in the loop, where no step boundary caught it: this rank's line; a collective ends the others
+        fail(error_line(e, "while training"), exit_code(e))
     # Exit without interpreter teardown. After a clean run and destroy_process_group(), gloo's threads
     # occasionally abort the process while C++ statics are destroyed (SIGABRT, "terminate called without
     # an active exception"; seen about 1 run in 20 on a loaded 2-core CPU). Under torchrun with

@@ -1,8 +1,9 @@
 """Disk faults and shared-filesystem locks on --out_dir, in-process at W=1 (one gloo group over a HashStore):
 a full, read-only or forbidden disk at any point of a save, the metrics or the export is one line naming the
 path and its cause, with `latest` and the previous checkpoint untouched; another run that takes the folder
-is found at the next save; nothing is written through a symbolic link planted in the folder. A network error
-while the processes connect exits 1, which torchrun retries."""
+is found at the next save; a lock a crashed node left is judged by what SLURM says of its job (a fake scontrol);
+nothing is written through a symbolic link planted in the folder. A network error while the processes connect
+exits 1, which torchrun retries."""
 import errno
 import os
 import socket
@@ -125,18 +126,98 @@ def test_a_filesystem_without_flock_is_one_line_naming_the_mount_option(one_proc
         f"(Lustre) or with the lock service running (NFS), or choose another --out_dir")
 
 
-def test_a_held_lock_names_its_holder_and_how_to_clear_a_stale_one(one_process_group, tmp_path):
+def hold_lock(path, holder: str):
+    """`path` locked by another open file (flock conflicts within a process too), naming `holder`: what a lock
+    left on NFS or Lustre by a crashed node looks like to the next run. Returns the file: keep it open."""
     import fcntl
-    with open(tmp_path / ".lock", "w") as held:  # another open file: flock conflicts within a process too
-        held.write("5 host node-a pid 4242 since 2026-01-02 03:04:05\n")
-        held.flush()
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    held = open(path, "w")
+    held.write(f"5 {holder}\n")
+    held.flush()
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return held
+
+
+def fake_scontrol(tmp_path, monkeypatch, state: str):
+    """`scontrol -o show job J` on PATH saying `state` of every job ("GONE": SLURM no longer knows it; "DOWN": the
+    controller cannot be reached). Returns the file its arguments are recorded in."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol.calls"
+    os.makedirs(bin_dir, exist_ok=True)
+    answer = {"GONE": 'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1',
+              "DOWN": 'echo "slurm_load_jobs error: Unable to contact slurm controller (connect failure)" >&2; exit 1'}.get(
+        state, f'echo "JobId=$4 JobName=train UserId=u(1) JobState={state} Reason=None Restarts=0"')
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n{answer}\n')
+    os.chmod(bin_dir / "scontrol", 0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    return calls
+
+
+HOLDER = "host node-a pid 4242 since 2026-01-02 03:04:05"
+
+
+def test_a_held_lock_of_unknown_liveness_is_kept_and_retried_naming_how_to_clear_it(one_process_group, tmp_path,
+                                                                                     monkeypatch):
+    """A lock that recorded no SLURM job, or whose job SLURM cannot be asked about: kept, never taken by a timer;
+    exit code 1 (a restart may find it free: NFS and Lustre drop a dead client's lock in the end), not 2."""
+    fake_scontrol(tmp_path, monkeypatch, "DOWN")
+    lock = tmp_path / ".lock"
+    for holder, why in [(HOLDER, "it recorded no SLURM job to ask about"),
+                        (f"{HOLDER} job 77 restart 0", "scontrol show job 77 cannot be asked here")]:
+        with hold_lock(lock, holder):
+            with pytest.raises(disk.OutDirHeld) as e:
+                claim(tmp_path)
+            assert lock.read_text() == f"5 {holder}\n"  # kept
+        assert str(e.value) == (
+            f"--out_dir: {tmp_path} is locked by a run that may have ended ({holder}: {why}); the lock is kept and a "
+            f"restart may find it free; if no process 4242 runs on node-a, the lock is stale: delete {lock}")
+        assert T.exit_code(e.value) == 1
+
+
+@pytest.mark.parametrize("state", ["TIMEOUT", "COMPLETED", "CANCELLED", "NODE_FAIL", "GONE"])
+def test_a_lock_whose_slurm_job_ended_is_taken_over_with_a_note(one_process_group, tmp_path, monkeypatch, capsys, state):
+    calls = fake_scontrol(tmp_path, monkeypatch, state)
+    lock, holder = tmp_path / ".lock", f"{HOLDER} job 77 restart 0"
+    with hold_lock(lock, holder):  # the dead node's flock, still held on the old file
+        claim(tmp_path)
+        token, mine = disk.read_lock(str(lock))
+    assert calls.read_text() == "-o show job 77\n"
+    assert token == str(disk.out_dir_claim[1]) and mine.startswith(f"host {socket.gethostname()} pid {os.getpid()} ")
+    why = "is no longer known to SLURM" if state == "GONE" else f"is {state}"
+    assert capsys.readouterr().out == f"--out_dir: took over {lock} from {holder}: SLURM job 77 {why}\n"
+
+
+def test_a_lock_whose_slurm_job_runs_is_refused_and_kept(one_process_group, tmp_path, monkeypatch):
+    """A node cut off from the network whose job SLURM still counts as running keeps its folder."""
+    fake_scontrol(tmp_path, monkeypatch, "RUNNING")
+    lock, holder = tmp_path / ".lock", f"{HOLDER} job 77 restart 0"
+    with hold_lock(lock, holder):
         with pytest.raises(disk.CheckpointError) as e:
             claim(tmp_path)
-    assert str(e.value) == (
-        f"--out_dir: {tmp_path} is in use by another run (host node-a pid 4242 since 2026-01-02 03:04:05); wait for "
-        f"it to end or choose another --out_dir; if no process 4242 runs on node-a, the lock is stale: delete "
-        f"{tmp_path / '.lock'}")
+        assert lock.read_text() == f"5 {holder}\n"
+    assert not isinstance(e.value, disk.OutDirHeld) and T.exit_code(e.value) == 2
+    assert str(e.value) == (f"--out_dir: {tmp_path} is in use by another run ({holder}: SLURM job 77 is RUNNING); wait "
+                            f"for it to end or choose another --out_dir")
+
+
+def test_a_lock_of_this_job_before_its_requeue_is_taken_over(one_process_group, tmp_path, monkeypatch, capsys):
+    """The same SLURM_JOB_ID with a higher SLURM_RESTART_COUNT is this run's next allocation: SLURM ended the one
+    that holds the lock, though it says RUNNING of the job (this allocation). Without the higher count it is this
+    allocation's own lock (an earlier attempt still ending): kept, exit code 1."""
+    calls = fake_scontrol(tmp_path, monkeypatch, "RUNNING")
+    lock, holder = tmp_path / ".lock", f"{HOLDER} job 77 restart 1"
+    with hold_lock(lock, holder):
+        with pytest.raises(disk.OutDirHeld) as e:
+            disk.claim_out_dir(str(tmp_path), 0, 1, torch.device("cpu"), env={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"})
+        assert "it is this allocation of SLURM job 77, an earlier attempt of which may still be ending" in str(e.value)
+        disk.claim_out_dir(str(tmp_path), 0, 1, torch.device("cpu"), env={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "2"})
+        token, mine = disk.read_lock(str(lock))
+    assert not calls.exists()  # decided from the lock and the environment alone
+    assert token == str(disk.out_dir_claim[1]) and mine.endswith(" job 77 restart 2")
+    assert capsys.readouterr().out == (f"--out_dir: took over {lock} from {holder}: it is this SLURM job 77 before its "
+                                       f"requeue (restart 1, now 2): SLURM ended that allocation\n")
+    # A process of this host that holds the lock is alive whatever it recorded (a second run inside one allocation).
+    this_host = f"host {socket.gethostname()} pid {os.getpid()} since 2026-01-02 03:04:05 job 77 restart 1"
+    assert disk.held_lock_verdict(this_host, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "2"}) == (
+        "alive", f"process {os.getpid()} runs on this host")
 
 
 def test_a_lock_file_that_cannot_be_made_is_one_line(one_process_group, tmp_path, monkeypatch):

@@ -189,9 +189,9 @@ def paced_export(tmp_path, monkeypatch, rank: int, rank0_writes: bool = True, fa
 
     def broadcast(tensor, src, group):
         assert src == 0 and group is disk.group  # the checkpoint group: gloo, on the CPU
-        if rank != 0:
-            tensor.fill_(int(rank0_writes))
-        events.append(("broadcast", int(tensor)))
+        if rank != 0:  # [written, rank 0's errno]
+            tensor[0] = int(rank0_writes)
+        events.append(("broadcast", int(tensor[0])))
     monkeypatch.setattr(disk, "group", object())
     monkeypatch.setattr(disk, "gather_full_unit", gather)
     monkeypatch.setattr(disk, "write_safetensors_streaming", write)

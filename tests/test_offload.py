@@ -231,7 +231,8 @@ def test_the_host_cast_to_bf16_rounds_as_the_device_does():
 
 def test_a_host_buffer_cuda_cannot_page_lock_is_one_line(monkeypatch):
     """cudaHostRegister refuses (e.g. a locked-memory limit below the buffer): train.main turns this
-    RuntimeError into one line, exit 2, on every rank, before the first step."""
+    RuntimeError into one line, exit code 1 (a previous attempt may still hold the memory), on every rank,
+    before the first step."""
     from types import SimpleNamespace
     import torch
     import offload as O
