@@ -233,13 +233,17 @@ def test_sbatch_stop_signal_comes_early_enough_to_save():
     assert int(lead_s) >= sbatch_plan()["stop_lead_s"]
 
 
-def run_sbatch(tmp_path, saved_before: int, saved_after: int, exit_code: int, check_fails: bool = False):
+def run_sbatch(tmp_path, saved_before: int, saved_after: int, exit_code: int, check_fails: bool = False,
+               without_progress: str | None = None):
     """launch.sbatch with stand-ins for srun and scontrol that record their arguments. The srun stand-in
     fails the network check if asked, and 'trains' by pointing OUT_DIR/checkpoints/latest at step
-    saved_after and exiting with exit_code. --out_dir is moved into tmp_path. Returns (exit code, stdout +
+    saved_after and exiting with exit_code. --out_dir is moved into tmp_path; `without_progress`, when given,
+    is what earlier allocations left in OUT_DIR/allocations_without_progress. Returns (exit code, stdout +
     stderr, srun's calls, scontrol's calls)."""
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
+    if without_progress is not None:
+        (out / "allocations_without_progress").write_text(without_progress)
     if saved_before:
         (out / "checkpoints" / "latest").write_text(f"step_{saved_before:08d}\n")
     (tmp_path / "srun").write_text(f"""#!/bin/bash
@@ -262,17 +266,26 @@ exit {exit_code}
     return proc.returncode, proc.stdout + proc.stderr, *calls
 
 
-@pytest.mark.parametrize("saved_before,saved_after,exit_code,requeued", [
-    (400, 12400, 0, True),      # stopped before the time limit with steps left: continue in a new allocation
-    (28400, 28600, 0, False),   # --steps reached
-    (400, 600, 2, False),       # an error a restart repeats
-    (400, 600, 1, True),        # torchrun's restarts gave up, but this allocation moved the run forward
-    (400, 400, 1, False),       # nothing saved beyond where it started: it would fail the same way again
+@pytest.mark.parametrize("saved_before,saved_after,exit_code,without_progress,requeued,count_after", [
+    (400, 12400, 0, None, True, None),      # stopped before the time limit with steps left: continue
+    (28400, 28600, 0, None, False, None),   # --steps reached
+    (400, 600, 2, None, False, None),       # an error a restart repeats
+    (400, 600, 1, "400 2\n", True, None),   # torchrun's restarts gave up, but the run moved forward: count reset
+    (400, 400, 1, None, True, "400 1"),     # nothing saved beyond where it started: a passing fault? once more
+    (400, 400, 1, "200 2\n", True, "400 1"),  # the count is of allocations in a row at this step
+    (400, 400, 1, "400 1\n", True, "400 2"),
+    (400, 400, 1, "400 2\n", False, "400 3"),  # the third allocation in a row without progress: stuck, stop
 ])
-def test_sbatch_requeues_itself_until_the_run_is_done(tmp_path, saved_before, saved_after, exit_code, requeued):
-    code, log, srun_calls, scontrol_calls = run_sbatch(tmp_path, saved_before, saved_after, exit_code)
+def test_sbatch_requeues_itself_until_the_run_is_done(tmp_path, saved_before, saved_after, exit_code,
+                                                      without_progress, requeued, count_after):
+    code, log, srun_calls, scontrol_calls = run_sbatch(tmp_path, saved_before, saved_after, exit_code,
+                                                       without_progress=without_progress)
     assert code == exit_code, log
     assert scontrol_calls == (["requeue 777"] if requeued else []), log
+    count_file = tmp_path / "run" / "allocations_without_progress"
+    assert (count_file.read_text().strip() if count_file.exists() else None) == count_after, log
+    if not requeued and count_after:
+        assert "3 allocations in a row saved no checkpoint beyond step 400" in log, log
     # Both steps end every node's task when one fails (a bad flag on one node must not leave the other
     # waiting in the rendezvous until it times out).
     assert srun_calls == ["--kill-on-bad-exit=1 ./launch.sh --check",
