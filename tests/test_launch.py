@@ -407,3 +407,30 @@ def test_sbatch_cpus_are_the_planners_cores_and_each_rank_uses_its_share():
         assert O.optimizer_threads(offload, torch.device("cuda", 0), 8, per_gpu) == per_gpu
     finally:
         del os.environ["ZERO3_NUMA_BINDING"]
+
+
+def test_exit_code_2_survives_the_job_steps_sigterm_while_launch_exits(tmp_path):
+    """Under SLURM, when one node's launch.sh exits 2, srun --kill-on-bad-exit sends SIGTERM to every process
+    of the step, and it can land on another node's launch.sh while that one is exiting 2 too, in its EXIT
+    trap's rm. Under set -e the killed rm made the exit code 143, srun reported 143, and launch.sbatch
+    retried an error a restart repeats (seen in tests/test_slurm.py). Here torchrun's stand-in writes the
+    fatal file, and an rm that waits lets SIGTERM reach the group at that moment: the exit code stays 2."""
+    python = tmp_path / "python"
+    python.write_text('#!/bin/bash\ncase "$*" in *device_count*) echo "0 1"; exit 0 ;; esac\n'
+                      'echo "error: a fatal error" > "$ZERO3_FATAL_FILE"\nsleep 30\n')
+    (tmp_path / "rm").write_text(f'#!/bin/bash\ntouch {tmp_path}/in_rm\nsleep 3\nexec /bin/rm "$@"\n')
+    for stand_in in (python, tmp_path / "rm"):
+        stand_in.chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SLURM_") and k not in ("NNODES", "MASTER_ADDR", "RDZV_ID", "NPROC_PER_NODE")}
+    env.update(PYTHON=str(python), PATH=f"{tmp_path}:{os.environ['PATH']}")
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen([LAUNCH, "--steps=5"], env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        deadline = time.time() + 30
+        while not (tmp_path / "in_rm").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "in_rm").exists(), (tmp_path / "log").read_text()
+        os.killpg(proc.pid, signal.SIGTERM)
+        codes = wait_all([proc], 30)
+    assert codes == [2], (tmp_path / "log").read_text()
