@@ -4,11 +4,12 @@ launch.sh). The tier runs on its own, after the main suite: `python -m pytest -q
 with slurm-wlm and munge installed; `bash .ci/run` installs them). Without them it is skipped.
 
 The jobs are submitted together at the start and run side by side (each node has 4 CPUs to SLURM, each job
-asks 1 per node), so the tier takes as long as its longest job, about two 1-minute allocations. The
-cluster's AuthInfo=cred_expire=5 (the smallest value Slurm 22.05 accepts; below 5 it falls back to the
-default 120) makes a requeued job eligible 6 s after its requeue instead of 121 s: the requeue delay is the
-job credential's lifetime plus one second. Slurm checks time limits and --signal every 30 s, so a 1-minute
-job ends 60 to 90 s after it starts, and its --signal comes up to 30 s earlier than asked.
+asks 1 per node), so the tier takes about as long as its longest job: a 2-minute allocation that ends at its
+time limit, then one that finishes (3m22s and 3m31s in two runs on this 2-core machine). The cluster's
+AuthInfo=cred_expire=5 (the smallest Slurm 22.05 accepts: 4 falls back to the default, 120) makes a
+requeued job eligible 6 s after its requeue instead of 121 s (measured here): the job credential's lifetime
+plus one second. Slurm checks time limits and --signal every 30 s, so a 2-minute job ends 120 to 150 s after
+it starts, and its --signal comes up to 30 s earlier than asked.
 """
 import os
 import pwd
