@@ -181,7 +181,10 @@ fi
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 ZERO3_FATAL_FILE=$(mktemp "${TMPDIR:-/tmp}/launch-fatal.XXXXXX")
 export ZERO3_FATAL_FILE
-trap 'rm -f "$ZERO3_FATAL_FILE"' EXIT
+# `|| true`: under SLURM a job step's SIGTERM (srun --kill-on-bad-exit after the other node exited 2) can land
+# while rm runs; with set -e the killed rm would turn this script's exit code 2 into 143, and launch.sbatch
+# would retry an error a restart repeats.
+trap 'rm -f "$ZERO3_FATAL_FILE" || true' EXIT
 
 # torchrun with SIGTERM and SIGINT blocked (see "Stopping" above): a signal mask, unlike a handler, survives
 # into torchrun's own signal.signal calls. And torchrun quiet once train.py has written its fatal line:

@@ -1,5 +1,7 @@
 """Fixtures shared by several test files."""
 import os
+import pwd
+import shutil
 import signal
 import sys
 
@@ -33,3 +35,50 @@ def main_in_process(monkeypatch):
     if disk.out_dir_lock is not None:
         disk.out_dir_lock.close()
     disk.out_dir_lock = disk.out_dir_claim = None
+
+
+# The SLURM tier (tests/test_slurm.py, marker `slurm`): launch.sbatch under a real slurmctld, two slurmd and
+# munge on this machine. It runs on its own, after the main suite (`.ci/run`), so the README's command stays
+# within its time and never needs SLURM; it is skipped with one line that says how to run it.
+SLURM_TIER = "python -m pytest -q -m slurm tests"
+
+
+def slurm_missing() -> str | None:
+    """Why the SLURM tier cannot run here, or None."""
+    missing = [c for c in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol") if shutil.which(c) is None]
+    try:
+        pwd.getpwnam("munge")
+    except KeyError:
+        missing.append("the munge user")
+    if missing:
+        return (f"the SLURM tier needs slurm-wlm and munge ({', '.join(missing)} not found): `bash .ci/run` installs "
+                f"them and runs it, or `apt-get install -y slurm-wlm munge` then `{SLURM_TIER}`, as root")
+    if os.geteuid() != 0:
+        return f"the SLURM tier starts slurmctld, slurmd and munged: run `{SLURM_TIER}` as root"
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers",
+                            f"slurm: launch.sbatch under a real SLURM on this machine; its own tier: {SLURM_TIER}")
+
+
+def pytest_collection_modifyitems(config, items):
+    tier = [item for item in items if item.get_closest_marker("slurm")]
+    expression = config.getoption("markexpr") or ""
+    if not tier:
+        return
+    if "slurm" not in expression or "not slurm" in expression:
+        reason = f"the SLURM tier runs on its own, after the main suite: {SLURM_TIER} (bash .ci/run does)"
+    else:
+        reason = slurm_missing()
+    for item in tier if reason else []:
+        item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The skip's reason once, even without -rs."""
+    reasons = {report.longrepr[2] for report in terminalreporter.stats.get("skipped", [])
+               if "slurm" in report.keywords and isinstance(report.longrepr, tuple)}
+    for reason in sorted(reasons):
+        terminalreporter.write_line(reason.removeprefix("Skipped: "))

@@ -271,13 +271,17 @@ def test_sbatch_stop_signal_comes_early_enough_to_save():
     assert int(lead_s) >= sbatch_plan()["stop_lead_s"]
 
 
-def run_sbatch(tmp_path, saved_before: int, saved_after: int, exit_code: int, check_fails: bool = False):
+def run_sbatch(tmp_path, saved_before: int, saved_after: int, exit_code: int, check_fails: bool = False,
+               without_progress: str | None = None):
     """launch.sbatch with stand-ins for srun and scontrol that record their arguments. The srun stand-in
     fails the network check if asked, and 'trains' by pointing OUT_DIR/checkpoints/latest at step
-    saved_after and exiting with exit_code. --out_dir is moved into tmp_path. Returns (exit code, stdout +
+    saved_after and exiting with exit_code. --out_dir is moved into tmp_path; `without_progress`, when given,
+    is what earlier allocations left in OUT_DIR/allocations_without_progress. Returns (exit code, stdout +
     stderr, srun's calls, scontrol's calls)."""
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
+    if without_progress is not None:
+        (out / "allocations_without_progress").write_text(without_progress)
     if saved_before:
         (out / "checkpoints" / "latest").write_text(f"step_{saved_before:08d}\n")
     (tmp_path / "srun").write_text(f"""#!/bin/bash
@@ -300,17 +304,26 @@ exit {exit_code}
     return proc.returncode, proc.stdout + proc.stderr, *calls
 
 
-@pytest.mark.parametrize("saved_before,saved_after,exit_code,requeued", [
-    (400, 12400, 0, True),      # stopped before the time limit with steps left: continue in a new allocation
-    (28400, 28600, 0, False),   # --steps reached
-    (400, 600, 2, False),       # an error a restart repeats
-    (400, 600, 1, True),        # torchrun's restarts gave up, but this allocation moved the run forward
-    (400, 400, 1, False),       # nothing saved beyond where it started: it would fail the same way again
+@pytest.mark.parametrize("saved_before,saved_after,exit_code,without_progress,requeued,count_after", [
+    (400, 12400, 0, None, True, None),      # stopped before the time limit with steps left: continue
+    (28400, 28600, 0, None, False, None),   # --steps reached
+    (400, 600, 2, None, False, None),       # an error a restart repeats
+    (400, 600, 1, "400 2\n", True, None),   # torchrun's restarts gave up, but the run moved forward: count reset
+    (400, 400, 1, None, True, "400 1"),     # nothing saved beyond where it started: a passing fault? once more
+    (400, 400, 1, "200 2\n", True, "400 1"),  # the count is of allocations in a row at this step
+    (400, 400, 1, "400 1\n", True, "400 2"),
+    (400, 400, 1, "400 2\n", False, "400 3"),  # the third allocation in a row without progress: stuck, stop
 ])
-def test_sbatch_requeues_itself_until_the_run_is_done(tmp_path, saved_before, saved_after, exit_code, requeued):
-    code, log, srun_calls, scontrol_calls = run_sbatch(tmp_path, saved_before, saved_after, exit_code)
+def test_sbatch_requeues_itself_until_the_run_is_done(tmp_path, saved_before, saved_after, exit_code,
+                                                      without_progress, requeued, count_after):
+    code, log, srun_calls, scontrol_calls = run_sbatch(tmp_path, saved_before, saved_after, exit_code,
+                                                       without_progress=without_progress)
     assert code == exit_code, log
     assert scontrol_calls == (["requeue 777"] if requeued else []), log
+    count_file = tmp_path / "run" / "allocations_without_progress"
+    assert (count_file.read_text().strip() if count_file.exists() else None) == count_after, log
+    if not requeued and count_after:
+        assert "3 allocations in a row saved no checkpoint beyond step 400" in log, log
     # Both steps end every node's task when one fails (a bad flag on one node must not leave the other
     # waiting in the rendezvous until it times out).
     assert srun_calls == ["--kill-on-bad-exit=1 ./launch.sh --check",
@@ -515,3 +528,30 @@ def test_sbatch_cpus_are_the_planners_cores_and_each_rank_uses_its_share():
         assert O.optimizer_threads(offload, torch.device("cuda", 0), 8, per_gpu) == per_gpu
     finally:
         del os.environ["ZERO3_NUMA_BINDING"]
+
+
+def test_exit_code_2_survives_the_job_steps_sigterm_while_launch_exits(tmp_path):
+    """Under SLURM, when one node's launch.sh exits 2, srun --kill-on-bad-exit sends SIGTERM to every process
+    of the step, and it can land on another node's launch.sh while that one is exiting 2 too, in its EXIT
+    trap's rm. Under set -e the killed rm made the exit code 143, srun reported 143, and launch.sbatch
+    retried an error a restart repeats (seen in tests/test_slurm.py). Here torchrun's stand-in writes the
+    fatal file, and an rm that waits lets SIGTERM reach the group at that moment: the exit code stays 2."""
+    python = tmp_path / "python"
+    python.write_text('#!/bin/bash\ncase "$*" in *device_count*) echo "0 1"; exit 0 ;; esac\n'
+                      'echo "error: a fatal error" > "$ZERO3_FATAL_FILE"\nsleep 30\n')
+    (tmp_path / "rm").write_text(f'#!/bin/bash\ntouch {tmp_path}/in_rm\nsleep 3\nexec /bin/rm "$@"\n')
+    for stand_in in (python, tmp_path / "rm"):
+        stand_in.chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SLURM_") and k not in ("NNODES", "MASTER_ADDR", "RDZV_ID", "NPROC_PER_NODE")}
+    env.update(PYTHON=str(python), PATH=f"{tmp_path}:{os.environ['PATH']}")
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen([LAUNCH, "--steps=5"], env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        deadline = time.time() + 30
+        while not (tmp_path / "in_rm").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "in_rm").exists(), (tmp_path / "log").read_text()
+        os.killpg(proc.pid, signal.SIGTERM)
+        codes = wait_all([proc], 30)
+    assert codes == [2], (tmp_path / "log").read_text()
