@@ -232,6 +232,26 @@ def folder_files(root) -> dict:
             for d, _, names in os.walk(root) for n in names}
 
 
+def stop_flags(folder, cfg, root) -> list[str]:
+    from common import learnable_tokens
+    data = learnable_tokens(str(root / "tok.npy"), cfg.vocab_size, n=2000)
+    return [f"--init_from={folder}", f"--data={data}", "--dtype=float32", "--seq_len=16", "--batch_size=4",
+            "--micro_batch_size=4", "--steps=3", "--warmup_steps=1", "--eval_every=0", "--export_shard_gb=0.000005"]
+
+
+def same_export(a, b):
+    """Two --export_hf folders hold the same files: the same tensors, byte-equal other files."""
+    from safetensors.torch import load_file
+    names = sorted(os.listdir(a))
+    assert sorted(os.listdir(b)) == names and "model.safetensors.index.json" in names
+    for name in names:
+        if name.endswith(".safetensors"):
+            theirs, ours = load_file(a / name), load_file(b / name)
+            assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs), name
+        else:
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
 def test_a_stop_in_the_last_step_leaves_the_export_to_the_same_command(instruct_folder, main_in_process, tmp_path,
                                                                        monkeypatch, capsys):
     """A stop request (SIGUSR1, a time limit's) during the last step saves it and skips the final export, which
@@ -239,13 +259,9 @@ def test_a_stop_in_the_last_step_leaves_the_export_to_the_same_command(instruct_
     from the finished checkpoint alone, over a crashed export's DIR.partial, equal tensor for tensor and file
     for file to an uninterrupted run's; run once more, it says the run is finished and writes nothing. Before,
     the re-run only printed how to export by hand, and an unattended run ended without its export."""
-    from common import learnable_tokens
-    from safetensors.torch import load_file
     import train as T
     folder, cfg, _, _ = instruct_folder
-    data = learnable_tokens(str(tmp_path / "tok.npy"), cfg.vocab_size, n=2000)
-    flags = [f"--init_from={folder}", f"--data={data}", "--dtype=float32", "--seq_len=16", "--batch_size=4",
-             "--micro_batch_size=2", "--steps=3", "--warmup_steps=1", "--eval_every=0", "--export_shard_gb=0.000005"]
+    flags = stop_flags(folder, cfg, tmp_path)
     uninterrupted, stopped = tmp_path / "a", tmp_path / "b"
     assert main_in_process(flags + [f"--out_dir={uninterrupted}", f"--export_hf={uninterrupted / 'hf'}"]) == 0
     command = flags + [f"--out_dir={stopped}", f"--export_hf={stopped / 'hf'}"]
@@ -280,17 +296,24 @@ def test_a_stop_in_the_last_step_leaves_the_export_to_the_same_command(instruct_
     kept = [k for k in run_before if k.startswith(("checkpoints", "metrics"))]  # .lock: this run's claim
     assert len(kept) >= 4 and {k: after[k] for k in kept} == {k: run_before[k] for k in kept}  # no step, save, log
     assert sorted(k for k in after if k.startswith(("checkpoints", "metrics"))) == sorted(kept)
-    names = sorted(os.listdir(uninterrupted / "hf"))
-    assert sorted(os.listdir(stopped / "hf")) == names and "model.safetensors.index.json" in names
-    for name in names:
-        a, b = uninterrupted / "hf" / name, stopped / "hf" / name
-        if name.endswith(".safetensors"):
-            theirs, ours = load_file(a), load_file(b)
-            assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs), name
-        else:
-            assert a.read_bytes() == b.read_bytes(), name
+    same_export(uninterrupted / "hf", stopped / "hf")
 
     exported = folder_files(stopped)
     assert main_in_process(command) == 0
     assert capsys.readouterr().out.splitlines() == [f"already at step 3 of 3 ({ckpt}); raise --steps to continue"]
     assert folder_files(stopped) == exported
+
+
+def test_a_finished_run_without_its_export_exports_at_another_world_size(instruct_folder, main_in_process, tmp_path):
+    """The export of a finished run whose --export_hf is missing needs only its checkpoint's weights: the same
+    command at W=2 makes it (--batch_size 4 of --micro_batch_size 4, which W=2 cannot train with, is not
+    refused), equal to the W=1 run's own export."""
+    from common import run_train
+    folder, cfg, _, _ = instruct_folder
+    flags = stop_flags(folder, cfg, tmp_path)
+    done, again = tmp_path / "a", tmp_path / "b"
+    assert main_in_process(flags + [f"--out_dir={done}", f"--export_hf={done / 'hf'}"]) == 0
+    shutil.copytree(done, again, ignore=shutil.ignore_patterns("hf"))
+    proc = run_train(flags + [f"--out_dir={again}", f"--export_hf={again / 'hf'}"], nproc=2)
+    assert f"exported a Hugging Face folder to {again / 'hf'}" in proc.stdout
+    same_export(done / "hf", again / "hf")
