@@ -955,7 +955,8 @@ def table(p: dict, cfg) -> str:
         lines.append(f"final export (predicted): {p['export_gb']:.1f} GB of bf16 weights written by rank 0, "
                      f"{p['export_s']:.0f} s at {cfg.fs_write_gbps:g} GB/s; not in the stop's lead: it runs after the "
                      f"last step's save, which, ending before the stop request, leaves {p['signal_lead_s']} s "
-                     f"({'enough' if enough else 'NOT enough: export in a job of its own'}). {then} (docs/operations.md)")
+                     f"({'enough' if enough else 'NOT enough: export in a job of its own'}). {then} "
+                     f"(docs/operations.md)")
     if p["hours"] is not None and cfg.train_tokens:
         lines.append(f"{cfg.train_tokens:,.0f} tokens: {p['hours']:,.0f} h ({p['hours'] / 24:.1f} days) on "
                      f"{p['world']} GPUs = ${p['cost_usd']:,.0f} at ${cfg.gpu_hour_usd:.2f}/GPU-hour")

@@ -895,11 +895,12 @@ def main(argv=None):
         # A stop request in the last step saved it and skipped the export (the loop below): this command, run
         # again (a requeue, the operator), makes it, as `--from_ckpt CHECKPOINT --export_hf DIR` does: the
         # weights only, at any world size. --init_from goes (the checkpoint's manifest names it, for the
-        # export's config and tokenizer: disk.export_origin), and what only training reads (--data, --batch_size
-        # against the world size) is not checked (checks.check_config's `trains`). Every rank decides alone, before any collective, from the same files on
-        # the shared filesystem; only another export to DIR completing at this very moment could split them
-        # (a second run of this out_dir is refused by its lock): the ranks that go on then time out at set-up
-        # (exit 1, --timeout_min), and their restart finds the export made.
+        # export's config and tokenizer: disk.export_origin), and what only training reads (--data,
+        # --batch_size against the world size) is not checked (checks.check_config's `trains`). Every rank
+        # decides alone, before any collective, from the same files on the shared filesystem; only another
+        # export to DIR completing at this very moment could split them (a second run of this out_dir is
+        # refused by its lock): the ranks that go on then time out at set-up (exit 1, --timeout_min), and
+        # their restart finds the export made.
         cfg = replace(cfg, from_ckpt=checkpoint, init_from="")
         if rank0:
             print(f"{message}; its export to {cfg.export_hf} was not made (a stop in the last step?): making it now",
@@ -972,7 +973,8 @@ def main(argv=None):
                 print(f"saved checkpoint {path}", flush=True)
         if signalled:
             if rank == 0:
-                why = f"stopping at step {step} on {signal.Signals(stop_signals[0]).name if stop_signals else 'a signal'}"
+                name = signal.Signals(stop_signals[0]).name if stop_signals else "a signal"
+                why = f"stopping at step {step} on {name}"
                 if step == steps and cfg.export_hf:  # the export is not part of a stop's lead (docs/operations.md)
                     print(f"{why} (the last step): the export to {cfg.export_hf} was not made; the same command makes "
                           f"it", flush=True)

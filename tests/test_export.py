@@ -290,7 +290,8 @@ def test_a_stop_in_the_last_step_leaves_the_export_to_the_same_command(instruct_
     assert out[0] == (f"already at step 3 of 3 ({ckpt}); raise --steps to continue; its export to {stopped / 'hf'} "
                       f"was not made (a stop in the last step?): making it now")
     assert f"read checkpoint {ckpt} (step 3)" in out
-    assert out[-1].startswith(f"exported a Hugging Face folder to {stopped / 'hf'} (tokenizer files copied from {folder}")
+    assert out[-1].startswith(f"exported a Hugging Face folder to {stopped / 'hf'} (tokenizer files copied from "
+                              f"{folder}")
     assert not os.path.exists(f"{stopped / 'hf'}.partial")
     after = folder_files(stopped)
     kept = [k for k in run_before if k.startswith(("checkpoints", "metrics"))]  # .lock: this run's claim

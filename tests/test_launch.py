@@ -324,7 +324,8 @@ def test_sbatch_requeues_itself_until_the_run_is_done(tmp_path, saved_before, sa
 
 
 @pytest.mark.parametrize("saved_before,exit_code,requeued,says", [
-    (28400, 0, True, "saved step 28600 of 28600 without its --export_hf; requeueing job 777: the same command exports it"),
+    (28400, 0, True, "saved step 28600 of 28600 without its --export_hf; requeueing job 777: the same command "
+                     "exports it"),
     (28600, 1, False, "step 28600 of 28600, but its --export_hf was not made in this allocation (exit code 1, above); "
                       "not requeued"),  # only the export was left, and it failed: it would fail again
 ], ids=["stopped in the last step", "the export failed"])
