@@ -100,7 +100,7 @@ def check_config(cfg, world: int) -> list[str]:
     if trains and cfg.resume == "never" and used and not cfg.overwrite:
         errors.append(f"--out_dir: {cfg.out_dir} already holds {' and '.join(used)}; --resume auto continues "
                       f"from it, --overwrite true deletes them")
-    if cfg.export_hf and os.path.isdir(cfg.export_hf) and os.listdir(cfg.export_hf):
+    if cfg.export_hf and disk.export_made(cfg.export_hf):
         errors.append(f"--export_hf: {cfg.export_hf} exists and is not empty; remove it or choose another")
     if trains and not errors:
         errors += check_resume_mix(cfg)

@@ -681,10 +681,11 @@ def resume_candidates(root: str) -> list[str]:
     return [p for p in paths if os.path.basename(p) <= latest]  # zero-padded names sort as steps
 
 
-def finished_run(cfg) -> str | None:
-    """What to say instead of training when the checkpoint a resume would start from is already at --steps:
-    re-running a finished run's command (launch.sh again, a requeued job) trains, saves and exports nothing.
-    Only manifests are read: no process group, no weights. None when there is something to do."""
+def finished_run(cfg) -> tuple[str, str] | None:
+    """(the checkpoint, what to say) when the checkpoint a resume would start from is already at --steps:
+    re-running a finished run's command (launch.sh again, a requeued job) trains and saves nothing, and
+    exports only when --export_hf is not made yet (train.main). Only manifests are read: no process group,
+    no weights. None when there is something to train."""
     if cfg.resume != "auto" or cfg.from_ckpt or cfg.steps == 0:  # --steps 0 exports the newest checkpoint
         return None
     try:
@@ -701,11 +702,15 @@ def finished_run(cfg) -> str | None:
         if not isinstance(step, int) or step < cfg.steps:
             return None
         done = f" of {cfg.steps}" if step == cfg.steps else f", beyond --steps {cfg.steps}"
-        message = f"already at step {step}{done} ({path}); raise --steps to continue"
-        if cfg.export_hf and not (os.path.isdir(cfg.export_hf) and os.listdir(cfg.export_hf)):
-            message += f"; to export it: python train.py --from_ckpt {path} --export_hf {cfg.export_hf}"
-        return message
+        return path, f"already at step {step}{done} ({path}); raise --steps to continue"
     return None
+
+
+def export_made(folder: str) -> bool:
+    """Whether an --export_hf folder is there: export_hf writes FOLDER.partial and renames it, so FOLDER
+    exists and is not empty only when complete. A FOLDER.partial left by a crash does not count (the next
+    export replaces it), nor does an empty FOLDER (the next export takes its place)."""
+    return os.path.isdir(folder) and bool(os.listdir(folder))
 
 
 def is_complete(path: str) -> bool:

@@ -190,9 +190,10 @@ ASSUMPTIONS = {
                                     "end of the ~1-2 GB/s in 'pinning' (a prediction, not measured)"),
     "export": "--export_hf after the last step: rank 0 writes the bf16 weights (2 B per parameter, 141 GB for "
               "70B) alone, predicted at --fs_write_gbps (one writer may be faster). It is no part of the stop's lead: "
-              "when the time limit could cut it (or the stop request lands in the last step, which then saves and "
-              "stops without exporting), the run's checkpoint is complete and `python train.py --from_ckpt "
-              "OUT_DIR --export_hf DIR` (OUT_DIR's latest checkpoint) exports it as a job of its own (docs/operations.md)",
+              "a stop request that lands in the last step saves it and stops without exporting, and the same "
+              "command run again (launch.sbatch requeues it) exports from that checkpoint; when the time limit "
+              "could cut the export itself, leave --export_hf out and run `python train.py --from_ckpt OUT_DIR "
+              "--export_hf DIR` (OUT_DIR's latest checkpoint) as a job of its own (docs/operations.md)",
     "mfu_convention": "MFU = tokens/s x metrics.flops_per_token (6(N-emb) + 12 L H Dh T) / peak; recompute, the "
                       "tied head's matmul and the chunked cross-entropy's recomputed logits are executed FLOPs "
                       "that cost time but are not counted in MFU",
@@ -946,12 +947,16 @@ def table(p: dict, cfg) -> str:
                  + f"the stop's save {p['save_s']:.0f} s, x {ASSUMPTIONS['stop_margin'][0]}): "
                  f"#SBATCH --signal=USR1@{p['signal_lead_s']}")
     if cfg.export_hf:  # after the last step's save: with the lead's time left at the least, unless stopped in that step
-        room = "enough" if p["export_s"] <= p["signal_lead_s"] else "NOT enough: export in a job of its own"
+        enough = p["export_s"] <= p["signal_lead_s"]
+        then = ("A stop request during the last step saves it without exporting; the same command run again "
+                "(launch.sbatch requeues it) exports" if enough else
+                f"Leave --export_hf out of the training and run python train.py --from_ckpt {cfg.out_dir} "
+                f"--export_hf {cfg.export_hf} after it")
         lines.append(f"final export (predicted): {p['export_gb']:.1f} GB of bf16 weights written by rank 0, "
                      f"{p['export_s']:.0f} s at {cfg.fs_write_gbps:g} GB/s; not in the stop's lead: it runs after the "
-                     f"last step's save, which, ending before the stop request, leaves {p['signal_lead_s']} s ({room}). "
-                     f"A stop request during the last step saves it without exporting; then: python train.py "
-                     f"--from_ckpt {cfg.out_dir} --export_hf {cfg.export_hf} (docs/operations.md)")
+                     f"last step's save, which, ending before the stop request, leaves {p['signal_lead_s']} s "
+                     f"({'enough' if enough else 'NOT enough: export in a job of its own'}). {then} "
+                     f"(docs/operations.md)")
     if p["hours"] is not None and cfg.train_tokens:
         lines.append(f"{cfg.train_tokens:,.0f} tokens: {p['hours']:,.0f} h ({p['hours'] / 24:.1f} days) on "
                      f"{p['world']} GPUs = ${p['cost_usd']:,.0f} at ${cfg.gpu_hour_usd:.2f}/GPU-hour")

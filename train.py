@@ -44,7 +44,7 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 from typing import NamedTuple
 
@@ -929,11 +929,27 @@ def main(argv=None):
         import plan
         plan.main(cfg)
         return
-    finished = disk.finished_run(cfg)  # re-running a finished run's command: say so; train, save, export nothing
+    finished = disk.finished_run(cfg)  # re-running a finished run's command: say so; train and save nothing
     if finished:
-        if os.environ.get("RANK", "0") == "0":
-            print(finished, flush=True)
-        return
+        checkpoint, message = finished
+        rank0 = os.environ.get("RANK", "0") == "0"
+        if not cfg.export_hf or disk.export_made(cfg.export_hf):
+            if rank0:
+                print(message, flush=True)
+            return
+        # A stop request in the last step saved it and skipped the export (the loop below): this command, run
+        # again (a requeue, the operator), makes it, as `--from_ckpt CHECKPOINT --export_hf DIR` does: the
+        # weights only, at any world size. --init_from goes (the checkpoint's manifest names it, for the
+        # export's config and tokenizer: disk.export_origin), and what only training reads (--data,
+        # --batch_size against the world size) is not checked (checks.check_config's `trains`). Every rank
+        # decides alone, before any collective, from the same files on the shared filesystem; only another
+        # export to DIR completing at this very moment could split them (a second run of this out_dir is
+        # refused by its lock): the ranks that go on then time out at set-up (exit 1, --timeout_min), and
+        # their restart finds the export made.
+        cfg = replace(cfg, from_ckpt=checkpoint, init_from="")
+        if rank0:
+            print(f"{message}; its export to {cfg.export_hf} was not made (a stop in the last step?): making it now",
+                  flush=True)
     owns_group = not dist.is_initialized()  # a caller's group (bench/) is the caller's to destroy
     global fault_hook
     if os.environ.get("ZERO3_FAULT"):  # tests only: a rank killed, hung or given a NaN (faults.py)
@@ -1002,8 +1018,14 @@ def main(argv=None):
                 print(f"saved checkpoint {path}", flush=True)
         if signalled:
             if rank == 0:
-                print(f"stopping at step {step} on {signal.Signals(stop_signals[0]).name if stop_signals else 'a signal'}; "
-                      f"re-run the same command to continue", flush=True)
+                name = signal.Signals(stop_signals[0]).name if stop_signals else "a signal"
+                why = f"stopping at step {step} on {name}"
+                if step == steps and cfg.export_hf:  # the export is not part of a stop's lead (docs/operations.md)
+                    print(f"{why} (the last step): the export to {cfg.export_hf} was not made; the same command makes "
+                          f"it", flush=True)
+                else:
+                    print(f"{why}" + (" (the last step): the run is finished" if step == steps else
+                                      "; re-run the same command to continue"), flush=True)
             break
     else:  # not stopped by a signal
         if cfg.export_hf:

@@ -5,6 +5,7 @@ that transformers would load as another one (a fork's extra parameter)."""
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -223,3 +224,97 @@ def test_a_file_rank_0_cannot_write_stops_every_rank_at_that_file(tmp_path, monk
     assert not (tmp_path / "r0" / "hf.partial").exists()
     with pytest.raises(disk.CheckpointError, match="rank 0 could not write model-00001-of-00003.safetensors"):
         paced_export(tmp_path / "r1", monkeypatch, rank=1, rank0_writes=False)
+
+
+def folder_files(root) -> dict:
+    """Every file under `root` (its path relative to `root`) and its modification time."""
+    return {os.path.relpath(os.path.join(d, n), root): os.stat(os.path.join(d, n)).st_mtime_ns
+            for d, _, names in os.walk(root) for n in names}
+
+
+def stop_flags(folder, cfg, root) -> list[str]:
+    from common import learnable_tokens
+    data = learnable_tokens(str(root / "tok.npy"), cfg.vocab_size, n=2000)
+    return [f"--init_from={folder}", f"--data={data}", "--dtype=float32", "--seq_len=16", "--batch_size=4",
+            "--micro_batch_size=4", "--steps=3", "--warmup_steps=1", "--eval_every=0", "--export_shard_gb=0.000005"]
+
+
+def same_export(a, b):
+    """Two --export_hf folders hold the same files: the same tensors, byte-equal other files."""
+    from safetensors.torch import load_file
+    names = sorted(os.listdir(a))
+    assert sorted(os.listdir(b)) == names and "model.safetensors.index.json" in names
+    for name in names:
+        if name.endswith(".safetensors"):
+            theirs, ours = load_file(a / name), load_file(b / name)
+            assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs), name
+        else:
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_a_stop_in_the_last_step_leaves_the_export_to_the_same_command(instruct_folder, main_in_process, tmp_path,
+                                                                       monkeypatch, capsys):
+    """A stop request (SIGUSR1, a time limit's) during the last step saves it and skips the final export, which
+    is not part of a stop's lead: rank 0 says so, and the same command run again (a requeue) makes the export
+    from the finished checkpoint alone, over a crashed export's DIR.partial, equal tensor for tensor and file
+    for file to an uninterrupted run's; run once more, it says the run is finished and writes nothing. Before,
+    the re-run only printed how to export by hand, and an unattended run ended without its export."""
+    import train as T
+    folder, cfg, _, _ = instruct_folder
+    flags = stop_flags(folder, cfg, tmp_path)
+    uninterrupted, stopped = tmp_path / "a", tmp_path / "b"
+    assert main_in_process(flags + [f"--out_dir={uninterrupted}", f"--export_hf={uninterrupted / 'hf'}"]) == 0
+    command = flags + [f"--out_dir={stopped}", f"--export_hf={stopped / 'hf'}"]
+    real_train_step = T.train_step
+
+    def signalled_in_step_3(cfg, sharded, windows, step, position):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)  # what launch.sh forwards before the time limit
+        return real_train_step(cfg, sharded, windows, step, position)
+    monkeypatch.setattr(T, "train_step", signalled_in_step_3)
+    capsys.readouterr()
+    assert main_in_process(command) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"stopping at step 3 on SIGUSR1 (the last step): the export to {stopped / 'hf'} was not made; the same "
+        f"command makes it")
+    assert not (stopped / "hf").exists()
+    assert (stopped / "checkpoints" / "latest").read_text() == "step_00000003\n"
+
+    monkeypatch.setattr(T, "train_step", real_train_step)
+    os.makedirs(f"{stopped / 'hf'}.partial")  # an earlier export attempt that crashed
+    (stopped / "hf.partial" / "model.safetensors").write_bytes(b"torn")
+    run_before = folder_files(stopped)
+    assert main_in_process(command) == 0
+    out = capsys.readouterr().out.splitlines()
+    ckpt = stopped / "checkpoints" / "step_00000003"
+    assert out[0] == (f"already at step 3 of 3 ({ckpt}); raise --steps to continue; its export to {stopped / 'hf'} "
+                      f"was not made (a stop in the last step?): making it now")
+    assert f"read checkpoint {ckpt} (step 3)" in out
+    assert out[-1].startswith(f"exported a Hugging Face folder to {stopped / 'hf'} (tokenizer files copied from "
+                              f"{folder}")
+    assert not os.path.exists(f"{stopped / 'hf'}.partial")
+    after = folder_files(stopped)
+    kept = [k for k in run_before if k.startswith(("checkpoints", "metrics"))]  # .lock: this run's claim
+    assert len(kept) >= 4 and {k: after[k] for k in kept} == {k: run_before[k] for k in kept}  # no step, save, log
+    assert sorted(k for k in after if k.startswith(("checkpoints", "metrics"))) == sorted(kept)
+    same_export(uninterrupted / "hf", stopped / "hf")
+
+    exported = folder_files(stopped)
+    assert main_in_process(command) == 0
+    assert capsys.readouterr().out.splitlines() == [f"already at step 3 of 3 ({ckpt}); raise --steps to continue"]
+    assert folder_files(stopped) == exported
+
+
+def test_a_finished_run_without_its_export_exports_at_another_world_size(instruct_folder, main_in_process, tmp_path):
+    """The export of a finished run whose --export_hf is missing needs only its checkpoint's weights: the same
+    command at W=2 makes it (--batch_size 4 of --micro_batch_size 4, which W=2 cannot train with, is not
+    refused), equal to the W=1 run's own export."""
+    from common import run_train
+    folder, cfg, _, _ = instruct_folder
+    flags = stop_flags(folder, cfg, tmp_path)
+    done, again = tmp_path / "a", tmp_path / "b"
+    assert main_in_process(flags + [f"--out_dir={done}", f"--export_hf={done / 'hf'}"]) == 0
+    shutil.copytree(done, again, ignore=shutil.ignore_patterns("hf"))
+    proc = run_train(flags + [f"--out_dir={again}", f"--export_hf={again / 'hf'}"], nproc=2)
+    assert f"exported a Hugging Face folder to {again / 'hf'}" in proc.stdout
+    same_export(done / "hf", again / "hf")

@@ -272,12 +272,13 @@ def test_sbatch_stop_signal_comes_early_enough_to_save():
 
 
 def run_sbatch(tmp_path, saved_before: int, saved_after: int, exit_code: int, check_fails: bool = False,
-               without_progress: str | None = None):
+               without_progress: str | None = None, exports: bool = True):
     """launch.sbatch with stand-ins for srun and scontrol that record their arguments. The srun stand-in
     fails the network check if asked, and 'trains' by pointing OUT_DIR/checkpoints/latest at step
-    saved_after and exiting with exit_code. --out_dir is moved into tmp_path; `without_progress`, when given,
-    is what earlier allocations left in OUT_DIR/allocations_without_progress. Returns (exit code, stdout +
-    stderr, srun's calls, scontrol's calls)."""
+    saved_after and exiting with exit_code, and at the last step writes the --export_hf folder when
+    `exports`. --out_dir is moved into tmp_path; `without_progress`, when given, is what earlier allocations
+    left in OUT_DIR/allocations_without_progress. Returns (exit code, stdout + stderr, srun's calls,
+    scontrol's calls)."""
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
     if without_progress is not None:
@@ -288,6 +289,7 @@ def run_sbatch(tmp_path, saved_before: int, saved_after: int, exit_code: int, ch
 echo "$@" >> {tmp_path}/srun.calls
 case "$*" in *--check*) exit {int(check_fails)} ;; esac
 echo step_{saved_after:08d} > {out}/checkpoints/latest
+{f"mkdir -p {out}/hf && touch {out}/hf/config.json" if exports and saved_after >= 28600 else ""}
 exit {exit_code}
 """)
     (tmp_path / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/scontrol.calls\n')
@@ -331,6 +333,27 @@ def test_sbatch_requeues_itself_until_the_run_is_done(tmp_path, saved_before, sa
                               "/shared/runs/llama70b-ft", str(tmp_path / "run"))]
     if saved_after >= 28600:
         assert "the run is finished: step 28600 of 28600" in log
+
+
+@pytest.mark.parametrize("saved_before,exit_code,without_progress,requeued,says", [
+    (28400, 0, None, True, "saved step 28600 of 28600 (exit code 0; allocations in a row without progress: 0); "
+                           "requeueing job 777 to make its --export_hf"),
+    (28600, 1, None, True, "saved step 28600 of 28600 (exit code 1; allocations in a row without progress: 1); "
+                           "requeueing job 777 to make its --export_hf"),  # a passing fault in the export: again
+    (28600, 1, "28600 2\n", False, "3 allocations in a row saved no checkpoint beyond step 28600 (exit code 1); "
+                                   "not requeued"),  # the export failed three times: stuck, stop
+    (28600, 2, None, False, "stopped by an error a restart would repeat (above); not requeued"),
+], ids=["stopped in the last step", "the export failed once", "the export failed three times", "a full disk"])
+def test_sbatch_requeues_a_run_whose_last_step_was_saved_without_its_export(tmp_path, saved_before, exit_code,
+                                                                           without_progress, requeued, says):
+    """A stop request in the last step saves it and skips the final --export_hf (not part of the stop's lead):
+    the run is not finished until the export is there, and the requeued command makes it (train.py). An
+    allocation that only had the export to make and did not make it counts as one without progress."""
+    code, log, _, scontrol_calls = run_sbatch(tmp_path, saved_before, 28600, exit_code, exports=False,
+                                              without_progress=without_progress)
+    assert code == exit_code and f"launch.sbatch: {says}" in log, log
+    assert scontrol_calls == (["requeue 777"] if requeued else []), log
+    assert "the run is finished" not in log
 
 
 def test_sbatch_stops_when_the_check_fails(tmp_path):
