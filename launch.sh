@@ -143,7 +143,7 @@ fi
 # made here: torch's writer opens the file and does not make folders (GPUs only: gloo records nothing).
 # `torchfrtrace OUT_DIR/nccl_trace` names the collective and the ranks that never joined it.
 if [ -z "${TORCH_FR_BUFFER_SIZE:-}${TORCH_NCCL_TRACE_BUFFER_SIZE:-}" ]; then
-  export TORCH_FR_BUFFER_SIZE=2000  # torch 2.13's name: TORCH_NCCL_TRACE_BUFFER_SIZE prints that it is deprecated
+  export TORCH_FR_BUFFER_SIZE=2000  # the name since torch 2.8 (requirements.txt's floor); the older TORCH_NCCL_ one warns
 fi
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 if [ -z "${TORCH_FR_DUMP_TEMP_FILE:-}${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}" ] && [ "${1:-}" != --check ]; then
