@@ -14,7 +14,8 @@ constant is in GPUS or ASSUMPTIONS, with where it comes from; `plan()` returns t
 
 It also predicts a checkpoint save and a restart's load from the bytes each rank writes and --fs_write_gbps,
 and from them how long before a time limit a stop request must arrive (launch.sbatch's --signal;
-`stop_lead_time`); the final --export_hf is predicted beside it, outside it. A configuration that does
+`stop_lead_time`); the final --export_hf is predicted beside it, outside it; and what the saves at
+--ckpt_every cost, with a suggested interval for --mtbf_hours (`checkpoint_interval`). A configuration that does
 not fit ends --plan with an error naming the nearest one that does (`nearest_fit`).
 """
 
@@ -181,6 +182,11 @@ ASSUMPTIONS = {
                        "and left to launch.sbatch's requeue: a second failure after the request, a hang that lasts "
                        "until --timeout_min. The final --export_hf is not in the lead: it runs after the last step "
                        "(see 'export')",
+    "checkpoint_interval": "plan.checkpoint_interval: a synchronous save stalls every GPU for the whole save "
+                           "(--fs_write_gbps); the run's steps are --train_tokens / (--batch_size x --seq_len), "
+                           "or --steps; failures arrive every --mtbf_hours on average (the job's, not one GPU's), "
+                           "each losing half an interval of work plus a restart's set-up and load; suggested "
+                           "--ckpt_every = sqrt(2 x stall x MTBF) / step time (Young 1974; Daly 2006)",
     "restart_setup_s": (120, "assumption, not measured at 70B: a restart's set-up before its load: torchrun stopping "
                              "the failed attempt's workers (SIGKILL after 30 s at most, launch.sh), the rendezvous, "
                              "a fresh interpreter importing torch and train.py (~5 s measured on the 2-core "
@@ -678,6 +684,37 @@ def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: flo
                 export_gb=export_bytes / 1e9, export_s=export_bytes / (1e9 * cfg.fs_write_gbps))
 
 
+def checkpoint_interval(cfg, step_time_s: float, save_s: float, restart_s: float) -> dict:
+    """What the saves at --ckpt_every cost, and the interval that balances them against the work a failure
+    loses (ASSUMPTIONS checkpoint_interval). Today's save is synchronous: every GPU waits for the whole write,
+    so the stall per save is the save itself. (Issue 27's next part, an asynchronous save, would stall only
+    for the copy to host memory: that stall goes here.)"""
+    save_stall_s = save_s
+    steps = math.ceil(cfg.train_tokens / (cfg.batch_size * cfg.seq_len)) if cfg.train_tokens else cfg.steps
+    train_s = steps * step_time_s
+    mtbf_s = 3600 * cfg.mtbf_hours
+    # Young (1974), "A first order approximation to the optimum checkpoint interval": the work between saves
+    # that minimises saving + lost work is sqrt(2 x save x MTBF); Daly (2006), "A higher order estimate of the
+    # optimum checkpoint interval for restart dumps", refines it for saves not small against the MTBF.
+    suggested_ckpt_every = max(1, round(math.sqrt(2 * save_stall_s * mtbf_s) / step_time_s))
+
+    def cost(every: int) -> dict:  # every save (the last step's included) + failures x (half an interval + restart)
+        saves = math.ceil(steps / every) if steps else 0
+        lost_per_failure_s = every * step_time_s / 2 + restart_s
+        overhead_s = saves * save_stall_s + train_s / mtbf_s * lost_per_failure_s
+        return dict(saves=saves, lost_per_failure_s=lost_per_failure_s, overhead_s=overhead_s,
+                    overhead_fraction=overhead_s / train_s if train_s else 0.0)
+
+    now = cost(cfg.ckpt_every or max(steps, 1))  # --ckpt_every 0: one save, at the end
+    best = cost(suggested_ckpt_every)
+    save_time_s = now["saves"] * save_stall_s
+    return dict(save_stall_s=save_stall_s, run_steps=steps, saves=now["saves"],
+                save_fraction=save_time_s / (train_s + save_time_s) if train_s else 0.0,
+                suggested_ckpt_every=suggested_ckpt_every, lost_per_failure_s=now["lost_per_failure_s"],
+                overhead_fraction=now["overhead_fraction"], suggested_lost_per_failure_s=best["lost_per_failure_s"],
+                suggested_overhead_fraction=best["overhead_fraction"])
+
+
 # ----------------------------------------------------------------------------------------------
 # The plan, the checks, the table
 # ----------------------------------------------------------------------------------------------
@@ -741,6 +778,7 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
     host_gib_per_gpu = sum(host.values()) / GIB
     host_usable_gib = host_usable_gib_per_node(cfg)
     sampling = sampling_time(mcfg, cfg, gpu, world, *prompt_sizes(cfg)) if cfg.sample_prompts else {}
+    stop = stop_lead_time(mcfg, cfg, time["step_time_s"], sampling.get("sampling_s", 0.0))
     assumptions = dict(ASSUMPTIONS, gpu=dict(gpu, peak_bf16_flops=peak_flops(gpu)),
                        matmul_efficiency=(matmul_efficiency(family, mcfg.dim),
                                           "solved from these anchors, linear in the model dim between them"),
@@ -756,7 +794,8 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
         block_policies=block_policies(mcfg, cfg), offload_optimizer=cfg.offload_optimizer,
         host_gib_per_gpu=host_gib_per_gpu, host_gib_by_part_per_gpu={k: v / GIB for k, v in host.items()},
         host_gib_per_node=host_gib_per_gpu * cfg.nproc_per_node, host_usable_gib_per_node=host_usable_gib,
-        host_fits=fits_host, **sampling, **stop_lead_time(mcfg, cfg, time["step_time_s"], sampling.get("sampling_s", 0.0)),
+        host_fits=fits_host, **sampling, **stop,
+        **checkpoint_interval(cfg, time["step_time_s"], stop["save_s"], stop["restart_s"]),
         partial_checkpointing=partial_checkpointing(mcfg, cfg), assumptions=assumptions)
 
 
@@ -862,6 +901,8 @@ def check(cfg) -> list[str]:
                       f"= {world} x {cfg.micro_batch_size} = {world * cfg.micro_batch_size}")
     if cfg.fs_write_gbps <= 0:
         errors.append(f"--fs_write_gbps: must be > 0 (GB/s per rank), got {cfg.fs_write_gbps}")
+    if cfg.mtbf_hours <= 0:
+        errors.append(f"--mtbf_hours: must be > 0 (hours between failures of the job), got {cfg.mtbf_hours}")
     for name in ("train_tokens", "gpu_hour_usd", "ce_chunk"):
         if getattr(cfg, name) < 0:
             errors.append(f"--{name}: must be >= 0, got {getattr(cfg, name)}")
@@ -946,6 +987,18 @@ def table(p: dict, cfg) -> str:
                  + (f"its evaluation {p['eval_s']:.0f} s, " if cfg.eval_every else "")
                  + f"the stop's save {p['save_s']:.0f} s, x {ASSUMPTIONS['stop_margin'][0]}): "
                  f"#SBATCH --signal=USR1@{p['signal_lead_s']}")
+    every = f"--ckpt_every {cfg.ckpt_every}" if cfg.ckpt_every else "--ckpt_every 0 (a save at the end only)"
+    lines += [f"save stall (predicted): {p['save_stall_s']:.0f} s per save, every GPU waiting (the save is "
+              f"synchronous) | {every}: {p['saves']:,} saves in {p['run_steps']:,} steps = "
+              f"{100 * p['save_fraction']:.2f}% of the run spent saving at {cfg.fs_write_gbps:g} GB/s per rank",
+              f"suggested --ckpt_every {p['suggested_ckpt_every']} (Young/Daly: sqrt(2 x {p['save_stall_s']:.0f} s "
+              f"stall x {cfg.mtbf_hours:g} h MTBF) / {p['step_time_s']:.1f} s per step; --mtbf_hours: the default "
+              f"is Llama 3's interruption rate scaled to 16 GPUs, an assumption for your cluster)",
+              f"work lost per failure (predicted): {p['lost_per_failure_s'] / 3600:.2f} h at {every}, "
+              f"{p['suggested_lost_per_failure_s'] / 3600:.2f} h at --ckpt_every {p['suggested_ckpt_every']} "
+              f"(half an interval + a restart's {p['restart_s']:.0f} s) | expected overhead, saves + lost work: "
+              f"{100 * p['overhead_fraction']:.2f}% of the training time now, "
+              f"{100 * p['suggested_overhead_fraction']:.2f}% at the suggested interval"]
     if cfg.export_hf:  # after the last step's save: with the lead's time left at the least, unless stopped in that step
         enough = p["export_s"] <= p["signal_lead_s"]
         then = ("A stop request during the last step saves it without exporting; the same command run again "

@@ -240,15 +240,19 @@ def sbatch_setting(name: str) -> str:
         return next(line.split("=", 1)[1].strip() for line in f if line.startswith(f"#SBATCH --{name}="))
 
 
-def sbatch_plan() -> dict:
-    """The planner on exactly launch.sbatch's TRAIN_ARGS, at the job's size; Meta-Llama-3-70B-Instruct is the
-    llama3-70b preset."""
+def sbatch_config():
+    """The planner's flags for exactly launch.sbatch's TRAIN_ARGS, at the job's size;
+    Meta-Llama-3-70B-Instruct is the llama3-70b preset."""
     args = sbatch_train_args()
     i = args.index("--init_from")
     flags = args[:i] + ["--model", "llama3-70b"] + args[i + 2:]
     flags += ["--nnodes", sbatch_setting("nodes"), "--nproc_per_node", sbatch_setting("gpus-per-node"),
               "--gpu", "h100", "--plan"]
-    cfg = T.parse_args(flags)
+    return T.parse_args(flags)
+
+
+def sbatch_plan() -> dict:
+    cfg = sbatch_config()
     return P.plan(checks.model_config(cfg), cfg)
 
 
@@ -269,6 +273,20 @@ def test_sbatch_stop_signal_comes_early_enough_to_save():
     signal_name, lead_s = sbatch_setting("signal").split("@")
     assert signal_name == "USR1"
     assert int(lead_s) >= sbatch_plan()["stop_lead_s"]
+
+
+def test_sbatch_plan_prints_the_save_stall_and_a_suggested_interval():
+    """--plan on TRAIN_ARGS says what its --ckpt_every 200 costs and which interval Young/Daly suggests."""
+    cfg = sbatch_config()
+    p = P.plan(checks.model_config(cfg), cfg)
+    text = P.table(p, cfg)
+    assert (f"save stall (predicted): {p['save_stall_s']:.0f} s per save, every GPU waiting (the save is synchronous) "
+            f"| --ckpt_every 200: {p['saves']} saves in 28,600 steps = {100 * p['save_fraction']:.2f}% of the run "
+            f"spent saving at 0.45 GB/s per rank") in text
+    assert f"suggested --ckpt_every {p['suggested_ckpt_every']} (Young/Daly: sqrt(2 x 118 s stall x 3167 h MTBF)" in text
+    assert (f"work lost per failure (predicted): {p['lost_per_failure_s'] / 3600:.2f} h at --ckpt_every 200, "
+            f"{p['suggested_lost_per_failure_s'] / 3600:.2f} h at --ckpt_every {p['suggested_ckpt_every']}") in text
+    assert "expected overhead, saves + lost work: " in text
 
 
 def run_sbatch(tmp_path, saved_before: int, saved_after: int, exit_code: int, check_fails: bool = False,

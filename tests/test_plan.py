@@ -445,6 +445,56 @@ def test_stop_lead_time_scales_with_the_measured_bandwidth_and_always_counts_a_r
     assert offloaded["restart_setup_s"] == pytest.approx(setup_s + host_state_gb / P.ASSUMPTIONS["host_page_locking_gbps"][0])
 
 
+def test_save_stall_and_the_fraction_of_the_run_spent_saving():
+    """Today's save is synchronous: every GPU waits for the bytes each rank writes at --fs_write_gbps. Over the
+    run's steps (--train_tokens / tokens per step) each --ckpt_every steps, and the last, cost one stall."""
+    p = predict(**RECOMMENDED_70B, ckpt_every=200)
+    stall_s = P.checkpoint_bytes_per_rank(M.PRESETS["llama3-70b"](), 16) / 0.45e9
+    assert p["save_stall_s"] == pytest.approx(stall_s)  # 118 s
+    steps = -(-15e9 // (64 * 8192))  # 28,611
+    assert p["run_steps"] == steps and p["saves"] == -(-steps // 200)
+    train_s = steps * p["step_time_s"]
+    assert p["save_fraction"] == pytest.approx(p["saves"] * stall_s / (train_s + p["saves"] * stall_s))
+    for every, gbps in ((400, 0.45), (200, 0.9), (100, 0.1)):
+        q = predict(**RECOMMENDED_70B, ckpt_every=every, fs_write_gbps=gbps)
+        saves_s = -(-steps // every) * stall_s * 0.45 / gbps
+        assert q["save_stall_s"] == pytest.approx(stall_s * 0.45 / gbps)
+        assert q["save_fraction"] == pytest.approx(saves_s / (train_s + saves_s))
+    assert predict(**RECOMMENDED_70B, ckpt_every=400)["save_fraction"] < p["save_fraction"]
+    assert predict(**RECOMMENDED_70B, ckpt_every=200, fs_write_gbps=0.9)["save_fraction"] < p["save_fraction"]
+    assert predict(**RECOMMENDED_70B, ckpt_every=0)["saves"] == 1  # the last step's save only
+    # Without --train_tokens the run is --steps long.
+    assert predict(**dict(RECOMMENDED_70B, train_tokens=0), steps=1000, ckpt_every=200)["saves"] == 5
+
+
+def test_suggested_ckpt_every_is_young_dalys_interval_in_steps():
+    """sqrt(2 x stall x MTBF) / step time, by hand; 4x the MTBF is 2x the interval. A failure loses half an
+    interval plus a restart's set-up and load; saves + lost work cost least at the suggested interval."""
+    p = predict(**RECOMMENDED_70B, ckpt_every=200)
+    assert p["suggested_ckpt_every"] == round((2 * p["save_stall_s"] * 3167.0 * 3600) ** 0.5 / p["step_time_s"])
+    for hours in (10.0, 40.0, 160.0):
+        q = predict(**RECOMMENDED_70B, ckpt_every=200, mtbf_hours=hours)
+        assert q["suggested_ckpt_every"] == round((2 * q["save_stall_s"] * hours * 3600) ** 0.5 / q["step_time_s"])
+    short, long = (predict(**RECOMMENDED_70B, mtbf_hours=h)["suggested_ckpt_every"] for h in (10.0, 40.0))
+    assert abs(long - 2 * short) <= 1  # 2x, up to the rounding to whole steps
+    assert predict(**RECOMMENDED_70B, mtbf_hours=1e-6)["suggested_ckpt_every"] == 1  # at least one step
+    assert p["lost_per_failure_s"] == pytest.approx(200 * p["step_time_s"] / 2 + p["restart_s"])
+    assert p["suggested_lost_per_failure_s"] == pytest.approx(p["suggested_ckpt_every"] * p["step_time_s"] / 2
+                                                              + p["restart_s"])
+    train_s = p["run_steps"] * p["step_time_s"]
+    failures = train_s / (3167.0 * 3600)
+    assert p["overhead_fraction"] == pytest.approx(
+        (p["saves"] * p["save_stall_s"] + failures * p["lost_per_failure_s"]) / train_s)
+    assert p["suggested_overhead_fraction"] < p["overhead_fraction"]
+    for every in (p["suggested_ckpt_every"] // 2, 2 * p["suggested_ckpt_every"]):
+        assert predict(**RECOMMENDED_70B, ckpt_every=every)["overhead_fraction"] > p["suggested_overhead_fraction"]
+
+
+def test_mtbf_hours_must_be_positive():
+    result = run_plan("--model", "llama3-70b", "--mtbf_hours", "0")
+    assert result.returncode != 0 and "--mtbf_hours: must be > 0" in result.stderr + result.stdout
+
+
 def test_the_final_export_is_predicted_but_not_part_of_the_stop_lead():
     """The 141 GB bf16 export runs after the last step: the planner predicts it and says how to run it on its
     own, and the stop's lead is the same with or without --export_hf."""
@@ -474,7 +524,8 @@ def test_cli_writes_json_with_the_required_keys(tmp_path):
     p = json.loads(out.read_text())
     for key in ("params", "state_gib_per_gpu", "peak_gib_per_gpu", "fits", "tokens_per_sec_per_gpu", "mfu",
                 "hours", "cost_usd", "memory_gib", "step_time_s", "compute_s", "comm_s", "assumptions",
-                "checkpoint_gb_per_rank", "save_s", "stop_lead_s", "nearest_fit"):
+                "checkpoint_gb_per_rank", "save_s", "stop_lead_s", "nearest_fit", "save_stall_s", "save_fraction",
+                "suggested_ckpt_every", "lost_per_failure_s", "overhead_fraction", "suggested_overhead_fraction"):
         assert key in p, key
     assert p["fits"] is True and p["hours"] > 0
 
