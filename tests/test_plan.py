@@ -490,6 +490,18 @@ def test_suggested_ckpt_every_is_young_dalys_interval_in_steps():
         assert predict(**RECOMMENDED_70B, ckpt_every=every)["overhead_fraction"] > p["suggested_overhead_fraction"]
 
 
+def test_planning_docs_quote_the_interval_the_planner_prints():
+    """docs/planning.md's --ckpt_every paragraph gives the recipe's predictions: they are the planner's."""
+    p = predict(**RECOMMENDED_70B, ckpt_every=200)
+    with open(os.path.join(ROOT, "docs", "planning.md")) as f:
+        text = " ".join(f.read().split())
+    assert (f"a {p['save_stall_s']:.0f} s stall per save, {p['saves']} saves in {p['run_steps']:,} steps = "
+            f"{100 * p['save_fraction']:.2f}% of the run spent saving; suggested `--ckpt_every "
+            f"{p['suggested_ckpt_every']}`") in text
+    assert (f"expected overhead (saves + lost work) {100 * p['overhead_fraction']:.2f}% of the training time now, "
+            f"{100 * p['suggested_overhead_fraction']:.2f}% at {p['suggested_ckpt_every']}") in text
+
+
 def test_mtbf_hours_must_be_positive():
     result = run_plan("--model", "llama3-70b", "--mtbf_hours", "0")
     assert result.returncode != 0 and "--mtbf_hours: must be > 0" in result.stderr + result.stdout
