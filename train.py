@@ -151,7 +151,7 @@ class TrainConfig:
     # one per 54 x 24 x 16384 / 419 = 50,677 GPU-hours; for 16 GPUs 50,677 / 16 = 3,167 h. An assumption for
     # your cluster: a smaller site's failures per GPU may well be more frequent; pass what you observe.
     mtbf_hours: float = opt(3167.0, "--plan: mean time between failures of the whole job, hours, for the suggested "
-                                    "--ckpt_every (default: Llama 3's interruption rate per GPU scaled to 16 GPUs)")
+                                    "--ckpt_every; the default is Llama 3's interruption rate per GPU scaled to 16 GPUs")
 
 
 def parse_args(argv=None) -> TrainConfig:
