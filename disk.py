@@ -932,6 +932,15 @@ def read_checkpoint(path: str, cfg, mcfg, windows, units, master_only: bool = Fa
         return f"checkpoint {path}: cannot read it: {e.strerror or e}", UNREADABLE, e.errno or errno.EIO, {}
 
 
+def agreed_by_rank(code: int, os_errno: int) -> torch.Tensor:
+    """Every rank's [code, errno] of reading one checkpoint (read_checkpoint's), through one all-gather: a damaged
+    file seen by one rank rejects the checkpoint for all (reading 53 GB can outlast --timeout_min: the checkpoint
+    group)."""
+    by_rank = torch.zeros(dist.get_world_size(), 2, dtype=torch.int64)
+    all_gather_flat(by_rank.view(-1), torch.tensor([code, os_errno]), group=group)
+    return by_rank
+
+
 def unreadable_on_some_rank(path: str, error: str, by_rank: torch.Tensor) -> CheckpointUnreadable:
     """What every rank raises when a rank could not read `path` (by_rank: each rank's [code, errno]): never a
     fallback to an older checkpoint, whatever the other ranks found."""
@@ -948,10 +957,7 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: boo
     stops the resume (config_changes); flags that may change are a warning on rank 0."""
     for path in candidates:
         error, code, os_errno, manifest = read_checkpoint(path, cfg if fallback else None, mcfg, windows, units)
-        # Every rank must agree: a code per rank (read_checkpoint's), and the errno of a read error (reading 53 GB
-        # can outlast --timeout_min: the checkpoint group).
-        by_rank = torch.zeros(dist.get_world_size(), 2, dtype=torch.int64)
-        all_gather_flat(by_rank.view(-1), torch.tensor([code, os_errno]), group=group)
+        by_rank = agreed_by_rank(code, os_errno)  # every rank must agree
         codes = by_rank[:, 0].tolist()
         failed = [r for r, bad in enumerate(codes) if bad]
         if not failed:
@@ -1021,8 +1027,7 @@ def load_weights(path: str, units: list, flag: str) -> int:
     --from_ckpt. Each rank verifies the files it reads (size, SHA-256) and all agree before any step.
     Returns the checkpoint's step."""
     error, code, os_errno, manifest = read_checkpoint(path, None, None, None, units, master_only=True)
-    by_rank = torch.zeros(dist.get_world_size(), 2, dtype=torch.int64)
-    all_gather_flat(by_rank.view(-1), torch.tensor([code, os_errno]), group=group)
+    by_rank = agreed_by_rank(code, os_errno)
     failed = [r for r, bad in enumerate(by_rank[:, 0].tolist()) if bad]
     if UNREADABLE in by_rank[:, 0].tolist():
         e = unreadable_on_some_rank(path, error if code == UNREADABLE else "", by_rank)
