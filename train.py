@@ -1024,13 +1024,13 @@ def main(argv=None):
         if signalled:
             if rank == 0:
                 name = signal.Signals(stop_signals[0]).name if stop_signals else "a signal"
-                why = f"stopping at step {step} on {name}"
-                if step == steps and cfg.export_hf:  # the export is not part of a stop's lead (docs/operations.md)
-                    print(f"{why} (the last step): the export to {cfg.export_hf} was not made; the same command makes "
-                          f"it", flush=True)
+                if step < steps:
+                    then = "; re-run the same command to continue"
+                elif cfg.export_hf:  # the export is not part of a stop's lead (docs/operations.md)
+                    then = f" (the last step): the export to {cfg.export_hf} was not made; the same command makes it"
                 else:
-                    print(f"{why}" + (" (the last step): the run is finished" if step == steps else
-                                      "; re-run the same command to continue"), flush=True)
+                    then = " (the last step): the run is finished"
+                print(f"stopping at step {step} on {name}{then}", flush=True)
             break
     else:  # not stopped by a signal
         if cfg.export_hf:
