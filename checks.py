@@ -41,7 +41,7 @@ def check_config(cfg, world: int) -> list[str]:
     errors = []
     choices = dict(schedule=("cosine", "constant"), dtype=("auto", "bfloat16", "float32"),
                    reduce_dtype=("float32", "bfloat16"), ac=("none", "full", "selective"),
-                   device=("auto", "cuda", "cpu"), resume=("auto", "never"))
+                   device=("auto", "cuda", "cpu"), resume=("auto", "never"), async_save=("auto", "true", "false"))
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             errors.append(f"--{name}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")

@@ -431,7 +431,7 @@ RESUME_NOT_COMPARED = (  # how the run runs (memory, speed, logs, where it write
     "prefetch", "out_dir", "ckpt_every", "keep_ckpts", "resume", "overwrite", "from_ckpt", "max_skipped_steps",
     "timeout_min", "ckpt_timeout_min", "gpu_hour_usd", "tensorboard", "plot", "export_hf", "export_shard_gb",
     "log_every", "device", "sample_prompts", "sample_tokens", "plan", "nnodes", "nproc_per_node", "gpu",
-    "train_tokens", "plan_json", "fs_write_gbps", "mtbf_hours",
+    "train_tokens", "plan_json", "fs_write_gbps", "mtbf_hours", "async_save",
     "deterministic",  # which kernels compute the same sums (in what order), not what is trained
 )
 PATH_FLAGS = ("init_from", "data", "eval_data")  # compared by what they name (flag_meaning), not by their spelling
@@ -553,6 +553,11 @@ def saved_tensors(unit) -> list:
     """What a checkpoint holds of a unit: the fp32 master shard and each optimizer state shard, by name.
     Gradients are zero at a step boundary and are not saved."""
     return [("master_shard", unit.master_shard)] + list(unit.optimizer_state.items())
+
+
+# --async_save: a rank's saved tensors are copied into one host buffer (disk.Staging), each tensor at a multiple of
+# this many bytes, so every view of it is aligned for any dtype. plan.staging_bytes_per_rank counts the same.
+STAGING_ALIGN_BYTES = 64
 
 
 def checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files) -> dict:

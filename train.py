@@ -117,6 +117,9 @@ class TrainConfig:
     seed: int = opt(0, "seed for the initial weights and the data order")
     out_dir: str = opt("out", "folder for metrics.jsonl and checkpoints/")
     ckpt_every: int = opt(0, "save a checkpoint every N steps (0: only at the end); always one at the end")
+    async_save: str = opt("auto", "'true': a save copies this rank's state to host memory and writes it in the background "
+                                  "while training goes on; 'false': every rank waits for its write; 'auto': true on GPUs "
+                                  "where the host memory fits, false on CPUs, whose cores would share training and writing")
     keep_ckpts: int = opt(3, "keep the newest K checkpoints (at least 2)")
     resume: str = opt("auto", "'auto': continue from the newest intact checkpoint in --out_dir; 'never'")
     overwrite: bool = opt(False, "with --resume never: delete --out_dir's checkpoints and metrics first (once per run: "
