@@ -25,7 +25,9 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from dataclasses import asdict, fields
 
 import torch
@@ -33,6 +35,7 @@ import torch.distributed as dist
 
 import data as D
 import model as M
+import offload as O  # page_lock: the staging buffer of --async_save
 
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as in train.py
 
@@ -560,6 +563,11 @@ def saved_tensors(unit) -> list:
 STAGING_ALIGN_BYTES = 64
 
 
+def rank_file_tensors(units: list) -> list:
+    """[(name in the rank's file, tensor)], in the file's order."""
+    return [(f"{u.name}.{kind}", t) for u in units for kind, t in saved_tensors(u)]
+
+
 def checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files) -> dict:
     return {"format": CKPT_FORMAT, "step": step, "world_size": world, "model": asdict(mcfg),
             "train": asdict(cfg), "resolved": {key: flag_meaning(key, getattr(cfg, key)) for key in PATH_FLAGS},
@@ -571,14 +579,25 @@ def checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files) -> dic
 def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
     """Every rank writes its file into a temporary folder; rank 0 checks that every rank succeeded and
     every file has its size, writes the manifest, renames the folder to its final name and points
-    `latest` at it. A failure anywhere leaves `latest` and the older checkpoints untouched."""
+    `latest` at it. A failure anywhere leaves `latest` and the older checkpoints untouched. Three parts,
+    which --async_save (BackgroundSave, below) runs apart: prepare, write, commit."""
+    tmp, final = prepare_save(cfg, step, rank)
+    report, my_error = write_rank_file(tmp, rank_file_tensors(units), step, rank, world)
+    return commit_save(cfg, mcfg, units, step, rank, world, data_state, report, my_error)
+
+
+def save_paths(cfg, step: int) -> tuple[str, str, str]:
     root = os.path.join(cfg.out_dir, "checkpoints")
     name = f"step_{step:08d}"
-    tmp, final = os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
-    # Rank 0 checks the folder is still this run's and makes the temporary folder; the broadcast is also the
-    # barrier no rank writes before. A failure here is every rank's one line, not a traceback and a wait.
-    # [ready, the errno of what stopped it (0: none, or not an OSError)]: every rank raises with rank 0's errno,
-    # so every rank exits with the same code (train.exit_code: a full disk stops for good, EIO is retried).
+    return root, os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
+
+
+def prepare_save(cfg, step: int, rank: int) -> tuple[str, str]:
+    """Rank 0 checks the folder is still this run's and makes the temporary folder; the broadcast is also the
+    barrier no rank writes before. A failure here is every rank's one line, not a traceback and a wait.
+    [ready, the errno of what stopped it (0: none, or not an OSError)]: every rank raises with rank 0's errno,
+    so every rank exits with the same code (train.exit_code: a full disk stops for good, EIO is retried)."""
+    root, tmp, final = save_paths(cfg, step)
     ready, my_error = torch.zeros(2, dtype=torch.int64), ""
     if rank == 0:
         try:
@@ -595,26 +614,39 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
     if not ready[0]:
         raise CheckpointError(my_error or f"checkpoint {final} was not saved: rank 0 could not prepare it (its error says why)",
                               os_errno=ready[1].item() or None)
-    # What each rank tells rank 0, as numbers (nothing crosses the wire pickled): written or not, the
-    # file's size, its SHA-256 as 32 byte values, the errno of a failed write. An error's text stays with the
-    # rank that met it.
-    report = torch.zeros(35, dtype=torch.int64)
+    return tmp, final
+
+
+def write_rank_file(tmp: str, tensors: list, step: int, rank: int, world: int) -> tuple[torch.Tensor, str]:
+    """This rank's file, and what it tells rank 0, as numbers (nothing crosses the wire pickled): written or
+    not, the file's size, its SHA-256 as 32 byte values, the errno of a failed write. An error's text stays
+    with the rank that met it. No collective: --async_save runs this in a background thread."""
+    report, my_error = torch.zeros(35, dtype=torch.int64), ""
+    path = os.path.join(tmp, rank_file(rank, world))
     try:
-        tensors = [(f"{u.name}.{kind}", t) for u in units for kind, t in saved_tensors(u)]
-        sha256, nbytes = write_safetensors_streaming(os.path.join(tmp, rank_file(rank, world)), tensors)
+        sha256, nbytes = write_safetensors_streaming(path, tensors)
         report[0], report[1], report[2:34] = 1, nbytes, torch.tensor(list(bytes.fromhex(sha256)))
         if fault_hook:
             fault_hook("save", step, rank)
     except OSError as e:
         report.zero_()
         report[34] = e.errno or errno.EIO
-        my_error = f"rank {rank} could not write {write_error(os.path.join(tmp, rank_file(rank, world)), e)}"
+        my_error = f"rank {rank} could not write {write_error(path, e)}"
+    return report, my_error
+
+
+def commit_save(cfg, mcfg, units, step, rank, world, data_state, report: torch.Tensor, my_error: str) -> str:
+    """Rank 0 gathers every rank's report and, when all wrote, commits: each file's size checked, the manifest,
+    the rename to step_N, `latest`, retention. Returns the checkpoint's path on every rank, or raises
+    CheckpointError on every rank with the errno of the first failed write."""
+    root, tmp, final = save_paths(cfg, step)
+    name = os.path.basename(final)
     reports = torch.zeros(world, 35, dtype=torch.int64)
     all_gather_flat(reports.view(-1), report, group=group)
     unwritten = [r for r in range(world) if not reports[r, 0]]
-    saved = torch.zeros(2, dtype=torch.int64)  # [saved, the errno of what stopped it], as `ready`
+    saved = torch.zeros(2, dtype=torch.int64)  # [saved, the errno of what stopped it], as prepare_save's `ready`
     if unwritten:
-        saved[1] = reports[unwritten[0], 34]
+        saved[1] = next((reports[r, 34] for r in unwritten if reports[r, 34]), 0)
     if rank == 0 and not unwritten:
         renamed = False
         try:
@@ -647,6 +679,75 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
                            else "rank 0 could not commit it")
         raise CheckpointError(f"checkpoint {final} was not saved: {why}{kept_note(root)}", os_errno=saved[1].item() or None)
     return final
+
+
+class BackgroundSave:
+    """--async_save: a checkpoint that stalls training only for a copy to host memory (torchtitan's async_save
+    with torch.distributed.checkpoint, Megatron's asynchronous save and DeepSpeed's FastPersist do the same).
+    At a save step every rank copies what its file holds into `staging`, one host buffer sized at start-up
+    (page-locked on CUDA: a full-speed copy from the GPU), and a thread writes, hashes and fsyncs the file from
+    it while training goes on. The commit (rank 0's manifest, rename and `latest`: commit_save) is collective,
+    so it runs in the training thread, at the first step boundary where train.py's per-step all-reduce says
+    every rank's write is done. At most one save is in flight: the next one waits for it. Until the commit,
+    the save is a .tmp-step_* folder, which nothing loads: a crash leaves `latest` where it was."""
+
+    def __init__(self, units: list, device: torch.device):
+        tensors = rank_file_tensors(units)
+        nbytes = [t.numel() * t.element_size() for _, t in tensors]
+        offsets = [0]
+        for n in nbytes:
+            offsets.append(offsets[-1] + -(-n // STAGING_ALIGN_BYTES) * STAGING_ALIGN_BYTES)
+        self.staging = torch.empty(offsets[-1], dtype=torch.uint8)  # plan.staging_bytes_per_rank counts it
+        if device.type == "cuda":
+            O.page_lock(self.staging, "--async_save")
+            weakref.finalize(self, O.unlock, self.staging.data_ptr()).atexit = False
+        self.staged = [(name, self.staging[start:start + n].view(t.dtype).view(t.shape))
+                       for (name, t), start, n in zip(tensors, offsets, nbytes)]
+        self.device = device
+        self.pending = None   # the save in flight: its step, data position, when it was taken
+        self.writer = None    # the thread writing it
+        self.written = None   # what the writer left: (report, error text, seconds it took)
+
+    def start(self, cfg, units: list, step: int, rank: int, world: int, data_state) -> float:
+        """Takes the snapshot of `step` and starts its write; returns the seconds training stalled for it."""
+        t0 = time.perf_counter()
+        tmp, _ = prepare_save(cfg, step, rank)
+        for (_, staged), (_, t) in zip(self.staged, rank_file_tensors(units)):
+            staged.copy_(t, non_blocking=True)
+        if self.device.type == "cuda":  # the next optimizer step overwrites what is being copied
+            torch.cuda.current_stream(self.device).synchronize()
+        self.pending = dict(step=step, data_state=data_state)
+        self.written = None
+        self.writer = threading.Thread(target=self.write, args=(tmp, step, rank, world), name="checkpoint-writer",
+                                       daemon=True)  # a rank that fails mid-write exits without waiting for it
+        self.writer.start()
+        return time.perf_counter() - t0
+
+    def write(self, tmp: str, step: int, rank: int, world: int):
+        t0 = time.perf_counter()
+        try:
+            report, error = write_rank_file(tmp, self.staged, step, rank, world)
+        except Exception as e:  # not an OSError (which write_rank_file reports): still this rank's one line
+            report, error = torch.zeros(35, dtype=torch.int64), f"rank {rank} could not write its file: {type(e).__name__}: {e}"
+            report[34] = errno.EIO  # not shown to repeat: exit code 1, a restart may succeed
+        self.written = (report, error, time.perf_counter() - t0)
+
+    def writing(self) -> bool:
+        return self.writer is not None and self.writer.is_alive()
+
+    def failed(self) -> bool:
+        return self.written is not None and not self.written[0][0]
+
+    def finish(self, cfg, mcfg, units: list, rank: int, world: int) -> tuple[str, float, float]:
+        """Waits for this rank's write and commits the save in flight (a collective: every rank calls it at the
+        same step boundary). Returns (its path, seconds training waited here, seconds this rank's write took);
+        CheckpointError as a synchronous save's."""
+        t0 = time.perf_counter()
+        self.writer.join()
+        (report, error, write_s), pending = self.written, self.pending
+        self.pending = self.writer = self.written = None
+        path = commit_save(cfg, mcfg, units, pending["step"], rank, world, pending["data_state"], report, error)
+        return path, time.perf_counter() - t0, write_s  # the wait: for this rank's write, then for the slowest's
 
 
 def latest_name(root: str) -> str | None:

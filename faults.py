@@ -7,7 +7,8 @@ ZERO3_ALLOW_FAULTS=1 (the tests set both), and not at all otherwise.
       nan            this rank's loss of step STEP becomes NaN before backward, as an overflow would
       hang           this rank sleeps in step STEP: SECONDS, or an hour; its peers' collectives time out
       kill_in_save   SIGKILL after writing this rank's file of step STEP's checkpoint, before the commit
-      slow_save      that file takes SECONDS longer to write
+                     (--async_save: in the writer thread, while the next steps train)
+      slow_save      that file takes SECONDS longer to write (--async_save: the writer thread sleeps)
     ZERO3_FAULT=slow:SECONDS                 every step takes SECONDS longer (on its first micro-batch)
     ZERO3_FAULT_ONCE=FILE                    a fault fires once: FILE records that it did, so a restarted
                                              job runs clean

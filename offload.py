@@ -124,7 +124,7 @@ def host_buffer_numel(shard_numels: list[int], tensors_per_unit: int) -> int:
     return tensors_per_unit * sum(shard_numels) + GRAD_SLOTS * max(shard_numels)
 
 
-def page_lock(buffer: torch.Tensor):
+def page_lock(buffer: torch.Tensor, flag: str = "--offload_optimizer"):
     """Pins an ordinary (exactly sized) host tensor with cudaHostRegister. Not pin_memory=True: PyTorch's
     caching host allocator rounds every allocation up to a power of two, so a 70B block's 408 MiB shard at
     W=8 would take 512 MiB, and one 130 GiB buffer 256 GiB. Registered memory is what copies with
@@ -132,7 +132,7 @@ def page_lock(buffer: torch.Tensor):
     nbytes = buffer.numel() * buffer.element_size()
     error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
     if error:
-        raise RuntimeError(f"--offload_optimizer: cudaHostRegister of {nbytes / 2**30:,.1f} GiB of host memory failed "
+        raise RuntimeError(f"{flag}: cudaHostRegister of {nbytes / 2**30:,.1f} GiB of host memory failed "
                            f"(CUDA error {error}); is the locked-memory limit (ulimit -l) unlimited?")
 
 

@@ -919,6 +919,36 @@ def catch_stop_signals() -> list:
     return stop_signals
 
 
+def async_save_on(cfg: TrainConfig, device: torch.device) -> bool:
+    return cfg.async_save == "true" or (cfg.async_save == "auto" and device.type == "cuda")
+
+
+def save(cfg, sharded: ShardedModel, saving, step: int, data_state, background: bool):
+    """A checkpoint of `step`: written in the background (--async_save: training stalls only for the copy to
+    host memory), or now, every rank waiting for the whole write."""
+    try:
+        if background:
+            stall_s = saving.start(cfg, sharded.units, step, sharded.rank, sharded.world, data_state)
+            message = f"checkpoint of step {step}: copied to host memory in {stall_s:.2f} s, writing in the background"
+        else:
+            message = f"saved checkpoint {disk.save_checkpoint(cfg, sharded.model.cfg, sharded.units, step, sharded.rank, sharded.world, data_state)}"
+    except disk.CheckpointError as e:
+        fail(str(e), exit_code(e))
+    if sharded.rank == 0:
+        print(message, flush=True)
+
+
+def finish_background_save(cfg, sharded: ShardedModel, saving):
+    """Commits the save in flight, after every rank's write: the wait, measured, is how long training stalled."""
+    try:
+        path, wait_s, write_s = saving.finish(cfg, sharded.model.cfg, sharded.units, sharded.rank, sharded.world)
+    except disk.CheckpointError as e:
+        fail(str(e), exit_code(e))
+    if sharded.rank == 0:
+        print(f"saved checkpoint {path} (written in the background in {write_s:.2f} s; training waited {wait_s:.2f} s "
+              f"for its commit)", flush=True)
+
+
 def main(argv=None):
     # launch.sh starts torchrun with SIGTERM and SIGINT blocked, so that torchrun never acts on them, and the
     # workers inherit the mask: unblocked, they end a worker still starting up, as under a plain torchrun.
@@ -977,6 +1007,8 @@ def main(argv=None):
     if rank == 0:
         print(metrics.startup_line(cfg, sharded, start_step), flush=True)
     metrics.print_device_memory(cfg, sharded, "after set-up (its all-gathers made NCCL's buffers)", "state_gib")
+    background = async_save_on(cfg, device) and steps > start_step and (cfg.ckpt_every or 0) > 0
+    saving = disk.BackgroundSave(sharded.units, device) if background else None  # --async_save: its staging buffer
     stop_signals, skipped = catch_stop_signals(), 0
 
     for step in range(start_step + 1, steps + 1):
@@ -1007,27 +1039,36 @@ def main(argv=None):
             sampler.sample(sharded, step)  # greedy completions of --sample_prompts (sample.py)
 
         # One all-reduce: a stop signal on any rank; rank 0 unable to write metrics.jsonl or samples.jsonl (the
-        # exit code of its error, so that every rank exits with it).
+        # exit code of its error, so that every rank exits with it); --async_save: a rank still writing the save
+        # in flight, a rank whose write failed. Every rank then takes the same decisions below.
         unwritten = log if log.error else sampler if sampler and sampler.error else None
-        stop = torch.tensor([bool(stop_signals), exit_code(unwritten.error_cause) if unwritten else 0],
+        stop = torch.tensor([bool(stop_signals), exit_code(unwritten.error_cause) if unwritten else 0,
+                             bool(saving and saving.writing()), bool(saving and saving.failed())],
                             dtype=torch.float32, device=device)
         dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        signalled, unwritable = stop.tolist()
+        signalled, unwritable, writing, write_failed = stop.tolist()
         if unwritable:
             fail(unwritten.error if unwritten else "--out_dir: rank 0 cannot write its metrics (its error says why); the "
                  "run stops without saving", int(unwritable))
-        if signalled or step == steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0):
-            try:
-                path = disk.save_checkpoint(cfg, sharded.model.cfg, sharded.units, step, rank, sharded.world,
-                                         windows.state(position) if windows else None)
-            except disk.CheckpointError as e:
-                fail(str(e), exit_code(e))
-            if rank == 0:
-                print(f"saved checkpoint {path}", flush=True)
+        save_due = bool(signalled) or step == steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0)
+        in_flight = saving is not None and saving.pending is not None
+        if in_flight and (not writing or write_failed or save_due):  # its write is done, failed, or must be
+            finish_background_save(cfg, sharded, saving)
+        # A stop while a rank still writes keeps that save (docs/operations.md, "The stop save"): the steps since
+        # its snapshot took less time than its write, so redoing them after the restart costs less than saving
+        # again now. Otherwise the stop saves now. Either way at most one write follows the signal (the planner's
+        # lead counts one). The last step always saves: it ends the run.
+        stop_save_skipped = signalled and writing and step < steps
+        if save_due and not stop_save_skipped:
+            save(cfg, sharded, saving, step, windows.state(position) if windows else None,
+                 background=saving is not None and not signalled and step < steps)
         if signalled:
             if rank == 0:
                 name = signal.Signals(stop_signals[0]).name if stop_signals else "a signal"
-                if step < steps:
+                if stop_save_skipped:
+                    then = (f"; its newest checkpoint is the one just written in the background, so the stop did not "
+                            f"save again: re-run the same command to continue")
+                elif step < steps:
                     then = "; re-run the same command to continue"
                 elif cfg.export_hf:  # the export is not part of a stop's lead (docs/operations.md)
                     then = f" (the last step): the export to {cfg.export_hf} was not made; the same command makes it"

@@ -694,7 +694,7 @@ def child(argv):
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
     memory, pinned = DeviceMemory(), weakref.WeakSet()
 
-    def fake_page_lock(buffer):  # cudaHostRegister: the buffer is pinned as it is, no rounding
+    def fake_page_lock(buffer, flag=""):  # cudaHostRegister: the buffer is pinned as it is, no rounding
         used["host buffers page-locked"] += 1
         used["host bytes page-locked"] += buffer.numel() * buffer.element_size()
         pinned.add(buffer.untyped_storage())
