@@ -697,7 +697,9 @@ class BackgroundSave:
         offsets = [0]
         for n in nbytes:
             offsets.append(offsets[-1] + -(-n // STAGING_ALIGN_BYTES) * STAGING_ALIGN_BYTES)
-        self.staging = torch.empty(offsets[-1], dtype=torch.uint8)  # plan.staging_bytes_per_rank counts it
+        # Zeroed: the memory is taken now (a node short of it fails at start-up, not at the first save, and the
+        # first copy does not pay the page faults). plan.staging_bytes_per_rank counts these bytes.
+        self.staging = torch.zeros(offsets[-1], dtype=torch.uint8)
         if device.type == "cuda":
             O.page_lock(self.staging, "--async_save")
             weakref.finalize(self, O.unlock, self.staging.data_ptr()).atexit = False
@@ -708,9 +710,8 @@ class BackgroundSave:
         self.writer = None    # the thread writing it
         self.written = None   # what the writer left: (report, error text, seconds it took)
 
-    def start(self, cfg, units: list, step: int, rank: int, world: int, data_state) -> float:
-        """Takes the snapshot of `step` and starts its write; returns the seconds training stalled for it."""
-        t0 = time.perf_counter()
+    def start(self, cfg, units: list, step: int, rank: int, world: int, data_state):
+        """Takes the snapshot of `step` (prepare_save's collective, then the copy) and starts its write."""
         tmp, _ = prepare_save(cfg, step, rank)
         for (_, staged), (_, t) in zip(self.staged, rank_file_tensors(units)):
             staged.copy_(t, non_blocking=True)
@@ -721,7 +722,6 @@ class BackgroundSave:
         self.writer = threading.Thread(target=self.write, args=(tmp, step, rank, world), name="checkpoint-writer",
                                        daemon=True)  # a rank that fails mid-write exits without waiting for it
         self.writer.start()
-        return time.perf_counter() - t0
 
     def write(self, tmp: str, step: int, rank: int, world: int):
         t0 = time.perf_counter()

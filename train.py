@@ -926,12 +926,15 @@ def async_save_on(cfg: TrainConfig, device: torch.device) -> bool:
 def save(cfg, sharded: ShardedModel, saving, step: int, data_state, background: bool):
     """A checkpoint of `step`: written in the background (--async_save: training stalls only for the copy to
     host memory), or now, every rank waiting for the whole write."""
+    t0 = time.perf_counter()
     try:
         if background:
-            stall_s = saving.start(cfg, sharded.units, step, sharded.rank, sharded.world, data_state)
-            message = f"checkpoint of step {step}: copied to host memory in {stall_s:.2f} s, writing in the background"
+            saving.start(cfg, sharded.units, step, sharded.rank, sharded.world, data_state)
+            message = (f"checkpoint of step {step}: copied to host memory in {time.perf_counter() - t0:.2f} s, "
+                       f"writing in the background")
         else:
-            message = f"saved checkpoint {disk.save_checkpoint(cfg, sharded.model.cfg, sharded.units, step, sharded.rank, sharded.world, data_state)}"
+            path = disk.save_checkpoint(cfg, sharded.model.cfg, sharded.units, step, sharded.rank, sharded.world, data_state)
+            message = f"saved checkpoint {path} (in {time.perf_counter() - t0:.2f} s, training waiting)"
     except disk.CheckpointError as e:
         fail(str(e), exit_code(e))
     if sharded.rank == 0:
