@@ -166,3 +166,16 @@ def test_a_stop_during_a_background_write_keeps_it_and_resumes_exactly(data, mai
     assert main_in_process(args(data, out, "--ckpt_every=2", "--async_save=true")) == 0
     assert "stopping at step 3 on SIGUSR1; re-run the same command to continue" in capsys.readouterr().out
     assert ckpts(out) == ["step_00000002", "step_00000003"] and latest(out) == "step_00000003"
+
+
+def test_background_saves_of_offloaded_state_are_the_synchronous_saves(data, main_in_process, tmp_path):
+    """--offload_optimizer: the state a save copies already lives in host memory, and the host optimizer
+    updates it in place; the background checkpoints still equal the synchronous ones, step for step."""
+    runs = {}
+    for mode in ("false", "true"):
+        runs[mode] = tmp_path / mode
+        extra = ["--ckpt_every=1", "--keep_ckpts=10", "--steps=4", "--offload_optimizer=true", f"--async_save={mode}"]
+        assert main_in_process(args(data, runs[mode], *extra)) == 0
+    for step in range(1, 5):
+        assert manifest(runs["true"], step)["files"] == manifest(runs["false"], step)["files"], step
+    assert losses(runs["true"]) == losses(runs["false"])
