@@ -70,4 +70,12 @@ else:
 PY
     rm -rf "$WORK"
 fi
+# --async_save on a GPU (issue 27; nothing here ran on one yet): the stall of a save, synchronous vs in the
+# background, where the copy is device to page-locked host memory (PCIe) instead of a memcpy, and the background
+# write competes with the GPU's work only for host memory bandwidth and a CPU core. bench/async_save.py picks
+# the device by itself (--device auto): its lines say the stall per save, the write and the step times each way.
+if [[ " $* " != *" --dry-run "* ]]; then
+    CUDA_VISIBLE_DEVICES=0 timeout 300 "$PYTHON" bench/async_save.py --out_dir "$(mktemp -d)/async" --steps 41 --ckpt_every 8 \
+        | tail -n 3 || echo "bench/gpu.sh: bench/async_save.py failed" >&2
+fi
 exit "$status"
