@@ -842,6 +842,12 @@ def remove_old_checkpoints(root: str, keep: int, just_saved: str):
             print(f"warning: retention could not delete {old}: {e.strerror or e}; it stays", file=sys.stderr, flush=True)
 
 
+def saved_model(manifest: dict) -> dict:
+    """The manifest's model as a ModelConfig's fields: one saved before a field existed has its default."""
+    known = {f.name for f in fields(M.ModelConfig)}
+    return asdict(M.ModelConfig(**{k: v for k, v in (manifest.get("model") or {}).items() if k in known}))
+
+
 def check_manifest(path: str, cfg, mcfg, windows) -> dict:
     manifest_path = os.path.join(path, "manifest.json")
     if file_size(manifest_path) is None:
@@ -857,8 +863,8 @@ def check_manifest(path: str, cfg, mcfg, windows) -> dict:
         if must:
             raise ResumeMismatch(f"--resume: checkpoint {path} (step {manifest.get('step')}) was saved under other "
                                  f"values of what a resume must keep: {'; '.join(must)}. {WAY_FORWARD.format(path=path)}")
-    elif mcfg is not None and manifest["model"] != asdict(mcfg):
-        diff = [k for k, v in asdict(mcfg).items() if manifest["model"].get(k) != v]
+    elif mcfg is not None and saved_model(manifest) != asdict(mcfg):
+        diff = [k for k, v in asdict(mcfg).items() if saved_model(manifest).get(k) != v]
         raise CheckpointError(f"checkpoint {path}: saved for another model (differs in {', '.join(diff)})")
     if cfg is not None and windows is not None and manifest["data"] is not None:
         try:
@@ -928,9 +934,8 @@ def config_changes(manifest: dict, cfg, mcfg) -> tuple[list[str], list[str]]:
     for key, why in RESUME_MUST_MATCH.items():
         if not same_value(key, saved[key], getattr(cfg, key), resolved.get(key)):
             must.append(f"--{key} was {saved[key]!r}, now {getattr(cfg, key)!r} ({why})")
-    model_fields = {f.name for f in fields(mcfg)}
-    saved_model = asdict(M.ModelConfig(**{k: v for k, v in (manifest.get("model") or {}).items() if k in model_fields}))
-    model_diff = [f"{k} was {saved_model[k]}, now {v}" for k, v in asdict(mcfg).items() if saved_model[k] != v]
+    saved_mcfg = saved_model(manifest)
+    model_diff = [f"{k} was {saved_mcfg[k]}, now {v}" for k, v in asdict(mcfg).items() if saved_mcfg[k] != v]
     if model_diff:
         must.append(f"the model (from --model, --init_from's config.json, --data's tokenizer): {', '.join(model_diff)}")
     for key in RESUME_MAY_CHANGE:
@@ -1158,30 +1163,34 @@ def hf_rope(hf: dict) -> tuple[dict, str]:
 
 
 def check_hf_config(hf: dict) -> list[str]:
-    """What in a Hugging Face config.json says it is not the Llama this code builds, one line each.
-    Qwen2 (q/k/v biases), Gemma (GELU, 1 + w norms) and Mistral name their tensors as Llama does: their
+    """What in a Hugging Face config.json says it is not a model this code builds (model.FAMILIES), one line
+    each. Qwen2 (q/k/v biases), Gemma (GELU, 1 + w norms) and Mistral name their tensors as Llama does: their
     weights would load, and train as another model, without a word."""
     model_type, architectures = hf.get("model_type"), hf.get("architectures") or []
-    if model_type != "llama" or architectures not in ([], ["LlamaForCausalLM"]):
+    family = M.FAMILIES.get(model_type)
+    if family is None or architectures not in ([], [family["hf_class"]]):
+        known = ", ".join(f"model_type {t!r} with {f['hf_class']}" for t, f in M.FAMILIES.items())
         return [f"model_type {model_type!r} (architectures {', '.join(architectures) or 'not given'}) is not a "
-                f"Llama; only model_type 'llama' with LlamaForCausalLM can be loaded"]
-    problems = []  # a Llama config.json with options this code does not implement
+                f"family this code builds; known: {known}"]
+    problems = []  # a config.json of a known family with options this code does not implement
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
     for bias in ("attention_bias", "mlp_bias"):
         if hf.get(bias, False):
-            problems.append(f"{bias} true is not supported (this Llama has no biases)")
+            problems.append(f"{bias} true is not supported (this model has no biases)")
     if hf.get("attention_dropout", 0.0):
         problems.append(f"attention_dropout {hf['attention_dropout']} is not supported (only 0.0)")
+    if hf.get("use_sliding_window", False):
+        problems.append("use_sliding_window true is not supported (only full attention)")
     rope_type = hf_rope(hf)[1]
-    if rope_type not in ("default", "llama3"):
-        problems.append(f"rope type {rope_type!r} is not supported (only default and llama3)")
+    if rope_type not in family["rope_types"]:
+        problems.append(f"rope type {rope_type!r} is not supported for {model_type} (only {' and '.join(family['rope_types'])})")
     return problems
 
 
 def config_from_hf(hf: dict) -> M.ModelConfig:
-    """Published Llama 3.x form (`rope_theta` + `rope_scaling`) or the newer `rope_parameters` form.
-    Anything but a plain Llama is refused (check_hf_config), never approximated."""
+    """Published Llama 3.x and Qwen3 form (`rope_theta` + `rope_scaling`) or the newer `rope_parameters` form.
+    Anything but a family of model.FAMILIES, as it is published, is refused (check_hf_config), never approximated."""
     problems = check_hf_config(hf)
     if problems:
         raise ValueError("config.json: " + "; ".join(problems))
@@ -1198,7 +1207,8 @@ def config_from_hf(hf: dict) -> M.ModelConfig:
         head_dim=hf.get("head_dim") or 0, ffn_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope_theta), rope_scaling=scaling, max_seq_len=hf.get("max_position_embeddings", 8192),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bos_id=hf.get("bos_token_id", 1),
-        eos_id=eos[0] if isinstance(eos, list) else eos, init_std=hf.get("initializer_range", 0.02))
+        eos_id=eos[0] if isinstance(eos, list) else eos, init_std=hf.get("initializer_range", 0.02),
+        family=hf["model_type"], **M.FAMILIES[hf["model_type"]]["model_fields"])
 
 
 # A source config.json's keys for what config_to_hf writes in another spelling (transformers 5 writes
@@ -1207,24 +1217,28 @@ HF_RESPELLED = ("rope_parameters", "rope_scaling", "rope_theta", "dtype", "torch
 
 
 def config_to_hf(cfg: M.ModelConfig, dtype: torch.dtype, source: dict | None = None, eos_ids: list | None = None) -> dict:
-    """The published Llama 3.x form, which every transformers version reads. `source`: the config.json the
+    """The published form of cfg's family (Llama 3.x, Qwen3), which every transformers version that has the
+    family reads. `source`: the config.json the
     weights came from (an --init_from folder): its other fields are kept, and its list of end ids too when
     it starts with cfg.eos_id (Llama 3.1 Instruct lists <|end_of_text|>, <|eom_id|>, <|eot_id|>; training
     needs only the first). `eos_ids`: the tokenizer's end ids, for a model without a source."""
     rope_scaling = None
     if cfg.rope_scaling:
         rope_scaling = dict(cfg.rope_scaling, rope_type="llama3")
+    family = M.FAMILIES[cfg.family]
     ours = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [family["hf_class"]], "model_type": cfg.family,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "intermediate_size": cfg.ffn_dim, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "rope_scaling": rope_scaling, "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-        "initializer_range": cfg.init_std, "pretraining_tp": 1, "use_cache": True,
-        "torch_dtype": str(dtype).removeprefix("torch."),
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+        "initializer_range": cfg.init_std, "use_cache": True, "torch_dtype": str(dtype).removeprefix("torch."),
+        **family["config_keys"],
     }
+    if "use_sliding_window" in family["config_keys"]:  # Qwen3: how many layers would slide, were it on (all)
+        ours["max_window_layers"] = cfg.n_layers
     if eos_ids and eos_ids[0] == cfg.eos_id:
         ours["eos_token_id"] = list(eos_ids) if len(eos_ids) > 1 else cfg.eos_id
     if source is None:
@@ -1276,7 +1290,7 @@ def hf_tensor_names(path: str) -> list[str]:
 
 
 def check_hf_tensors(files: dict, mcfg: M.ModelConfig, folder: str):
-    """The files must hold exactly the parameters of the Llama that config.json describes. A tensor the
+    """The files must hold exactly the parameters of the model that config.json describes. A tensor the
     model lacks (a Qwen2 q_proj.bias, an old conversion's rotary inv_freq, an lm_head.weight beside tied
     embeddings) is refused, never dropped: each is a sign the weights are not that model's."""
     with torch.device("meta"):  # names only: allocates nothing
@@ -1290,7 +1304,8 @@ def check_hf_tensors(files: dict, mcfg: M.ModelConfig, folder: str):
         if "lm_head.weight" in unexpected and mcfg.tie_embeddings:
             hint = "; config.json has tie_word_embeddings true: set it false if lm_head.weight is the model's own"
         raise ValueError(f"--init_from: {files[unexpected[0]]} holds {unexpected[0]}{more(unexpected)}, which the "
-                         f"Llama described by config.json does not have: this is not a plain Llama checkpoint{hint}")
+                         f"{M.FAMILIES[mcfg.family]['hf_class']} described by config.json does not have: this is not "
+                         f"a plain {mcfg.family} checkpoint{hint}")
 
 
 def more(names: list) -> str:
@@ -1335,20 +1350,22 @@ def gather_full_unit(unit) -> torch.Tensor:
 
 
 def check_export_tensors(config: dict, shapes: dict):
-    """What transformers' LlamaForCausalLM builds from `config` (on the meta device: no memory) must have
-    exactly the tensors `shapes` ({HF name: shape}) names: from_pretrained drops a tensor it does not know
-    with only a warning, so a fork's extra parameter (a QK-norm) would be served as another model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """What transformers' class for the family (model.FAMILIES: LlamaForCausalLM, Qwen3ForCausalLM) builds from
+    `config` (on the meta device: no memory) must have exactly the tensors `shapes` ({HF name: shape}) names:
+    from_pretrained drops a tensor it does not know with only a warning, so a fork's extra parameter would be
+    served as another model."""
+    import transformers
+    family = M.FAMILIES[config["model_type"]]
     with torch.device("meta"):
-        hf = LlamaForCausalLM(LlamaConfig.from_dict(config))
+        hf = getattr(transformers, family["hf_class"])(getattr(transformers, family["hf_config_class"]).from_dict(config))
     built = {name: tuple(p.shape) for name, p in hf.named_parameters()}  # tied embeddings: listed once
     extra, missing = sorted(shapes.keys() - built.keys()), sorted(built.keys() - shapes.keys())
     reshaped = sorted(n for n in shapes.keys() & built.keys() if tuple(shapes[n]) != built[n])
-    where = "the LlamaForCausalLM that transformers builds from the exported config.json"
+    where = f"the {family['hf_class']} that transformers builds from the exported config.json"
     if extra:
         raise ValueError(f"--export_hf: tensor {extra[0]}{more(extra)} of this model is not in {where}: from_pretrained "
-                         f"would drop it and serve another model; a model with parameters a Llama lacks cannot be "
-                         f"exported as one (config_to_hf describes what the export is)")
+                         f"would drop it and serve another model; a model with parameters its family lacks cannot be "
+                         f"exported as one (config_to_hf describes what the export is; model.FAMILIES the families)")
     if missing:
         raise ValueError(f"--export_hf: {where} has {missing[0]}{more(missing)}, which this model lacks")
     if reshaped:

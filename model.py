@@ -1,4 +1,5 @@
-"""The Llama 3 family, computed exactly as Hugging Face `transformers`' `LlamaForCausalLM` computes it.
+"""Llama 3 (and Qwen3, a Llama with a norm on each head's query and key), computed exactly as Hugging Face
+`transformers`' `LlamaForCausalLM` (`Qwen3ForCausalLM`) computes it. FAMILIES says what differs.
 
 Read top to bottom: config and presets, RoPE (with the llama3 frequency scaling), then the layers:
 RMSNorm, packed documents kept apart (DocumentLayout), attention (FlashAttention-2 where it applies,
@@ -51,10 +52,28 @@ class ModelConfig:
     bos_id: int = 1
     eos_id: int = 2
     init_std: float = 0.02
+    family: str = "llama"          # config.json's model_type: a key of FAMILIES
+    qk_norm: bool = False          # an RMSNorm of size head_dim on each head's query and key, before RoPE (Qwen3)
 
     def __post_init__(self):
         if self.head_dim == 0:
             self.head_dim = self.dim // self.n_heads
+
+
+# The model families this code builds, keyed by config.json's model_type. Everything else is shared: the
+# block (pre-norm attention with grouped K/V and RoPE, SwiGLU MLP), the tensor names (Hugging Face's; a QK-norm's
+# are self_attn.q_norm.weight and self_attn.k_norm.weight), the ModelConfig fields config.json maps to
+# (disk.config_from_hf). Per family: the transformers classes that build it (the oracle in tests/, the check of
+# an export), what its ModelConfig sets, the RoPE forms its config.json may use, and the config.json keys only
+# it writes. A config.json of another model_type is refused naming these (disk.check_hf_config).
+FAMILIES = {
+    "llama": dict(hf_class="LlamaForCausalLM", hf_config_class="LlamaConfig", model_fields=dict(qk_norm=False),
+                  rope_types=("default", "llama3"), config_keys=dict(mlp_bias=False, pretraining_tp=1)),
+    # Qwen3 (Yang et al. 2025, "Qwen3 Technical Report"; transformers' modeling_qwen3.py): QK-norm, head_dim
+    # given explicitly (128, whatever dim / n_heads is), no q/k/v bias, no sliding window in the dense models.
+    "qwen3": dict(hf_class="Qwen3ForCausalLM", hf_config_class="Qwen3Config", model_fields=dict(qk_norm=True),
+                  rope_types=("default",), config_keys=dict(use_sliding_window=False, sliding_window=None)),
+}
 
 
 def tiny() -> ModelConfig:
@@ -72,6 +91,15 @@ def llama3(rope_factor: float = 0.0, **shape) -> ModelConfig:
                        max_seq_len=131072 if rope_factor else 8192, bos_id=128000, eos_id=128001, **shape)
 
 
+def qwen3(**shape) -> ModelConfig:
+    """Qwen3's vocabulary, ids and head shape, as its dense models' config.json (Hugging Face Qwen/Qwen3-0.6B ...
+    Qwen/Qwen3-32B, April 2025) give them: 8 K/V heads of 128, RMSNorm eps 1e-6, RoPE theta 1e6 over 40,960
+    positions, <|endoftext|> as BOS and <|im_end|> as EOS (the post-trained models'; the -Base models end
+    with <|endoftext|>, 151643: their config.json says so, and --init_from reads it)."""
+    return ModelConfig(vocab_size=151936, n_kv_heads=8, head_dim=128, norm_eps=1e-6, rope_theta=1e6,
+                       max_seq_len=40960, bos_id=151643, eos_id=151645, family="qwen3", qk_norm=True, **shape)
+
+
 LLAMA3_8B = dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336)
 LLAMA3_70B = dict(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672)
 PRESETS = {
@@ -82,6 +110,13 @@ PRESETS = {
     "llama3.1-8b": lambda: llama3(8.0, **LLAMA3_8B),
     "llama3-70b": lambda: llama3(**LLAMA3_70B),
     "llama3.1-70b": lambda: llama3(8.0, **LLAMA3_70B),
+    # Qwen3 dense (the Qwen3 report's Table 1: layers, heads, tied embeddings; config.json: the widths).
+    "qwen3-0.6b": lambda: qwen3(dim=1024, n_layers=28, n_heads=16, ffn_dim=3072, tie_embeddings=True),
+    "qwen3-1.7b": lambda: qwen3(dim=2048, n_layers=28, n_heads=16, ffn_dim=6144, tie_embeddings=True),
+    "qwen3-4b": lambda: qwen3(dim=2560, n_layers=36, n_heads=32, ffn_dim=9728, tie_embeddings=True),
+    "qwen3-8b": lambda: qwen3(dim=4096, n_layers=36, n_heads=32, ffn_dim=12288),
+    "qwen3-14b": lambda: qwen3(dim=5120, n_layers=40, n_heads=40, ffn_dim=17408),
+    "qwen3-32b": lambda: qwen3(dim=5120, n_layers=64, n_heads=64, ffn_dim=25600),
 }
 
 
@@ -269,11 +304,15 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # Qwen3's QK-norm: each head's query and key normalised (one weight of head_dim shared by the heads)
+        # before RoPE, which keeps attention logits bounded. Identity (no parameters) for Llama.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, layout=None, cache=None):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim))
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # sampling (sample.KVCache): these T tokens also see every earlier one
@@ -359,7 +398,7 @@ def count_params(cfg: ModelConfig) -> dict:
     """Parameter counts from the shapes alone (no model needed): total and embedding."""
     d, hd = cfg.dim, cfg.head_dim
     attn = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
-    block = attn + 3 * d * cfg.ffn_dim + 2 * d
+    block = attn + 3 * d * cfg.ffn_dim + 2 * d + (2 * hd if cfg.qk_norm else 0)
     embedding = cfg.vocab_size * d
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     return {"total": embedding + cfg.n_layers * block + d + head, "embedding": embedding}

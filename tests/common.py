@@ -30,12 +30,14 @@ def small_config(**overrides) -> M.ModelConfig:
 
 
 def hf_model(cfg: M.ModelConfig, seed: int = 0, hf_config: dict | None = None):
-    """A transformers LlamaForCausalLM with random weights, in float32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """transformers' class for cfg's family (LlamaForCausalLM, Qwen3ForCausalLM: model.FAMILIES) with random
+    weights, in float32."""
+    import transformers
+    family = M.FAMILIES[cfg.family]
     torch.manual_seed(seed)
-    hf_cfg = LlamaConfig(**(hf_config or disk.config_to_hf(cfg, torch.float32)))
+    hf_cfg = getattr(transformers, family["hf_config_class"])(**(hf_config or disk.config_to_hf(cfg, torch.float32)))
     hf_cfg._attn_implementation = "eager"
-    ref = LlamaForCausalLM(hf_cfg).float().eval()
+    ref = getattr(transformers, family["hf_class"])(hf_cfg).float().eval()
     with torch.no_grad():  # norms start at ones; make them random so a wrong norm weight shows
         for name, p in ref.named_parameters():
             if "norm" in name:

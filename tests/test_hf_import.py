@@ -65,20 +65,21 @@ def file_lacks_what_index_promises(folder):
 
 
 CASES = [  # (id, which folder, edit, what the one line says)
-    ("qwen2", 0, qwen2, "--init_from: config.json: model_type 'qwen2' (architectures Qwen2ForCausalLM) is not a Llama"),
+    ("qwen2", 0, qwen2, "--init_from: config.json: model_type 'qwen2' (architectures Qwen2ForCausalLM) is not a family this code "
+     "builds; known: model_type 'llama' with LlamaForCausalLM, model_type 'qwen3' with Qwen3ForCausalLM"),
     ("gemma-like activation", 0, lambda d: edit_config(d, hidden_act="gelu_pytorch_tanh"),
      "--init_from: config.json: hidden_act 'gelu_pytorch_tanh' is not supported (only silu)"),
     ("attention_bias", 0, lambda d: edit_config(d, attention_bias=True),
      "--init_from: config.json: attention_bias true is not supported"),
     ("bias tensors", 0, lambda d: edit_weights(d, add=[("model.layers.0.self_attn.q_proj.bias", (32,)),
                                                        ("model.layers.1.self_attn.q_proj.bias", (32,))]),
-     "model.safetensors holds model.layers.0.self_attn.q_proj.bias (and 1 more), which the Llama described by "
-     "config.json does not have: this is not a plain Llama checkpoint"),
+     "model.safetensors holds model.layers.0.self_attn.q_proj.bias (and 1 more), which the LlamaForCausalLM "
+     "described by config.json does not have: this is not a plain llama checkpoint"),
     ("rotary inv_freq", 0, lambda d: edit_weights(d, add=[("model.layers.0.self_attn.rotary_emb.inv_freq", (4,))]),
-     "model.safetensors holds model.layers.0.self_attn.rotary_emb.inv_freq, which the Llama"),
+     "model.safetensors holds model.layers.0.self_attn.rotary_emb.inv_freq, which the LlamaForCausalLM"),
     ("lm_head beside tied embeddings", 0, lambda d: edit_config(d, tie_word_embeddings=True),
-     "model.safetensors holds lm_head.weight, which the Llama described by config.json does not have: this is "
-     "not a plain Llama checkpoint; config.json has tie_word_embeddings true"),
+     "model.safetensors holds lm_head.weight, which the LlamaForCausalLM described by config.json does not have: "
+     "this is not a plain llama checkpoint; config.json has tie_word_embeddings true"),
     ("truncated file", 0, truncate,
      "model.safetensors is not a readable safetensors file (Error while deserializing header: incomplete metadata, "
      "file not fully covered); download it again"),

@@ -1,4 +1,5 @@
-"""Model parity: our Llama computes the same logits as transformers' LlamaForCausalLM (fp32, <= 1e-5)."""
+"""Model parity: our Llama (Qwen3) computes the same logits as transformers' LlamaForCausalLM (Qwen3ForCausalLM),
+fp32, <= 1e-5."""
 import pytest
 import torch
 from common import M, hf_model, ours_from_hf, small_config
@@ -22,6 +23,43 @@ def test_logits_match_hf(tied, scaling, kv_heads):
         got = ours(tokens)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def qwen3_config(**overrides) -> M.ModelConfig:
+    """A small Qwen3: QK-norm, and a head_dim (12) that is not dim / n_heads (8), as in Qwen3-0.6B (128 vs 64)."""
+    return small_config(family="qwen3", qk_norm=True, head_dim=12, norm_eps=1e-6, **overrides)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen3_logits_match_hf(tied):
+    cfg = qwen3_config(tie_embeddings=tied)
+    ref = hf_model(cfg)
+    assert type(ref).__name__ == "Qwen3ForCausalLM"
+    ours = ours_from_hf(cfg, ref)  # strict: the q_norm/k_norm tensors are the same names as HF's
+    tokens = torch.randint(0, cfg.vocab_size, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), ref(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_each_family_round_trips_through_its_config_json():
+    """config_to_hf writes the family's model_type and class, transformers' config class reads it, and
+    config_from_hf gives the same ModelConfig back; a family's options another family lacks are refused."""
+    import transformers
+    for cfg in (small_config(), qwen3_config()):
+        family = M.FAMILIES[cfg.family]
+        hf = disk.config_to_hf(cfg, torch.float32)
+        assert hf["model_type"] == cfg.family and hf["architectures"] == [family["hf_class"]]
+        assert disk.config_from_hf(hf) == cfg
+        read = getattr(transformers, family["hf_config_class"]).from_dict(hf)
+        assert (read.head_dim, read.num_key_value_heads) == (cfg.head_dim, cfg.n_kv_heads)
+    qwen3 = disk.config_to_hf(qwen3_config(), torch.float32)
+    assert disk.check_hf_config(dict(qwen3, rope_scaling=dict(rope_type="yarn", factor=4.0))) == [
+        "rope type 'yarn' is not supported for qwen3 (only default)"]
+    assert disk.check_hf_config(dict(qwen3, use_sliding_window=True)) == [
+        "use_sliding_window true is not supported (only full attention)"]
+    assert disk.check_hf_config(dict(qwen3, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"])) == [
+        "model_type 'qwen3_moe' (architectures Qwen3MoeForCausalLM) is not a family this code builds; known: "
+        "model_type 'llama' with LlamaForCausalLM, model_type 'qwen3' with Qwen3ForCausalLM"]
 
 
 def _published_form(cfg):
@@ -55,8 +93,11 @@ def test_presets_have_published_sizes():
     assert round(total["llama3-70b"] / 1e9, 2) == 70.55
     assert round(total["llama3.2-1b"] / 1e9, 2) == 1.24
     assert round(total["llama3.2-3b"] / 1e9, 2) == 3.21
-    cfg = M.tiny()
-    assert M.count_params(cfg)["total"] == sum(p.numel() for p in M.Llama(cfg).parameters())
+    # Qwen3 (its report's Table 1 and model cards: 0.6B, 1.7B, 4.0B, 8.2B, 14.8B, 32.8B)
+    assert [round(total[f"qwen3-{s}"] / 1e9, 1) for s in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")] == [
+        0.6, 1.7, 4.0, 8.2, 14.8, 32.8]
+    for cfg in (M.tiny(), qwen3_config(), qwen3_config(tie_embeddings=True)):
+        assert M.count_params(cfg)["total"] == sum(p.numel() for p in M.Llama(cfg).parameters())
 
 
 def test_bad_shapes_are_reported():

@@ -106,6 +106,31 @@ def test_training_matches_hf(setup, world, micro, flags):
     check_against_reference(out, reference)
 
 
+@pytest.fixture(scope="module")
+def qwen3_setup(tmp_path_factory):
+    """A small Qwen3 (QK-norm; head_dim 12, not dim / n_heads = 8) and its oracle, Qwen3ForCausalLM + AdamW."""
+    root = tmp_path_factory.mktemp("qwen3")
+    cfg = small_config(family="qwen3", qk_norm=True, head_dim=12, norm_eps=1e-6)
+    init_dir = save_hf(hf_model(cfg, seed=5), str(root / "init"))
+    data_path = learnable_tokens(str(root / "tokens.npy"), cfg.vocab_size, n=3000)
+    return root, init_dir, data_path, reference_run(init_dir, data_path, doc_mask=True)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_qwen3_training_matches_hf(qwen3_setup, world):
+    """The same tolerances as Llama's; the export is a Qwen3 folder that from_pretrained loads with exactly the
+    oracle's tensors (check_against_reference: the same names, the same values)."""
+    root, init_dir, data_path, reference = qwen3_setup
+    out = str(root / f"w{world}")
+    args = [f"--{k}={v}" for k, v in ARGS.items()]
+    run_train(args + [f"--init_from={init_dir}", f"--data={data_path}", "--micro_batch_size=2", "--ac=selective",
+                      f"--out_dir={out}", f"--export_hf={out}/hf"], nproc=world)
+    check_against_reference(out, reference)
+    with open(os.path.join(out, "hf", "config.json")) as f:
+        exported = json.load(f)
+    assert (exported["model_type"], exported["architectures"], exported["head_dim"]) == ("qwen3", ["Qwen3ForCausalLM"], 12)
+
+
 def test_without_doc_mask_matches_hf_on_whole_rows(setup):
     """--doc_mask false: each row is one sequence, as transformers sees it without document boundaries."""
     root, init_dir, data_path, _ = setup
