@@ -21,6 +21,7 @@ import train as T  # noqa: E402
 CASE_70B = dict(model="llama3-70b", nnodes=2, nproc_per_node=8, gpu="h100", seq_len=8192, batch_size=64,
                 micro_batch_size=1, train_tokens=15e9, gpu_hour_usd=2.0)
 RECOMMENDED_70B = dict(CASE_70B, ac="full", offload_activations="true", reduce_dtype="bfloat16")
+SYNC_70B = dict(RECOMMENDED_70B, async_save="false")  # every save synchronous: the whole write stalls the run
 
 
 def config(**flags) -> T.TrainConfig:
@@ -198,7 +199,9 @@ def test_offloaded_optimizer_state_matches_the_trainers_units_with_padding():
     slice_numel = sum(u.shard_numel for u in units)
     on_device = sum(u.persistent_bytes(on_device_only=True) for u in units)
     on_host = sum(u.persistent_bytes() for u in units) - on_device
-    flags = dict(model="tiny", nnodes=1, nproc_per_node=world, seq_len=256, batch_size=12, micro_batch_size=4)
+    # Saves synchronous: no staging buffer (test_staging_buffer_is_the_checkpoints_tensors_aligned counts it).
+    flags = dict(model="tiny", nnodes=1, nproc_per_node=world, seq_len=256, batch_size=12, micro_batch_size=4,
+                 async_save="false")
     p = predict(**flags, offload_optimizer="true")
     assert p["state_gib_per_gpu"] * 2**30 == on_device == 2 * slice_numel
     slots = 4 * O.GRAD_SLOTS * max(u.shard_numel for u in units)
@@ -405,7 +408,7 @@ def test_stop_lead_time_covers_a_save_the_step_an_evaluation_and_the_stops_save(
     """The lead before a time limit is the sum of its parts: the longer of a periodic save in progress and a
     late restart's set-up + load, then the step, its evaluation and the stop's save, x 1.25 (ASSUMPTIONS
     stop_worst_case)."""
-    p = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4)
+    p = predict(**SYNC_70B, ckpt_every=200, eval_every=200, eval_batches=4)
     assert p["checkpoint_gb_per_rank"] == pytest.approx(12 * 70.55e9 / 16 / 1e9, rel=1e-3)  # master, m, v: 52.9 GB
     save_s = p["checkpoint_gb_per_rank"] / 0.45  # --fs_write_gbps default
     setup_s = P.ASSUMPTIONS["restart_setup_s"][0]
@@ -416,10 +419,10 @@ def test_stop_lead_time_covers_a_save_the_step_an_evaluation_and_the_stops_save(
     assert p["eval_s"] == pytest.approx(4 * p["step_time_s"])
     assert p["stop_lead_s"] == pytest.approx(1.25 * (setup_s + save_s + p["step_time_s"] + 4 * p["step_time_s"] + save_s))
     assert p["signal_lead_s"] % 60 == 0 and 0 <= p["signal_lead_s"] - p["stop_lead_s"] < 60
-    assert f"#SBATCH --signal=USR1@{p['signal_lead_s']}" in P.table(p, config(**RECOMMENDED_70B, ckpt_every=200))
+    assert f"#SBATCH --signal=USR1@{p['signal_lead_s']}" in P.table(p, config(**SYNC_70B, ckpt_every=200))
     # --sample_prompts samples at each evaluation, before the stop check: its time is part of the evaluation.
     (tmp_path / "p.jsonl").write_text('{"text": "Bonjour"}\n' * 4)
-    sampled = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4,
+    sampled = predict(**SYNC_70B, ckpt_every=200, eval_every=200, eval_batches=4,
                       sample_prompts=tmp_path / "p.jsonl")
     assert sampled["stop_lead_s"] == pytest.approx(p["stop_lead_s"] + 1.25 * sampled["sampling_s"])
 
@@ -428,18 +431,18 @@ def test_stop_lead_time_scales_with_the_measured_bandwidth_and_always_counts_a_r
     """--fs_write_gbps (what bench/checkpoint_io.py prints) times the save and the restart's load: twice the
     bandwidth, half of each. Without periodic saves or evaluations a late restart still stands before the
     step; with --offload_optimizer its set-up also page-locks the host state."""
-    p = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=0)
+    p = predict(**SYNC_70B, ckpt_every=200, eval_every=0)
     setup_s = P.ASSUMPTIONS["restart_setup_s"][0]
     for gbps in (0.9, 0.1):
-        q = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=0, fs_write_gbps=gbps)
+        q = predict(**SYNC_70B, ckpt_every=200, eval_every=0, fs_write_gbps=gbps)
         ratio = 0.45 / gbps
         assert q["save_s"] == pytest.approx(p["save_s"] * ratio) and q["load_s"] == pytest.approx(p["load_s"] * ratio)
         assert q["stop_lead_s"] == pytest.approx(1.25 * (setup_s + 2 * p["save_s"] * ratio + p["step_time_s"]))
-    quick = predict(**RECOMMENDED_70B, ckpt_every=0, eval_every=0)
+    quick = predict(**SYNC_70B, ckpt_every=0, eval_every=0)
     assert quick["periodic_save_s"] == 0 and quick["before_step_s"] == pytest.approx(setup_s + p["load_s"])
     assert quick["stop_lead_s"] == pytest.approx(1.25 * (setup_s + p["load_s"] + p["step_time_s"] + p["save_s"]))
-    offloaded = predict(**RECOMMENDED_70B, ckpt_every=0, eval_every=0, offload_optimizer="true")
-    host_state_gb = P.host_bytes_per_gpu(M.PRESETS["llama3-70b"](), config(**RECOMMENDED_70B, offload_optimizer="true"),
+    offloaded = predict(**SYNC_70B, ckpt_every=0, eval_every=0, offload_optimizer="true")
+    host_state_gb = P.host_bytes_per_gpu(M.PRESETS["llama3-70b"](), config(**SYNC_70B, offload_optimizer="true"),
                                          16)["state"] / 1e9
     assert host_state_gb > 50  # 16 B per parameter / W and the staging slots
     assert offloaded["restart_setup_s"] == pytest.approx(setup_s + host_state_gb / P.ASSUMPTIONS["host_page_locking_gbps"][0])
@@ -448,7 +451,7 @@ def test_stop_lead_time_scales_with_the_measured_bandwidth_and_always_counts_a_r
 def test_save_stall_and_the_fraction_of_the_run_spent_saving():
     """Today's save is synchronous: every GPU waits for the bytes each rank writes at --fs_write_gbps. Over the
     run's steps (--train_tokens / tokens per step) each --ckpt_every steps, and the last, cost one stall."""
-    p = predict(**RECOMMENDED_70B, ckpt_every=200)
+    p = predict(**SYNC_70B, ckpt_every=200)
     stall_s = P.checkpoint_bytes_per_rank(M.PRESETS["llama3-70b"](), 16) / 0.45e9
     assert p["save_stall_s"] == pytest.approx(stall_s)  # 118 s
     steps = -(-15e9 // (64 * 8192))  # 28,611
@@ -456,28 +459,28 @@ def test_save_stall_and_the_fraction_of_the_run_spent_saving():
     train_s = steps * p["step_time_s"]
     assert p["save_fraction"] == pytest.approx(p["saves"] * stall_s / (train_s + p["saves"] * stall_s))
     for every, gbps in ((400, 0.45), (200, 0.9), (100, 0.1)):
-        q = predict(**RECOMMENDED_70B, ckpt_every=every, fs_write_gbps=gbps)
+        q = predict(**SYNC_70B, ckpt_every=every, fs_write_gbps=gbps)
         saves_s = -(-steps // every) * stall_s * 0.45 / gbps
         assert q["save_stall_s"] == pytest.approx(stall_s * 0.45 / gbps)
         assert q["save_fraction"] == pytest.approx(saves_s / (train_s + saves_s))
-    assert predict(**RECOMMENDED_70B, ckpt_every=400)["save_fraction"] < p["save_fraction"]
-    assert predict(**RECOMMENDED_70B, ckpt_every=200, fs_write_gbps=0.9)["save_fraction"] < p["save_fraction"]
-    assert predict(**RECOMMENDED_70B, ckpt_every=0)["saves"] == 1  # the last step's save only
+    assert predict(**SYNC_70B, ckpt_every=400)["save_fraction"] < p["save_fraction"]
+    assert predict(**SYNC_70B, ckpt_every=200, fs_write_gbps=0.9)["save_fraction"] < p["save_fraction"]
+    assert predict(**SYNC_70B, ckpt_every=0)["saves"] == 1  # the last step's save only
     # Without --train_tokens the run is --steps long.
-    assert predict(**dict(RECOMMENDED_70B, train_tokens=0), steps=1000, ckpt_every=200)["saves"] == 5
+    assert predict(**dict(SYNC_70B, train_tokens=0), steps=1000, ckpt_every=200)["saves"] == 5
 
 
 def test_suggested_ckpt_every_is_young_dalys_interval_in_steps():
     """sqrt(2 x stall x MTBF) / step time, by hand; 4x the MTBF is 2x the interval. A failure loses half an
     interval plus a restart's set-up and load; saves + lost work cost least at the suggested interval."""
-    p = predict(**RECOMMENDED_70B, ckpt_every=200)
+    p = predict(**SYNC_70B, ckpt_every=200)
     assert p["suggested_ckpt_every"] == round((2 * p["save_stall_s"] * 3167.0 * 3600) ** 0.5 / p["step_time_s"])
     for hours in (10.0, 40.0, 160.0):
-        q = predict(**RECOMMENDED_70B, ckpt_every=200, mtbf_hours=hours)
+        q = predict(**SYNC_70B, ckpt_every=200, mtbf_hours=hours)
         assert q["suggested_ckpt_every"] == round((2 * q["save_stall_s"] * hours * 3600) ** 0.5 / q["step_time_s"])
-    short, long = (predict(**RECOMMENDED_70B, mtbf_hours=h)["suggested_ckpt_every"] for h in (10.0, 40.0))
+    short, long = (predict(**SYNC_70B, mtbf_hours=h)["suggested_ckpt_every"] for h in (10.0, 40.0))
     assert abs(long - 2 * short) <= 1  # 2x, up to the rounding to whole steps
-    assert predict(**RECOMMENDED_70B, mtbf_hours=1e-6)["suggested_ckpt_every"] == 1  # at least one step
+    assert predict(**SYNC_70B, mtbf_hours=1e-6)["suggested_ckpt_every"] == 1  # at least one step
     assert p["lost_per_failure_s"] == pytest.approx(200 * p["step_time_s"] / 2 + p["restart_s"])
     assert p["suggested_lost_per_failure_s"] == pytest.approx(p["suggested_ckpt_every"] * p["step_time_s"] / 2
                                                               + p["restart_s"])
@@ -487,7 +490,7 @@ def test_suggested_ckpt_every_is_young_dalys_interval_in_steps():
         (p["saves"] * p["save_stall_s"] + failures * p["lost_per_failure_s"]) / train_s)
     assert p["suggested_overhead_fraction"] < p["overhead_fraction"]
     for every in (p["suggested_ckpt_every"] // 2, 2 * p["suggested_ckpt_every"]):
-        assert predict(**RECOMMENDED_70B, ckpt_every=every)["overhead_fraction"] > p["suggested_overhead_fraction"]
+        assert predict(**SYNC_70B, ckpt_every=every)["overhead_fraction"] > p["suggested_overhead_fraction"]
 
 
 def test_planning_docs_quote_the_interval_the_planner_prints():
