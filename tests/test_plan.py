@@ -505,6 +505,159 @@ def test_planning_docs_quote_the_interval_the_planner_prints():
             f"{100 * p['suggested_overhead_fraction']:.2f}% at {p['suggested_ckpt_every']}") in text
 
 
+def test_staging_buffer_is_the_checkpoints_tensors_aligned():
+    """--async_save's staging buffer holds a copy of every tensor a rank's checkpoint file holds
+    (disk.saved_tensors), each at a multiple of disk.STAGING_ALIGN_BYTES: rank 0's units at a W whose padding
+    is not zero, against plan.staging_bytes_per_rank, and the planner's host memory part."""
+    mcfg, world = M.PRESETS["tiny"](), 3
+    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16)
+    assert any(u.padded_numel != u.numel for u in units)
+    align = disk.STAGING_ALIGN_BYTES
+    tensors = [t for u in units for _, t in disk.saved_tensors(u)]
+    assert len(tensors) == len(units) * (1 + len(T.OPTIMIZER_STATE))
+    staged = sum(-(-t.numel() * t.element_size() // align) * align for t in tensors)
+    assert staged > sum(t.numel() * t.element_size() for t in tensors)  # the alignment is counted too
+    assert P.staging_bytes_per_rank(mcfg, world) == staged
+    flags = dict(model="tiny", nnodes=1, nproc_per_node=world, seq_len=256, batch_size=12, micro_batch_size=4)
+    for setting, expected in (("auto", staged), ("true", staged), ("false", 0)):  # auto: a GPU node's memory fits it
+        p = predict(**flags, async_save=setting)
+        assert p["host_gib_by_part_per_gpu"]["staging"] * 2**30 == expected and p["async_save"] == bool(expected)
+        assert p["host_gib_per_node"] * 2**30 == expected * world
+    # 70B on 16 GPUs: the checkpoint's 52.9 GB per rank, in host memory beside the recipe's offloaded block inputs.
+    p = predict(**RECOMMENDED_70B)
+    assert p["host_gib_by_part_per_gpu"]["staging"] == pytest.approx(12 * 70.55e9 / 16 / 2**30, rel=1e-3)
+    assert p["host_fits"] and f"--async_save staging {p['host_gib_by_part_per_gpu']['staging']:.1f}" in P.table(
+        p, config(**RECOMMENDED_70B))
+
+
+def test_async_save_stalls_for_the_copy_and_the_interval_follows_it():
+    """The 70B recipe (--async_save auto: on, the staging buffer fits): a save stalls for the copy of 52.9 GB
+    to host memory at PCIe's 40 GB/s, not the 118 s write; Young/Daly on that stall; a failure also loses the
+    write's time. A write longer than the interval makes the next save wait, and the suggestion never goes
+    below the steps a write takes."""
+    mcfg = M.PRESETS["llama3-70b"]()
+    p, sync = predict(**RECOMMENDED_70B, ckpt_every=200), predict(**SYNC_70B, ckpt_every=200)
+    copy_s = P.staging_bytes_per_rank(mcfg, 16) / 40e9
+    assert p["async_save"] and not sync["async_save"]
+    assert p["save_stall_s"] == p["async_save_stall_s"] == pytest.approx(copy_s) and copy_s < 2
+    assert p["sync_save_stall_s"] == sync["save_stall_s"] == pytest.approx(p["save_s"]) and p["save_s"] > 100
+    assert p["sync_save_fraction"] == pytest.approx(sync["save_fraction"])
+    assert sync["save_fraction"] > 50 * p["save_fraction"]
+    steps, step_s, mtbf_s = p["run_steps"], p["step_time_s"], 3167.0 * 3600
+    train_s = steps * step_s
+    saves_s = (p["saves"] - 1) * copy_s + p["save_s"]  # the last save's write is waited for
+    assert p["save_fraction"] == pytest.approx(saves_s / (train_s + saves_s))
+    assert p["suggested_ckpt_every"] == round((2 * copy_s * mtbf_s) ** 0.5 / step_s) < sync["suggested_ckpt_every"]
+    assert p["lost_per_failure_s"] == pytest.approx(100 * step_s + p["save_s"] + p["restart_s"])
+    assert p["overhead_fraction"] == pytest.approx((saves_s + train_s / mtbf_s * p["lost_per_failure_s"]) / train_s)
+    assert p["overhead_fraction"] < sync["overhead_fraction"]
+    text = P.table(p, config(**RECOMMENDED_70B, ckpt_every=200))
+    assert (f"save stall per save (predicted): synchronous {p['save_s']:.0f} s (every GPU waiting for the write), "
+            f"asynchronous {copy_s:.1f} s (the copy of 52.9 GB to host memory") in text
+    young_daly = f"suggested --ckpt_every {p['suggested_ckpt_every']} (Young/Daly: sqrt(2 x {copy_s:.1f} s asynchronous"
+    assert young_daly in text
+    # With --offload_optimizer the state is in host memory already: a host-to-host copy, read and write.
+    offloaded = predict(**RECOMMENDED_70B, offload_optimizer="true", async_save="true")
+    host_gbps = 614 * 0.7 / 8
+    assert offloaded["async_save_stall_s"] == pytest.approx(2 * P.staging_bytes_per_rank(mcfg, 16) / (host_gbps * 1e9))
+    # A filesystem so slow the write (10,582 s) outlasts 20 steps: each save waits for the one before.
+    slow = predict(**RECOMMENDED_70B, ckpt_every=20, fs_write_gbps=0.005)
+    assert slow["async_save_stall_s"] == pytest.approx(copy_s + slow["save_s"] - 20 * step_s)
+    write_steps = -(-slow["save_s"] // step_s)
+    assert slow["suggested_ckpt_every"] == write_steps > round((2 * copy_s * mtbf_s) ** 0.5 / step_s)
+    assert (f"raised to the {write_steps:.0f} steps a write takes: at most one save in flight"
+            in P.table(slow, config(**RECOMMENDED_70B, ckpt_every=20, fs_write_gbps=0.005)))
+
+
+def test_the_stop_lead_under_async_save_counts_one_write():
+    """--async_save: at a stop the write in flight is finished and the stop's save skipped, or, with none in
+    flight, the stop saves synchronously: one write after the request either way. Before the step, a periodic
+    save stalls only for the copy; a late restart also page-locks the staging buffer."""
+    p = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4)
+    sync = predict(**SYNC_70B, ckpt_every=200, eval_every=200, eval_batches=4)
+    staging_gb = P.staging_bytes_per_rank(M.PRESETS["llama3-70b"](), 16) / 1e9
+    assert p["async_save"] and p["periodic_save_s"] == pytest.approx(p["save_copy_s"]) and p["save_copy_s"] < 2
+    assert p["restart_setup_s"] == pytest.approx(P.ASSUMPTIONS["restart_setup_s"][0] + staging_gb / 1.0)
+    assert p["restart_s"] == pytest.approx(p["restart_setup_s"] + p["load_s"])
+    one_write = p["restart_s"] + p["step_time_s"] + p["eval_s"] + p["save_s"]
+    assert p["stop_lead_s"] == pytest.approx(1.25 * one_write)
+    # The same bound as synchronous but for the staging buffer's page-locking in the restart.
+    assert p["stop_lead_s"] - sync["stop_lead_s"] == pytest.approx(1.25 * staging_gb)
+    text = P.table(p, config(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4))
+    assert (f"one write {p['save_s']:.0f} s (the one in flight finished, or the stop's own save), x 1.25): "
+            f"#SBATCH --signal=USR1@{p['signal_lead_s']}") in text
+    assert f"a periodic save's stall ({p['periodic_save_s']:.0f} s: the copy to host memory)" in text
+
+
+def fake_host_memory(monkeypatch, gib: float):
+    monkeypatch.setattr(checks, "host_memory_limit", lambda: (int(gib * 2**30), f"this machine has {gib:,.1f} GiB "
+                                                                                 f"available"))
+
+
+def test_async_save_that_does_not_fit_host_memory_is_one_line(tmp_path, monkeypatch):
+    """The start-up check counts the staging buffer of every rank on the node (LOCAL_WORLD_SIZE) with 10% kept
+    free: '--async_save true' that does not fit is one line naming the flag and what to drop; 'auto' turns
+    itself off there with one line for rank 0 to print, and is off on CPU without a word."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    mcfg = M.PRESETS["llama3.1-8b"]()
+    staging_gib = 8 * P.staging_bytes_per_rank(mcfg, 16) / 2**30  # 8 ranks x 12 B x 8.03B / 16: 44.9 GiB
+
+    def run(**flags):
+        return T.parse_args([f"--{k}={v}" for k, v in dict(model="llama3.1-8b", out_dir=tmp_path, **flags).items()])
+
+    fake_host_memory(monkeypatch, staging_gib / 0.9 * 0.99)  # just under what 8 staging buffers need with 10% free
+    [line] = checks.check_host_memory(run(async_save="true"), mcfg, 16, 16)
+    assert line.startswith(f"--async_save true: the 8 rank(s) on this node need {staging_gib:,.1f} GiB of host memory "
+                           f"({staging_gib:,.1f} GiB for the save's staging buffer), and this machine has "), line
+    assert line.endswith("; drop --async_save true (--async_save auto turns it off where it does not fit), or use "
+                         "more nodes"), line
+    on, why = checks.async_save_on(run(async_save="auto", device="cuda"), mcfg, 16)
+    assert not on and why.startswith(f"--async_save auto: off: the 8 rank(s) on this node would need "
+                                     f"{staging_gib:,.1f} GiB of host memory for the save's staging buffer"), why
+    assert checks.check_host_memory(run(async_save="auto", device="cuda"), mcfg, 16, 16) == []  # auto: off, no error
+    assert checks.async_save_on(run(async_save="auto", device="cpu"), mcfg, 16) == (False, None)
+    assert checks.async_save_on(run(async_save="false", device="cuda"), mcfg, 16) == (False, None)
+    fake_host_memory(monkeypatch, staging_gib / 0.9 * 1.01)  # just over: it fits
+    assert checks.async_save_on(run(async_save="auto", device="cuda"), mcfg, 16) == (True, None)
+    assert checks.check_host_memory(run(async_save="true"), mcfg, 16, 16) == []
+    # With --offload_optimizer both parts count: the state alone fits, the staging buffer beside it does not.
+    state_gib = 8 * P.host_bytes_per_gpu(mcfg, run(offload_optimizer="true"), 16, False)["state"] / 2**30
+    fake_host_memory(monkeypatch, (state_gib + staging_gib) / 0.9 * 0.99)
+    assert checks.check_host_memory(run(offload_optimizer="true", async_save="false"), mcfg, 16, 16) == []
+    [line] = checks.check_host_memory(run(offload_optimizer="true", async_save="true"), mcfg, 16, 16)
+    assert line.startswith(f"--async_save true with --offload_optimizer: the 8 rank(s) on this node need "
+                           f"{state_gib + staging_gib:,.1f} GiB of host memory ({staging_gib:,.1f} GiB for the save's "
+                           f"staging buffer, {state_gib:,.1f} GiB for --offload_optimizer's state"), line
+    assert "; drop --async_save true or --offload_optimizer (--async_save auto turns it off" in line, line
+    assert not checks.async_save_on(run(offload_optimizer="true", async_save="auto", device="cuda"), mcfg, 16)[0]
+
+
+def test_plan_names_the_flag_to_drop_when_async_save_true_does_not_fit():
+    """One node of 8 H100 with --offload_optimizer: 8 x 132 GiB of state and 8 x 10 GiB of block inputs leave no
+    room for 8 x 98.5 GiB of staging. 'auto' turns it off and fits; 'true' does not fit, and --plan's one error
+    line says to drop --async_save (dropping --offload_optimizer does not fit the GPU). On two nodes of H100 PCIe
+    servers (1 TB) either flag dropped fits, and the line names both."""
+    auto = predict(**OFFLOAD_70B_ONE_NODE)
+    assert not auto["async_save"] and auto["host_fits"] and auto["host_gib_by_part_per_gpu"]["staging"] == 0
+    flags = dict(OFFLOAD_70B_ONE_NODE, async_save="true")
+    p = predict(**flags)
+    assert p["async_save"] and not p["host_fits"] and p["hours"] is None
+    result = run_plan(*[str(x) for k, v in flags.items() for x in (f"--{k}", v)])
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert (f"host memory per node of 1,843 usable (predicted); --async_save true: its staging buffer (788 GiB per "
+            f"node) does not fit beside --offload_optimizer's state: drop --async_save true (--async_save auto turns "
+            f"it off where it does not fit; saves then stall for the whole write); the nearest that fits: --ac_blocks "
+            f"{auto['partial_checkpointing']['ac_blocks']} --ac_rest none --async_save auto (") in line, line
+    assert "DOES NOT FIT in host memory (--async_save true: its staging buffer" in result.stdout
+    both = dict(RECOMMENDED_70B, gpu="h100-pcie", offload_optimizer="true", async_save="true")
+    cfg = config(**both)
+    q = P.plan(checks.model_config(cfg), cfg)
+    assert not q["host_fits"] and "drop --async_save true or --offload_optimizer (" in q["async_save_drop"]
+    assert predict(**dict(both, async_save="auto"))["host_fits"]
+    assert predict(**dict(both, offload_optimizer="false"))["fits"]
+
+
 def test_mtbf_hours_must_be_positive():
     result = run_plan("--model", "llama3-70b", "--mtbf_hours", "0")
     assert result.returncode != 0 and "--mtbf_hours: must be > 0" in result.stderr + result.stdout
