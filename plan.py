@@ -1087,7 +1087,7 @@ def table(p: dict, cfg) -> str:
     restart = (f"a late restart's set-up + load ({p['restart_setup_s']:.0f} + {p['load_s']:.0f} s"
                + (f", the set-up page-locking {p['page_locking_s']:.0f} s of host memory" if p["page_locking_s"] else "")
                + ")")
-    periodic = (f"a periodic save's stall ({p['periodic_save_s']:.0f} s: the copy to host memory"
+    periodic = (f"a periodic save's stall ({seconds(p['periodic_save_s'])} s: the copy to host memory"
                 + (", and the wait for the write before it" if p["periodic_save_s"] > p["save_copy_s"] else "") + ")"
                 if p["async_save"] else f"a periodic save in progress ({p['periodic_save_s']:.0f} s)")
     before = f"the longer of {periodic} and {restart}" if cfg.ckpt_every else restart

@@ -494,15 +494,25 @@ def test_suggested_ckpt_every_is_young_dalys_interval_in_steps():
 
 
 def test_planning_docs_quote_the_interval_the_planner_prints():
-    """docs/planning.md's --ckpt_every paragraph gives the recipe's predictions: they are the planner's."""
-    p = predict(**RECOMMENDED_70B, ckpt_every=200)
+    """docs/planning.md's --ckpt_every paragraph gives the recipe's predictions, synchronous and asynchronous:
+    they are the planner's."""
+    sync, p = predict(**SYNC_70B, ckpt_every=200), predict(**RECOMMENDED_70B, ckpt_every=200)
     with open(os.path.join(ROOT, "docs", "planning.md")) as f:
         text = " ".join(f.read().split())
-    assert (f"a {p['save_stall_s']:.0f} s stall per save, {p['saves']} saves in {p['run_steps']:,} steps = "
+    assert (f"synchronous, a {sync['save_stall_s']:.0f} s stall per save, {sync['saves']} saves in "
+            f"{sync['run_steps']:,} steps = {100 * sync['save_fraction']:.2f}% of the run spent saving; suggested "
+            f"`--ckpt_every {sync['suggested_ckpt_every']}`") in text
+    assert (f"expected overhead (saves + lost work) {100 * sync['overhead_fraction']:.2f}% of the training time now, "
+            f"{100 * sync['suggested_overhead_fraction']:.2f}% at {sync['suggested_ckpt_every']}") in text
+    assert (f"Asynchronous, a {p['save_stall_s']:.1f} s stall per save, {p['saves']} saves = "
             f"{100 * p['save_fraction']:.2f}% of the run spent saving; suggested `--ckpt_every "
-            f"{p['suggested_ckpt_every']}`") in text
-    assert (f"expected overhead (saves + lost work) {100 * p['overhead_fraction']:.2f}% of the training time now, "
-            f"{100 * p['suggested_overhead_fraction']:.2f}% at {p['suggested_ckpt_every']}") in text
+            f"{p['suggested_ckpt_every']}` ({p['suggested_ckpt_every'] * p['step_time_s'] / 3600:.1f} h); work lost per "
+            f"failure {p['lost_per_failure_s'] / 3600:.2f} h now, {p['suggested_lost_per_failure_s'] / 3600:.2f} h at "
+            f"{p['suggested_ckpt_every']}; expected overhead {100 * p['overhead_fraction']:.2f}% of the training time "
+            f"now, {100 * p['suggested_overhead_fraction']:.2f}% at {p['suggested_ckpt_every']}") in text
+    lead = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4)
+    assert (f"For the recipe below: {lead['stop_lead_s']:.0f} s, so `launch.sbatch` has "
+            f"`--signal=USR1@{lead['signal_lead_s']}`") in text
 
 
 def test_staging_buffer_is_the_checkpoints_tensors_aligned():
@@ -586,7 +596,7 @@ def test_the_stop_lead_under_async_save_counts_one_write():
     text = P.table(p, config(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4))
     assert (f"one write {p['save_s']:.0f} s (the one in flight finished, or the stop's own save), x 1.25): "
             f"#SBATCH --signal=USR1@{p['signal_lead_s']}") in text
-    assert f"a periodic save's stall ({p['periodic_save_s']:.0f} s: the copy to host memory)" in text
+    assert f"a periodic save's stall ({p['periodic_save_s']:.1f} s: the copy to host memory)" in text
 
 
 def fake_host_memory(monkeypatch, gib: float):
