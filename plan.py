@@ -15,7 +15,8 @@ constant is in GPUS or ASSUMPTIONS, with where it comes from; `plan()` returns t
 It also predicts a checkpoint save and a restart's load from the bytes each rank writes and --fs_write_gbps,
 and from them how long before a time limit a stop request must arrive (launch.sbatch's --signal;
 `stop_lead_time`); the final --export_hf is predicted beside it, outside it; and what the saves at
---ckpt_every cost, with a suggested interval for --mtbf_hours (`checkpoint_interval`). A configuration that does
+--ckpt_every cost, synchronous and with --async_save (whose staging buffer counts in host memory,
+`staging_bytes_per_rank`), with a suggested interval for --mtbf_hours (`checkpoint_interval`). A configuration that does
 not fit ends --plan with an error naming the nearest one that does (`nearest_fit`).
 """
 

@@ -703,9 +703,12 @@ def test_cli_writes_json_with_the_required_keys(tmp_path):
     for key in ("params", "state_gib_per_gpu", "peak_gib_per_gpu", "fits", "tokens_per_sec_per_gpu", "mfu",
                 "hours", "cost_usd", "memory_gib", "step_time_s", "compute_s", "comm_s", "assumptions",
                 "checkpoint_gb_per_rank", "save_s", "stop_lead_s", "nearest_fit", "save_stall_s", "save_fraction",
-                "suggested_ckpt_every", "lost_per_failure_s", "overhead_fraction", "suggested_overhead_fraction"):
+                "suggested_ckpt_every", "lost_per_failure_s", "overhead_fraction", "suggested_overhead_fraction",
+                "async_save", "save_copy_s", "sync_save_stall_s", "async_save_stall_s", "sync_save_fraction",
+                "async_save_fraction", "page_locking_s", "async_save_drop"):
         assert key in p, key
     assert p["fits"] is True and p["hours"] > 0
+    assert p["async_save"] is True and p["host_gib_by_part_per_gpu"]["staging"] > 49  # the 52.9 GB per rank
 
 
 @pytest.mark.parametrize("flags, flag", [(["--gpu", "b300"], "--gpu"),
