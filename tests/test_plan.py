@@ -644,7 +644,7 @@ def test_async_save_that_does_not_fit_host_memory_is_one_line(tmp_path, monkeypa
 
 def test_plan_names_the_flag_to_drop_when_async_save_true_does_not_fit():
     """One node of 8 H100 with --offload_optimizer: 8 x 132 GiB of state and 8 x 10 GiB of block inputs leave no
-    room for 8 x 98.5 GiB of staging. 'auto' turns it off and fits; 'true' does not fit, and --plan's one error
+    room for 8 x 98.6 GiB of staging. 'auto' turns it off and fits; 'true' does not fit, and --plan's one error
     line says to drop --async_save (dropping --offload_optimizer does not fit the GPU). On two nodes of H100 PCIe
     servers (1 TB) either flag dropped fits, and the line names both."""
     auto = predict(**OFFLOAD_70B_ONE_NODE)
