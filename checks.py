@@ -292,19 +292,69 @@ def host_memory_limit(meminfo: str = "/proc/meminfo", proc_cgroup: str = "/proc/
     return available, f"this machine has {available / 2**30:,.1f} GiB available"
 
 
-def check_host_memory(cfg, mcfg: M.ModelConfig, world: int, state_bytes_per_param: int) -> list[str]:
-    """--offload_optimizer puts each rank's fp32 state in pinned host memory: all the node's ranks together
-    must fit in what the machine has now and what the job may use, or the kernel kills the job mid-run
-    instead of this line."""
-    if not cfg.offload_optimizer or cfg.plan:
-        return []
-    import plan as P  # the planner's count is what offload.HostState allocates, byte for byte
+HOST_MEMORY_USABLE = 0.9  # pinned memory cannot be swapped: leave 10% to the rest of the machine
+
+
+def node_host_bytes(cfg, mcfg: M.ModelConfig, world: int, async_save: bool) -> tuple[int, dict]:
+    """(ranks on this node, the bytes they pin together by part): the planner's count (plan.host_bytes_per_gpu,
+    what offload.HostState and the save's staging buffer allocate, byte for byte) x LOCAL_WORLD_SIZE."""
+    import plan as P
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    needed = sum(P.host_bytes_per_gpu(mcfg, cfg, world).values()) * local_world
+    parts = P.host_bytes_per_gpu(mcfg, cfg, world, async_save)
+    return local_world, {name: nbytes * local_world for name, nbytes in parts.items()}
+
+
+def fits_host_memory(needed: int, limit) -> bool:
+    return limit is None or needed <= HOST_MEMORY_USABLE * limit[0]
+
+
+def async_save_on(cfg, mcfg: M.ModelConfig, world: int) -> tuple[bool, str | None]:
+    """--async_save for this run, and, when 'auto' turns it off for lack of host memory, one line saying so
+    (the caller prints it on rank 0). 'true' and 'false' are what they say; 'auto' is off on CPU (the cores
+    would share training and writing) and on for a CUDA run whose ranks on this node fit their staging
+    buffers beside what they already pin (host_memory_limit, less 10%)."""
+    if cfg.async_save != "auto":
+        return cfg.async_save == "true", None
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if not cuda:
+        return False, None
+    local_world, parts = node_host_bytes(cfg, mcfg, world, async_save=True)
     limit = host_memory_limit()
-    if limit is None or needed <= 0.9 * limit[0]:  # pinned memory cannot be swapped: leave 10%
+    if fits_host_memory(sum(parts.values()), limit):
+        return True, None
+    beside = (f" beside {(parts['state'] + parts['activations']) / 2**30:,.1f} GiB already offloaded"
+              if parts["state"] + parts["activations"] else "")
+    return False, (f"--async_save auto: off: the {local_world} rank(s) on this node would need "
+                   f"{parts['staging'] / 2**30:,.1f} GiB of host memory for the save's staging buffer{beside}, and "
+                   f"{limit[1]}; every save stalls training for its whole write")
+
+
+def check_host_memory(cfg, mcfg: M.ModelConfig, world: int, state_bytes_per_param: int) -> list[str]:
+    """What the node's ranks pin in host memory must fit in what the machine has now and what the job may use,
+    or the kernel kills the job mid-run instead of this line: --offload_optimizer's fp32 state (and the block
+    inputs of --offload_activations), and --async_save's staging buffer, a copy of each rank's checkpoint."""
+    if cfg.plan:
+        return []
+    asynchronous = async_save_on(cfg, mcfg, world)[0]  # 'auto' is on only where it fits
+    if not cfg.offload_optimizer and not asynchronous:
+        return []
+    local_world, parts = node_host_bytes(cfg, mcfg, world, asynchronous)
+    needed = sum(parts.values())
+    limit = host_memory_limit()
+    if fits_host_memory(needed, limit):
         return []
     fix = "ask SLURM for all of the node's memory (sbatch --mem=0), " if "cgroup" in limit[1] else ""
+    gib = {name: nbytes / 2**30 for name, nbytes in parts.items()}
+    if asynchronous:  # --async_save true
+        drop = ["--async_save true"] + (["--offload_optimizer"] if cfg.offload_optimizer and fits_host_memory(
+            needed - parts["state"], limit) else [])
+        state = (f", {gib['state']:,.1f} GiB for --offload_optimizer's state ({state_bytes_per_param} B per parameter "
+                 f"/ {world} ranks)" if cfg.offload_optimizer else "")
+        activations = f", {gib['activations']:,.1f} GiB for offloaded block inputs" if gib["activations"] else ""
+        return [f"--async_save true{' with --offload_optimizer' if cfg.offload_optimizer else ''}: the {local_world} "
+                f"rank(s) on this node need {needed / 2**30:,.1f} GiB of host memory ({gib['staging']:,.1f} GiB for the "
+                f"save's staging buffer{state}{activations}), and {limit[1]}; drop {' or '.join(drop)} (--async_save "
+                f"auto turns it off where it does not fit), {fix}or use more nodes"]
     return [f"--offload_optimizer: the {local_world} rank(s) on this node need {needed / 2**30:,.1f} GiB of host memory "
             f"for their optimizer state ({state_bytes_per_param} B per parameter / {world} ranks, and "
             f"{'staging slots and offloaded block inputs' if cfg.offload_activations else 'staging slots'}), and "

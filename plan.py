@@ -15,7 +15,8 @@ constant is in GPUS or ASSUMPTIONS, with where it comes from; `plan()` returns t
 It also predicts a checkpoint save and a restart's load from the bytes each rank writes and --fs_write_gbps,
 and from them how long before a time limit a stop request must arrive (launch.sbatch's --signal;
 `stop_lead_time`); the final --export_hf is predicted beside it, outside it; and what the saves at
---ckpt_every cost, with a suggested interval for --mtbf_hours (`checkpoint_interval`). A configuration that does
+--ckpt_every cost, synchronous and with --async_save (whose staging buffer counts in host memory,
+`staging_bytes_per_rank`), with a suggested interval for --mtbf_hours (`checkpoint_interval`). A configuration that does
 not fit ends --plan with an error naming the nearest one that does (`nearest_fit`).
 """
 
@@ -177,23 +178,49 @@ ASSUMPTIONS = {
                        "replacing a failed worker) that began just before the request: its set-up and its load of the "
                        "checkpoint, during which no rank can act on the request; then the step (train.py checks for "
                        "a stop only after a step), its evaluation (--eval_every; each of --eval_batches counted as a "
-                       "training step, an upper bound for a forward, plus --sample_prompts' sampling) and the stop's "
-                       "own save. (a) and (b) exclude each other: a restart ends the save in progress. Not covered, "
-                       "and left to launch.sbatch's requeue: a second failure after the request, a hang that lasts "
-                       "until --timeout_min. The final --export_hf is not in the lead: it runs after the last step "
-                       "(see 'export')",
+                       "training step, an upper bound for a forward, plus --sample_prompts' sampling) and one write. "
+                       "Synchronous (--async_save off), (a) is the whole save and the write is the stop's own save. "
+                       "Asynchronous, (a) is only the save's stall (the copy to host memory, plus any wait for the "
+                       "write before it), and at the stop a write in flight is finished and the stop's save skipped "
+                       "(its snapshot is recent: its write was still running), while with none in flight the stop "
+                       "saves synchronously: after the request one write either way, never two. (a) and (b) exclude "
+                       "each other: a restart ends the save in progress. Not covered, and left to launch.sbatch's "
+                       "requeue: a second failure after the request, a hang that lasts until --timeout_min. The final "
+                       "--export_hf is not in the lead: it runs after the last step (see 'export')",
     "checkpoint_interval": "plan.checkpoint_interval: a synchronous save stalls every GPU for the whole save "
-                           "(--fs_write_gbps); the run's steps are --train_tokens / (--batch_size x --seq_len), "
-                           "or --steps; failures arrive every --mtbf_hours on average (the job's, not one GPU's), "
-                           "each losing half an interval of work plus a restart's set-up and load; suggested "
-                           "--ckpt_every = sqrt(2 x stall x MTBF) / step time (Young 1974; Daly 2006)",
+                           "(--fs_write_gbps); an asynchronous one for the copy to host memory (async_save_copy), "
+                           "plus, when the write outlasts --ckpt_every steps, the wait for it (at most one save in "
+                           "flight). The run's steps are --train_tokens / (--batch_size x --seq_len), or --steps; "
+                           "failures arrive every --mtbf_hours on average (the job's, not one GPU's), each losing "
+                           "half an interval of work plus a restart's set-up and load, and, asynchronous, the "
+                           "write's time too (the newest snapshot is durable only once its write ends); suggested "
+                           "--ckpt_every = sqrt(2 x stall x MTBF) / step time (Young 1974; Daly 2006) with the "
+                           "stall of the mode the run uses, and, asynchronous, never fewer steps than the write "
+                           "takes",
     "restart_setup_s": (120, "assumption, not measured at 70B: a restart's set-up before its load: torchrun stopping "
                              "the failed attempt's workers (SIGKILL after 30 s at most, launch.sh), the rendezvous, "
                              "a fresh interpreter importing torch and train.py (~5 s measured on the 2-core "
                              "development machine), the process groups, data and the sharded state allocated; "
-                             "with --offload_optimizer plus its host state page-locked at host_page_locking_gbps"),
-    "host_page_locking_gbps": (1.0, "--offload_optimizer's host state zeroed and registered at a restart: the slower "
-                                    "end of the ~1-2 GB/s in 'pinning' (a prediction, not measured)"),
+                             "plus what is page-locked at host_page_locking_gbps: --offload_optimizer's host state "
+                             "and --async_save's staging buffer"),
+    "host_page_locking_gbps": (1.0, "--offload_optimizer's host state and --async_save's staging buffer zeroed and "
+                                    "registered once per attempt (the staging buffer at start-up or at the first "
+                                    "save: either way before a stop's save after a restart, so the restart counts "
+                                    "it): the slower end of the ~1-2 GB/s in 'pinning' (a prediction, not measured)"),
+    "async_save": "--async_save: each rank copies what its checkpoint file holds (disk.saved_tensors: every unit's "
+                  "fp32 master and optimizer state shards) into one exact host buffer, page-locked on CUDA "
+                  "(offload.page_lock, no power-of-two rounding), each tensor at a multiple of "
+                  "disk.STAGING_ALIGN_BYTES (plan.staging_bytes_per_rank), and writes it in the background while "
+                  "training goes on. With --offload_optimizer the state is already in host memory, but the "
+                  "optimizer updates it in place while the write runs, so the copy is needed: both count. The "
+                  "planner plans GPU runs: 'auto' is on where the node's host memory fits the staging buffer "
+                  "beside what is offloaded (host_usable_fraction), 'true' on, 'false' off",
+    "async_save_copy": "the stall of an asynchronous save: the copy into the staging buffer, device to host over "
+                       "PCIe at min(pcie_gbps, the GPU's share of host memory bandwidth) without --offload_optimizer; "
+                       "host to host with it (read + write: 2 B of host memory traffic per byte at the GPU's share "
+                       "of host_memory_gbps_per_node x host_memory_efficiency). The background write's own use of "
+                       "a core (hashing) and of host memory bandwidth is not counted in the step (an assumption: "
+                       "0.45 GB/s per rank is ~1% of a GPU's share of a DGX H100's host bandwidth)",
     "export": "--export_hf after the last step: rank 0 writes the bf16 weights (2 B per parameter, 141 GB for "
               "70B) alone, predicted at --fs_write_gbps (one writer may be faster). It is no part of the stop's lead: "
               "a stop request that lands in the last step saves it and stops without exporting, and the same "
@@ -329,18 +356,47 @@ def recompute_peak_bytes(mcfg: M.ModelConfig, cfg, expanded_kv: bool = False) ->
     return peak
 
 
-def host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int) -> dict:
+def host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int, async_save: bool | None = None) -> dict:
     """Pinned host memory per GPU by part, as allocated: the offloaded state (--offload_optimizer: one
     registered buffer, offload.HostState: fp32 master, gradient accumulator and each optimizer state tensor,
-    16 B x padded N / W, and the staging slots for the gradients on their way down) and the offloaded block
+    16 B x padded N / W, and the staging slots for the gradients on their way down), the offloaded block
     inputs (--offload_activations: every offloaded block's input of one micro-batch, each rounded up to a
-    power of two by PyTorch's caching host allocator)."""
+    power of two by PyTorch's caching host allocator) and --async_save's staging buffer
+    (staging_bytes_per_rank). `async_save`: whether the run saves asynchronously; None: as the planner
+    resolves --async_save (async_save_planned). checks.py passes the value it resolved on the machine."""
+    parts = offloaded_host_bytes_per_gpu(mcfg, cfg, world)
+    if async_save is None:
+        async_save = async_save_planned(mcfg, cfg)
+    return dict(parts, staging=staging_bytes_per_rank(mcfg, world) if async_save else 0)
+
+
+def offloaded_host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int) -> dict:
+    """host_bytes_per_gpu without the staging buffer: what --offload_optimizer and --offload_activations pin."""
     state = 0
     if cfg.offload_optimizer:
         shards = [padded(n, world) // world for n in unit_numels(mcfg)]
         state = 4 * O.host_buffer_numel(shards, state_bytes() // 4)
     activations = sum(pinned_allocation_bytes(b) for b, off in block_kept_bytes(mcfg, cfg) if off)
     return dict(state=state, activations=activations)
+
+
+def staging_bytes_per_rank(mcfg: M.ModelConfig, world: int) -> int:
+    """--async_save's host staging buffer on each rank, exactly: a copy of every tensor the rank's checkpoint
+    file holds (disk.saved_tensors: each unit's fp32 master shard and optimizer state shards), each placed at
+    a multiple of disk.STAGING_ALIGN_BYTES (ASSUMPTIONS async_save)."""
+    align = disk.STAGING_ALIGN_BYTES
+    tensors_per_unit = 1 + len(T.OPTIMIZER_STATE)
+    return sum(tensors_per_unit * (-(-4 * (padded(n, world) // world) // align) * align) for n in unit_numels(mcfg))
+
+
+def async_save_planned(mcfg: M.ModelConfig, cfg) -> bool:
+    """--async_save for the GPU run planned: 'true' on, 'false' off, 'auto' on where the node's usable host
+    memory fits its ranks' staging buffers beside what they offload (ASSUMPTIONS async_save)."""
+    if cfg.async_save != "auto":
+        return cfg.async_save == "true"
+    world = cfg.nnodes * cfg.nproc_per_node
+    needed = sum(offloaded_host_bytes_per_gpu(mcfg, cfg, world).values()) + staging_bytes_per_rank(mcfg, world)
+    return needed / GIB * cfg.nproc_per_node <= host_usable_gib_per_node(cfg)
 
 
 def pinned_allocation_bytes(nbytes: float) -> int:
@@ -353,7 +409,8 @@ def host_usable_gib_per_node(cfg) -> float:
 
 
 def host_fits(mcfg: M.ModelConfig, cfg) -> bool:
-    """What a node's GPUs offload together fits in its usable host memory."""
+    """What a node's GPUs pin together (offloaded state and activations, the save's staging buffer) fits in
+    its usable host memory."""
     world = cfg.nnodes * cfg.nproc_per_node
     return sum(host_bytes_per_gpu(mcfg, cfg, world).values()) / GIB * cfg.nproc_per_node <= host_usable_gib_per_node(cfg)
 
@@ -657,59 +714,103 @@ def checkpoint_bytes_per_rank(mcfg: M.ModelConfig, world: int) -> int:
     return 8 + ASSUMPTIONS["checkpoint_header_bytes_per_tensor"][0] * tensors_per_unit * len(numels) + data
 
 
+def save_copy_s(mcfg: M.ModelConfig, cfg) -> float:
+    """An asynchronous save's copy into the staging buffer, per rank (ASSUMPTIONS async_save_copy): device to
+    host over PCIe, or, with --offload_optimizer, host to host (each byte read and written)."""
+    gpu, world = GPUS[cfg.gpu], cfg.nnodes * cfg.nproc_per_node
+    staging, host_gbps = staging_bytes_per_rank(mcfg, world), host_gbps_per_gpu(gpu, cfg.nproc_per_node)
+    if cfg.offload_optimizer:
+        return 2 * staging / (1e9 * host_gbps)
+    return staging / (1e9 * min(gpu["pcie_gbps"], host_gbps))
+
+
+def save_stall_s(asynchronous: bool, every: int, step_time_s: float, save_s: float, copy_s: float) -> float:
+    """What one periodic save every `every` steps costs the run: synchronous, the whole write; asynchronous,
+    the copy to host memory and, when the previous write outlasts the steps between, the wait for it."""
+    if not asynchronous:
+        return save_s
+    return copy_s + max(0.0, save_s - every * step_time_s)
+
+
 def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: float = 0.0) -> dict:
     """How long before a time limit a stop request must arrive for the run to reach a step boundary and save
-    (ASSUMPTIONS stop_worst_case): the longer of a periodic save in progress and a late restart's set-up +
-    load, then the step, its evaluation and the stop's save, x stop_margin; rounded up to a whole minute for
+    (ASSUMPTIONS stop_worst_case): the longer of a periodic save's stall (synchronous: the whole save;
+    --async_save: the copy to host memory, and any wait for the write before it) and a late restart's set-up
+    + load, then the step, its evaluation and one write (synchronous: the stop's save; asynchronous: the write
+    in flight, finished, or the stop's save where none is), x stop_margin; rounded up to a whole minute for
     launch.sbatch's --signal=USR1@N. Saves and loads at --fs_write_gbps per rank (every rank at once).
     `sampling_s`: what --sample_prompts adds to each evaluation. Also the final export's prediction, which
     the lead does not include."""
     world = cfg.nnodes * cfg.nproc_per_node
+    asynchronous = async_save_planned(mcfg, cfg)
     ckpt_bytes = checkpoint_bytes_per_rank(mcfg, world)
     save_s = ckpt_bytes / (1e9 * cfg.fs_write_gbps)
     load_s = save_s  # a restart reads back what a save wrote, at the same rate per rank
-    periodic_save_s = save_s if cfg.ckpt_every else 0.0
-    page_locking_s = (host_bytes_per_gpu(mcfg, cfg, world)["state"] / 1e9 / ASSUMPTIONS["host_page_locking_gbps"][0]
-                      if cfg.offload_optimizer else 0.0)
+    copy_s = save_copy_s(mcfg, cfg)
+    periodic_save_s = (save_stall_s(asynchronous, cfg.ckpt_every, step_time_s, save_s, copy_s)
+                       if cfg.ckpt_every else 0.0)
+    host = host_bytes_per_gpu(mcfg, cfg, world, asynchronous)
+    page_locking_s = (host["state"] + host["staging"]) / 1e9 / ASSUMPTIONS["host_page_locking_gbps"][0]
     restart_setup_s = ASSUMPTIONS["restart_setup_s"][0] + page_locking_s
     restart_s = restart_setup_s + load_s
     before_step_s = max(periodic_save_s, restart_s)  # one or the other: a restart ends the save in progress
     eval_s = cfg.eval_batches * step_time_s + sampling_s if cfg.eval_every else 0.0
     lead_s = ASSUMPTIONS["stop_margin"][0] * (before_step_s + step_time_s + eval_s + save_s)
     export_bytes = COMPUTE_BYTES * M.count_params(mcfg)["total"]
-    return dict(checkpoint_gb_per_rank=ckpt_bytes / 1e9, save_s=save_s, load_s=load_s,
-                periodic_save_s=periodic_save_s, restart_setup_s=restart_setup_s, restart_s=restart_s,
+    return dict(checkpoint_gb_per_rank=ckpt_bytes / 1e9, save_s=save_s, load_s=load_s, async_save=asynchronous,
+                save_copy_s=copy_s, periodic_save_s=periodic_save_s, page_locking_s=page_locking_s,
+                restart_setup_s=restart_setup_s, restart_s=restart_s,
                 before_step_s=before_step_s, eval_s=eval_s, stop_lead_s=lead_s,
                 signal_lead_s=60 * math.ceil(lead_s / 60),
                 export_gb=export_bytes / 1e9, export_s=export_bytes / (1e9 * cfg.fs_write_gbps))
 
 
-def checkpoint_interval(cfg, step_time_s: float, save_s: float, restart_s: float) -> dict:
-    """What the saves at --ckpt_every cost, and the interval that balances them against the work a failure
-    loses (ASSUMPTIONS checkpoint_interval). Today's save is synchronous: every GPU waits for the whole write,
-    so the stall per save is the save itself. (Issue 27's next part, an asynchronous save, would stall only
-    for the copy to host memory: that stall goes here.)"""
-    save_stall_s = save_s
+def checkpoint_interval(cfg, step_time_s: float, save_s: float, restart_s: float, copy_s: float,
+                        asynchronous: bool) -> dict:
+    """What the saves at --ckpt_every cost, synchronous and asynchronous, and the interval that balances them
+    against the work a failure loses (ASSUMPTIONS checkpoint_interval), for the mode the run uses
+    (`asynchronous`: --async_save as planned). A synchronous save stalls every GPU for the whole write; an
+    asynchronous one for the copy to host memory (save_stall_s), except the run's last, whose write the run
+    waits for. A failure loses half an interval and a restart, and, asynchronous, the write's time too: the
+    newest snapshot is recoverable only once its write has ended."""
     steps = math.ceil(cfg.train_tokens / (cfg.batch_size * cfg.seq_len)) if cfg.train_tokens else cfg.steps
     train_s = steps * step_time_s
     mtbf_s = 3600 * cfg.mtbf_hours
     # Young (1974), "A first order approximation to the optimum checkpoint interval": the work between saves
     # that minimises saving + lost work is sqrt(2 x save x MTBF); Daly (2006), "A higher order estimate of the
-    # optimum checkpoint interval for restart dumps", refines it for saves not small against the MTBF.
-    suggested_ckpt_every = max(1, round(math.sqrt(2 * save_stall_s * mtbf_s) / step_time_s))
+    # optimum checkpoint interval for restart dumps", refines it for saves not small against the MTBF. The
+    # write's time a failure also loses, asynchronous, is the same at every interval: it does not move the
+    # optimum. At most one save in flight: an interval shorter than the write would wait for it at each save.
+    young_daly_steps = math.sqrt(2 * (copy_s if asynchronous else save_s) * mtbf_s) / step_time_s
+    write_steps = math.ceil(save_s / step_time_s) if asynchronous else 1
+    suggested_ckpt_every = max(1, write_steps, round(young_daly_steps))
 
-    def cost(every: int) -> dict:  # every save (the last step's included) + failures x (half an interval + restart)
+    def saving_s(every: int, mode: bool) -> tuple[int, float]:  # (saves, seconds stalled), the last step's included
         saves = math.ceil(steps / every) if steps else 0
-        lost_per_failure_s = every * step_time_s / 2 + restart_s
-        overhead_s = saves * save_stall_s + train_s / mtbf_s * lost_per_failure_s
+        if not mode or not saves:
+            return saves, saves * save_s
+        return saves, (saves - 1) * save_stall_s(True, every, step_time_s, save_s, copy_s) + save_s
+
+    def cost(every: int) -> dict:  # the saves + failures x (half an interval [+ the write] + restart)
+        saves, stalled_s = saving_s(every, asynchronous)
+        lost_per_failure_s = every * step_time_s / 2 + (save_s if asynchronous else 0.0) + restart_s
+        overhead_s = stalled_s + train_s / mtbf_s * lost_per_failure_s
         return dict(saves=saves, lost_per_failure_s=lost_per_failure_s, overhead_s=overhead_s,
                     overhead_fraction=overhead_s / train_s if train_s else 0.0)
 
-    now = cost(cfg.ckpt_every or max(steps, 1))  # --ckpt_every 0: one save, at the end
-    best = cost(suggested_ckpt_every)
-    save_time_s = now["saves"] * save_stall_s
-    return dict(save_stall_s=save_stall_s, run_steps=steps, saves=now["saves"],
-                save_fraction=save_time_s / (train_s + save_time_s) if train_s else 0.0,
+    def fraction(stalled_s: float) -> float:
+        return stalled_s / (train_s + stalled_s) if train_s else 0.0
+
+    every = cfg.ckpt_every or max(steps, 1)  # --ckpt_every 0: one save, at the end
+    now, best = cost(every), cost(suggested_ckpt_every)
+    sync_stall_s = save_stall_s(False, every, step_time_s, save_s, copy_s)
+    async_stall_s = save_stall_s(True, every, step_time_s, save_s, copy_s)
+    sync_fraction, async_fraction = (fraction(saving_s(every, mode)[1]) for mode in (False, True))
+    return dict(save_stall_s=async_stall_s if asynchronous else sync_stall_s, sync_save_stall_s=sync_stall_s,
+                async_save_stall_s=async_stall_s, run_steps=steps, saves=now["saves"],
+                save_fraction=async_fraction if asynchronous else sync_fraction,
+                sync_save_fraction=sync_fraction, async_save_fraction=async_fraction,
+                young_daly_ckpt_every=young_daly_steps, write_steps=write_steps,
                 suggested_ckpt_every=suggested_ckpt_every, lost_per_failure_s=now["lost_per_failure_s"],
                 overhead_fraction=now["overhead_fraction"], suggested_lost_per_failure_s=best["lost_per_failure_s"],
                 suggested_overhead_fraction=best["overhead_fraction"])
@@ -794,8 +895,9 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
         block_policies=block_policies(mcfg, cfg), offload_optimizer=cfg.offload_optimizer,
         host_gib_per_gpu=host_gib_per_gpu, host_gib_by_part_per_gpu={k: v / GIB for k, v in host.items()},
         host_gib_per_node=host_gib_per_gpu * cfg.nproc_per_node, host_usable_gib_per_node=host_usable_gib,
-        host_fits=fits_host, **sampling, **stop,
-        **checkpoint_interval(cfg, time["step_time_s"], stop["save_s"], stop["restart_s"]),
+        host_fits=fits_host, async_save_drop=async_save_drop_hint(mcfg, cfg), **sampling, **stop,
+        **checkpoint_interval(cfg, time["step_time_s"], stop["save_s"], stop["restart_s"], stop["save_copy_s"],
+                              stop["async_save"]),
         partial_checkpointing=partial_checkpointing(mcfg, cfg), assumptions=assumptions)
 
 
@@ -806,7 +908,8 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
 def memory_savers(cfg) -> list[list[dict]]:
     """The flag changes that lower memory, each a list of alternatives: a smaller micro-batch (each size
     that divides the batch, nearest first), every block recomputed (--ac full), the block inputs in host
-    memory (with --ac full), a bf16 reduce-scatter, the optimizer state in host memory."""
+    memory (with --ac full), a bf16 reduce-scatter, the optimizer state in host memory; and, for host memory,
+    --async_save auto instead of true."""
     world = cfg.nnodes * cfg.nproc_per_node
     savers = [[dict(micro_batch_size=m) for m in range(cfg.micro_batch_size - 1, 0, -1)
                if cfg.batch_size % (world * m) == 0]]
@@ -818,6 +921,8 @@ def memory_savers(cfg) -> list[list[dict]]:
         savers.append([dict(reduce_dtype="bfloat16")])
     if not cfg.offload_optimizer:
         savers.append([dict(offload_optimizer=True)])
+    if cfg.async_save == "true":  # host memory: 'auto' keeps the staging buffer only where it fits
+        savers.append([dict(async_save="auto")])
     return [alternatives for alternatives in savers if alternatives]
 
 
@@ -869,6 +974,8 @@ def not_fitting_message(mcfg: M.ModelConfig, cfg, p: dict, nearest) -> str:
         what.append(f"{p['host_gib_per_node']:,.0f} GiB of host memory per node of "
                     f"{p['host_usable_gib_per_node']:,.0f} usable")
     message = f"--plan: this configuration does not fit: {' and '.join(what)} (predicted)"
+    if p["async_save_drop"]:
+        message += f"; {p['async_save_drop']}"
     if nearest is None:
         return (message + "; nothing the planner tried fits (a smaller --micro_batch_size, --ac full, "
                           "--offload_activations, --reduce_dtype bfloat16, --offload_optimizer, up to 8 x --nnodes)")
@@ -886,7 +993,7 @@ def check(cfg) -> list[str]:
     if cfg.dtype not in ("bfloat16", "auto"):  # auto is bfloat16 on GPUs
         errors.append(f"--dtype: the planner models bfloat16 compute only, got {cfg.dtype!r}")
     choices = dict(reduce_dtype=("float32", "bfloat16"), ac=("none", "full", "selective"),
-                   ac_rest=("none", "selective"))
+                   ac_rest=("none", "selective"), async_save=("auto", "true", "false"))
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             errors.append(f"--{name}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
@@ -944,7 +1051,8 @@ def table(p: dict, cfg) -> str:
         host_verdict = "fits" if p["host_fits"] else "DOES NOT FIT in host memory"
         lines.append(f"host memory per node (pinned, predicted): {p['host_gib_per_node']:,.1f} GiB = "
                      f"{cfg.nproc_per_node} x {p['host_gib_per_gpu']:.1f} GiB per GPU (optimizer state "
-                     f"{parts['state']:.1f}, offloaded activations {parts['activations']:.1f}) of "
+                     f"{parts['state']:.1f}, offloaded activations {parts['activations']:.1f}, --async_save staging "
+                     f"{parts['staging']:.1f}) of "
                      f"{p['host_usable_gib_per_node']:,.0f} GiB usable "
                      f"({100 * ASSUMPTIONS['host_usable_fraction'][0]:.0f}% of "
                      f"{GPUS[cfg.gpu]['host_memory_gib_per_node']:,} GiB assumed per node): {host_verdict}")
@@ -977,26 +1085,45 @@ def table(p: dict, cfg) -> str:
                      + (f", {100 * p['sampling_s'] / (cfg.eval_every * p['step_time_s']):.1f}% of the "
                         f"{cfg.eval_every} steps between evaluations" if cfg.eval_every else "")
                      + f"; KV cache {p['sampling_kv_cache_gib']:.2f} GiB per GPU")
-    before = (f"the longer of a periodic save in progress ({p['periodic_save_s']:.0f} s) and a late restart's "
-              f"set-up + load ({p['restart_setup_s']:.0f} + {p['load_s']:.0f} s)" if cfg.ckpt_every else
-              f"a late restart's set-up + load ({p['restart_setup_s']:.0f} + {p['load_s']:.0f} s)")
+    restart = (f"a late restart's set-up + load ({p['restart_setup_s']:.0f} + {p['load_s']:.0f} s"
+               + (f", the set-up page-locking {p['page_locking_s']:.0f} s of host memory" if p["page_locking_s"] else "")
+               + ")")
+    periodic = (f"a periodic save's stall ({seconds(p['periodic_save_s'])} s: the copy to host memory"
+                + (", and the wait for the write before it" if p["periodic_save_s"] > p["save_copy_s"] else "") + ")"
+                if p["async_save"] else f"a periodic save in progress ({p['periodic_save_s']:.0f} s)")
+    before = f"the longer of {periodic} and {restart}" if cfg.ckpt_every else restart
+    write = (f"one write {p['save_s']:.0f} s (the one in flight finished, or the stop's own save)" if p["async_save"]
+             else f"the stop's save {p['save_s']:.0f} s")
     lines.append(f"checkpoint (predicted): {p['checkpoint_gb_per_rank']:.1f} GB per rank, {p['save_s']:.0f} s to save "
                  f"or load at {cfg.fs_write_gbps:g} GB/s per rank (--fs_write_gbps; bench/checkpoint_io.py --out_dir "
                  f"measures yours) | a stop request needs {p['stop_lead_s']:.0f} s before a time limit ({before}, "
                  f"the step {p['step_time_s']:.0f} s, "
                  + (f"its evaluation {p['eval_s']:.0f} s, " if cfg.eval_every else "")
-                 + f"the stop's save {p['save_s']:.0f} s, x {ASSUMPTIONS['stop_margin'][0]}): "
+                 + f"{write}, x {ASSUMPTIONS['stop_margin'][0]}): "
                  f"#SBATCH --signal=USR1@{p['signal_lead_s']}")
     every = f"--ckpt_every {cfg.ckpt_every}" if cfg.ckpt_every else "--ckpt_every 0 (a save at the end only)"
-    lines += [f"save stall (predicted): {p['save_stall_s']:.0f} s per save, every GPU waiting (the save is "
-              f"synchronous) | {every}: {p['saves']:,} saves in {p['run_steps']:,} steps = "
-              f"{100 * p['save_fraction']:.2f}% of the run spent saving at {cfg.fs_write_gbps:g} GB/s per rank",
-              f"suggested --ckpt_every {p['suggested_ckpt_every']} (Young/Daly: sqrt(2 x {p['save_stall_s']:.0f} s "
-              f"stall x {cfg.mtbf_hours:g} h MTBF) / {p['step_time_s']:.1f} s per step; --mtbf_hours: the default "
-              f"is Llama 3's interruption rate scaled to 16 GPUs, an assumption for your cluster)",
+    mode = "asynchronous" if p["async_save"] else "synchronous"
+    wait = (f" and {p['async_save_stall_s'] - p['save_copy_s']:.0f} s waiting for the write before it"
+            if p["async_save_stall_s"] > p["save_copy_s"] else "")
+    lines += [f"save stall per save (predicted): synchronous {p['sync_save_stall_s']:.0f} s (every GPU waiting for the "
+              f"write), asynchronous {seconds(p['async_save_stall_s'])} s (the copy of "
+              f"{p['checkpoint_gb_per_rank']:.1f} GB to host memory{wait}; the write goes on in the background); this "
+              f"run's saves are {mode} (--async_save {cfg.async_save}) | {every}: {p['saves']:,} saves in "
+              f"{p['run_steps']:,} steps = {100 * p['save_fraction']:.2f}% of the run spent saving at "
+              f"{cfg.fs_write_gbps:g} GB/s per rank (synchronous {100 * p['sync_save_fraction']:.2f}%, asynchronous "
+              f"{100 * p['async_save_fraction']:.2f}%, the last save's write waited for)",
+              f"suggested --ckpt_every {p['suggested_ckpt_every']} (Young/Daly: sqrt(2 x "
+              f"{seconds(p['async_save_stall_s'] if p['async_save'] else p['save_stall_s'])} s {mode} stall x "
+              f"{cfg.mtbf_hours:g} h MTBF) / {p['step_time_s']:.1f} s per step"
+              + (f", raised to the {p['write_steps']} steps a write takes: at most one save in flight"
+                 if p["suggested_ckpt_every"] > round(p["young_daly_ckpt_every"]) else "")
+              + "; --mtbf_hours: the default is Llama 3's interruption rate scaled to 16 GPUs, an assumption for "
+                "your cluster)",
               f"work lost per failure (predicted): {p['lost_per_failure_s'] / 3600:.2f} h at {every}, "
               f"{p['suggested_lost_per_failure_s'] / 3600:.2f} h at --ckpt_every {p['suggested_ckpt_every']} "
-              f"(half an interval + a restart's {p['restart_s']:.0f} s) | expected overhead, saves + lost work: "
+              f"(half an interval + "
+              + (f"the write's {p['save_s']:.0f} s (a snapshot counts once written) + " if p["async_save"] else "")
+              + f"a restart's {p['restart_s']:.0f} s) | expected overhead, saves + lost work: "
               f"{100 * p['overhead_fraction']:.2f}% of the training time now, "
               f"{100 * p['suggested_overhead_fraction']:.2f}% at the suggested interval"]
     if cfg.export_hf:  # after the last step's save: with the lead's time left at the least, unless stopped in that step
@@ -1031,13 +1158,42 @@ def table(p: dict, cfg) -> str:
     elif cfg.ac != cfg.ac_rest:
         lines.append(f"partial checkpointing: nothing fits, even with every block on --ac {cfg.ac}")
     if not p["host_fits"]:
-        offloaded = " and ".join(name for name, on in (("optimizer state", cfg.offload_optimizer),
-                                                       ("activations", cfg.offload_activations)) if on)
+        pinned = " and ".join(name for name, on in (("optimizer state", cfg.offload_optimizer),
+                                                     ("activations", cfg.offload_activations),
+                                                     ("the save's staging buffer", p["async_save"])) if on)
+        drop = p["async_save_drop"]
         lines.append(f"host memory: {p['host_gib_per_node']:,.1f} GiB per node needed, "
-                     f"{p['host_usable_gib_per_node']:,.0f} usable: what is offloaded ({offloaded}) "
+                     f"{p['host_usable_gib_per_node']:,.0f} usable: what is pinned ({pinned}) "
                      f"DOES NOT FIT in host memory "
-                     f"(more nodes divide it; see ASSUMPTIONS host_memory_gib_per_node)")
+                     + (f"({drop})" if drop else "(more nodes divide it; see ASSUMPTIONS host_memory_gib_per_node)"))
     return "\n".join(lines)
+
+
+def seconds(s: float) -> str:
+    """A duration for the table: whole seconds, with a decimal under 10 s (an asynchronous save's copy)."""
+    return f"{s:.1f}" if s < 10 else f"{s:.0f}"
+
+
+def async_save_drop_hint(mcfg: M.ModelConfig, cfg) -> str | None:
+    """--async_save true whose staging buffer does not fit the node's host memory beside what is offloaded:
+    which flag to drop, --async_save or --offload_optimizer, by which of the two then fits; None otherwise."""
+    if cfg.async_save != "true" or host_fits(mcfg, cfg):
+        return None
+    world = cfg.nnodes * cfg.nproc_per_node
+    staging_gib = staging_bytes_per_rank(mcfg, world) * cfg.nproc_per_node / GIB
+    without_async = dataclasses.replace(cfg, async_save="false")
+    without_offload = dataclasses.replace(cfg, offload_optimizer=False)
+    candidates = [("--async_save true", without_async)] + ([("--offload_optimizer", without_offload)]
+                                                           if cfg.offload_optimizer else [])
+    drop = [flag for flag, other in candidates if host_fits(mcfg, other) and fit_and_speed(mcfg, other)["fits"]]
+    beside = " beside --offload_optimizer's state" if cfg.offload_optimizer else ""
+    if not drop:
+        return (f"--async_save true: its staging buffer ({staging_gib:,.0f} GiB per node) does not fit{beside}, and "
+                f"dropping --async_save true {'or --offload_optimizer ' if cfg.offload_optimizer else ''}alone does "
+                f"not make this configuration fit")
+    return (f"--async_save true: its staging buffer ({staging_gib:,.0f} GiB per node) does not fit{beside}: drop "
+            f"{' or '.join(drop)} (--async_save auto turns it off where it does not fit; saves then stall for "
+            f"the whole write)")
 
 
 def main(cfg):

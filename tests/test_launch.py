@@ -276,14 +276,19 @@ def test_sbatch_stop_signal_comes_early_enough_to_save():
 
 
 def test_sbatch_plan_prints_the_save_stall_and_a_suggested_interval():
-    """--plan on TRAIN_ARGS says what its --ckpt_every 200 costs and which interval Young/Daly suggests."""
+    """--plan on TRAIN_ARGS says what its --ckpt_every 200 costs, synchronous and asynchronous (--async_save
+    auto: on, the node's host memory fits the staging buffer), and which interval Young/Daly suggests."""
     cfg = sbatch_config()
     p = P.plan(checks.model_config(cfg), cfg)
     text = P.table(p, cfg)
-    assert (f"save stall (predicted): {p['save_stall_s']:.0f} s per save, every GPU waiting (the save is synchronous) "
-            f"| --ckpt_every 200: {p['saves']} saves in 28,600 steps = {100 * p['save_fraction']:.2f}% of the run "
-            f"spent saving at 0.45 GB/s per rank") in text
-    assert f"suggested --ckpt_every {p['suggested_ckpt_every']} (Young/Daly: sqrt(2 x 118 s stall x 3167 h MTBF)" in text
+    assert p["async_save"] and p["async_save_stall_s"] < 2 < 100 < p["sync_save_stall_s"]
+    assert (f"save stall per save (predicted): synchronous {p['sync_save_stall_s']:.0f} s (every GPU waiting for the "
+            f"write), asynchronous {p['async_save_stall_s']:.1f} s (the copy of 52.9 GB to host memory; the write goes "
+            f"on in the background); this run's saves are asynchronous (--async_save auto) | --ckpt_every 200: "
+            f"{p['saves']} saves in 28,600 steps = {100 * p['save_fraction']:.2f}% of the run spent saving at 0.45 GB/s "
+            f"per rank (synchronous {100 * p['sync_save_fraction']:.2f}%") in text
+    assert (f"suggested --ckpt_every {p['suggested_ckpt_every']} (Young/Daly: sqrt(2 x "
+            f"{p['async_save_stall_s']:.1f} s asynchronous stall x 3167 h MTBF)") in text
     assert (f"work lost per failure (predicted): {p['lost_per_failure_s'] / 3600:.2f} h at --ckpt_every 200, "
             f"{p['suggested_lost_per_failure_s'] / 3600:.2f} h at --ckpt_every {p['suggested_ckpt_every']}") in text
     assert "expected overhead, saves + lost work: " in text

@@ -21,6 +21,7 @@ import train as T  # noqa: E402
 CASE_70B = dict(model="llama3-70b", nnodes=2, nproc_per_node=8, gpu="h100", seq_len=8192, batch_size=64,
                 micro_batch_size=1, train_tokens=15e9, gpu_hour_usd=2.0)
 RECOMMENDED_70B = dict(CASE_70B, ac="full", offload_activations="true", reduce_dtype="bfloat16")
+SYNC_70B = dict(RECOMMENDED_70B, async_save="false")  # every save synchronous: the whole write stalls the run
 
 
 def config(**flags) -> T.TrainConfig:
@@ -198,7 +199,9 @@ def test_offloaded_optimizer_state_matches_the_trainers_units_with_padding():
     slice_numel = sum(u.shard_numel for u in units)
     on_device = sum(u.persistent_bytes(on_device_only=True) for u in units)
     on_host = sum(u.persistent_bytes() for u in units) - on_device
-    flags = dict(model="tiny", nnodes=1, nproc_per_node=world, seq_len=256, batch_size=12, micro_batch_size=4)
+    # Saves synchronous: no staging buffer (test_staging_buffer_is_the_checkpoints_tensors_aligned counts it).
+    flags = dict(model="tiny", nnodes=1, nproc_per_node=world, seq_len=256, batch_size=12, micro_batch_size=4,
+                 async_save="false")
     p = predict(**flags, offload_optimizer="true")
     assert p["state_gib_per_gpu"] * 2**30 == on_device == 2 * slice_numel
     slots = 4 * O.GRAD_SLOTS * max(u.shard_numel for u in units)
@@ -405,7 +408,7 @@ def test_stop_lead_time_covers_a_save_the_step_an_evaluation_and_the_stops_save(
     """The lead before a time limit is the sum of its parts: the longer of a periodic save in progress and a
     late restart's set-up + load, then the step, its evaluation and the stop's save, x 1.25 (ASSUMPTIONS
     stop_worst_case)."""
-    p = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4)
+    p = predict(**SYNC_70B, ckpt_every=200, eval_every=200, eval_batches=4)
     assert p["checkpoint_gb_per_rank"] == pytest.approx(12 * 70.55e9 / 16 / 1e9, rel=1e-3)  # master, m, v: 52.9 GB
     save_s = p["checkpoint_gb_per_rank"] / 0.45  # --fs_write_gbps default
     setup_s = P.ASSUMPTIONS["restart_setup_s"][0]
@@ -416,10 +419,10 @@ def test_stop_lead_time_covers_a_save_the_step_an_evaluation_and_the_stops_save(
     assert p["eval_s"] == pytest.approx(4 * p["step_time_s"])
     assert p["stop_lead_s"] == pytest.approx(1.25 * (setup_s + save_s + p["step_time_s"] + 4 * p["step_time_s"] + save_s))
     assert p["signal_lead_s"] % 60 == 0 and 0 <= p["signal_lead_s"] - p["stop_lead_s"] < 60
-    assert f"#SBATCH --signal=USR1@{p['signal_lead_s']}" in P.table(p, config(**RECOMMENDED_70B, ckpt_every=200))
+    assert f"#SBATCH --signal=USR1@{p['signal_lead_s']}" in P.table(p, config(**SYNC_70B, ckpt_every=200))
     # --sample_prompts samples at each evaluation, before the stop check: its time is part of the evaluation.
     (tmp_path / "p.jsonl").write_text('{"text": "Bonjour"}\n' * 4)
-    sampled = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4,
+    sampled = predict(**SYNC_70B, ckpt_every=200, eval_every=200, eval_batches=4,
                       sample_prompts=tmp_path / "p.jsonl")
     assert sampled["stop_lead_s"] == pytest.approx(p["stop_lead_s"] + 1.25 * sampled["sampling_s"])
 
@@ -428,18 +431,18 @@ def test_stop_lead_time_scales_with_the_measured_bandwidth_and_always_counts_a_r
     """--fs_write_gbps (what bench/checkpoint_io.py prints) times the save and the restart's load: twice the
     bandwidth, half of each. Without periodic saves or evaluations a late restart still stands before the
     step; with --offload_optimizer its set-up also page-locks the host state."""
-    p = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=0)
+    p = predict(**SYNC_70B, ckpt_every=200, eval_every=0)
     setup_s = P.ASSUMPTIONS["restart_setup_s"][0]
     for gbps in (0.9, 0.1):
-        q = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=0, fs_write_gbps=gbps)
+        q = predict(**SYNC_70B, ckpt_every=200, eval_every=0, fs_write_gbps=gbps)
         ratio = 0.45 / gbps
         assert q["save_s"] == pytest.approx(p["save_s"] * ratio) and q["load_s"] == pytest.approx(p["load_s"] * ratio)
         assert q["stop_lead_s"] == pytest.approx(1.25 * (setup_s + 2 * p["save_s"] * ratio + p["step_time_s"]))
-    quick = predict(**RECOMMENDED_70B, ckpt_every=0, eval_every=0)
+    quick = predict(**SYNC_70B, ckpt_every=0, eval_every=0)
     assert quick["periodic_save_s"] == 0 and quick["before_step_s"] == pytest.approx(setup_s + p["load_s"])
     assert quick["stop_lead_s"] == pytest.approx(1.25 * (setup_s + p["load_s"] + p["step_time_s"] + p["save_s"]))
-    offloaded = predict(**RECOMMENDED_70B, ckpt_every=0, eval_every=0, offload_optimizer="true")
-    host_state_gb = P.host_bytes_per_gpu(M.PRESETS["llama3-70b"](), config(**RECOMMENDED_70B, offload_optimizer="true"),
+    offloaded = predict(**SYNC_70B, ckpt_every=0, eval_every=0, offload_optimizer="true")
+    host_state_gb = P.host_bytes_per_gpu(M.PRESETS["llama3-70b"](), config(**SYNC_70B, offload_optimizer="true"),
                                          16)["state"] / 1e9
     assert host_state_gb > 50  # 16 B per parameter / W and the staging slots
     assert offloaded["restart_setup_s"] == pytest.approx(setup_s + host_state_gb / P.ASSUMPTIONS["host_page_locking_gbps"][0])
@@ -448,7 +451,7 @@ def test_stop_lead_time_scales_with_the_measured_bandwidth_and_always_counts_a_r
 def test_save_stall_and_the_fraction_of_the_run_spent_saving():
     """Today's save is synchronous: every GPU waits for the bytes each rank writes at --fs_write_gbps. Over the
     run's steps (--train_tokens / tokens per step) each --ckpt_every steps, and the last, cost one stall."""
-    p = predict(**RECOMMENDED_70B, ckpt_every=200)
+    p = predict(**SYNC_70B, ckpt_every=200)
     stall_s = P.checkpoint_bytes_per_rank(M.PRESETS["llama3-70b"](), 16) / 0.45e9
     assert p["save_stall_s"] == pytest.approx(stall_s)  # 118 s
     steps = -(-15e9 // (64 * 8192))  # 28,611
@@ -456,28 +459,28 @@ def test_save_stall_and_the_fraction_of_the_run_spent_saving():
     train_s = steps * p["step_time_s"]
     assert p["save_fraction"] == pytest.approx(p["saves"] * stall_s / (train_s + p["saves"] * stall_s))
     for every, gbps in ((400, 0.45), (200, 0.9), (100, 0.1)):
-        q = predict(**RECOMMENDED_70B, ckpt_every=every, fs_write_gbps=gbps)
+        q = predict(**SYNC_70B, ckpt_every=every, fs_write_gbps=gbps)
         saves_s = -(-steps // every) * stall_s * 0.45 / gbps
         assert q["save_stall_s"] == pytest.approx(stall_s * 0.45 / gbps)
         assert q["save_fraction"] == pytest.approx(saves_s / (train_s + saves_s))
-    assert predict(**RECOMMENDED_70B, ckpt_every=400)["save_fraction"] < p["save_fraction"]
-    assert predict(**RECOMMENDED_70B, ckpt_every=200, fs_write_gbps=0.9)["save_fraction"] < p["save_fraction"]
-    assert predict(**RECOMMENDED_70B, ckpt_every=0)["saves"] == 1  # the last step's save only
+    assert predict(**SYNC_70B, ckpt_every=400)["save_fraction"] < p["save_fraction"]
+    assert predict(**SYNC_70B, ckpt_every=200, fs_write_gbps=0.9)["save_fraction"] < p["save_fraction"]
+    assert predict(**SYNC_70B, ckpt_every=0)["saves"] == 1  # the last step's save only
     # Without --train_tokens the run is --steps long.
-    assert predict(**dict(RECOMMENDED_70B, train_tokens=0), steps=1000, ckpt_every=200)["saves"] == 5
+    assert predict(**dict(SYNC_70B, train_tokens=0), steps=1000, ckpt_every=200)["saves"] == 5
 
 
 def test_suggested_ckpt_every_is_young_dalys_interval_in_steps():
     """sqrt(2 x stall x MTBF) / step time, by hand; 4x the MTBF is 2x the interval. A failure loses half an
     interval plus a restart's set-up and load; saves + lost work cost least at the suggested interval."""
-    p = predict(**RECOMMENDED_70B, ckpt_every=200)
+    p = predict(**SYNC_70B, ckpt_every=200)
     assert p["suggested_ckpt_every"] == round((2 * p["save_stall_s"] * 3167.0 * 3600) ** 0.5 / p["step_time_s"])
     for hours in (10.0, 40.0, 160.0):
-        q = predict(**RECOMMENDED_70B, ckpt_every=200, mtbf_hours=hours)
+        q = predict(**SYNC_70B, ckpt_every=200, mtbf_hours=hours)
         assert q["suggested_ckpt_every"] == round((2 * q["save_stall_s"] * hours * 3600) ** 0.5 / q["step_time_s"])
-    short, long = (predict(**RECOMMENDED_70B, mtbf_hours=h)["suggested_ckpt_every"] for h in (10.0, 40.0))
+    short, long = (predict(**SYNC_70B, mtbf_hours=h)["suggested_ckpt_every"] for h in (10.0, 40.0))
     assert abs(long - 2 * short) <= 1  # 2x, up to the rounding to whole steps
-    assert predict(**RECOMMENDED_70B, mtbf_hours=1e-6)["suggested_ckpt_every"] == 1  # at least one step
+    assert predict(**SYNC_70B, mtbf_hours=1e-6)["suggested_ckpt_every"] == 1  # at least one step
     assert p["lost_per_failure_s"] == pytest.approx(200 * p["step_time_s"] / 2 + p["restart_s"])
     assert p["suggested_lost_per_failure_s"] == pytest.approx(p["suggested_ckpt_every"] * p["step_time_s"] / 2
                                                               + p["restart_s"])
@@ -487,19 +490,182 @@ def test_suggested_ckpt_every_is_young_dalys_interval_in_steps():
         (p["saves"] * p["save_stall_s"] + failures * p["lost_per_failure_s"]) / train_s)
     assert p["suggested_overhead_fraction"] < p["overhead_fraction"]
     for every in (p["suggested_ckpt_every"] // 2, 2 * p["suggested_ckpt_every"]):
-        assert predict(**RECOMMENDED_70B, ckpt_every=every)["overhead_fraction"] > p["suggested_overhead_fraction"]
+        assert predict(**SYNC_70B, ckpt_every=every)["overhead_fraction"] > p["suggested_overhead_fraction"]
 
 
 def test_planning_docs_quote_the_interval_the_planner_prints():
-    """docs/planning.md's --ckpt_every paragraph gives the recipe's predictions: they are the planner's."""
-    p = predict(**RECOMMENDED_70B, ckpt_every=200)
+    """docs/planning.md's --ckpt_every paragraph gives the recipe's predictions, synchronous and asynchronous:
+    they are the planner's."""
+    sync, p = predict(**SYNC_70B, ckpt_every=200), predict(**RECOMMENDED_70B, ckpt_every=200)
     with open(os.path.join(ROOT, "docs", "planning.md")) as f:
         text = " ".join(f.read().split())
-    assert (f"a {p['save_stall_s']:.0f} s stall per save, {p['saves']} saves in {p['run_steps']:,} steps = "
+    assert (f"synchronous, a {sync['save_stall_s']:.0f} s stall per save, {sync['saves']} saves in "
+            f"{sync['run_steps']:,} steps = {100 * sync['save_fraction']:.2f}% of the run spent saving; suggested "
+            f"`--ckpt_every {sync['suggested_ckpt_every']}`") in text
+    assert (f"expected overhead (saves + lost work) {100 * sync['overhead_fraction']:.2f}% of the training time now, "
+            f"{100 * sync['suggested_overhead_fraction']:.2f}% at {sync['suggested_ckpt_every']}") in text
+    assert (f"Asynchronous, a {p['save_stall_s']:.1f} s stall per save, {p['saves']} saves = "
             f"{100 * p['save_fraction']:.2f}% of the run spent saving; suggested `--ckpt_every "
-            f"{p['suggested_ckpt_every']}`") in text
-    assert (f"expected overhead (saves + lost work) {100 * p['overhead_fraction']:.2f}% of the training time now, "
-            f"{100 * p['suggested_overhead_fraction']:.2f}% at {p['suggested_ckpt_every']}") in text
+            f"{p['suggested_ckpt_every']}` ({p['suggested_ckpt_every'] * p['step_time_s'] / 3600:.1f} h); work lost per "
+            f"failure {p['lost_per_failure_s'] / 3600:.2f} h now, {p['suggested_lost_per_failure_s'] / 3600:.2f} h at "
+            f"{p['suggested_ckpt_every']}; expected overhead {100 * p['overhead_fraction']:.2f}% of the training time "
+            f"now, {100 * p['suggested_overhead_fraction']:.2f}% at {p['suggested_ckpt_every']}") in text
+    lead = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4)
+    assert (f"For the recipe below: {lead['stop_lead_s']:.0f} s, so `launch.sbatch` has "
+            f"`--signal=USR1@{lead['signal_lead_s']}`") in text
+
+
+def test_staging_buffer_is_the_checkpoints_tensors_aligned():
+    """--async_save's staging buffer holds a copy of every tensor a rank's checkpoint file holds
+    (disk.saved_tensors), each at a multiple of disk.STAGING_ALIGN_BYTES: rank 0's units at a W whose padding
+    is not zero, against plan.staging_bytes_per_rank, and the planner's host memory part."""
+    mcfg, world = M.PRESETS["tiny"](), 3
+    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16)
+    assert any(u.padded_numel != u.numel for u in units)
+    align = disk.STAGING_ALIGN_BYTES
+    tensors = [t for u in units for _, t in disk.saved_tensors(u)]
+    assert len(tensors) == len(units) * (1 + len(T.OPTIMIZER_STATE))
+    staged = sum(-(-t.numel() * t.element_size() // align) * align for t in tensors)
+    assert staged > sum(t.numel() * t.element_size() for t in tensors)  # the alignment is counted too
+    assert P.staging_bytes_per_rank(mcfg, world) == staged
+    flags = dict(model="tiny", nnodes=1, nproc_per_node=world, seq_len=256, batch_size=12, micro_batch_size=4)
+    for setting, expected in (("auto", staged), ("true", staged), ("false", 0)):  # auto: a GPU node's memory fits it
+        p = predict(**flags, async_save=setting)
+        assert p["host_gib_by_part_per_gpu"]["staging"] * 2**30 == expected and p["async_save"] == bool(expected)
+        assert p["host_gib_per_node"] * 2**30 == expected * world
+    # 70B on 16 GPUs: the checkpoint's 52.9 GB per rank, in host memory beside the recipe's offloaded block inputs.
+    p = predict(**RECOMMENDED_70B)
+    assert p["host_gib_by_part_per_gpu"]["staging"] == pytest.approx(12 * 70.55e9 / 16 / 2**30, rel=1e-3)
+    assert p["host_fits"] and f"--async_save staging {p['host_gib_by_part_per_gpu']['staging']:.1f}" in P.table(
+        p, config(**RECOMMENDED_70B))
+
+
+def test_async_save_stalls_for_the_copy_and_the_interval_follows_it():
+    """The 70B recipe (--async_save auto: on, the staging buffer fits): a save stalls for the copy of 52.9 GB
+    to host memory at PCIe's 40 GB/s, not the 118 s write; Young/Daly on that stall; a failure also loses the
+    write's time. A write longer than the interval makes the next save wait, and the suggestion never goes
+    below the steps a write takes."""
+    mcfg = M.PRESETS["llama3-70b"]()
+    p, sync = predict(**RECOMMENDED_70B, ckpt_every=200), predict(**SYNC_70B, ckpt_every=200)
+    copy_s = P.staging_bytes_per_rank(mcfg, 16) / 40e9
+    assert p["async_save"] and not sync["async_save"]
+    assert p["save_stall_s"] == p["async_save_stall_s"] == pytest.approx(copy_s) and copy_s < 2
+    assert p["sync_save_stall_s"] == sync["save_stall_s"] == pytest.approx(p["save_s"]) and p["save_s"] > 100
+    assert p["sync_save_fraction"] == pytest.approx(sync["save_fraction"])
+    assert sync["save_fraction"] > 50 * p["save_fraction"]
+    steps, step_s, mtbf_s = p["run_steps"], p["step_time_s"], 3167.0 * 3600
+    train_s = steps * step_s
+    saves_s = (p["saves"] - 1) * copy_s + p["save_s"]  # the last save's write is waited for
+    assert p["save_fraction"] == pytest.approx(saves_s / (train_s + saves_s))
+    assert p["suggested_ckpt_every"] == round((2 * copy_s * mtbf_s) ** 0.5 / step_s) < sync["suggested_ckpt_every"]
+    assert p["lost_per_failure_s"] == pytest.approx(100 * step_s + p["save_s"] + p["restart_s"])
+    assert p["overhead_fraction"] == pytest.approx((saves_s + train_s / mtbf_s * p["lost_per_failure_s"]) / train_s)
+    assert p["overhead_fraction"] < sync["overhead_fraction"]
+    text = P.table(p, config(**RECOMMENDED_70B, ckpt_every=200))
+    assert (f"save stall per save (predicted): synchronous {p['save_s']:.0f} s (every GPU waiting for the write), "
+            f"asynchronous {copy_s:.1f} s (the copy of 52.9 GB to host memory") in text
+    young_daly = f"suggested --ckpt_every {p['suggested_ckpt_every']} (Young/Daly: sqrt(2 x {copy_s:.1f} s asynchronous"
+    assert young_daly in text
+    # With --offload_optimizer the state is in host memory already: a host-to-host copy, read and write.
+    offloaded = predict(**RECOMMENDED_70B, offload_optimizer="true", async_save="true")
+    host_gbps = 614 * 0.7 / 8
+    assert offloaded["async_save_stall_s"] == pytest.approx(2 * P.staging_bytes_per_rank(mcfg, 16) / (host_gbps * 1e9))
+    # A filesystem so slow the write (10,582 s) outlasts 20 steps: each save waits for the one before.
+    slow = predict(**RECOMMENDED_70B, ckpt_every=20, fs_write_gbps=0.005)
+    assert slow["async_save_stall_s"] == pytest.approx(copy_s + slow["save_s"] - 20 * step_s)
+    write_steps = -(-slow["save_s"] // step_s)
+    assert slow["suggested_ckpt_every"] == write_steps > round((2 * copy_s * mtbf_s) ** 0.5 / step_s)
+    assert (f"raised to the {write_steps:.0f} steps a write takes: at most one save in flight"
+            in P.table(slow, config(**RECOMMENDED_70B, ckpt_every=20, fs_write_gbps=0.005)))
+
+
+def test_the_stop_lead_under_async_save_counts_one_write():
+    """--async_save: at a stop the write in flight is finished and the stop's save skipped, or, with none in
+    flight, the stop saves synchronously: one write after the request either way. Before the step, a periodic
+    save stalls only for the copy; a late restart also page-locks the staging buffer."""
+    p = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4)
+    sync = predict(**SYNC_70B, ckpt_every=200, eval_every=200, eval_batches=4)
+    staging_gb = P.staging_bytes_per_rank(M.PRESETS["llama3-70b"](), 16) / 1e9
+    assert p["async_save"] and p["periodic_save_s"] == pytest.approx(p["save_copy_s"]) and p["save_copy_s"] < 2
+    assert p["restart_setup_s"] == pytest.approx(P.ASSUMPTIONS["restart_setup_s"][0] + staging_gb / 1.0)
+    assert p["restart_s"] == pytest.approx(p["restart_setup_s"] + p["load_s"])
+    one_write = p["restart_s"] + p["step_time_s"] + p["eval_s"] + p["save_s"]
+    assert p["stop_lead_s"] == pytest.approx(1.25 * one_write)
+    # The same bound as synchronous but for the staging buffer's page-locking in the restart.
+    assert p["stop_lead_s"] - sync["stop_lead_s"] == pytest.approx(1.25 * staging_gb)
+    text = P.table(p, config(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4))
+    assert (f"one write {p['save_s']:.0f} s (the one in flight finished, or the stop's own save), x 1.25): "
+            f"#SBATCH --signal=USR1@{p['signal_lead_s']}") in text
+    assert f"a periodic save's stall ({p['periodic_save_s']:.1f} s: the copy to host memory)" in text
+
+
+def fake_host_memory(monkeypatch, gib: float):
+    monkeypatch.setattr(checks, "host_memory_limit", lambda: (int(gib * 2**30), f"this machine has {gib:,.1f} GiB "
+                                                                                 f"available"))
+
+
+def test_async_save_that_does_not_fit_host_memory_is_one_line(tmp_path, monkeypatch):
+    """The start-up check counts the staging buffer of every rank on the node (LOCAL_WORLD_SIZE) with 10% kept
+    free: '--async_save true' that does not fit is one line naming the flag and what to drop; 'auto' turns
+    itself off there with one line for rank 0 to print, and is off on CPU without a word."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    mcfg = M.PRESETS["llama3.1-8b"]()
+    staging_gib = 8 * P.staging_bytes_per_rank(mcfg, 16) / 2**30  # 8 ranks x 12 B x 8.03B / 16: 44.9 GiB
+
+    def run(**flags):
+        return T.parse_args([f"--{k}={v}" for k, v in dict(model="llama3.1-8b", out_dir=tmp_path, **flags).items()])
+
+    fake_host_memory(monkeypatch, staging_gib / 0.9 * 0.99)  # just under what 8 staging buffers need with 10% free
+    [line] = checks.check_host_memory(run(async_save="true"), mcfg, 16, 16)
+    assert line.startswith(f"--async_save true: the 8 rank(s) on this node need {staging_gib:,.1f} GiB of host memory "
+                           f"({staging_gib:,.1f} GiB for the save's staging buffer), and this machine has "), line
+    assert line.endswith("; drop --async_save true (--async_save auto turns it off where it does not fit), or use "
+                         "more nodes"), line
+    on, why = checks.async_save_on(run(async_save="auto", device="cuda"), mcfg, 16)
+    assert not on and why.startswith(f"--async_save auto: off: the 8 rank(s) on this node would need "
+                                     f"{staging_gib:,.1f} GiB of host memory for the save's staging buffer"), why
+    assert checks.check_host_memory(run(async_save="auto", device="cuda"), mcfg, 16, 16) == []  # auto: off, no error
+    assert checks.async_save_on(run(async_save="auto", device="cpu"), mcfg, 16) == (False, None)
+    assert checks.async_save_on(run(async_save="false", device="cuda"), mcfg, 16) == (False, None)
+    fake_host_memory(monkeypatch, staging_gib / 0.9 * 1.01)  # just over: it fits
+    assert checks.async_save_on(run(async_save="auto", device="cuda"), mcfg, 16) == (True, None)
+    assert checks.check_host_memory(run(async_save="true"), mcfg, 16, 16) == []
+    # With --offload_optimizer both parts count: the state alone fits, the staging buffer beside it does not.
+    state_gib = 8 * P.host_bytes_per_gpu(mcfg, run(offload_optimizer="true"), 16, False)["state"] / 2**30
+    fake_host_memory(monkeypatch, (state_gib + staging_gib) / 0.9 * 0.99)
+    assert checks.check_host_memory(run(offload_optimizer="true", async_save="false"), mcfg, 16, 16) == []
+    [line] = checks.check_host_memory(run(offload_optimizer="true", async_save="true"), mcfg, 16, 16)
+    assert line.startswith(f"--async_save true with --offload_optimizer: the 8 rank(s) on this node need "
+                           f"{state_gib + staging_gib:,.1f} GiB of host memory ({staging_gib:,.1f} GiB for the save's "
+                           f"staging buffer, {state_gib:,.1f} GiB for --offload_optimizer's state"), line
+    assert "; drop --async_save true or --offload_optimizer (--async_save auto turns it off" in line, line
+    assert not checks.async_save_on(run(offload_optimizer="true", async_save="auto", device="cuda"), mcfg, 16)[0]
+
+
+def test_plan_names_the_flag_to_drop_when_async_save_true_does_not_fit():
+    """One node of 8 H100 with --offload_optimizer: 8 x 132 GiB of state and 8 x 10 GiB of block inputs leave no
+    room for 8 x 98.6 GiB of staging. 'auto' turns it off and fits; 'true' does not fit, and --plan's one error
+    line says to drop --async_save (dropping --offload_optimizer does not fit the GPU). On two nodes of H100 PCIe
+    servers (1 TB) either flag dropped fits, and the line names both."""
+    auto = predict(**OFFLOAD_70B_ONE_NODE)
+    assert not auto["async_save"] and auto["host_fits"] and auto["host_gib_by_part_per_gpu"]["staging"] == 0
+    flags = dict(OFFLOAD_70B_ONE_NODE, async_save="true")
+    p = predict(**flags)
+    assert p["async_save"] and not p["host_fits"] and p["hours"] is None
+    result = run_plan(*[str(x) for k, v in flags.items() for x in (f"--{k}", v)])
+    assert result.returncode == 2, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert (f"host memory per node of 1,843 usable (predicted); --async_save true: its staging buffer (788 GiB per "
+            f"node) does not fit beside --offload_optimizer's state: drop --async_save true (--async_save auto turns "
+            f"it off where it does not fit; saves then stall for the whole write); the nearest that fits: --ac_blocks "
+            f"{auto['partial_checkpointing']['ac_blocks']} --ac_rest none --async_save auto (") in line, line
+    assert "DOES NOT FIT in host memory (--async_save true: its staging buffer" in result.stdout
+    both = dict(RECOMMENDED_70B, gpu="h100-pcie", offload_optimizer="true", async_save="true")
+    cfg = config(**both)
+    q = P.plan(checks.model_config(cfg), cfg)
+    assert not q["host_fits"] and "drop --async_save true or --offload_optimizer (" in q["async_save_drop"]
+    assert predict(**dict(both, async_save="auto"))["host_fits"]
+    assert predict(**dict(both, offload_optimizer="false"))["fits"]
 
 
 def test_mtbf_hours_must_be_positive():
@@ -537,9 +703,12 @@ def test_cli_writes_json_with_the_required_keys(tmp_path):
     for key in ("params", "state_gib_per_gpu", "peak_gib_per_gpu", "fits", "tokens_per_sec_per_gpu", "mfu",
                 "hours", "cost_usd", "memory_gib", "step_time_s", "compute_s", "comm_s", "assumptions",
                 "checkpoint_gb_per_rank", "save_s", "stop_lead_s", "nearest_fit", "save_stall_s", "save_fraction",
-                "suggested_ckpt_every", "lost_per_failure_s", "overhead_fraction", "suggested_overhead_fraction"):
+                "suggested_ckpt_every", "lost_per_failure_s", "overhead_fraction", "suggested_overhead_fraction",
+                "async_save", "save_copy_s", "sync_save_stall_s", "async_save_stall_s", "sync_save_fraction",
+                "async_save_fraction", "page_locking_s", "async_save_drop"):
         assert key in p, key
     assert p["fits"] is True and p["hours"] > 0
+    assert p["async_save"] is True and p["host_gib_by_part_per_gpu"]["staging"] > 49  # the 52.9 GB per rank
 
 
 @pytest.mark.parametrize("flags, flag", [(["--gpu", "b300"], "--gpu"),
