@@ -54,7 +54,8 @@ import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import disk  # state on disk: the out_dir, checkpoints, resume, Hugging Face import and export
-from checks import check_run, config_warnings, flash_attn_unsaved_warning, unknown_flag_message  # every input, before work
+from checks import (async_save_on, check_run, config_warnings, flash_attn_unsaved_warning,  # every input, before work
+                    unknown_flag_message)
 import data as D
 import metrics
 import model as M
@@ -919,10 +920,6 @@ def catch_stop_signals() -> list:
     return stop_signals
 
 
-def async_save_on(cfg: TrainConfig, device: torch.device) -> bool:
-    return cfg.async_save == "true" or (cfg.async_save == "auto" and device.type == "cuda")
-
-
 def save(cfg, sharded: ShardedModel, saving, step: int, data_state, background: bool):
     """A checkpoint of `step`: written in the background (--async_save: training stalls only for the copy to
     host memory), or now, every rank waiting for the whole write."""
@@ -1010,8 +1007,12 @@ def main(argv=None):
     if rank == 0:
         print(metrics.startup_line(cfg, sharded, start_step), flush=True)
     metrics.print_device_memory(cfg, sharded, "after set-up (its all-gathers made NCCL's buffers)", "state_gib")
-    background = async_save_on(cfg, device) and steps > start_step and (cfg.ckpt_every or 0) > 0
-    saving = disk.BackgroundSave(sharded.units, device) if background else None  # --async_save: its staging buffer
+    # --async_save: the staging buffer, taken now (checks.async_save_on: 'auto' is on for GPUs where it fits);
+    # only periodic saves are written in the background, so a run without them needs none.
+    background, note = async_save_on(cfg, sharded.model.cfg, sharded.world)
+    if note and rank == 0:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
+    saving = disk.BackgroundSave(sharded.units, device) if background and cfg.ckpt_every and steps > start_step else None
     stop_signals, skipped = catch_stop_signals(), 0
 
     for step in range(start_step + 1, steps + 1):

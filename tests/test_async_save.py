@@ -179,3 +179,31 @@ def test_background_saves_of_offloaded_state_are_the_synchronous_saves(data, mai
     for step in range(1, 5):
         assert manifest(runs["true"], step)["files"] == manifest(runs["false"], step)["files"], step
     assert losses(runs["true"]) == losses(runs["false"])
+
+
+def test_the_staging_buffer_is_what_the_planner_counts_and_is_taken_once(data, main_in_process, monkeypatch, tmp_path):
+    """The buffer BackgroundSave allocates is plan.staging_bytes_per_rank's, byte for byte (at W=1 here; the
+    planner's own test checks its formula against real units at W=3), taken once and reused by every save."""
+    import plan
+    made, copied_into, models = [], [], []
+    real_init, real_start, real_setup = disk.BackgroundSave.__init__, disk.BackgroundSave.start, T.setup
+
+    def init(self, units, device):
+        real_init(self, units, device)
+        made.append(self)
+
+    def start(self, *a, **k):
+        real_start(self, *a, **k)
+        copied_into.append(self.staged[0][1].data_ptr())
+
+    def setup(cfg):
+        result = real_setup(cfg)
+        models.append(result[0].model.cfg)
+        return result
+    monkeypatch.setattr(disk.BackgroundSave, "__init__", init)
+    monkeypatch.setattr(disk.BackgroundSave, "start", start)
+    monkeypatch.setattr(T, "setup", setup)
+    assert main_in_process(args(data, tmp_path, "--ckpt_every=1", "--async_save=true")) == 0
+    assert len(made) == 1 and len(copied_into) == 5  # steps 1..5 in the background, step 6 at the end
+    assert made[0].staging.numel() == plan.staging_bytes_per_rank(models[0], 1)
+    assert set(copied_into) == {made[0].staging.data_ptr()}
