@@ -625,7 +625,7 @@ class ShardedModel:
             if self.prefetch and k + 1 < len(self.stages):  # the next all-gather overlaps this compute
                 for unit in self.stages[k + 1].forward_units:
                     unit.start_gather()
-            with record_function(f"forward {stage.name}"):
+            with record_function(f"forward {stage.forward_units[0].name}"):  # a stage is named by its first unit
                 x = self.run_stage(k, x, batch)
             if k + 1 < len(self.stages):
                 for unit in stage.forward_units:
@@ -641,12 +641,12 @@ class ShardedModel:
             return self.model.head_loss(x, batch["targets"], self.ce_chunk) / batch["n_tokens"]
         stage = self.stages[k]
         return run_block(self.model.layers[k - 1], stage.ac, x, batch["cos"], batch["sin"], batch["layout"], stage.offload,
-                         stage.name)
+                         stage.forward_units[0].name)
 
     def on_backward(self, k: int):
         """Backward has finished stage k + 1 and is about to run stage k. In a trace, stage k's backward runs
         from this range to the next `backward ... (enter)`: a range cannot span autograd's nodes."""
-        with record_function(f"backward {self.stages[k].name} (enter)"):
+        with record_function(f"backward {self.stages[k].forward_units[0].name} (enter)"):
             if k + 1 < len(self.stages):
                 for unit in self.stages[k + 1].backward_units:
                     unit.free()
@@ -662,10 +662,6 @@ class Stage(NamedTuple):
     backward_units: list         # gathered again for its backward
     ac: str = "none"             # a block's activation checkpointing (block_policies)
     offload: bool = False        # a block's input kept in host memory (--offload_activations)
-
-    @property
-    def name(self) -> str:  # its first unit's: "embed", "layers.3", "head"
-        return self.forward_units[0].name
 
 
 def make_stages(model: M.Llama, units: list[Unit], ac: str, offload: bool = False, ac_blocks: int = -1,
@@ -691,27 +687,25 @@ def block_policies(n_layers: int, ac: str, ac_blocks: int = -1, ac_rest: str = "
 def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False, name: str = "block"):
     if ac == "none":
         return block(x, cos, sin, layout)
-    block = partial(recompute_range, name, block)
+
+    def ranged(*args):
+        """The block's forward in a range: `recompute NAME` when checkpointing runs it again in backward (autograd
+        is then running a node), `checkpointed NAME` the first time. Both times, because the selective policy
+        replays the forward's ops in backward and refuses one the forward did not run. Not under torch.compile,
+        whose backward graph recomputes by itself."""
+        if torch.compiler.is_compiling():
+            return block(*args)
+        in_backward = torch._C._current_autograd_node() is not None
+        with record_function(f"{'recompute' if in_backward else 'checkpointed'} {name}"):
+            return block(*args)
     if offload:  # --ac full, the block's input kept in host memory (offload.py)
-        return O.OffloadedCheckpoint.apply(x, lambda h: block(h, cos, sin, layout))
+        return O.OffloadedCheckpoint.apply(x, lambda h: ranged(h, cos, sin, layout))
     if ac == "full":  # save only the block's input; recompute the whole block in backward
-        return checkpoint(block, x, cos, sin, layout, use_reentrant=False)
+        return checkpoint(ranged, x, cos, sin, layout, use_reentrant=False)
     def keep_saved_ops(ctx, op, *args, **kwargs):  # --ac selective: keep SAVED_OPS' outputs, recompute the rest
         return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-    return checkpoint(block, x, cos, sin, layout, use_reentrant=False,
+    return checkpoint(ranged, x, cos, sin, layout, use_reentrant=False,
                       context_fn=partial(create_selective_checkpoint_contexts, keep_saved_ops))
-
-
-def recompute_range(name: str, block, *args):
-    """The block's forward in a range: `recompute NAME` when checkpointing runs it again in backward (autograd
-    is then running a node), `checkpointed NAME` the first time. Both times, because the selective policy
-    replays the forward's ops in backward and refuses an op the forward did not run. Not under torch.compile,
-    whose backward graph recomputes by itself."""
-    if torch.compiler.is_compiling():
-        return block(*args)
-    in_backward = torch._C._current_autograd_node() is not None
-    with record_function(f"{'recompute' if in_backward else 'checkpointed'} {name}"):
-        return block(*args)
 
 
 # Selective checkpointing: keep what is expensive to recompute (the matmuls' and attention's outputs),
