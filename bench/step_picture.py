@@ -171,7 +171,7 @@ def memory_child(argv: list[str]):
     lo, hi = max(0, top - 2500), min(len(memory.samples), top + 1500)
     zoom_phases = [(max(i, lo), p) for (i, p), (j, _) in zip(memory.phases, memory.phases[1:] + [(hi, "")]) if j > lo and i < hi]
     with open(series_json, "w") as f:
-        json.dump(dict(kinds=KINDS, samples=samples, phases=phases, events=len(memory.samples),
+        json.dump(dict(kinds=KINDS, samples=samples, phases=phases, events=len(memory.samples), end=memory.samples[-1],
                        zoom=dict(first=lo, samples=memory.samples[lo:hi], phases=zoom_phases)), f)
 
 
