@@ -51,7 +51,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function  # named ranges in a --profile trace; next to nothing without one
+from torch.profiler import record_function  # named ranges for --profile; ~11 us each without a profiler (BENCHMARKS.md)
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import disk  # state on disk: the out_dir, checkpoints, resume, Hugging Face import and export
