@@ -48,6 +48,8 @@ def check_config(cfg, world: int) -> list[str]:
     for name in ("seq_len", "batch_size", "micro_batch_size", "log_every"):
         if getattr(cfg, name) < 1:
             errors.append(f"--{name}: must be >= 1, got {getattr(cfg, name)}")
+    if cfg.profile < 0:
+        errors.append(f"--profile: a step number >= 1 (0: no trace), got {cfg.profile}")
     if cfg.steps < 0:
         errors.append(f"--steps: must be >= 0 (0 only converts --init_from to --export_hf), got {cfg.steps}")
     trains = cfg.steps > 0 and not cfg.from_ckpt  # converting a checkpoint needs no batch and no data
@@ -130,6 +132,8 @@ def config_warnings(cfg) -> list[str]:
         warnings.append(f"--warmup_steps {cfg.warmup_steps} is not below --steps {cfg.steps}: the whole run is warmup; "
                         f"the learning rate rises to {cfg.lr * cfg.steps / cfg.warmup_steps:g} at the last step "
                         f"(--lr {cfg.lr:g}) and never follows --schedule {cfg.schedule}; lower --warmup_steps")
+    if cfg.profile > cfg.steps:
+        warnings.append(f"--profile {cfg.profile} is beyond --steps {cfg.steps}: no trace will be written")
     return warnings
 
 

@@ -251,6 +251,40 @@ def plot_metrics(out_dir: str) -> str:
     return png
 
 
+@contextlib.contextmanager
+def profile_step(cfg, step: int, rank: int, device: torch.device):
+    """--profile STEP: a torch.profiler trace (Chrome JSON) of that optimizer step, its micro-batches included,
+    written by each rank to OUT_DIR/profile/step_N_rank_R.json. train.py's record_function ranges name each
+    unit's gather, free, forward, recompute, backward and reduce-scatter in it; CUDA kernels and NCCL
+    collectives appear on their streams on GPUs. Any other step: nothing at all."""
+    if step != cfg.profile:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = profile(activities=activities)
+    prof.start()
+    try:
+        yield
+    finally:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the step's kernels, not only their launches
+        prof.stop()
+        folder = os.path.join(cfg.out_dir, "profile")
+        path = os.path.join(folder, f"step_{step}_rank_{rank}.json")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            prof.export_chrome_trace(path)
+        except OSError as e:  # a trace is not worth the run
+            print(f"warning: --profile: could not write {path} ({e.strerror}); training goes on", file=sys.stderr,
+                  flush=True)
+        else:
+            if rank == 0:
+                print(f"wrote a torch.profiler trace of step {step} to {folder}/step_{step}_rank_*.json (one per rank): "
+                      f"open it in https://ui.perfetto.dev (Open trace file) or chrome://tracing; how to read it: "
+                      f"docs/profiling.md", flush=True)
+
+
 def host_start_up(state) -> str:
     """What allocating the offloaded state cost at start-up (plan.ASSUMPTIONS pinning predicts it)."""
     locked = f", page-locked in {state.page_locked_s:.1f} s" if state.page_locked_s is not None else ""

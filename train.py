@@ -51,6 +51,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function  # named ranges for --profile; ~11 us each without a profiler (BENCHMARKS.md)
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import disk  # state on disk: the out_dir, checkpoints, resume, Hugging Face import and export
@@ -137,6 +138,9 @@ class TrainConfig:
     export_hf: str = opt("", "at the end, write a Hugging Face folder here")
     export_shard_gb: float = opt(5.0, "largest safetensors file of --export_hf, in GB")
     log_every: int = opt(1, "print a line every N steps (metrics.jsonl gets every step)")
+    profile: int = opt(0, "write a torch.profiler trace of step N (its micro-batches, every unit's gather, free, forward, "
+                          "recompute, backward and reduce-scatter named) to OUT_DIR/profile/step_N_rank_R.json, for "
+                          "Perfetto or chrome://tracing (0: none)")
     device: str = opt("auto", "'auto' (CUDA when available), 'cuda' or 'cpu'")
     deterministic: bool = opt(False, "GPU kernels that give the same bits every run: torch's deterministic algorithms "
                                      "(CUBLAS_WORKSPACE_CONFIG=:4096:8 when unset) and flash-attn's deterministic "
@@ -408,16 +412,19 @@ class Unit:
         """Launches the all-gather of this unit into its buffer; returns at once (async)."""
         if self.state() != "free":
             return
-        self.gathered.untyped_storage().resize_(self._storage_bytes)
-        self._send = self.gather_input()
-        self._gather_work = all_gather_flat(self.gathered.data, self._send, async_op=True)  # .data: see above
+        # A trace's ranges must nest, so an async collective gets two: its issue here, its wait in wait_gather.
+        with record_function(f"gather {self.name} (issue)"):
+            self.gathered.untyped_storage().resize_(self._storage_bytes)
+            self._send = self.gather_input()
+            self._gather_work = all_gather_flat(self.gathered.data, self._send, async_op=True)  # .data: see above
 
     def wait_gather(self):
-        if self.state() == "free":
-            self.start_gather()
-        if self._gather_work is not None:
-            self._gather_work.wait()
-            self._gather_work, self._send = None, None
+        with record_function(f"gather {self.name} (wait)"):
+            if self.state() == "free":  # not prefetched: issued only now
+                self.start_gather()
+            if self._gather_work is not None:
+                self._gather_work.wait()
+                self._gather_work, self._send = None, None
 
     def gather_input(self) -> torch.Tensor:
         """This rank's shard in the compute dtype, on the device: bf16 over the wire is half the bytes."""
@@ -428,7 +435,8 @@ class Unit:
     def free(self):
         if self._gather_work is not None:  # an error, not an assert: `python -O` must not skip it
             raise RuntimeError(f"{self.name}: freed while its all-gather is in flight")
-        self.gathered.untyped_storage().resize_(0)
+        with record_function(f"free {self.name}"):
+            self.gathered.untyped_storage().resize_(0)
 
     def set_views(self, buffer: torch.Tensor):
         """Points each module attribute at its piece of `buffer` (the gathered one, or the naive step's).
@@ -523,7 +531,8 @@ def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) ->
     value and takes the same branch) skips the update: the weights and optimizer state stay as they were."""
     units = sharded.units
     loss, local_finite = forward_backward(cfg, sharded, windows, step, position)
-    grad_norm = global_grad_norm(units, sharded.device)
+    with record_function("grad_norm"):
+        grad_norm = global_grad_norm(units, sharded.device)
     # The step's one host sync: the clip factor and the skip decision need both numbers on the host.
     loss, grad_norm = torch.stack([loss.float(), grad_norm.float()]).tolist()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -537,9 +546,11 @@ def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) ->
     if cfg.grad_clip > 0:  # as torch.nn.utils.clip_grad_norm_: multiply by min(1, clip / (norm + 1e-6))
         scale = min(1.0, cfg.grad_clip / (grad_norm + 1e-6))
         if scale != 1.0:
-            for u in units:
-                u.grad_shard.mul_(scale)
-    optimizer_step(units, cfg, lr_at(cfg, step), step)  # on the CPU with --offload_optimizer
+            with record_function("clip"):
+                for u in units:
+                    u.grad_shard.mul_(scale)
+    with record_function("optimizer_step"):
+        optimizer_step(units, cfg, lr_at(cfg, step), step)  # on the CPU with --offload_optimizer
     for u in units:
         u.grad_shard.zero_()
     if cfg.offload_optimizer:  # the updated host master shards back to the device, in the compute dtype
@@ -615,7 +626,8 @@ class ShardedModel:
             if self.prefetch and k + 1 < len(self.stages):  # the next all-gather overlaps this compute
                 for unit in self.stages[k + 1].forward_units:
                     unit.start_gather()
-            x = self.run_stage(k, x, batch)
+            with record_function(f"forward {stage.forward_units[0].name}"):  # a stage is named by its first unit
+                x = self.run_stage(k, x, batch)
             if k + 1 < len(self.stages):
                 for unit in stage.forward_units:
                     unit.free()
@@ -629,18 +641,21 @@ class ShardedModel:
         if k == len(self.stages) - 1:
             return self.model.head_loss(x, batch["targets"], self.ce_chunk) / batch["n_tokens"]
         stage = self.stages[k]
-        return run_block(self.model.layers[k - 1], stage.ac, x, batch["cos"], batch["sin"], batch["layout"], stage.offload)
+        return run_block(self.model.layers[k - 1], stage.ac, x, batch["cos"], batch["sin"], batch["layout"], stage.offload,
+                         stage.forward_units[0].name)
 
     def on_backward(self, k: int):
-        """Backward has finished stage k + 1 and is about to run stage k."""
-        if k + 1 < len(self.stages):
-            for unit in self.stages[k + 1].backward_units:
-                unit.free()
-        for unit in self.stages[k].backward_units:
-            unit.wait_gather()
-        if self.prefetch and k > 0:
-            for unit in self.stages[k - 1].backward_units:
-                unit.start_gather()
+        """Backward has finished stage k + 1 and is about to run stage k. In a trace, stage k's backward runs
+        from this range to the next `backward ... (enter)`: a range cannot span autograd's nodes."""
+        with record_function(f"backward {self.stages[k].forward_units[0].name} (enter)"):
+            if k + 1 < len(self.stages):
+                for unit in self.stages[k + 1].backward_units:
+                    unit.free()
+            for unit in self.stages[k].backward_units:
+                unit.wait_gather()
+            if self.prefetch and k > 0:
+                for unit in self.stages[k - 1].backward_units:
+                    unit.start_gather()
 
 
 class Stage(NamedTuple):
@@ -670,16 +685,27 @@ def block_policies(n_layers: int, ac: str, ac_blocks: int = -1, ac_rest: str = "
     return [ac] * n + [ac_rest] * (n_layers - n)
 
 
-def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False):
-    if offload:  # --ac full, the block's input kept in host memory (offload.py)
-        return O.OffloadedCheckpoint.apply(x, lambda h: block(h, cos, sin, layout))
+def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False, name: str = "block"):
     if ac == "none":
         return block(x, cos, sin, layout)
+
+    def ranged(*args):
+        """The block's forward in a range: `recompute NAME` when checkpointing runs it again in backward (autograd
+        is then running a node), `checkpointed NAME` the first time. Both times, because the selective policy
+        replays the forward's ops in backward and refuses one the forward did not run. Not under torch.compile,
+        whose backward graph recomputes by itself."""
+        if torch.compiler.is_compiling():
+            return block(*args)
+        in_backward = torch._C._current_autograd_node() is not None
+        with record_function(f"{'recompute' if in_backward else 'checkpointed'} {name}"):
+            return block(*args)
+    if offload:  # --ac full, the block's input kept in host memory (offload.py)
+        return O.OffloadedCheckpoint.apply(x, lambda h: ranged(h, cos, sin, layout))
     if ac == "full":  # save only the block's input; recompute the whole block in backward
-        return checkpoint(block, x, cos, sin, layout, use_reentrant=False)
+        return checkpoint(ranged, x, cos, sin, layout, use_reentrant=False)
     def keep_saved_ops(ctx, op, *args, **kwargs):  # --ac selective: keep SAVED_OPS' outputs, recompute the rest
         return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-    return checkpoint(block, x, cos, sin, layout, use_reentrant=False,
+    return checkpoint(ranged, x, cos, sin, layout, use_reentrant=False,
                       context_fn=partial(create_selective_checkpoint_contexts, keep_saved_ops))
 
 
@@ -729,10 +755,11 @@ def reduce_scatter_grad(unit: Unit, reduces_in_flight: list, reduce_dtype: torch
     one after another on one stream, so the new reduce-scatter could not start before the old one
     ends anyway."""
     finish_reduces(reduces_in_flight, keep=MAX_REDUCES_IN_FLIGHT - 1)
-    grad = gathered.grad.to(reduce_dtype)  # the same tensor, no copy, when the dtypes match
-    gathered.grad = None
-    out = torch.empty(unit.shard_numel, dtype=reduce_dtype, device=grad.device)
-    work = reduce_scatter_flat(out, grad, op=dist.ReduceOp.SUM, async_op=True)
+    with record_function(f"reduce_scatter {unit.name} (issue)"):  # and its wait in finish_reduces
+        grad = gathered.grad.to(reduce_dtype)  # the same tensor, no copy, when the dtypes match
+        gathered.grad = None
+        out = torch.empty(unit.shard_numel, dtype=reduce_dtype, device=grad.device)
+        work = reduce_scatter_flat(out, grad, op=dist.ReduceOp.SUM, async_op=True)
     reduces_in_flight.append((unit, work, out, grad))
 
 
@@ -741,11 +768,12 @@ def finish_reduces(reduces_in_flight: list, keep: int = 0):
     (accumulation over micro-batches, always fp32) and lets its full-unit gradient go."""
     while len(reduces_in_flight) > keep:
         unit, work, out, _ = reduces_in_flight.pop(0)
-        work.wait()
-        if unit.host:  # --offload_optimizer: copied to host memory, added there (offload.py)
-            unit.host.add_grad(unit, out)
-        else:
-            unit.grad_shard.add_(out)
+        with record_function(f"reduce_scatter {unit.name} (wait)"):
+            work.wait()
+            if unit.host:  # --offload_optimizer: copied to host memory, added there (offload.py)
+                unit.host.add_grad(unit, out)
+            else:
+                unit.grad_shard.add_(out)
 
 
 def global_grad_norm(units: list[Unit], device: torch.device) -> torch.Tensor:
@@ -1019,7 +1047,8 @@ def main(argv=None):
         metrics.reset_peak_mem(device)
         t0 = time.perf_counter()
         try:
-            loss, grad_norm = train_step(cfg, sharded, windows, step, position)
+            with metrics.profile_step(cfg, step, rank, device):  # --profile STEP: a trace of this one
+                loss, grad_norm = train_step(cfg, sharded, windows, step, position)
         except NonFiniteStep as e:
             skipped += 1
             if skipped > cfg.max_skipped_steps:

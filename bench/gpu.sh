@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU benchmark (bench/gpu.py): correctness on the device, then ours vs transformers + FSDP2 on
 # Llama-3-8B-shaped blocks at seq 8192. All local GPUs, one torchrun; stopped after 8 minutes whatever
-# it is doing (what it printed by then stays). Then, on one GPU, what --deterministic costs (up to 3 x 4 minutes).
+# it is doing (what it printed by then stays). Then, on one GPU, what --deterministic costs (up to 3 x 4 minutes),
+# and a --profile trace of one step on all GPUs into out/gpu_profile/profile/ (up to 5 minutes; docs/profiling.md).
 #
 #   bash bench/gpu.sh                      # on an H100/H200 node: paste the table into BENCHMARKS.md
 #   bash bench/gpu.sh --json out/gpu.json  # also every number as JSON
@@ -52,6 +53,12 @@ if [[ " $* " != *" --dry-run "* ]]; then
             --batch_size 2 --micro_batch_size 1 --steps 12 --warmup_steps 2 --eval_every 0 --deterministic "$flag" --out_dir "$WORK/$run" \
             >"$WORK/$run.log" 2>&1 || echo "bench/gpu.sh: --deterministic $flag failed: $(tail -n 1 "$WORK/$run.log")" >&2
     done
+    # One step's torch.profiler trace on all local GPUs (docs/profiling.md: exposed all-gathers, the reduce-scatter
+    # tail, the optimizer step): open out/gpu_profile/profile/step_3_rank_0.json in https://ui.perfetto.dev
+    timeout 300 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train.py --model llama3.2-1b \
+        --data "$WORK/tokens.npy" --seq_len 8192 --batch_size "$NPROC" --micro_batch_size 1 --steps 3 --warmup_steps 1 \
+        --eval_every 0 --profile 3 --out_dir out/gpu_profile --resume never --overwrite true >"$WORK/profile.log" 2>&1 \
+        || echo "bench/gpu.sh: --profile failed: $(tail -n 1 "$WORK/profile.log")" >&2
     "$PYTHON" - "$WORK" <<'PY'
 import json, os, statistics, sys
 rows = {}

@@ -1,7 +1,14 @@
-"""Two CPU measurements of the sharded step: prefetch on vs off, and what each --ac policy keeps.
+"""Three CPU measurements of the sharded step: prefetch on vs off, what each --ac policy keeps, and what
+train.py's profiler ranges cost when no profiler runs.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 bench/step_profile.py prefetch [--rounds 5]
     python bench/step_profile.py ac
+    OMP_NUM_THREADS=1 python bench/step_profile.py ranges [--rounds 10] [--model tiny|bench]
+
+ranges: one process (W = 1), rounds of steps alternating train.py's record_function ranges as they are and
+replaced by a no-op (train.record_function is looked up at each call), median step time of each; and, since
+a difference of microseconds drowns in a shared machine's noise, the cost of one range entered and left
+(no profiler running) times the ranges one step enters, counted.
 
 prefetch: one run at W = 2 (gloo), alternating rounds of steps with --prefetch true and false in the
 same processes (train_step reads cfg.prefetch each step), so both see the same machine load. Median
@@ -145,6 +152,63 @@ def ac_main():
               f"{per_block_token:,.0f} | {r['peak_over_start_bytes'] / mib:.0f} | {r['fwd_bwd_s']:.2f} |")
 
 
+class NoRange:
+    """record_function's stand-in for the step without ranges."""
+
+    def __init__(self, name):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def run_ranges(folder: str, rounds: int, model: str, steps_per_round: int = 3):
+    flags = [f"--data={folder}/tokens.npy", "--seq_len=512" if model == "bench" else "--seq_len=64",
+             "--batch_size=4", "--micro_batch_size=2", "--dtype=float32", f"--out_dir={folder}/out",
+             "--resume=never", "--overwrite=true"]
+    cfg, sharded, windows = setup(flags + ([f"--init_from={folder}/init"] if model == "bench" else ["--model=tiny"]))
+    real = T.record_function
+    entered = []
+
+    def counting(name):
+        entered.append(name)
+        return NoRange(name)
+    T.record_function = counting
+    T.train_step(cfg, sharded, windows, 1, 0)
+    per_step = len(entered)
+    times_s = {True: [], False: []}
+    step = 1
+    for r in range(rounds + 1):  # round 0 warms up both
+        for ranges in (True, False):
+            T.record_function = real if ranges else NoRange
+            for _ in range(steps_per_round):
+                t0 = time.perf_counter()
+                T.train_step(cfg, sharded, windows, step + 1, step * cfg.batch_size)
+                if r:
+                    times_s[ranges].append(time.perf_counter() - t0)
+                step += 1
+    T.record_function = real
+    n = 100_000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        with real("gather layers.3 (issue)"):
+            pass
+    range_s = (time.perf_counter() - t0) / n
+    on, off = statistics.median(times_s[True]), statistics.median(times_s[False])
+    mcfg = sharded.model.cfg
+    print(f"W=1, {M.count_params(mcfg)['total'] / 1e6:.1f}M params ({model}), fp32, 2 micro-batches of 2 x "
+          f"{cfg.seq_len}, {rounds} rounds x {steps_per_round} steps each way, alternating; torch {torch.__version__}")
+    print("| ranges | median step s |\n|---|---:|")
+    print(f"| as in train.py | {on:.4f} |\n| no-op | {off:.4f} |")
+    print(f"with / without: {on / off:.4f}; one range entered and left without a profiler: {range_s * 1e6:.2f} us, "
+          f"x {per_step} ranges per step = {per_step * range_s * 1e3:.3f} ms = {100 * per_step * range_s / off:.3f}% "
+          f"of the step")
+    torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "prefetch":
         rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 5
@@ -152,6 +216,15 @@ if __name__ == "__main__":
         folder = tempfile.mkdtemp(prefix=f"step_profile_rank{os.environ.get('RANK', '0')}_")
         write_inputs(folder, 512)
         run_prefetch(folder, rounds, steps_per_round=3)
+    elif sys.argv[1] == "ranges":
+        rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 10
+        model = sys.argv[sys.argv.index("--model") + 1] if "--model" in sys.argv else "tiny"
+        folder = tempfile.mkdtemp(prefix="step_profile_ranges_")
+        if model == "bench":
+            write_inputs(folder, 512)
+        else:  # the tiny preset's vocabulary
+            np.save(f"{folder}/tokens.npy", np.random.default_rng(0).integers(3, 512, 200 * 512).astype(np.uint16))
+        run_ranges(folder, rounds, model)
     elif sys.argv[1] == "ac-one":
         print(json.dumps(measure_ac(sys.argv[2], sys.argv[3])))
         torch.distributed.destroy_process_group()
