@@ -19,7 +19,7 @@ head once (it stays gathered from its forward into its backward); one reduce-sca
 gradient in the reduce dtype (fp32). Tied embeddings: the head stage uses the embedding unit a second
 time, so the embedding is gathered twice in forward (and not for backward); autograd sums both uses into
 one gradient, so it is reduce-scattered once. Per step: all-reduces of three fp32 scalars (token count,
-loss, squared gradient norm) in the step and one (the stop flag) in the loop. Any difference, or a
+loss, squared gradient norm) in the step and one (the stop flags) in the loop. Any difference, or a
 model-sized collective outside the steps, fails the run (exit 1).
 """
 import collections
@@ -143,7 +143,8 @@ def expected_per_step(mcfg: M.ModelConfig, world: int) -> dict:
         out[("step", "all_gather_flat", unit, "bfloat16")] = (n_gather, n_gather * numel[unit] * BF16_BYTES)
         out[("step", "reduce_scatter_flat", unit, "float32")] = (n_reduce, n_reduce * numel[unit] * FP32_BYTES)
     out[("step", "all_reduce", "scalar", "float32")] = (3, 3 * FP32_BYTES)  # n_tokens, loss, grad norm^2
-    out[("loop", "all_reduce", "2 elements", "float32")] = (1, 2 * FP32_BYTES)  # stop signal, rank 0 cannot write metrics
+    # stop signal, rank 0 cannot write metrics, a rank still writing / failed to write a background save
+    out[("loop", "all_reduce", "4 elements", "float32")] = (1, 4 * FP32_BYTES)
     return out
 
 
