@@ -54,14 +54,14 @@ import torch.distributed as dist
 from torch.profiler import record_function  # named ranges for --profile; ~11 us each without a profiler (BENCHMARKS.md)
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-import disk  # state on disk: the out_dir, checkpoints, resume, Hugging Face import and export
-from checks import (async_save_on, check_run, config_warnings, flash_attn_unsaved_warning,  # every input, before work
-                    unknown_flag_message)
 import data as D
-import metrics
 import model as M
-import offload as O  # --offload_activations and --offload_optimizer
-import sample
+from components import disk  # state on disk: the out_dir, checkpoints, resume, Hugging Face import and export
+from components import metrics
+from components import offload as O  # --offload_activations and --offload_optimizer
+from components import sample
+from components.checks import (async_save_on, check_run, config_warnings, flash_attn_unsaved_warning,  # every input
+                               unknown_flag_message)
 
 
 # ================================================================================================
@@ -992,7 +992,7 @@ def main(argv=None):
             fail(str(e))
         return
     if cfg.plan:
-        import plan
+        from components import plan
         plan.main(cfg)
         return
     finished = disk.finished_run(cfg)  # re-running a finished run's command: say so; train and save nothing
@@ -1019,7 +1019,7 @@ def main(argv=None):
     owns_group = not dist.is_initialized()  # a caller's group (bench/) is the caller's to destroy
     global fault_hook
     if os.environ.get("ZERO3_FAULT"):  # tests only: a rank killed, hung or given a NaN (faults.py)
-        import faults
+        from components import faults
         try:  # honoured only beside the tests' ZERO3_ALLOW_FAULTS=1; else a warning
             fault_hook = disk.fault_hook = faults.allowed_hook()
         except ValueError as e:

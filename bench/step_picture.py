@@ -182,7 +182,7 @@ def run_memory(layers: int, build_dir: str, json_path: str, command: str) -> dic
     model_args = []
     if layers:
         import dataclasses
-        import checks
+        from components import checks
         import train as T
         mcfg = dataclasses.replace(checks.model_config(T.parse_args(flags)), n_layers=layers)
         model_args = ["--model_json", json.dumps(dataclasses.asdict(mcfg))]

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch.testing._internal.distributed import multi_threaded_pg
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checks  # noqa: E402
+from components import checks  # noqa: E402
 import data as D  # noqa: E402
-import offload as O  # noqa: E402
+from components import offload as O  # noqa: E402
 import train as T  # noqa: E402
 
 

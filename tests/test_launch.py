@@ -31,9 +31,9 @@ import time
 import pytest
 from common import ROOT, model_and_tokens, read_metrics, run_train
 
-import checks  # noqa: E402
-import offload as O  # noqa: E402
-import plan as P  # noqa: E402
+from components import checks  # noqa: E402
+from components import offload as O  # noqa: E402
+from components import plan as P  # noqa: E402
 import train as T  # noqa: E402
 
 LAUNCH = os.path.join(ROOT, "launch.sh")

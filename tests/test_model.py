@@ -3,9 +3,9 @@ fp32, <= 1e-5."""
 import pytest
 import torch
 from common import M, hf_model, ours_from_hf, small_config
-import disk
+from components import disk
 
-import checks
+from components import checks
 
 SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
 

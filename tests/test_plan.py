@@ -12,10 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import model as M  # noqa: E402
-import disk  # noqa: E402
-import checks  # noqa: E402
-import plan as P  # noqa: E402
-import offload as O  # noqa: E402
+from components import disk  # noqa: E402
+from components import checks  # noqa: E402
+from components import plan as P  # noqa: E402
+from components import offload as O  # noqa: E402
 import train as T  # noqa: E402
 
 CASE_70B = dict(model="llama3-70b", nnodes=2, nproc_per_node=8, gpu="h100", seq_len=8192, batch_size=64,

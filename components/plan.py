@@ -26,11 +26,11 @@ import json
 import math
 
 import model as M
-import checks
-import disk
-import offload as O
-import metrics
-import sample
+from components import checks
+from components import disk
+from components import offload as O
+from components import metrics
+from components import sample
 import train as T
 
 GIB = 2**30

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-import disk
+from components import disk
 import model as M
 
 # Dense BF16 peak FLOP/s by device name (no sparsity). Checked in order; None means unknown (CPU).
@@ -73,7 +73,7 @@ def print_device_memory(cfg, sharded, when: str, planned: str):
     device = sharded.device
     if sharded.rank != 0 or device.type != "cuda":
         return
-    import plan  # plan imports this module
+    from components import plan  # plan imports this module
     free, total = torch.cuda.mem_get_info(device)
     figures = plan.run_memory_gib(sharded.model.cfg, cfg, sharded.world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                                   torch.cuda.get_device_name(device))

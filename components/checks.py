@@ -10,10 +10,10 @@ from dataclasses import asdict
 
 import torch
 
-import disk
+from components import disk
 import data as D
 import model as M
-import sample
+from components import sample
 
 
 def check_nodes(env=os.environ) -> list[str]:
@@ -302,7 +302,7 @@ HOST_MEMORY_USABLE = 0.9  # pinned memory cannot be swapped: leave 10% to the re
 def node_host_bytes(cfg, mcfg: M.ModelConfig, world: int, async_save: bool) -> tuple[int, dict]:
     """(ranks on this node, the bytes they pin together by part): the planner's count (plan.host_bytes_per_gpu,
     what offload.HostState and the save's staging buffer allocate, byte for byte) x LOCAL_WORLD_SIZE."""
-    import plan as P
+    from components import plan as P
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     parts = P.host_bytes_per_gpu(mcfg, cfg, world, async_save)
     return local_world, {name: nbytes * local_world for name, nbytes in parts.items()}

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import disk
+from components import disk
 import data as D
 import model as M
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import data as D
 import model as M
-import offload as O  # page_lock: the staging buffer of --async_save
+from components import offload as O  # page_lock: the staging buffer of --async_save
 
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as in train.py
 
