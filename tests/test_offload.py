@@ -116,7 +116,7 @@ def test_offloaded_state_lives_in_host_memory(tmp_path):
     for u in units:
         assert u.host.compute_shard.dtype == torch.bfloat16 and u.host.compute_shard.numel() == u.shard_numel
         assert u.master_shard.dtype == u.grad_shard.dtype == torch.float32
-        assert set(u.optimizer_state) == set(T.OPTIMIZER_STATE)
+        assert set(u.optimizer_state) == set(M.OPTIMIZER_STATE)
         assert u.persistent_bytes(on_device_only=True) == 2 * u.shard_numel
         assert u.persistent_bytes() == (16 + 2) * u.shard_numel
         u.master_shard.fill_(1.5)
