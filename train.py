@@ -149,7 +149,7 @@ class TrainConfig:
     plan: bool = opt(False, "only predict memory by part, fit, step time, tokens/s/GPU, MFU, hours, cost")
     nnodes: int = opt(1, "--plan: nodes")
     nproc_per_node: int = opt(8, "--plan: GPUs per node")
-    gpu: str = opt("h100", "--plan: GPU type (see plan.py GPUS)")
+    gpu: str = opt("h100", "--plan: GPU type (see components/plan.py GPUS)")
     train_tokens: float = opt(0.0, "--plan: tokens to train on, for hours and cost (0: one epoch of nothing)")
     plan_json: str = opt("", "--plan: also write the prediction as JSON here")
     fs_write_gbps: float = opt(0.45, "--plan: checkpoint bandwidth per rank of --out_dir's filesystem, every rank at "
