@@ -27,9 +27,12 @@ def project_imports(path: str, modules: set[str]) -> set[str]:
     for node in ast.walk(ast.parse(open(path).read(), path)):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            # `from components import disk` names the module disk; `from components.checks import x` names checks
-            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        elif isinstance(node, ast.ImportFrom):
+            # `from components import disk` names the module disk; `from components.checks import x` names checks;
+            # `from . import disk` inside components/ is the first
+            package = "components" if node.level and os.path.dirname(path).endswith("components") else ""
+            module = ".".join(filter(None, [package, node.module])) if node.level else node.module
+            names = [f"{module}.{alias.name}" for alias in node.names] + [module]
         else:
             continue
         found |= {name for name in names if name in modules}
