@@ -48,8 +48,9 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def test_imports_inside_functions_count(tmp_path):
-    (tmp_path / "lazy.py").write_text("import os\n\n\ndef f():\n    import train as T\n    from components import plan\n")
-    assert project_imports(str(tmp_path / "lazy.py"), {"train", "components.plan", "model"}) == {"train", "components.plan"}
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("import os\n\n\ndef f():\n    import train as T\n    from components import plan\n")
+    assert project_imports(str(lazy), {"train", "components.plan", "model"}) == {"train", "components.plan"}
 
 
 def test_top_level_is_the_design_card():
