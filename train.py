@@ -11,13 +11,13 @@ Read top to bottom; the sections follow the data:
   5. loop        weights (seeded, or sharded reads of a Hugging Face folder or a checkpoint),
                  set-up, the training loop, saving and stopping
 
-What is not the story lives beside it: checks.py (every flag and input checked before any work),
+What is not the story lives beside it: model.py, data.py (tokenize, pack, the window order), and in
+components/ (which never imports this file): checks.py (every flag and input checked before any work),
 disk.py (state on disk: checkpoints, resume at any world size, Hugging Face import and export),
 metrics.py (tokens/s/GPU, MFU, memory, ETA, dollars), offload.py (--offload_activations and
---offload_optimizer: state in host memory, a variation a first reading skips), data.py
-(tokenize, pack, the window order), sample.py (--sample_prompts: greedy completions at each evaluation,
-through the same gather/free units), plan.py (`--plan`: memory, speed and cost predicted without a GPU),
-faults.py (fault injection for the tests).
+--offload_optimizer: state in host memory, a variation a first reading skips), sample.py
+(--sample_prompts: greedy completions at each evaluation, through the same gather/free units), plan.py
+(`--plan`: memory, speed and cost predicted without a GPU), faults.py (fault injection for the tests).
 
 Launch recipes (the flags are in TrainConfig below; `python train.py --help` lists them):
 
