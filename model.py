@@ -3,9 +3,11 @@
 
 Read top to bottom: config and presets, RoPE (with the llama3 frequency scaling), then the layers:
 RMSNorm, packed documents kept apart (DocumentLayout), attention (FlashAttention-2 where it applies,
-PyTorch SDPA elsewhere: uses_flash), the decoder block, the model. Parameter names are Hugging Face's minus
-the leading "model.", and HF's q/k layout already suits its `rotate_half` RoPE, used here: import and export
-(disk.py, with config.json) are a rename, never a permutation.
+PyTorch SDPA elsewhere: uses_flash), the decoder block, the model; last, what the rest of the trainer
+reads from a config alone (counts, FLOPs, shape checks, checkpointing policies, the optimizer's state).
+Parameter names are Hugging Face's minus the leading "model.", and HF's q/k layout already suits its
+`rotate_half` RoPE, used here: import and export (components/disk.py, with config.json) are a rename, never
+a permutation.
 
 Nothing here knows about sharding: train.py calls the forward's three pieces (`embed`, each block,
 `head_loss`) with its gather/free around each; `Llama.forward` strings them together in one process, which
@@ -430,7 +432,7 @@ def check_model_config(cfg: ModelConfig) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 # What train.py's training and the planner (components/plan.py) both read: which blocks are recomputed how,
 # and which optimizer state each parameter keeps. They live here, below both, because the planner must not
-# import train.py (README "Layers"): one truth for the two.
+# import train.py (README "Files": the layers): one truth for the two.
 # ----------------------------------------------------------------------------------------------
 
 def block_policies(n_layers: int, ac: str, ac_blocks: int = -1, ac_rest: str = "none") -> list[str]:

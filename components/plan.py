@@ -1202,7 +1202,8 @@ def async_save_drop_hint(mcfg: M.ModelConfig, cfg) -> str | None:
 def main(cfg) -> str | None:
     """`train.py --plan true`: check the flags, print the table, write --plan_json. Returns None, or the one
     error line train.py ends with (train.fail, exit code 2): bad flags, or a configuration that does not fit
-    (GPU or host memory), naming the nearest that does. The planner never imports train.py (README "Layers")."""
+    (GPU or host memory), naming the nearest that does. The planner never imports train.py (README "Files",
+    the layers)."""
     errors = check(cfg)
     if not errors:
         try:
