@@ -154,7 +154,7 @@ if [ -z "${TORCH_FR_DUMP_TEMP_FILE:-}${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}" ] && 
 fi
 # NUMA: torchrun (torch 2.9+) binds each worker to CPUs of its GPU's NUMA node (numactl); "exclusive" splits
 # that node's physical cores evenly between its GPUs, the cores per GPU the planner's CPU update assumes
-# (plan.py host_cores_per_node / GPUs per node); offload.optimizer_threads then uses all of the rank's own.
+# (components/plan.py host_cores_per_node / GPUs per node); offload.optimizer_threads then uses all of the rank's own.
 # NUMA_BINDING=none turns it off (node, socket: see torch/numa/binding.py).
 NUMA_BINDING=${NUMA_BINDING:-exclusive}
 BIND=()

@@ -3,9 +3,11 @@
 
 Read top to bottom: config and presets, RoPE (with the llama3 frequency scaling), then the layers:
 RMSNorm, packed documents kept apart (DocumentLayout), attention (FlashAttention-2 where it applies,
-PyTorch SDPA elsewhere: uses_flash), the decoder block, the model. Parameter names are Hugging Face's minus
-the leading "model.", and HF's q/k layout already suits its `rotate_half` RoPE, used here: import and export
-(disk.py, with config.json) are a rename, never a permutation.
+PyTorch SDPA elsewhere: uses_flash), the decoder block, the model; last, what the rest of the trainer
+reads from a config alone (counts, FLOPs, shape checks, checkpointing policies, the optimizer's state).
+Parameter names are Hugging Face's minus the leading "model.", and HF's q/k layout already suits its
+`rotate_half` RoPE, used here: import and export (components/disk.py, with config.json) are a rename, never
+a permutation.
 
 Nothing here knows about sharding: train.py calls the forward's three pieces (`embed`, each block,
 `head_loss`) with its gather/free around each; `Llama.forward` strings them together in one process, which
@@ -403,3 +405,46 @@ def count_params(cfg: ModelConfig) -> dict:
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     return {"total": embedding + cfg.n_layers * block + d + head, "embedding": embedding}
 
+
+
+def flops_per_token(mcfg: ModelConfig, seq_len: int) -> float:
+    """6 * (N - embedding) + 12 * L * d * T: weights' matmuls forward and backward, plus attention's
+    QK^T and AV, causal mask not discounted (the PaLM / torchtitan convention). MFU's numerator
+    (components/metrics.py) and the planner's compute (components/plan.py)."""
+    counts = count_params(mcfg)
+    return 6 * (counts["total"] - counts["embedding"]) + 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
+
+
+def check_model_config(cfg: ModelConfig) -> list[str]:
+    """Shape problems as messages (empty when fine): heads must divide the width, KV heads the heads."""
+    errors = []
+    if min(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim) < 1:
+        errors.append("model: vocab_size, dim, n_layers, n_heads, n_kv_heads and ffn_dim must all be >= 1")
+    elif cfg.n_heads % cfg.n_kv_heads:
+        errors.append(f"model: n_kv_heads={cfg.n_kv_heads} must divide n_heads={cfg.n_heads}")
+    elif cfg.dim % cfg.n_heads:
+        errors.append(f"model: n_heads={cfg.n_heads} must divide dim={cfg.dim}")
+    if cfg.head_dim % 2:
+        errors.append(f"model: head_dim={cfg.head_dim} must be even for RoPE")
+    return errors
+
+
+# ----------------------------------------------------------------------------------------------
+# What train.py's training and the planner (components/plan.py) both read: which blocks are recomputed how,
+# and which optimizer state each parameter keeps. They live here, below both, because the planner must not
+# import train.py (README "Files": the layers): one truth for the two.
+# ----------------------------------------------------------------------------------------------
+
+def block_policies(n_layers: int, ac: str, ac_blocks: int = -1, ac_rest: str = "none") -> list[str]:
+    """Each block's checkpointing policy: --ac for the first --ac_blocks blocks (all with -1), --ac_rest
+    for the others. Memory freed elsewhere (--offload_optimizer) becomes less recompute this way."""
+    n = n_layers if ac_blocks < 0 else min(ac_blocks, n_layers)
+    return [ac] * n + [ac_rest] * (n_layers - n)
+
+
+# The fp32 tensors the optimizer keeps per element of each unit's shard, beside the master weights and the
+# gradient: train.Unit makes them, train.optimizer_step updates them, checkpoints save them, and the planner
+# counts their bytes without a model. Names, not code, so they can sit this low; a planner that one day runs
+# the optimizer's own code (to time it) is handed train.optimizer_step by train.py's call, plan.main. A fork
+# that swaps the optimizer changes this line and train.optimizer_step.
+OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq")

@@ -11,13 +11,13 @@ Read top to bottom; the sections follow the data:
   5. loop        weights (seeded, or sharded reads of a Hugging Face folder or a checkpoint),
                  set-up, the training loop, saving and stopping
 
-What is not the story lives beside it: checks.py (every flag and input checked before any work),
+What is not the story lives beside it: model.py, data.py (tokenize, pack, the window order), and in
+components/ (which never imports this file): checks.py (every flag and input checked before any work),
 disk.py (state on disk: checkpoints, resume at any world size, Hugging Face import and export),
 metrics.py (tokens/s/GPU, MFU, memory, ETA, dollars), offload.py (--offload_activations and
---offload_optimizer: state in host memory, a variation a first reading skips), data.py
-(tokenize, pack, the window order), sample.py (--sample_prompts: greedy completions at each evaluation,
-through the same gather/free units), plan.py (`--plan`: memory, speed and cost predicted without a GPU),
-faults.py (fault injection for the tests).
+--offload_optimizer: state in host memory, a variation a first reading skips), sample.py
+(--sample_prompts: greedy completions at each evaluation, through the same gather/free units), plan.py
+(`--plan`: memory, speed and cost predicted without a GPU), faults.py (fault injection for the tests).
 
 Launch recipes (the flags are in TrainConfig below; `python train.py --help` lists them):
 
@@ -54,14 +54,14 @@ import torch.distributed as dist
 from torch.profiler import record_function  # named ranges for --profile; ~11 us each without a profiler (BENCHMARKS.md)
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-import disk  # state on disk: the out_dir, checkpoints, resume, Hugging Face import and export
-from checks import (async_save_on, check_run, config_warnings, flash_attn_unsaved_warning,  # every input, before work
-                    unknown_flag_message)
 import data as D
-import metrics
 import model as M
-import offload as O  # --offload_activations and --offload_optimizer
-import sample
+from components import disk  # state on disk: the out_dir, checkpoints, resume, Hugging Face import and export
+from components import metrics
+from components import offload as O  # --offload_activations and --offload_optimizer
+from components import sample
+from components.checks import (async_save_on, check_run, config_warnings, flash_attn_unsaved_warning,  # every input
+                               unknown_flag_message)
 
 
 # ================================================================================================
@@ -149,7 +149,7 @@ class TrainConfig:
     plan: bool = opt(False, "only predict memory by part, fit, step time, tokens/s/GPU, MFU, hours, cost")
     nnodes: int = opt(1, "--plan: nodes")
     nproc_per_node: int = opt(8, "--plan: GPUs per node")
-    gpu: str = opt("h100", "--plan: GPU type (see plan.py GPUS)")
+    gpu: str = opt("h100", "--plan: GPU type (see components/plan.py GPUS)")
     train_tokens: float = opt(0.0, "--plan: tokens to train on, for hours and cost (0: one epoch of nothing)")
     plan_json: str = opt("", "--plan: also write the prediction as JSON here")
     fs_write_gbps: float = opt(0.45, "--plan: checkpoint bandwidth per rank of --out_dir's filesystem, every rank at "
@@ -383,7 +383,7 @@ class Unit:
         f32 = dict(dtype=torch.float32, device=state_device or device)
         self.master_shard = torch.zeros(self.shard_numel, **f32)
         self.grad_shard = torch.zeros(self.shard_numel, **f32)
-        self.optimizer_state = {name: torch.zeros(self.shard_numel, **f32) for name in OPTIMIZER_STATE}
+        self.optimizer_state = {name: torch.zeros(self.shard_numel, **f32) for name in M.OPTIMIZER_STATE}
         self.host = None  # --offload_optimizer: an offload.HostOptimizer (a variation you can skip)
         # Weight decay goes on matrices only (norm weights are 1-D): ranges of this rank's shard.
         self.decay_ranges = []
@@ -661,7 +661,7 @@ class ShardedModel:
 class Stage(NamedTuple):
     forward_units: list          # gathered for its forward
     backward_units: list         # gathered again for its backward
-    ac: str = "none"             # a block's activation checkpointing (block_policies)
+    ac: str = "none"             # a block's activation checkpointing (M.block_policies)
     offload: bool = False        # a block's input kept in host memory (--offload_activations)
 
 
@@ -672,17 +672,10 @@ def make_stages(model: M.Llama, units: list[Unit], ac: str, offload: bool = Fals
     needs the embedding unit (its weight is the head's)."""
     embed, blocks, head = units[0], units[1:-1], units[-1]
     head_units = [head, embed] if model.cfg.tie_embeddings else [head]
-    policies = block_policies(len(blocks), ac, ac_blocks, ac_rest)
+    policies = M.block_policies(len(blocks), ac, ac_blocks, ac_rest)
     # --offload_activations moves what `full` keeps
     return ([Stage([embed], [])] + [Stage([unit], [unit], policy, offload and policy == "full")
                                      for unit, policy in zip(blocks, policies)] + [Stage(head_units, head_units)])
-
-
-def block_policies(n_layers: int, ac: str, ac_blocks: int = -1, ac_rest: str = "none") -> list[str]:
-    """Each block's checkpointing policy: --ac for the first --ac_blocks blocks (all with -1), --ac_rest
-    for the others. Memory freed elsewhere (--offload_optimizer) becomes less recompute this way."""
-    n = n_layers if ac_blocks < 0 else min(ac_blocks, n_layers)
-    return [ac] * n + [ac_rest] * (n_layers - n)
 
 
 def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False, name: str = "block"):
@@ -784,11 +777,11 @@ def global_grad_norm(units: list[Unit], device: torch.device) -> torch.Tensor:
     return sq.sqrt()
 
 
-# The optimizer: the one place a fork swaps it. OPTIMIZER_STATE names the fp32 tensors each unit keeps
-# per element of its shard (Unit makes them; checkpoints, memory accounting and plan.py iterate over
-# them); optimizer_step updates the shards from the clipped gradient. Any elementwise optimizer works on
+# The optimizer: a fork swaps it here (optimizer_step, which updates the shards from the clipped gradient)
+# and in M.OPTIMIZER_STATE, the names of the fp32 tensors each unit keeps per element of its shard (Unit
+# makes them; checkpoints, memory accounting and the planner iterate over them; model.py holds them so that
+# the planner, which never imports this file, reads the same ones). Any elementwise optimizer works on
 # shards unchanged: each element sees the same arithmetic as in the whole tensor.
-OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq")
 
 
 def adamw_step_reference(units: list[Unit], cfg: TrainConfig, lr: float, step: int):
@@ -886,7 +879,7 @@ def setup(cfg: TrainConfig):
     """Everything before the first step: checks, data, processes, the sharded model, its weights (from
     a checkpoint, --init_from or the seed). Returns (sharded, windows, eval_windows, step, position):
     the last step done (0 on a fresh start) and the data position after it."""
-    state_bytes_per_param = 4 * (2 + len(OPTIMIZER_STATE))  # fp32 master, gradient, optimizer state
+    state_bytes_per_param = 4 * (2 + len(M.OPTIMIZER_STATE))  # fp32 master, gradient, optimizer state
     mcfg, weights, errors = check_run(cfg, int(os.environ.get("WORLD_SIZE", 1)), state_bytes_per_param)  # checks.py
     if errors:
         fail("; ".join(errors))
@@ -991,9 +984,11 @@ def main(argv=None):
         except RuntimeError as e:
             fail(str(e))
         return
-    if cfg.plan:
-        import plan
-        plan.main(cfg)
+    if cfg.plan:  # the planner (components/plan.py): memory, speed and cost per GPU, from the flags alone
+        from components import plan
+        error = plan.main(cfg)
+        if error:
+            fail(error)
         return
     finished = disk.finished_run(cfg)  # re-running a finished run's command: say so; train and save nothing
     if finished:
@@ -1019,7 +1014,7 @@ def main(argv=None):
     owns_group = not dist.is_initialized()  # a caller's group (bench/) is the caller's to destroy
     global fault_hook
     if os.environ.get("ZERO3_FAULT"):  # tests only: a rank killed, hung or given a NaN (faults.py)
-        import faults
+        from components import faults
         try:  # honoured only beside the tests' ZERO3_ALLOW_FAULTS=1; else a warning
             fault_hook = disk.fault_hook = faults.allowed_hook()
         except ValueError as e:

@@ -26,7 +26,7 @@ import time
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import disk  # noqa: E402
+from components import disk  # noqa: E402
 import train as T  # noqa: E402
 
 

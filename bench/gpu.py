@@ -21,7 +21,7 @@ trainer against transformers + PyTorch FSDP2 on the same model. `bench/gpu.sh` r
                 imports, else sdpa), the same selective policy through checkpoint_wrapper, fully_shard
                 per layer then the root, MixedPrecisionPolicy(bf16, fp32), fused AdamW.
 Each: 2 warm-up steps, then --steps timed steps (synchronized); the median. MFU = tokens/s/GPU x
-metrics.flops_per_token / the device's dense BF16 peak (metrics.PEAK_BF16_FLOPS). Peak memory is
+model.flops_per_token / the device's dense BF16 peak (plan.PEAK_BF16_FLOPS). Peak memory is
 torch.cuda.max_memory_allocated over the timed steps, shown beside the peak of the same flags, model and W
 measured under fake CUDA on a CPU (bench/fake_memory.py --gpu_bench, kept in bench/gpu_fake_memory.json): where
 they differ, the GPU has something the fake step does not model. The timed steps run under CUDA's sync debug mode
@@ -54,12 +54,12 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import disk  # noqa: E402
-import checks  # noqa: E402
+from components import disk  # noqa: E402
+from components import checks  # noqa: E402
 import data as D  # noqa: E402
-import metrics  # noqa: E402
+from components import metrics  # noqa: E402
 import model as M  # noqa: E402
-import plan as P  # noqa: E402
+from components import plan as P  # noqa: E402
 import train as T  # noqa: E402
 
 GIB = 2**30
@@ -338,7 +338,7 @@ def timed_steps(step_fn, warmup: int, steps: int, device) -> dict:
 def summarize(name: str, run: dict, mcfg, seq_len: int, tokens_per_step_per_gpu: int, device, rank: int) -> dict:
     run["tokens_per_sec_per_gpu"] = tokens_per_step_per_gpu / run["step_s"]
     peak = metrics.peak_flops(device)
-    flops = metrics.flops_per_token(mcfg, seq_len)
+    flops = M.flops_per_token(mcfg, seq_len)
     run["mfu"] = None if peak is None else run["tokens_per_sec_per_gpu"] * flops / peak
     mfu = "n/a" if run["mfu"] is None else f"{100 * run['mfu']:.1f}%"
     fake = run.get("fake_cuda_peak_gib")

@@ -35,9 +35,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import disk  # noqa: E402
+from components import disk  # noqa: E402
 import model as M  # noqa: E402
-import offload as O  # noqa: E402
+from components import offload as O  # noqa: E402
 import train as T  # noqa: E402
 
 MODEL = dict(vocab_size=8192, dim=384, n_layers=6, n_heads=6, n_kv_heads=2, ffn_dim=1024, max_seq_len=2048)

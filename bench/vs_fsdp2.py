@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import disk  # noqa: E402
+from components import disk  # noqa: E402
 import data as D  # noqa: E402
 import model as M  # noqa: E402
 import train as T  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import disk  # noqa: E402
+from components import disk  # noqa: E402
 import model as M  # noqa: E402
 
 # The tests inject faults (ZERO3_FAULT, faults.py); train.py honours them only with this allowance, which

@@ -11,6 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model as M  # noqa: E402
 import train as T  # noqa: E402
 
 
@@ -67,7 +68,7 @@ def load(flags):
 if __name__ == "__main__":
     mode, out_dir, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
     if mode == "sgd":  # a second optimizer, swapped in where train.py says a fork swaps it; then a whole run
-        T.OPTIMIZER_STATE, T.optimizer_step = ("momentum_buffer",), sgd_momentum_step
+        M.OPTIMIZER_STATE, T.optimizer_step = ("momentum_buffer",), sgd_momentum_step
         T.main(flags)
         os._exit(0)
     if mode == "load":

@@ -647,7 +647,7 @@ def planned(mcfg, cfg, world: int, flash_attn: bool) -> dict:
     """plan.py's memory by phase for the same flags, with the bytes torch would count as allocated: every
     part but CUDA/NCCL's own and the allocator's slack."""
     import dataclasses
-    import plan as P
+    from components import plan as P
     cfg = dataclasses.replace(cfg, nnodes=1, nproc_per_node=world)
     phases = P.memory_by_phase(mcfg, cfg, world, flash_attn)
     allocated_by_phase = {p: sum(v for k, v in parts.items() if k not in ("context_and_nccl", "fragmentation"))
@@ -681,15 +681,15 @@ def child(argv):
     if args.flash:
         install_flash_attn_stand_in()
     sys.path.insert(0, ROOT)
-    import checks
-    import metrics
     import model as M
-    import offload as O
+    from components import disk
+    from components import metrics
+    from components import offload as O
     import train as T
     assert (M.flash_attn_func is not None) == args.flash
     install_checked_collectives(T, args.world)
     cfg = T.parse_args(train_flags + ["--device", "cuda"])
-    mcfg = M.ModelConfig(**json.loads(args.model_json)) if args.model_json else checks.model_config(cfg)
+    mcfg = M.ModelConfig(**json.loads(args.model_json)) if args.model_json else disk.model_config(cfg)
     install_host_read([2.5, 2 * cfg.grad_clip if cfg.grad_clip else 1.0])  # loss, grad norm: clipped
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
     memory, pinned = DeviceMemory(), weakref.WeakSet()

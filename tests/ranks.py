@@ -13,9 +13,10 @@ import torch.distributed as dist
 from torch.testing._internal.distributed import multi_threaded_pg
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import checks  # noqa: E402
 import data as D  # noqa: E402
-import offload as O  # noqa: E402
+import model as M  # noqa: E402
+from components import checks  # noqa: E402
+from components import offload as O  # noqa: E402
 import train as T  # noqa: E402
 
 
@@ -57,7 +58,7 @@ def config_and_data(flags: list[str]):
     """The config, model config and training windows train.setup would make, made once in the calling thread
     (the built-in sample is built there, not by W threads at once)."""
     cfg = T.parse_args(flags)
-    mcfg, weights, errors = checks.check_run(cfg, 1, 4 * (2 + len(T.OPTIMIZER_STATE)))
+    mcfg, weights, errors = checks.check_run(cfg, 1, 4 * (2 + len(M.OPTIMIZER_STATE)))
     assert not errors, errors
     mcfg, windows, _ = D.open_data(cfg, mcfg)
     return cfg, mcfg, weights, windows

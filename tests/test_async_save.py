@@ -10,7 +10,7 @@ import time
 import pytest
 from common import learnable_tokens, read_metrics, run_train
 
-import disk
+from components import disk
 import train as T
 
 BASE = ["--model=tiny", "--seq_len=16", "--batch_size=4", "--micro_batch_size=1", "--dtype=float32", "--steps=6",
@@ -184,7 +184,7 @@ def test_background_saves_of_offloaded_state_are_the_synchronous_saves(data, mai
 def test_the_staging_buffer_is_what_the_planner_counts_and_is_taken_once(data, main_in_process, monkeypatch, tmp_path):
     """The buffer BackgroundSave allocates is plan.staging_bytes_per_rank's, byte for byte (at W=1 here; the
     planner's own test checks its formula against real units at W=3), taken once and reused by every save."""
-    import plan
+    from components import plan
     made, copied_into, models = [], [], []
     real_init, real_start, real_setup = disk.BackgroundSave.__init__, disk.BackgroundSave.start, T.setup
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from common import ROOT, hf_model, ours_from_hf, small_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import metrics
+from components import metrics
 import model as M
 
 SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
@@ -300,7 +300,7 @@ def test_deterministic_reaches_flash_attn_and_torch(monkeypatch, deterministic_o
     workspace (only where unset), and both flash-attn calls (whole rows, packed documents) get
     deterministic=True; without the flag, False. flash-attn is faked: it records its keyword arguments."""
     import torch.distributed as dist
-    import disk
+    from components import disk
     import train as T
     calls = []
 

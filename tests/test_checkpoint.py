@@ -16,7 +16,7 @@ import torch
 from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
 from ranks import config_and_data, run_ranks, sharded_model
 
-import disk  # noqa: E402
+from components import disk  # noqa: E402
 
 BASE = ["--seq_len=16", "--batch_size=12", "--micro_batch_size=1", "--dtype=float32", "--steps=6",
         "--lr=3e-3", "--warmup_steps=2", "--seed=1"]

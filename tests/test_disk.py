@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from common import ROOT, learnable_tokens, read_metrics, small_config
 
-import disk
-import checks
-import metrics
+from components import disk
+from components import checks
+from components import metrics
 import train as T
 
 
@@ -382,7 +382,7 @@ def test_a_rank_files_tensor_of_another_length_is_refused(one_process_group, tmp
 
 def test_samples_jsonl_unwritable_is_kept_for_the_stop_not_raised(tmp_path, monkeypatch):
     """Rank 0's Sampler keeps the error, as MetricsLog does; train.py's stop all-reduce carries it to every rank."""
-    import sample as S
+    from components import sample as S
     os.makedirs(tmp_path / "samples.jsonl")  # what cannot be appended to, whoever runs the test (root too)
     sampler = S.Sampler.__new__(S.Sampler)  # the prompts and tokenizer are not the point here
     sampler.rank, sampler.records, sampler.prompts, sampler.stop_ids = 0, [{"text": "hi"}], [[1, 5]], [2]

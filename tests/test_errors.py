@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from common import ROOT, run_train
 
-import checks
+from components import checks
 import train as T
 
 

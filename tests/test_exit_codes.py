@@ -13,8 +13,8 @@ from common import learnable_tokens, read_metrics, small_config
 from ranks import run_ranks
 
 import data as D
-import disk
-import metrics
+from components import disk
+from components import metrics
 import train as T
 
 

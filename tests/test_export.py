@@ -76,7 +76,7 @@ def test_a_changed_tokenizer_is_not_exported(tmp_path):
 
 def test_without_a_tokenizer_the_export_says_so_in_one_line(tmp_path, capsys):
     """A run on a bare .npy names no tokenizer: the export holds none, and one warning line says so."""
-    import disk
+    from components import disk
     origin = disk.export_origin({"init_from": "", "data": str(tmp_path / "tokens.npy"), "out_dir": str(tmp_path)})
     assert origin == {"hf_folder": None, "tokenizer": None}
     assert disk.export_tokenizer(origin, str(tmp_path)) == (None, "no tokenizer")
@@ -174,7 +174,7 @@ def test_a_fork_with_a_parameter_llama_lacks_is_refused_before_any_work(tmp_path
 def paced_export(tmp_path, monkeypatch, rank: int, rank0_writes: bool = True, fail_file: str = ""):
     """checkpoint.export_hf on `rank` of W=2 with its collectives and writes recorded, not run: three units of
     one file each. rank0_writes: what rank 0's per-file broadcast says (for rank 1)."""
-    import disk
+    from components import disk
     events = []
     units = [types.SimpleNamespace(slots=[types.SimpleNamespace(name=f"layers.{i}.w", offset=0, shape=(4,))],
                                    numel=4, padded_numel=4) for i in range(3)]
@@ -218,7 +218,7 @@ def test_export_is_paced_per_file_so_no_all_gather_waits_on_the_disk(tmp_path, m
 def test_a_file_rank_0_cannot_write_stops_every_rank_at_that_file(tmp_path, monkeypatch):
     """A full disk on rank 0's second file: rank 0 says so in one line and every rank stops there, gathering
     nothing more (before: rank 0 died with a traceback while the others gathered on and waited)."""
-    import disk
+    from components import disk
     with pytest.raises(disk.CheckpointError, match=r"^--export_hf: cannot write .*model-00002-of-00003.*No space left on device"):
         paced_export(tmp_path / "r0", monkeypatch, rank=0, fail_file="model-00002-of-00003.safetensors")
     assert not (tmp_path / "r0" / "hf.partial").exists()

@@ -7,9 +7,9 @@ import pytest
 import torch
 from common import small_config
 
-import checks
-import metrics
-import plan as P
+from components import checks
+from components import metrics
+from components import plan as P
 import train as T
 
 GIB = 2**30
@@ -97,7 +97,7 @@ def test_model_keeps_the_import_error_of_a_broken_flash_attn(tmp_path):
     (tmp_path / "flash_attn").mkdir()
     (tmp_path / "flash_attn" / "__init__.py").write_text(
         "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi')\n")
-    proc = subprocess.run([sys.executable, "-c", "import checks, model; print(checks.flash_attn_import_problem(model.FLASH_ATTN_IMPORT_ERROR))"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-c", "from components import checks; import model; print(checks.flash_attn_import_problem(model.FLASH_ATTN_IMPORT_ERROR))"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert proc.stdout.strip() == "ImportError: flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDeviceEi", proc.stderr
 
@@ -105,7 +105,7 @@ def test_model_keeps_the_import_error_of_a_broken_flash_attn(tmp_path):
 @pytest.mark.parametrize("device,cuda_available,refused", [
     ("auto", True, True), ("cuda", False, True), ("auto", False, False), ("cpu", True, False)])
 def test_a_broken_flash_attn_is_an_error_on_a_cuda_machine(monkeypatch, device, cuda_available, refused):
-    import checks
+    from components import checks
     import model as M
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_available)
     monkeypatch.setattr(M, "FLASH_ATTN_IMPORT_ERROR", ImportError("flash_attn_2_cuda.so: undefined symbol: _ZN3c10"))

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from common import hf_model, run_train, save_hf, small_config
 
-import disk
+from components import disk
 import model as M
 
 

@@ -77,7 +77,7 @@ def worker(out_dir, flags):
 @pytest.mark.parametrize("dtype,reduce_dtype", [("bfloat16", "float32"), ("float32", "float32")])
 def test_gradients_alive_in_the_reduce_hook_are_what_the_planner_counts(tmp_path, dtype, reduce_dtype):
     import numpy as np
-    import plan as P
+    from components import plan as P
     np.save(tmp_path / "tok.npy", (np.arange(400) * 7 % 500).astype(np.uint16))
     flags = ["--model=tiny", f"--data={tmp_path / 'tok.npy'}", "--seq_len=16", "--batch_size=4",
              "--micro_batch_size=1", "--ac=none", "--eval_every=0", f"--dtype={dtype}",
@@ -103,7 +103,7 @@ def test_offload_prefetches_the_previous_blocks_input_and_keeps_the_gradients(mo
     """--offload_activations on the CPU: each block's backward starts the copy back of the block before it
     (on CUDA it overlaps this block's recompute); gradients equal --ac full's, bit for bit."""
     import model as M
-    import offload as O
+    from components import offload as O
     from common import small_config
     from torch.utils.checkpoint import checkpoint
     cfg = small_config(n_layers=3)

@@ -10,9 +10,9 @@ import pytest
 from common import learnable_tokens, read_metrics, run_train, small_config, stopped_at
 from test_data import corpus  # noqa: F401 (a fixture)
 
-import checks
+from components import checks
 import data as D
-import metrics
+from components import metrics
 import train
 
 SEQ = 8

@@ -3,9 +3,8 @@ fp32, <= 1e-5."""
 import pytest
 import torch
 from common import M, hf_model, ours_from_hf, small_config
-import disk
+from components import disk
 
-import checks
 
 SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
 
@@ -101,8 +100,8 @@ def test_presets_have_published_sizes():
 
 
 def test_bad_shapes_are_reported():
-    assert "n_kv_heads=3 must divide n_heads=4" in checks.check_model_config(small_config(n_kv_heads=3))[0]
-    assert "n_heads=5 must divide dim=32" in checks.check_model_config(small_config(n_heads=5, n_kv_heads=1))[0]
+    assert "n_kv_heads=3 must divide n_heads=4" in M.check_model_config(small_config(n_kv_heads=3))[0]
+    assert "n_heads=5 must divide dim=32" in M.check_model_config(small_config(n_heads=5, n_kv_heads=1))[0]
 
 
 def test_lr_schedule_warms_up_then_cosines_to_ten_percent():
@@ -128,7 +127,7 @@ def test_default_dtype_is_bf16_on_gpus_and_fp32_on_cpus():
 
 def test_partial_checkpointing_gives_each_block_its_policy():
     import train as T
-    assert T.block_policies(4, "full") == ["full"] * 4
-    assert T.block_policies(4, "full", 1, "selective") == ["full", "selective", "selective", "selective"]
-    assert T.block_policies(4, "selective", 0) == ["none"] * 4
-    assert T.block_policies(4, "full", 9) == ["full"] * 4
+    assert M.block_policies(4, "full") == ["full"] * 4
+    assert M.block_policies(4, "full", 1, "selective") == ["full", "selective", "selective", "selective"]
+    assert M.block_policies(4, "selective", 0) == ["none"] * 4
+    assert M.block_policies(4, "full", 9) == ["full"] * 4

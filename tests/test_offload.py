@@ -110,13 +110,13 @@ def test_offloaded_state_lives_in_host_memory(tmp_path):
     import train as T
     with torch.device("meta"):
         model = M.Llama(small_config())
-    import offload as O
+    from components import offload as O
     units = T.build_units(model, 0, 2, torch.device("cpu"), torch.bfloat16, state_device=torch.device("cpu"))
     O.offload_optimizer(units, host_adds=[])
     for u in units:
         assert u.host.compute_shard.dtype == torch.bfloat16 and u.host.compute_shard.numel() == u.shard_numel
         assert u.master_shard.dtype == u.grad_shard.dtype == torch.float32
-        assert set(u.optimizer_state) == set(T.OPTIMIZER_STATE)
+        assert set(u.optimizer_state) == set(M.OPTIMIZER_STATE)
         assert u.persistent_bytes(on_device_only=True) == 2 * u.shard_numel
         assert u.persistent_bytes() == (16 + 2) * u.shard_numel
         u.master_shard.fill_(1.5)
@@ -132,8 +132,8 @@ def test_the_host_state_is_one_buffer_of_exactly_the_planners_bytes():
     import dataclasses
     import torch
     import model as M
-    import offload as O
-    import plan as P
+    from components import offload as O
+    from components import plan as P
     import train as T
     mcfg, world = small_config(), 3
     with torch.device("meta"):
@@ -175,7 +175,7 @@ def test_gradients_are_added_on_a_worker_thread_not_the_one_queuing_backward(mon
     bit, bf16 shards cast first), and an error there is raised on the main thread when it waits."""
     import threading
     import torch
-    import offload as O
+    from components import offload as O
     units, host_adds = cpu_units(), []
     O.offload_optimizer(units, host_adds)
     release, threads, real_add = threading.Event(), [], O.add_into
@@ -208,7 +208,7 @@ def test_the_host_cast_to_bf16_rounds_as_the_device_does():
     the formula below from cuda_bf16.hpp), ties, subnormals, overflow to inf and signs included; NaN stays NaN
     (its payload may differ). The refresh itself writes exactly those bits into the device copy."""
     import torch
-    import offload as O
+    from components import offload as O
     special = torch.tensor([0.0, -0.0, 1.0, -1.5, float("inf"), float("-inf"), 3.4028235e38, -3.4028235e38,
                             1e-40, -1e-45, 1.17549435e-38], dtype=torch.float32)
     ties = torch.tensor([0x3F808000, 0x3F818000, 0x3F80_7FFF, 0x3F80_8001, 0x7F7F_8000, 0x0000_8000, 0x8001_8000],
@@ -235,7 +235,7 @@ def test_a_host_buffer_cuda_cannot_page_lock_is_one_line(monkeypatch):
     before the first step."""
     from types import SimpleNamespace
     import torch
-    import offload as O
+    from components import offload as O
     monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(cudaHostRegister=lambda ptr, nbytes, flags: 2))
     with pytest.raises(RuntimeError) as e:
         O.page_lock(torch.zeros(2**18))
@@ -247,7 +247,7 @@ def test_the_cpu_update_gets_its_share_of_the_cores():
     """On GPUs torchrun runs each worker with one thread; the offloaded update would then use one core of
     the node's ~100. Each rank takes cores / ranks on the node; on CPU runs nothing changes."""
     import torch
-    import offload as O
+    from components import offload as O
     import train as T
     offload, plain = T.TrainConfig(offload_optimizer=True), T.TrainConfig()
     assert O.optimizer_threads(offload, torch.device("cuda", 0), 8, 112) == 14

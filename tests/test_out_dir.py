@@ -12,7 +12,7 @@ import torch
 from common import ROOT, model_and_tokens, read_metrics, run_train
 from test_launch import free_port, wait_all, wait_for_steps
 
-import disk  # noqa: E402
+from components import disk  # noqa: E402
 import train as T  # noqa: E402
 
 BASE = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=float32", "--steps=6", "--lr=3e-3",

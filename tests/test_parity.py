@@ -157,7 +157,7 @@ def test_bf16_training_tracks_the_fp32_reference(setup, reduce_dtype):
 
 
 def test_a_second_optimizer_swapped_in_one_place_trains_like_torch(tmp_path):
-    """The optimizer is two names in train.py: OPTIMIZER_STATE and optimizer_step. SGD with momentum
+    """The optimizer is two names: train.optimizer_step and model.OPTIMIZER_STATE. SGD with momentum
     swapped in through them (tests/dist_worker.py, mode sgd) trains at W=2 like transformers +
     torch.optim.SGD: same losses, norms and final weights; its checkpoint holds its own state."""
     cfg = small_config()

@@ -15,7 +15,7 @@ from test_data import TEXTS
 
 import data as D
 import train as T
-from checks import check_run
+from components.checks import check_run
 
 TINY = ["--model=tiny", "--dtype=float32", "--eval_every=0", "--micro_batch_size=1"]
 

@@ -12,10 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import model as M  # noqa: E402
-import disk  # noqa: E402
-import checks  # noqa: E402
-import plan as P  # noqa: E402
-import offload as O  # noqa: E402
+from components import disk  # noqa: E402
+from components import checks  # noqa: E402
+from components import plan as P  # noqa: E402
+from components import offload as O  # noqa: E402
 import train as T  # noqa: E402
 
 CASE_70B = dict(model="llama3-70b", nnodes=2, nproc_per_node=8, gpu="h100", seq_len=8192, batch_size=64,
@@ -30,7 +30,7 @@ def config(**flags) -> T.TrainConfig:
 
 def predict(**flags) -> dict:
     cfg = config(**flags)
-    return P.plan(checks.model_config(cfg), cfg)
+    return P.plan(disk.model_config(cfg), cfg)
 
 
 def test_torchtitan_llama31_8b_anchor():
@@ -233,7 +233,7 @@ def test_offloaded_step_time_is_what_the_code_overlaps():
     backward, the last micro-batch's last unit (the embedding: its copy down and add overlap nothing) and
     the PCIe time beyond the host's cast, not the whole copy up."""
     cfg = config(**OFFLOAD_70B_ONE_NODE)
-    mcfg, gpu = checks.model_config(cfg), P.GPUS[cfg.gpu]
+    mcfg, gpu = disk.model_config(cfg), P.GPUS[cfg.gpu]
     p, o = P.plan(mcfg, cfg), P.offload_optimizer_time(mcfg, cfg, gpu, 8)
     embedding_slice = P.padded(P.unit_numels(mcfg)[0], 8) / 8
     assert o["last_unit_tail_s"] == pytest.approx(embedding_slice * 2 / 40e9
@@ -267,7 +267,7 @@ def test_host_memory_that_does_not_fit_is_named():
 def test_a_configuration_that_does_not_fit_gets_the_nearest_that_does():
     # The issue's case: 70B on 1 x 8 H100 without optimizer offload (141 GB of state per GPU).
     cfg = config(**dict(OFFLOAD_70B_ONE_NODE, offload_optimizer="false"))
-    mcfg = checks.model_config(cfg)
+    mcfg = disk.model_config(cfg)
     p = P.plan(mcfg, cfg)
     assert not p["fits"] and p["hours"] is None and p["cost_usd"] is None
     table = P.table(p, cfg)
@@ -285,7 +285,7 @@ def test_a_configuration_that_does_not_fit_gets_the_nearest_that_does():
     # Fewest changes first: a smaller micro-batch is enough for the 8B at seq 8192 with no recompute.
     cfg = config(model="llama3.1-8b", nnodes=1, nproc_per_node=8, seq_len=8192, batch_size=32, micro_batch_size=4,
                  ac="none")
-    mcfg = checks.model_config(cfg)
+    mcfg = disk.model_config(cfg)
     assert not P.plan(mcfg, cfg)["fits"]
     nearest = P.nearest_fit(mcfg, cfg)
     assert P.changed_flags(cfg, nearest).startswith("--micro_batch_size "), P.changed_flags(cfg, nearest)
@@ -298,7 +298,7 @@ def test_partial_checkpointing_activations_are_the_per_block_sum():
     for k in (0, 1, 30, layers):
         for rest in ("none", "selective"):
             cfg = config(**dict(CASE_70B, ac="full", ac_blocks=k, ac_rest=rest, doc_mask="false"))
-            policies = T.block_policies(layers, "full", k, rest)
+            policies = M.block_policies(layers, "full", k, rest)
             assert P.block_policies(mcfg, cfg) == policies and policies.count("full") == k
             assert P.saved_activation_bytes(mcfg, cfg, layers) == tokens * (k * per_token["full"]
                                                                             + (layers - k) * per_token[rest])
@@ -316,7 +316,7 @@ def test_partial_checkpointing_activations_are_the_per_block_sum():
     assert fewer["compute_s"] < same[0]["compute_s"]
     full_mm = P.executed_flops(mcfg, 8192, "full", True)[0]
     none_mm = P.executed_flops(mcfg, 8192, "none", True)[0]
-    half_mm = P.executed_flops(mcfg, 8192, T.block_policies(layers, "full", 40, "none"), True)[0]
+    half_mm = P.executed_flops(mcfg, 8192, M.block_policies(layers, "full", 40, "none"), True)[0]
     assert half_mm - none_mm == pytest.approx((full_mm - none_mm) / 2)
 
 
@@ -524,7 +524,7 @@ def test_staging_buffer_is_the_checkpoints_tensors_aligned():
     assert any(u.padded_numel != u.numel for u in units)
     align = disk.STAGING_ALIGN_BYTES
     tensors = [t for u in units for _, t in disk.saved_tensors(u)]
-    assert len(tensors) == len(units) * (1 + len(T.OPTIMIZER_STATE))
+    assert len(tensors) == len(units) * (1 + len(M.OPTIMIZER_STATE))
     staged = sum(-(-t.numel() * t.element_size() // align) * align for t in tensors)
     assert staged > sum(t.numel() * t.element_size() for t in tensors)  # the alignment is counted too
     assert P.staging_bytes_per_rank(mcfg, world) == staged
@@ -662,7 +662,7 @@ def test_plan_names_the_flag_to_drop_when_async_save_true_does_not_fit():
     assert "DOES NOT FIT in host memory (--async_save true: its staging buffer" in result.stdout
     both = dict(RECOMMENDED_70B, gpu="h100-pcie", offload_optimizer="true", async_save="true")
     cfg = config(**both)
-    q = P.plan(checks.model_config(cfg), cfg)
+    q = P.plan(disk.model_config(cfg), cfg)
     assert not q["host_fits"] and "drop --async_save true or --offload_optimizer (" in q["async_save_drop"]
     assert predict(**dict(both, async_save="auto"))["host_fits"]
     assert predict(**dict(both, offload_optimizer="false"))["fits"]
@@ -677,7 +677,7 @@ def test_the_final_export_is_predicted_but_not_part_of_the_stop_lead():
     """The 141 GB bf16 export runs after the last step: the planner predicts it and says how to run it on its
     own, and the stop's lead is the same with or without --export_hf."""
     cfg = config(**RECOMMENDED_70B, ckpt_every=200, out_dir="/shared/run", export_hf="/shared/run/hf")
-    p = P.plan(checks.model_config(cfg), cfg)
+    p = P.plan(disk.model_config(cfg), cfg)
     assert p["export_gb"] == pytest.approx(2 * 70.55e9 / 1e9, rel=1e-3) and p["export_s"] == pytest.approx(p["export_gb"] / 0.45)
     assert p["stop_lead_s"] == predict(**RECOMMENDED_70B, ckpt_every=200)["stop_lead_s"]
     text = P.table(p, cfg)
@@ -687,7 +687,7 @@ def test_the_final_export_is_predicted_but_not_part_of_the_stop_lead():
             "(launch.sbatch requeues it) exports") in text  # train.py makes the export when the run is finished
     # Without evaluations, on a slow filesystem, the 141 GB outlast the lead (2.7 saves against 2 and the rest).
     slow = dataclasses.replace(cfg, eval_every=0, fs_write_gbps=0.02)
-    q = P.plan(checks.model_config(slow), slow)
+    q = P.plan(disk.model_config(slow), slow)
     assert q["export_s"] > q["signal_lead_s"] and ("(NOT enough: export in a job of its own). Leave --export_hf out of "
                                                    "the training and run python train.py --from_ckpt /shared/run "
                                                    "--export_hf /shared/run/hf after it") in P.table(q, slow)

@@ -99,7 +99,7 @@ def test_the_trace_names_every_units_ranges_in_the_order_the_step_runs_them(trac
 
 
 def test_a_step_beyond_the_run_is_a_warning_and_a_negative_one_an_error(tmp_path):
-    import checks
+    from components import checks
     import train as T
     cfg = T.parse_args([f"--out_dir={tmp_path}", "--steps=1", "--profile=3"])
     assert "--profile 3 is beyond --steps 1: no trace will be written" in checks.config_warnings(cfg)

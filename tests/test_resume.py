@@ -14,7 +14,7 @@ import pytest
 from common import ROOT, learnable_tokens, read_metrics, small_config, stopped_at
 
 import data as D
-import disk
+from components import disk
 import train as T
 
 MIX = "fr.npy:0.6,en.npy:0.4"

@@ -12,12 +12,12 @@ from common import hf_model, learnable_tokens, ours_from_hf, run_train, save_hf,
 from common import live_tensor_bytes
 from test_data import TEXTS, hf_tokenizer, write_jsonl
 
-import disk
-import checks
+from components import disk
+from components import checks
 import data as D
 import model as M
-import plan as P
-import sample as S
+from components import plan as P
+from components import sample as S
 import train as T
 
 PROMPTS = [{"text": "Le contrat est"},

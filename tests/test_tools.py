@@ -63,7 +63,7 @@ def test_mem_gb_is_each_steps_own_peak(tmp_path, monkeypatch):
     init's full-unit fp32 tensor, nor an evaluation's. (On a GPU that is reset_peak_memory_stats; on
     CPU the recorded order of the calls is what can be checked.)"""
     import signal as S
-    import metrics
+    from components import metrics
     import train as T
     from common import learnable_tokens
     data = learnable_tokens(str(tmp_path / "tok.npy"), 512, n=3000)

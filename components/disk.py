@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import data as D
 import model as M
-import offload as O  # page_lock: the staging buffer of --async_save
+from components import offload as O  # page_lock: the staging buffer of --async_save
 
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as in train.py
 
@@ -1147,6 +1147,57 @@ def load_weights(path: str, units: list, flag: str) -> int:
         raise CheckpointError(f"{flag}: " + (error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} "
                                                       f"cannot use it"))
     return manifest["step"]
+
+
+# The model a run builds, from the files its flags name (components/checks.py and the planner both ask).
+
+def checkpoint_source(cfg) -> str | None:
+    """The checkpoint folder --from_ckpt means, or --init_from when it is not a Hugging Face folder: a
+    step_* folder, or an --out_dir meaning its checkpoints/latest (find_checkpoint)."""
+    flag, path = ("--from_ckpt", cfg.from_ckpt) if cfg.from_ckpt else ("--init_from", cfg.init_from)
+    if not path or (flag == "--init_from" and os.path.isfile(os.path.join(path, "config.json"))):
+        return None
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{flag}: {path} is not a folder")
+    try:
+        found = find_checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{flag}: {e}") from None
+    if found is None:
+        neither = "a Hugging Face folder (no config.json) nor " if flag == "--init_from" else ""
+        raise CheckpointError(f"{flag}: {path} is neither {neither}one of our checkpoints (no manifest.json, and no "
+                           f"checkpoints/step_* folder in it)")
+    return found
+
+
+# What a preset takes from the prepared data's tokenizer (data.open_data), so a checkpoint of a preset differs
+# from the preset there; any other difference means another model.
+DATA_DECIDES = ("vocab_size", "bos_id", "eos_id")
+
+
+def model_config(cfg) -> M.ModelConfig:
+    """The model: a checkpoint's (manifest.json's "model", for --from_ckpt and --init_from one of ours: a
+    --model given beside it must describe the same model), an --init_from folder's config.json, or a preset."""
+    checkpoint = checkpoint_source(cfg)
+    if checkpoint:
+        flag = "--from_ckpt" if cfg.from_ckpt else "--init_from"
+        try:
+            with open(os.path.join(checkpoint, "manifest.json")) as f:
+                mcfg = M.ModelConfig(**json.load(f)["model"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{flag}: checkpoint {checkpoint}: manifest.json has no readable model ({e})") from None
+        if cfg.model and not cfg.from_ckpt:
+            preset, saved = asdict(M.PRESETS[cfg.model]()), asdict(mcfg)
+            diff = [f"{k} {preset[k]} vs {v}" for k, v in saved.items() if k not in DATA_DECIDES and preset[k] != v]
+            if diff:
+                raise CheckpointError(f"--model: {cfg.model} is not the model of --init_from {checkpoint}, which "
+                                      f"decides the model (its manifest.json): they differ in {', '.join(diff)}; "
+                                      f"leave out --model")
+        return mcfg
+    if cfg.init_from:
+        with open(os.path.join(cfg.init_from, "config.json")) as f:
+            return config_from_hf(json.load(f))
+    return M.PRESETS[cfg.model or "tiny"]()
 
 
 # ================================================================================================

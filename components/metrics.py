@@ -3,7 +3,7 @@ and (with --tensorboard) TensorBoard; `--plot DIR` draws metrics.jsonl. Only ran
 
 Conventions: tokens/s/GPU counts every token of the global batch (padding-free packing: all of them are
 trained on) over the step's wall time, divided by the world size. MFU is that times the model FLOPs per
-token (flops_per_token) over the GPU's dense BF16 peak.
+token (model.flops_per_token) over the GPU's dense BF16 peak (plan.PEAK_BF16_FLOPS).
 """
 import contextlib
 import json
@@ -14,26 +14,15 @@ import time
 
 import torch
 
-import disk
 import model as M
-
-# Dense BF16 peak FLOP/s by device name (no sparsity). Checked in order; None means unknown (CPU).
-PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
-                   ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 125e12)]
-
+from components import disk
+from components import plan
 
 def peak_flops(device: torch.device):
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
-
-
-def flops_per_token(mcfg: M.ModelConfig, seq_len: int) -> float:
-    """6 * (N - embedding) + 12 * L * d * T: weights' matmuls forward and backward, plus attention's
-    QK^T and AV, causal mask not discounted (the PaLM / torchtitan convention)."""
-    counts = M.count_params(mcfg)
-    return 6 * (counts["total"] - counts["embedding"]) + 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
+    return next((flops for key, flops in plan.PEAK_BF16_FLOPS if key in name), None)
 
 
 def reset_peak_mem(device: torch.device):
@@ -73,7 +62,7 @@ def print_device_memory(cfg, sharded, when: str, planned: str):
     device = sharded.device
     if sharded.rank != 0 or device.type != "cuda":
         return
-    import plan  # plan imports this module
+    from components import plan  # plan imports this module
     free, total = torch.cuda.mem_get_info(device)
     figures = plan.run_memory_gib(sharded.model.cfg, cfg, sharded.world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                                   torch.cuda.get_device_name(device))
@@ -115,7 +104,7 @@ class MetricsLog:
     def __init__(self, cfg, mcfg, world: int, device, rank: int, start_step: int, steps: int):
         self.cfg, self.world, self.steps, self.start_step = cfg, world, steps, start_step
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
-        self.flops_per_token = flops_per_token(mcfg, cfg.seq_len)
+        self.flops_per_token = M.flops_per_token(mcfg, cfg.seq_len)
         self.peak = peak_flops(device)
         self.file = self.tensorboard = None
         self.elapsed_before = 0.0  # time spent before a restart

@@ -26,12 +26,9 @@ import json
 import math
 
 import model as M
-import checks
-import disk
-import offload as O
-import metrics
-import sample
-import train as T
+from components import disk
+from components import offload as O
+from components import sample
 
 GIB = 2**30
 COMPUTE_BYTES = 2                                 # bf16: gathered weights, their gradients, activations
@@ -41,7 +38,7 @@ REDUCE_BYTES = {"bfloat16": 2, "float32": 4}      # by --reduce_dtype
 
 def state_bytes() -> int:
     """Persistent bytes per parameter (before / W): fp32 master, gradient, and each optimizer state tensor."""
-    return 4 * (2 + len(T.OPTIMIZER_STATE))
+    return 4 * (2 + len(M.OPTIMIZER_STATE))
 
 
 # bench/host_adamw.py on the development machine (BENCHMARKS.md, "CPU: host AdamW and gradient accumulation"),
@@ -49,6 +46,12 @@ def state_bytes() -> int:
 HOST_ADAMW_PER_CORE = 7.43e8       # 20.8 GB/s of state touched
 HOST_ACCUMULATE_PER_CORE = 2.25e8  # accumulator.add_(bf16 shard); staged via an fp32 buffer: 8.83e8
 ADAMW_HOST_BYTES = 28       # torch._fused_adamw_: read param, grad, exp_avg, exp_avg_sq; write three of them
+
+
+# Dense BF16 peak FLOP/s by device name (no sparsity). Checked in order; metrics.peak_flops: None
+# for a device not listed (a CPU).
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
+                   ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 125e12)]
 
 
 # Bandwidths are achievable per-GPU bus bandwidths for large messages, below the nominal link rate.
@@ -227,7 +230,7 @@ ASSUMPTIONS = {
               "command run again (launch.sbatch requeues it) exports from that checkpoint; when the time limit "
               "could cut the export itself, leave --export_hf out and run `python train.py --from_ckpt OUT_DIR "
               "--export_hf DIR` (OUT_DIR's latest checkpoint) as a job of its own (docs/operations.md)",
-    "mfu_convention": "MFU = tokens/s x metrics.flops_per_token (6(N-emb) + 12 L H Dh T) / peak; recompute, the "
+    "mfu_convention": "MFU = tokens/s x model.flops_per_token (6(N-emb) + 12 L H Dh T) / peak; recompute, the "
                       "tied head's matmul and the chunked cross-entropy's recomputed logits are executed FLOPs "
                       "that cost time but are not counted in MFU",
 }
@@ -303,8 +306,8 @@ def block_activation_bytes_per_token(mcfg: M.ModelConfig, expanded_kv: bool = Fa
 
 
 def block_policies(mcfg: M.ModelConfig, cfg) -> list[str]:
-    """Each block's policy, the trainer's own rule (train.block_policies: --ac for the first --ac_blocks)."""
-    return T.block_policies(mcfg.n_layers, cfg.ac, cfg.ac_blocks, cfg.ac_rest)
+    """Each block's policy, the trainer's own rule (model.block_policies: --ac for the first --ac_blocks)."""
+    return M.block_policies(mcfg.n_layers, cfg.ac, cfg.ac_blocks, cfg.ac_rest)
 
 
 def offloaded_blocks(mcfg: M.ModelConfig, cfg) -> int:
@@ -385,7 +388,7 @@ def staging_bytes_per_rank(mcfg: M.ModelConfig, world: int) -> int:
     file holds (disk.saved_tensors: each unit's fp32 master shard and optimizer state shards), each placed at
     a multiple of disk.STAGING_ALIGN_BYTES (ASSUMPTIONS async_save)."""
     align = disk.STAGING_ALIGN_BYTES
-    tensors_per_unit = 1 + len(T.OPTIMIZER_STATE)
+    tensors_per_unit = 1 + len(M.OPTIMIZER_STATE)
     return sum(tensors_per_unit * (-(-4 * (padded(n, world) // world) // align) * align) for n in unit_numels(mcfg))
 
 
@@ -518,7 +521,7 @@ def executed_flops(mcfg: M.ModelConfig, seq_len: int, ac, chunked_ce: bool) -> t
     counts = M.count_params(mcfg)
     block_numel = unit_numels(mcfg)[1]
     attention = 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
-    matmul = metrics.flops_per_token(mcfg, seq_len) - attention
+    matmul = M.flops_per_token(mcfg, seq_len) - attention
     if mcfg.tie_embeddings:  # the head's matmul reads the embedding, which 6(N - emb) leaves out
         matmul += 6 * counts["embedding"]
     if chunked_ce:  # each cross-entropy chunk recomputes its logits in backward
@@ -531,7 +534,7 @@ def executed_flops(mcfg: M.ModelConfig, seq_len: int, ac, chunked_ce: bool) -> t
 
 
 def peak_flops(gpu: dict) -> float:
-    return next(flops for key, flops in metrics.PEAK_BF16_FLOPS if key in gpu["device_name"])
+    return next(flops for key, flops in PEAK_BF16_FLOPS if key in gpu["device_name"])
 
 
 # Published runs the matmul efficiency is derived from: (GPU family, model dim, tokens/s/GPU, matmul and
@@ -546,7 +549,7 @@ def published_anchors() -> list:
     return [
         ("h100", 4096, 5762, *executed_flops(llama8b, 8192, "selective", False), sel,
          "torchtitan docs/performance.md: Llama 3.1 8B, 8 H100 (500 W, 96 GB HBM2e), FSDP2, selective AC, "
-         "seq 8192, local batch 2, no torch.compile: 5,762 tok/s/GPU (33.7% MFU by metrics.flops_per_token)"),
+         "seq 8192, local batch 2, no torch.compile: 5,762 tok/s/GPU (33.7% MFU by model.flops_per_token)"),
         ("h100", 8192, 1039, mpt70b_mm, mpt70b_attn, 1.0,
          "llm-foundry scripts/train/benchmarking: MPT-70B, 64 H100 80GB, FULL_SHARD, full AC, seq 2048, "
          "micro-batch 8: 1,039 tok/s/GPU, 42.57% MFU"),
@@ -655,7 +658,7 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
     if cfg.offload_optimizer:
         o = offload_optimizer_time(mcfg, cfg, gpu, world)
         # The shards come down and are accumulated while backward runs: everything but one plain forward.
-        backward_s = compute_s * (1 - metrics.flops_per_token(mcfg, cfg.seq_len) / 3 / (matmul + attention))
+        backward_s = compute_s * (1 - M.flops_per_token(mcfg, cfg.seq_len) / 3 / (matmul + attention))
         d2h_exposed = max(0.0, max(o["d2h_s_per_micro"], o["accumulate_s_per_micro"]) - backward_s)
         optimizer_s = o["host_adamw_s"] + o["host_extra_s"]
         host = dict(pcie_d2h_gb=o["pcie_d2h_gb"], pcie_h2d_gb=o["pcie_h2d_gb"],
@@ -709,7 +712,7 @@ def checkpoint_bytes_per_rank(mcfg: M.ModelConfig, world: int) -> int:
     state shards (4 B each per padded parameter / W; gradients are not saved), and the safetensors header
     (at most checkpoint_header_bytes_per_tensor each, a bound)."""
     numels = unit_numels(mcfg)
-    tensors_per_unit = 1 + len(T.OPTIMIZER_STATE)
+    tensors_per_unit = 1 + len(M.OPTIMIZER_STATE)
     data = 4 * tensors_per_unit * sum(padded(n, world) for n in numels) // world
     return 8 + ASSUMPTIONS["checkpoint_header_bytes_per_tensor"][0] * tensors_per_unit * len(numels) + data
 
@@ -831,7 +834,7 @@ def fit_and_speed(mcfg: M.ModelConfig, cfg) -> dict:
     tokens_per_sec_per_gpu = cfg.batch_size * cfg.seq_len / time["step_time_s"] / world
     return dict(phases=phases, peak_phase=peak_phase, peak_gib=peak_gib, usable_gib=usable_gib,
                 fits=peak_gib <= usable_gib, time=time, tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
-                mfu=tokens_per_sec_per_gpu * metrics.flops_per_token(mcfg, cfg.seq_len) / peak_flops(gpu))
+                mfu=tokens_per_sec_per_gpu * M.flops_per_token(mcfg, cfg.seq_len) / peak_flops(gpu))
 
 
 def run_memory_gib(mcfg: M.ModelConfig, cfg, world: int, local_world: int, device_name: str) -> dict | None:
@@ -1196,14 +1199,16 @@ def async_save_drop_hint(mcfg: M.ModelConfig, cfg) -> str | None:
             f"the whole write)")
 
 
-def main(cfg):
-    """`train.py --plan true`: check the flags, print the table, write --plan_json; a configuration that does
-    not fit (GPU or host memory) ends in one error line naming the nearest that does, exit code 2."""
+def main(cfg) -> str | None:
+    """`train.py --plan true`: check the flags, print the table, write --plan_json. Returns None, or the one
+    error line train.py ends with (train.fail, exit code 2): bad flags, or a configuration that does not fit
+    (GPU or host memory), naming the nearest that does. The planner never imports train.py (README "Files",
+    the layers)."""
     errors = check(cfg)
     if not errors:
         try:
-            mcfg = checks.model_config(cfg)
-            errors += checks.check_model_config(mcfg)
+            mcfg = disk.model_config(cfg)
+            errors += M.check_model_config(mcfg)
         except disk.CheckpointError as e:  # --init_from one of our checkpoints: its manifest
             errors.append(str(e))
         except (OSError, KeyError, json.JSONDecodeError) as e:
@@ -1211,7 +1216,7 @@ def main(cfg):
         except ValueError as e:  # config.json describes a model this code does not build
             errors.append(f"--init_from: {e}")
     if errors:
-        T.fail("; ".join(errors))
+        return "; ".join(errors)
     p = plan(mcfg, cfg)
     print(table(p, cfg), flush=True)
     fits = p["fits"] and p["host_fits"]
@@ -1222,4 +1227,5 @@ def main(cfg):
             json.dump(p, f, indent=1)
         print(f"wrote {cfg.plan_json}", flush=True)
     if not fits:  # exit 2: no hours or dollars for it, and what would fit instead
-        T.fail(not_fitting_message(mcfg, cfg, p, nearest))
+        return not_fitting_message(mcfg, cfg, p, nearest)
+    return None

@@ -29,7 +29,7 @@ last_slow_step = None  # `slow` sleeps once per step, not once per micro-batch
 def spec_error(value: str) -> str | None:
     """What is wrong with a ZERO3_FAULT value, as one line, or None when hook can read it."""
     spec = value.split(":")
-    usage = f"ZERO3_FAULT={value!r} is not KIND:STEP[:RANK[:SECONDS]] or slow:SECONDS (faults.py)"
+    usage = f"ZERO3_FAULT={value!r} is not KIND:STEP[:RANK[:SECONDS]] or slow:SECONDS (components/faults.py)"
     try:
         if spec[0] == "slow":
             return None if len(spec) == 2 and float(spec[1]) >= 0 else usage

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import disk
 import data as D
 import model as M
+from components import disk
 
 
 def run_tokenizer(cfg) -> str | None:

@@ -10,10 +10,11 @@ from dataclasses import asdict
 
 import torch
 
-import disk
 import data as D
 import model as M
-import sample
+from components import disk
+from components import plan as P
+from components import sample
 
 
 def check_nodes(env=os.environ) -> list[str]:
@@ -168,55 +169,6 @@ def unknown_flag_message(unknown: list[str], known: list[str]) -> str:
     return f"unrecognized flag {flag}; python train.py --help lists the flags"
 
 
-def checkpoint_source(cfg) -> str | None:
-    """The checkpoint folder --from_ckpt means, or --init_from when it is not a Hugging Face folder: a
-    step_* folder, or an --out_dir meaning its checkpoints/latest (checkpoint.find_checkpoint)."""
-    flag, path = ("--from_ckpt", cfg.from_ckpt) if cfg.from_ckpt else ("--init_from", cfg.init_from)
-    if not path or (flag == "--init_from" and os.path.isfile(os.path.join(path, "config.json"))):
-        return None
-    if not os.path.isdir(path):
-        raise disk.CheckpointError(f"{flag}: {path} is not a folder")
-    try:
-        found = disk.find_checkpoint(path)
-    except disk.CheckpointError as e:
-        raise disk.CheckpointError(f"{flag}: {e}") from None
-    if found is None:
-        neither = "a Hugging Face folder (no config.json) nor " if flag == "--init_from" else ""
-        raise disk.CheckpointError(f"{flag}: {path} is neither {neither}one of our checkpoints (no manifest.json, and no "
-                                f"checkpoints/step_* folder in it)")
-    return found
-
-
-# What a preset takes from the prepared data's tokenizer (data.open_data), so a checkpoint of a preset differs
-# from the preset there; any other difference means another model.
-DATA_DECIDES = ("vocab_size", "bos_id", "eos_id")
-
-
-def model_config(cfg) -> M.ModelConfig:
-    """The model: a checkpoint's (manifest.json's "model", for --from_ckpt and --init_from one of ours: a
-    --model given beside it must describe the same model), an --init_from folder's config.json, or a preset."""
-    checkpoint = checkpoint_source(cfg)
-    if checkpoint:
-        flag = "--from_ckpt" if cfg.from_ckpt else "--init_from"
-        try:
-            with open(os.path.join(checkpoint, "manifest.json")) as f:
-                mcfg = M.ModelConfig(**json.load(f)["model"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise disk.CheckpointError(f"{flag}: checkpoint {checkpoint}: manifest.json has no readable model ({e})") from None
-        if cfg.model and not cfg.from_ckpt:
-            preset, saved = asdict(M.PRESETS[cfg.model]()), asdict(mcfg)
-            diff = [f"{k} {preset[k]} vs {v}" for k, v in saved.items() if k not in DATA_DECIDES and preset[k] != v]
-            if diff:
-                raise disk.CheckpointError(f"--model: {cfg.model} is not the model of --init_from {checkpoint}, which "
-                                        f"decides the model (its manifest.json): they differ in {', '.join(diff)}; "
-                                        f"leave out --model")
-        return mcfg
-    if cfg.init_from:
-        with open(os.path.join(cfg.init_from, "config.json")) as f:
-            return disk.config_from_hf(json.load(f))
-    return M.PRESETS[cfg.model or "tiny"]()
-
-
 def check_export(mcfg: M.ModelConfig) -> list[str]:
     """--export_hf: what transformers builds from this model's config.json must be this model, found now
     rather than after the training (checkpoint.check_export_tensors; export_hf checks again)."""
@@ -302,7 +254,6 @@ HOST_MEMORY_USABLE = 0.9  # pinned memory cannot be swapped: leave 10% to the re
 def node_host_bytes(cfg, mcfg: M.ModelConfig, world: int, async_save: bool) -> tuple[int, dict]:
     """(ranks on this node, the bytes they pin together by part): the planner's count (plan.host_bytes_per_gpu,
     what offload.HostState and the save's staging buffer allocate, byte for byte) x LOCAL_WORLD_SIZE."""
-    import plan as P
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     parts = P.host_bytes_per_gpu(mcfg, cfg, world, async_save)
     return local_world, {name: nbytes * local_world for name, nbytes in parts.items()}
@@ -410,8 +361,8 @@ def check_run(cfg, world: int, state_bytes_per_param: int):
     mcfg = weights = None
     if not errors:
         try:
-            weights = checkpoint_source(cfg)
-            mcfg = model_config(cfg)
+            weights = disk.checkpoint_source(cfg)
+            mcfg = disk.model_config(cfg)
         except disk.CheckpointError as e:
             errors.append(str(e))
         except (KeyError, json.JSONDecodeError) as e:
@@ -419,7 +370,7 @@ def check_run(cfg, world: int, state_bytes_per_param: int):
         except ValueError as e:  # config.json describes a model this code does not build
             errors.append(f"--init_from: {e}")
     if mcfg is not None:
-        errors += check_model_config(mcfg) or check_host_memory(cfg, mcfg, world, state_bytes_per_param)
+        errors += M.check_model_config(mcfg) or check_host_memory(cfg, mcfg, world, state_bytes_per_param)
     if not errors and weights is not None:
         try:
             disk.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from")
@@ -436,19 +387,3 @@ def check_run(cfg, world: int, state_bytes_per_param: int):
     if not errors and cfg.export_hf:
         errors += check_export(mcfg)
     return mcfg, weights, errors
-
-
-def check_model_config(cfg: M.ModelConfig) -> list[str]:
-    """Shape problems as messages (empty when fine): heads must divide the width, KV heads the heads."""
-    errors = []
-    if min(cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim) < 1:
-        errors.append("model: vocab_size, dim, n_layers, n_heads, n_kv_heads and ffn_dim must all be >= 1")
-    elif cfg.n_heads % cfg.n_kv_heads:
-        errors.append(f"model: n_kv_heads={cfg.n_kv_heads} must divide n_heads={cfg.n_heads}")
-    elif cfg.dim % cfg.n_heads:
-        errors.append(f"model: n_heads={cfg.n_heads} must divide dim={cfg.dim}")
-    if cfg.head_dim % 2:
-        errors.append(f"model: head_dim={cfg.head_dim} must be even for RoPE")
-    return errors
-
-

@@ -1,0 +1,4 @@
+"""The support modules around train.py's lesson (README "Files"): the checks of every input (checks),
+state on disk (disk), the run's reports (metrics), the planner (plan), the host-memory variations of the
+step (offload), sampling (sample) and the tests' fault injection (faults). They import model.py and
+data.py and each other, never train.py (tests/test_layout.py)."""

@@ -1,0 +1,80 @@
+"""The repository's shape (issue 28): the top level holds the design card's three Python files and
+components/ the support modules, and the project's imports form layers without a cycle: model.py and
+data.py at the bottom, components/ above them, train.py on top. Imports inside functions count: a lazy
+import hides a cycle from Python's loader, not from a reader."""
+import ast
+import glob
+import graphlib
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BOTTOM = {"model", "data"}
+
+
+def module_files() -> dict[str, str]:
+    """Project module name ('train', 'components.disk') -> its path: the top level's and components/'s .py
+    files (tests/ and bench/ use the project, they are not part of its layers)."""
+    files = {os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(ROOT, "*.py"))}
+    for p in glob.glob(os.path.join(ROOT, "components", "*.py")):
+        name = os.path.basename(p)[:-3]
+        files["components" if name == "__init__" else f"components.{name}"] = p
+    return files
+
+
+def project_imports(path: str, modules: set[str]) -> set[str]:
+    """The project modules one file imports, anywhere in it (module level or inside a function)."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            # `from components import disk` names the module disk; `from components.checks import x` names checks;
+            # `from . import disk` inside components/ is the first
+            package = "components" if node.level and os.path.dirname(path).endswith("components") else ""
+            module = ".".join(filter(None, [package, node.module])) if node.level else node.module
+            names = [f"{module}.{alias.name}" for alias in node.names] + [module]
+        else:
+            continue
+        found |= {name for name in names if name in modules}
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = module_files()
+    graph = {name: project_imports(path, set(files)) for name, path in files.items()}
+    for name in graph:
+        graph[name].discard(name)
+    return graph
+
+
+def test_imports_inside_functions_count(tmp_path):
+    lazy = tmp_path / "lazy.py"
+    lazy.write_text("import os\n\n\ndef f():\n    import train as T\n    from components import plan\n")
+    assert project_imports(str(lazy), {"train", "components.plan", "model"}) == {"train", "components.plan"}
+
+
+def test_top_level_is_the_design_card():
+    top = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py")))
+    assert top == ["data.py", "model.py", "train.py"], f"top-level Python files {top}: the rest goes into components/"
+    held = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "components", "*.py")))
+    assert set(held) >= {"checks.py", "disk.py", "faults.py", "metrics.py", "offload.py", "plan.py", "sample.py"}, held
+
+
+def test_imports_have_no_cycle():
+    graph = import_graph()
+    assert {"model", "data"} <= graph["train"], graph["train"]  # the parse sees imports: an empty graph has no cycle
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        raise AssertionError(f"import cycle (imports inside functions count): {' -> '.join(e.args[1])}") from None
+
+
+def test_layers_model_and_data_at_the_bottom_train_on_top():
+    graph = import_graph()
+    for name in BOTTOM:
+        above = sorted(graph.get(name, set()) - BOTTOM)
+        assert not above, f"{name}.py imports {above}: it sits at the bottom"
+    for name, imports in graph.items():
+        if name.startswith("components"):
+            assert "train" not in imports, f"{name} imports train: only train.py sits above components/"
+    assert not any("train" in imports for imports in graph.values()), "nothing imports train.py"
