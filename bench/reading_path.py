@@ -81,12 +81,16 @@ def measure(flags: list[str] = ()) -> dict:
     for c in order:
         by_file[c["file"]] = by_file.get(c["file"], 0) + 1
     files = [c["file"] for c in order]
-    upward = sorted({f"{caller[1]} -> {callee[1]}" for caller, callee in edges
+    upward = sorted({(callee[0], f"{caller[1]} -> {callee[1]}") for caller, callee in edges
                      if caller[0] == callee[0] and callee[2] < caller[2]})
+    above_by_file = {}
+    for file, _ in upward:
+        above_by_file[file] = above_by_file.get(file, 0) + 1
     start, end = core_passage()
     outside = [c["qualname"] for c in order if c["file"] == "train.py" and not start <= c["line"] <= end]
     return dict(callables=len(order), by_file=by_file, file_switches=sum(a != b for a, b in zip(files, files[1:])),
-                above_caller=len(upward), above_caller_pairs=upward, core_start=start, core_end=end,
+                above_caller=len(upward), above_caller_by_file=above_by_file,
+                above_caller_pairs=[f"{file}: {pair}" for file, pair in upward], core_start=start, core_end=end,
                 core_lines=end - start + 1, outside_core=outside, order=[f"{c['file']}:{c['line']} {c['qualname']}" for c in order])
 
 
@@ -103,7 +107,8 @@ def main():
     print()
     print(f"callables: {result['callables']} ({', '.join(f'{n} in {f}' for f, n in result['by_file'].items())})")
     print(f"file switches along the path (first calls): {result['file_switches']}")
-    print(f"callees above their caller: {result['above_caller']}")
+    print(f"callees above their caller: {result['above_caller']} "
+          f"({', '.join(f'{n} in {f}' for f, n in result['above_caller_by_file'].items())})")
     for pair in result["above_caller_pairs"]:
         print(f"  {pair}")
     print(f"core passage: train.py lines {result['core_start']}-{result['core_end']} ({result['core_lines']} lines)")
