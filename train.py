@@ -5,9 +5,12 @@ Read top to bottom; the sections follow the data:
   2. processes   torch.distributed set-up (NCCL on GPUs, gloo on CPU, also W=1 without torchrun)
   3. shard       each sharding unit's parameters as one flat buffer, this rank's fp32 shard of it, and
                  the trick that lets modules use a buffer that comes and goes (the comment above Unit)
-  4. step        the naive ZeRO-3 step first (train_step_naive), then the real one from the top down:
-                 gather just before use, free right after, re-gather in backward, reduce-scatter,
-                 AdamW on the shards
+  4. step        the naive ZeRO-3 step first (train_step_naive, its helpers below it), then the real one
+                 from the top down: gather just before use, free right after (the head: after its
+                 backward), re-gather in backward, reduce-scatter, AdamW on the shards. From `class Unit`
+                 to `optimizer_step` nothing else: the variations are only named where they plug in
+  4b. around     the sharded model's set-up, where --offload_optimizer and the tests' faults plug in,
+                 evaluation
   5. loop        weights (seeded, or sharded reads of a Hugging Face folder or a checkpoint),
                  set-up, the training loop, saving and stopping
 
