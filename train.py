@@ -375,7 +375,6 @@ class Slot(NamedTuple):
     offset: int     # first element in the flat buffer
 
 
-
 class Unit:
     """A sharding unit: its parameters' slots in a flat buffer, this rank's shards (fp32 master, gradient,
     optimizer state), and the gathered buffer whose views the modules use while the unit runs.
