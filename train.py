@@ -5,9 +5,12 @@ Read top to bottom; the sections follow the data:
   2. processes   torch.distributed set-up (NCCL on GPUs, gloo on CPU, also W=1 without torchrun)
   3. shard       each sharding unit's parameters as one flat buffer, this rank's fp32 shard of it, and
                  the trick that lets modules use a buffer that comes and goes (the comment above Unit)
-  4. step        the naive ZeRO-3 step first (train_step_naive), then the real one from the top down:
-                 gather just before use, free right after, re-gather in backward, reduce-scatter,
-                 AdamW on the shards
+  4. step        the naive ZeRO-3 step first (train_step_naive, its helpers below it), then the real one
+                 from the top down: gather just before use, free right after (the head: after its
+                 backward), re-gather in backward, reduce-scatter, AdamW on the shards. From `class Unit`
+                 to `optimizer_step` nothing else: the variations are only named where they plug in
+  4b. around     the sharded model's set-up, where --offload_optimizer and the tests' faults plug in,
+                 evaluation
   5. loop        weights (seeded, or sharded reads of a Hugging Face folder or a checkpoint),
                  set-up, the training loop, saving and stopping
 
@@ -340,14 +343,23 @@ def error_line(e: BaseException, when: str) -> str:
 #     that boundary; (3) the weights do not change between a forward and its backward (the optimizer runs
 #     after all micro-batches). Break (2), e.g. by passing a tensor from block 3 to block 7, and block 3's
 #     backward could read a freed buffer.
-#   - BackwardBoundary returns `x.view_as(x)`, a new tensor on x's memory, not x itself: the next stage
-#     must receive a tensor whose history runs through the boundary, while x keeps its own.
+#   - BackwardBoundary returns its input as it is; PyTorch's custom-function machinery hands the next stage a
+#     new tensor on x's memory whose history runs through the boundary (an unmodified input returned as-is
+#     is returned as a view of itself, torch/csrc/autograd/custom_function.cpp, _process_backward_mode_ad),
+#     while x keeps its own. What the boundary needs is only that its output is not marked
+#     non-differentiable, so that the output's gradient edge is the boundary's node.
 #   - With tied embeddings the head stage uses the embedding unit's weight too. The head's contribution
 #     to its gradient waits in autograd (a full embedding-sized gradient, compute dtype) until the
 #     embedding stage's backward adds its own; then the embedding unit's hook fires once, with the sum.
 #   - A reduce-scatter in flight is a tuple (unit, work, out, grad): `grad`, the unit's full gradient in
 #     --reduce_dtype, is the collective's input and must stay alive until it completes; `out` is this
 #     rank's summed shard, added into grad_shard then.
+#
+# The core, from `class Unit` to the optimizer (`optimizer_step`, the end of section 4), has no variation
+# in it: each plugs in at one point the core names, and lives in section 4b and offload.py. --offload_optimizer:
+# a Unit subclass and a ShardedModel subclass the set-up chooses (they override gather_input, add_grad,
+# grad_norm and update); --offload_activations: one line of run_block; the tests' faults: the `fault_hook` seam.
+
 class Slot(NamedTuple):
     """One parameter's place in its unit's flat buffer."""
     module: torch.nn.Module
@@ -359,7 +371,9 @@ class Slot(NamedTuple):
 
 class Unit:
     """A sharding unit: its parameters' slots in a flat buffer, this rank's shards (fp32 master, gradient,
-    optimizer state), and the gathered buffer whose views the modules use while the unit runs."""
+    optimizer state), and the gathered buffer whose views the modules use while the unit runs.
+    --offload_optimizer's extension point: a subclass (OffloadedUnit, section 4b) overrides gather_input
+    (what the all-gather reads) and add_grad (where a reduce-scattered shard goes)."""
 
     def __init__(self, name, model, param_names, rank, world, device, compute_dtype, state_device=None):
         self.name = name
@@ -379,12 +393,11 @@ class Unit:
         self.shard_numel = self.padded_numel // world
         self.shard_start = rank * self.shard_numel  # this rank's shard of the flat buffer
 
-        # The fp32 state, on the device (--offload_optimizer: views of one host buffer, offload.HostState).
+        # The fp32 state, on `state_device` (default: the device).
         f32 = dict(dtype=torch.float32, device=state_device or device)
         self.master_shard = torch.zeros(self.shard_numel, **f32)
         self.grad_shard = torch.zeros(self.shard_numel, **f32)
         self.optimizer_state = {name: torch.zeros(self.shard_numel, **f32) for name in M.OPTIMIZER_STATE}
-        self.host = None  # --offload_optimizer: an offload.HostOptimizer (a variation you can skip)
         # Weight decay goes on matrices only (norm weights are 1-D): ranges of this rank's shard.
         self.decay_ranges = []
         for slot in self.slots:
@@ -396,17 +409,21 @@ class Unit:
         # The gathered buffer: full padded size, compute dtype, storage allocated only while gathered.
         self.gathered = torch.empty(self.padded_numel, dtype=compute_dtype, device=device, requires_grad=True)
         self._storage_bytes = self.gathered.untyped_storage().nbytes()
+        self.set_views(self.gathered)  # from now on each module attribute is a view of it (a view needs the storage)
         self.gathered.untyped_storage().resize_(0)
         self._gather_work = None     # in-flight all-gather
         self._send = None            # its input, kept alive until it completes
 
-    # -- gather / free ---------------------------------------------------------------------------
-    def state(self) -> str:
-        """"free" (no storage), "gathering" (storage allocated, all-gather in flight: not yet readable)
-        or "gathered" (the full buffer, ready for the modules)."""
-        if self.gathered.untyped_storage().nbytes() == 0:
-            return "free"
-        return "gathering" if self._gather_work is not None else "gathered"
+    # -- gather / free, in the order the step first calls them ---------------------------------
+    def wait_gather(self):
+        """Makes the unit readable: issues its all-gather now if none was prefetched (start_gather), then
+        waits for it."""
+        with record_function(f"gather {self.name} (wait)"):
+            if self.state() == "free":  # not prefetched: issued only now
+                self.start_gather()
+            if self._gather_work is not None:
+                self._gather_work.wait()
+                self._gather_work, self._send = None, None
 
     def start_gather(self):
         """Launches the all-gather of this unit into its buffer; returns at once (async)."""
@@ -418,25 +435,16 @@ class Unit:
             self._send = self.gather_input()
             self._gather_work = all_gather_flat(self.gathered.data, self._send, async_op=True)  # .data: see above
 
-    def wait_gather(self):
-        with record_function(f"gather {self.name} (wait)"):
-            if self.state() == "free":  # not prefetched: issued only now
-                self.start_gather()
-            if self._gather_work is not None:
-                self._gather_work.wait()
-                self._gather_work, self._send = None, None
+    def state(self) -> str:
+        """"free" (no storage), "gathering" (storage allocated, all-gather in flight: not yet readable)
+        or "gathered" (the full buffer, ready for the modules)."""
+        if self.gathered.untyped_storage().nbytes() == 0:
+            return "free"
+        return "gathering" if self._gather_work is not None else "gathered"
 
     def gather_input(self) -> torch.Tensor:
         """This rank's shard in the compute dtype, on the device: bf16 over the wire is half the bytes."""
-        if self.host:  # --offload_optimizer: the device copy (offload.py)
-            return self.host.gather_input()
         return self.master_shard.to(self.gathered.dtype)
-
-    def free(self):
-        if self._gather_work is not None:  # an error, not an assert: `python -O` must not skip it
-            raise RuntimeError(f"{self.name}: freed while its all-gather is in flight")
-        with record_function(f"free {self.name}"):
-            self.gathered.untyped_storage().resize_(0)
 
     def set_views(self, buffer: torch.Tensor):
         """Points each module attribute at its piece of `buffer` (the gathered one, or the naive step's).
@@ -448,24 +456,20 @@ class Unit:
         for slot, piece in zip(self.slots, pieces):
             setattr(slot.module, slot.attr, piece.view(slot.shape))
 
+    def free(self):
+        if self._gather_work is not None:  # an error, not an assert: `python -O` must not skip it
+            raise RuntimeError(f"{self.name}: freed while its all-gather is in flight")
+        with record_function(f"free {self.name}"):
+            self.gathered.untyped_storage().resize_(0)
+
+    def add_grad(self, out: torch.Tensor):
+        """Adds a reduce-scattered gradient shard into grad_shard (accumulation over micro-batches, fp32)."""
+        self.grad_shard.add_(out)
+
     def persistent_bytes(self, on_device_only: bool = False) -> int:
-        """Bytes this rank keeps between steps: the fp32 shards, and with --offload_optimizer (where those are
-        in host memory) the device copy, which is all `on_device_only` then counts."""
-        fp32 = sum(t.numel() * t.element_size() for t in (self.master_shard, self.grad_shard,
+        """Bytes this rank keeps between steps: the fp32 shards, all of them on the device."""
+        return sum(t.numel() * t.element_size() for t in (self.master_shard, self.grad_shard,
                                                            *self.optimizer_state.values()))
-        if not self.host:
-            return fp32
-        copy = self.host.compute_shard.numel() * self.host.compute_shard.element_size()
-        return copy if on_device_only else fp32 + copy
-
-
-def build_units(model: M.Llama, rank, world, device, compute_dtype, state_device=None) -> list[Unit]:
-    """embed, layers.0 .. layers.{L-1}, head -- in the order they run."""
-    names = [n for n, _ in model.named_parameters()]
-    groups = [("embed", ["embed_tokens.weight"])]
-    groups += [(f"layers.{i}", [n for n in names if n.startswith(f"layers.{i}.")]) for i in range(len(model.layers))]
-    groups += [("head", [n for n in names if n.startswith(("norm.", "lm_head."))])]
-    return [Unit(g, model, p, rank, world, device, compute_dtype, state_device) for g, p in groups]
 
 
 # ================================================================================================
@@ -473,22 +477,26 @@ def build_units(model: M.Llama, rank, world, device, compute_dtype, state_device
 # ================================================================================================
 #
 # The forward is a list of stages (embedding, each block, head + loss). Each stage's units are gathered
-# just before it runs and freed right after; a BackwardBoundary after it gathers them again when
-# backward reaches it, and each unit's gradient is reduce-scattered as soon as autograd completes it.
+# just before it runs and freed right after, except the head's: backward starts there, so they stay
+# gathered from the head's forward into its backward. A BackwardBoundary after each stage gathers its
+# units again when backward reaches it, and each unit's gradient is reduce-scattered as soon as autograd
+# completes it.
 #
-# train_step_naive comes first: the same arithmetic with every unit gathered at once. Then the real step
-# from the top down, each definition below its caller: train_step -> forward_backward -> micro_batches
-# -> ShardedModel.loss -> the stages -> BackwardBoundary -> reduce_scatter_grad -> finish_reduces ->
-# global_grad_norm -> the optimizer.
+# train_step_naive comes first, with the helpers it shares with the real step below it: the same
+# arithmetic with every unit gathered at once. Then the real step from the top down, each definition
+# below its caller: train_step -> forward_backward -> micro_batches -> ShardedModel (loss, run_stage,
+# on_backward) -> the stages -> BackwardBoundary -> reduce_scatter_grad -> finish_reduces -> the optimizer.
 
 def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict], step: int) -> tuple[float, float]:
     """ZeRO-3 with nothing overlapped and nothing freed early, to read first: each unit all-gathered
     into a full buffer, a plain forward and backward over this rank's micro-batches, each unit's gradient
     reduce-scattered to its owner, AdamW written out term for term. The same arithmetic as train_step
     (tests/test_sharding.py holds them equal), but every rank holds the whole model and its whole gradient
-    in the compute dtype. train_step adds: one unit gathered at a time (prefetching the next), freed after
-    forward and gathered again in backward (BackwardBoundary), each reduce-scatter started as soon as its
-    unit's gradient is complete, activation checkpointing, a fused optimizer kernel, skipping non-finite steps."""
+    in the compute dtype while it runs. train_step adds: one unit gathered at a time (prefetching the next),
+    freed after forward and gathered again in backward (BackwardBoundary), each reduce-scatter started as
+    soon as its unit's gradient is complete, activation checkpointing, a fused optimizer kernel, skipping
+    non-finite steps."""
+    views = [[getattr(slot.module, slot.attr) for slot in unit.slots] for unit in units]  # put back at the end
     full = {}
     for unit in units:
         full[unit.name] = torch.empty(unit.padded_numel, dtype=unit.gathered.dtype, device=unit.gathered.device)
@@ -507,7 +515,7 @@ def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict]
     for unit in units:
         out = torch.empty(unit.shard_numel, device=device)
         reduce_scatter_flat(out, full[unit.name].grad.float(), op=dist.ReduceOp.SUM)
-        unit.grad_shard.copy_(out)  # to host memory with --offload_optimizer
+        unit.grad_shard.copy_(out)
     dist.all_reduce(loss_sum)
     grad_norm = global_grad_norm(units, device)
     scale = min(1.0, cfg.grad_clip / (grad_norm.item() + 1e-6)) if cfg.grad_clip > 0 else 1.0
@@ -516,13 +524,45 @@ def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict]
     adamw_step_reference(units, cfg, lr_at(cfg, step), step)
     for unit in units:
         unit.grad_shard.zero_()
-    if cfg.offload_optimizer:
-        O.refresh_compute_shards(units)
+    for unit, kept in zip(units, views):  # the modules point where they did, not into `full`, which goes now
+        for slot, view in zip(unit.slots, kept):
+            setattr(slot.module, slot.attr, view)
     return loss_sum.item(), grad_norm.item()
 
 
-class NonFiniteStep(Exception):
-    pass
+def global_grad_norm(units: list[Unit], device: torch.device) -> torch.Tensor:
+    """L2 norm over all ranks' shards: local sum of squares, one all-reduce of one scalar. The padding's
+    gradient is exactly zero, so it adds nothing."""
+    sq = torch.stack([torch.linalg.vector_norm(u.grad_shard) for u in units]).square().sum().to(device)
+    dist.all_reduce(sq)
+    return sq.sqrt()
+
+
+def adamw_step_reference(units: list[Unit], cfg: TrainConfig, lr: float, step: int):
+    """torch.optim.AdamW's update, term for term, on this rank's shards (step is 1-based). The readable
+    version of adamw_step (the optimizer train_step runs, at the end of this section); tests/test_sharding.py
+    holds the two equal."""
+    beta1, beta2 = cfg.adam_beta1, cfg.adam_beta2
+    bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
+    for u in units:
+        exp_avg, exp_avg_sq = u.optimizer_state["exp_avg"], u.optimizer_state["exp_avg_sq"]
+        for lo, hi in u.decay_ranges:  # decoupled decay, before the Adam update, as torch does
+            u.master_shard[lo:hi].mul_(1 - lr * cfg.weight_decay)
+        exp_avg.lerp_(u.grad_shard, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(u.grad_shard, u.grad_shard, value=1 - beta2)
+        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(cfg.adam_eps)
+        u.master_shard.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup to --lr, then cosine to 10% of --lr at --steps (or constant). step is 1-based."""
+    if cfg.warmup_steps and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
+    min_lr = 0.1 * cfg.lr
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
 def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) -> tuple[float, float]:
@@ -532,17 +572,13 @@ def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) ->
     units = sharded.units
     loss, local_finite = forward_backward(cfg, sharded, windows, step, position)
     with record_function("grad_norm"):
-        grad_norm = global_grad_norm(units, sharded.device)
+        grad_norm = sharded.grad_norm()
     # The step's one host sync: the clip factor and the skip decision need both numbers on the host.
     loss, grad_norm = torch.stack([loss.float(), grad_norm.float()]).tolist()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         for u in units:
             u.grad_shard.zero_()
-        finite_by_rank = torch.zeros(sharded.world, device=sharded.device)
-        all_gather_flat(finite_by_rank, local_finite.float().reshape(1))
-        bad = [r for r, ok in enumerate(finite_by_rank.tolist()) if not ok]
-        where = f" (from rank {', '.join(map(str, bad))})" if bad else ""
-        raise NonFiniteStep(f"step {step}: loss {loss}, grad_norm {grad_norm}{where}; the optimizer step was skipped")
+        raise NonFiniteStep(step, loss, grad_norm, local_finite)
     if cfg.grad_clip > 0:  # as torch.nn.utils.clip_grad_norm_: multiply by min(1, clip / (norm + 1e-6))
         scale = min(1.0, cfg.grad_clip / (grad_norm + 1e-6))
         if scale != 1.0:
@@ -550,15 +586,18 @@ def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) ->
                 for u in units:
                     u.grad_shard.mul_(scale)
     with record_function("optimizer_step"):
-        optimizer_step(units, cfg, lr_at(cfg, step), step)  # on the CPU with --offload_optimizer
+        sharded.update(cfg, lr_at(cfg, step), step)
     for u in units:
         u.grad_shard.zero_()
-    if cfg.offload_optimizer:  # the updated host master shards back to the device, in the compute dtype
-        O.refresh_compute_shards(units)
     return loss, grad_norm
 
 
-fault_hook = None  # tests only: faults.py, installed by main when ZERO3_FAULT and ZERO3_ALLOW_FAULTS=1 are set
+class NonFiniteStep(Exception):
+    """A step skipped; `local_finite`: whether this rank's own loss was finite (nonfinite_message names the ranks)."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float, local_finite: torch.Tensor):
+        super().__init__(f"step {step}: loss {loss}, grad_norm {grad_norm}; the optimizer step was skipped")
+        self.step, self.loss, self.grad_norm, self.local_finite = step, loss, grad_norm, local_finite
 
 
 def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: int):
@@ -567,13 +606,10 @@ def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: i
     loss_sum = torch.zeros((), device=sharded.device)
     for batch in micro_batches(cfg, sharded, windows, position):
         loss = sharded.loss(batch)
-        if fault_hook:
-            loss = fault_hook("loss", step, sharded.rank, loss)
+        loss = fault_hook("loss", step, sharded.rank, loss)  # the loss itself, but in the tests' faults (section 4b)
         loss.backward()  # the reduce-scatters start inside, unit by unit (reduce_scatter_grad)
         finish_reduces(sharded.reduces_in_flight)
         loss_sum += loss.detach().float()
-    if cfg.offload_optimizer:  # the host's adds ran on its worker thread meanwhile: the last ones (offload.py)
-        O.finish_host_adds(sharded.host_adds)
     local_finite = torch.isfinite(loss_sum)  # read only if the step goes bad: reading it waits for the GPU
     dist.all_reduce(loss_sum)
     return loss_sum, local_finite
@@ -595,18 +631,17 @@ def micro_batches(cfg, sharded: ShardedModel, windows, position: int) -> list[di
 
 class ShardedModel:
     """The model (on meta: its weights are views the units set), its units in the order they run, the
-    stages of the forward, and the queue of reduce-scatters in flight."""
+    stages of the forward, and the queue of reduce-scatters in flight. --offload_optimizer's extension
+    point: a subclass (OffloadedModel, section 4b) sets `unit_class` and adds to grad_norm and update."""
+    unit_class = Unit
 
     def __init__(self, cfg: TrainConfig, mcfg: M.ModelConfig, rank: int, world: int, device: torch.device):
         self.rank, self.world, self.device = rank, world, device
         self.compute_dtype = compute_dtype(cfg.dtype, device)
         with torch.device("meta"):  # shapes only: construction allocates nothing
             self.model = M.Llama(mcfg)
-        self.reduces_in_flight, self.host_adds = [], []  # reduce-scatters, and (offload) copies to the host, in flight
-        state_device = torch.device("meta") if cfg.offload_optimizer else device  # meta: offload.py places it
-        self.units = build_units(self.model, rank, world, device, self.compute_dtype, state_device)
-        if cfg.offload_optimizer:  # the optimizer on the CPU, the device keeping a compute-dtype copy (offload.py)
-            O.offload_optimizer(self.units, self.host_adds)
+        self.reduces_in_flight = []
+        self.units = build_units(self.model, rank, world, device, self.compute_dtype, self.unit_class)
         for unit in self.units:  # each unit's gradient is reduce-scattered as soon as autograd completes it
             unit.gathered.register_post_accumulate_grad_hook(
                 partial(reduce_scatter_grad, unit, self.reduces_in_flight, getattr(torch, cfg.reduce_dtype)))
@@ -614,10 +649,10 @@ class ShardedModel:
         self.prefetch, self.ce_chunk = cfg.prefetch, cfg.ce_chunk
 
     def loss(self, batch: dict) -> torch.Tensor:
-        """Forward through all stages, each gathered just before it runs and freed right after, and each
-        followed by a BackwardBoundary that gathers it again for backward. Returns this rank's loss
-        (already divided by the global token count). The last stage stays gathered: its backward starts
-        right away."""
+        """Forward through all stages, each gathered just before it runs and followed by a BackwardBoundary
+        that gathers it again for backward. Each is freed right after it runs, except the last (the head):
+        backward starts there, so it stays gathered into its backward. Returns this rank's loss (already
+        divided by the global token count)."""
         x = batch["tokens"]
         for k, stage in enumerate(self.stages):
             for unit in stage.forward_units:
@@ -657,49 +692,20 @@ class ShardedModel:
                 for unit in self.stages[k - 1].backward_units:
                     unit.start_gather()
 
+    def grad_norm(self) -> torch.Tensor:
+        """The global norm of this step's gradient shards."""
+        return global_grad_norm(self.units, self.device)
+
+    def update(self, cfg: TrainConfig, lr: float, step: int):
+        """The optimizer's step on every unit's shards."""
+        optimizer_step(self.units, cfg, lr, step)
+
 
 class Stage(NamedTuple):
     forward_units: list          # gathered for its forward
     backward_units: list         # gathered again for its backward
     ac: str = "none"             # a block's activation checkpointing (M.block_policies)
     offload: bool = False        # a block's input kept in host memory (--offload_activations)
-
-
-def make_stages(model: M.Llama, units: list[Unit], ac: str, offload: bool = False, ac_blocks: int = -1,
-                ac_rest: str = "none") -> list[Stage]:
-    """The embedding, each block, the head (ShardedModel.run_stage runs them). The embedding's backward only
-    needs the token ids, so it is not gathered again for backward. With tied embeddings the head also
-    needs the embedding unit (its weight is the head's)."""
-    embed, blocks, head = units[0], units[1:-1], units[-1]
-    head_units = [head, embed] if model.cfg.tie_embeddings else [head]
-    policies = M.block_policies(len(blocks), ac, ac_blocks, ac_rest)
-    # --offload_activations moves what `full` keeps
-    return ([Stage([embed], [])] + [Stage([unit], [unit], policy, offload and policy == "full")
-                                     for unit, policy in zip(blocks, policies)] + [Stage(head_units, head_units)])
-
-
-def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False, name: str = "block"):
-    if ac == "none":
-        return block(x, cos, sin, layout)
-
-    def ranged(*args):
-        """The block's forward in a range: `recompute NAME` when checkpointing runs it again in backward (autograd
-        is then running a node), `checkpointed NAME` the first time. Both times, because the selective policy
-        replays the forward's ops in backward and refuses one the forward did not run. Not under torch.compile,
-        whose backward graph recomputes by itself."""
-        if torch.compiler.is_compiling():
-            return block(*args)
-        in_backward = torch._C._current_autograd_node() is not None
-        with record_function(f"{'recompute' if in_backward else 'checkpointed'} {name}"):
-            return block(*args)
-    if offload:  # --ac full, the block's input kept in host memory (offload.py)
-        return O.OffloadedCheckpoint.apply(x, lambda h: ranged(h, cos, sin, layout))
-    if ac == "full":  # save only the block's input; recompute the whole block in backward
-        return checkpoint(ranged, x, cos, sin, layout, use_reentrant=False)
-    def keep_saved_ops(ctx, op, *args, **kwargs):  # --ac selective: keep SAVED_OPS' outputs, recompute the rest
-        return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-    return checkpoint(ranged, x, cos, sin, layout, use_reentrant=False,
-                      context_fn=partial(create_selective_checkpoint_contexts, keep_saved_ops))
 
 
 # Selective checkpointing: keep what is expensive to recompute (the matmuls' and attention's outputs),
@@ -717,6 +723,30 @@ for _namespace, _names in ATTENTION_FORWARD_OPS.items():
             SAVED_OPS.add(getattr(getattr(torch.ops, _namespace), _name).default)
 
 
+def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False, name: str = "block"):
+    if ac == "none":
+        return block(x, cos, sin, layout)
+
+    def ranged(*args):
+        """The block's forward in a range: `recompute NAME` when checkpointing runs it again in backward (autograd
+        is then running a node), `checkpointed NAME` the first time. Both times, because the selective policy
+        replays the forward's ops in backward and refuses one the forward did not run. Not under torch.compile,
+        whose backward graph recomputes by itself."""
+        if torch.compiler.is_compiling():
+            return block(*args)
+        in_backward = torch._C._current_autograd_node() is not None
+        with record_function(f"{'recompute' if in_backward else 'checkpointed'} {name}"):
+            return block(*args)
+    if offload:  # --offload_activations' extension point: `full`, the block's input kept in host memory (offload.py)
+        return O.OffloadedCheckpoint.apply(x, lambda h: ranged(h, cos, sin, layout))
+    if ac == "full":  # save only the block's input; recompute the whole block in backward
+        return checkpoint(ranged, x, cos, sin, layout, use_reentrant=False)
+    def keep_saved_ops(ctx, op, *args, **kwargs):  # --ac selective: keep SAVED_OPS' outputs, recompute the rest
+        return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return checkpoint(ranged, x, cos, sin, layout, use_reentrant=False,
+                      context_fn=partial(create_selective_checkpoint_contexts, keep_saved_ops))
+
+
 class BackwardBoundary(torch.autograd.Function):
     """Identity between two stages. Its backward runs when the gradient w.r.t. this stage's output is
     complete, i.e. just after the next stage's backward and just before this stage's backward: the
@@ -725,7 +755,7 @@ class BackwardBoundary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, on_backward):
         ctx.on_backward = on_backward
-        return x.view_as(x)  # why not x: see the comment above Unit
+        return x  # autograd returns it as a new view whose history runs through here (the comment above Unit)
 
     @staticmethod
     def backward(ctx, grad):
@@ -758,49 +788,16 @@ def reduce_scatter_grad(unit: Unit, reduces_in_flight: list, reduce_dtype: torch
 
 def finish_reduces(reduces_in_flight: list, keep: int = 0):
     """Waits for the oldest reduce-scatters until `keep` remain; adds each result into its unit's shard
-    (accumulation over micro-batches, always fp32) and lets its full-unit gradient go."""
+    (Unit.add_grad) and lets its full-unit gradient go."""
     while len(reduces_in_flight) > keep:
         unit, work, out, _ = reduces_in_flight.pop(0)
         with record_function(f"reduce_scatter {unit.name} (wait)"):
             work.wait()
-            if unit.host:  # --offload_optimizer: copied to host memory, added there (offload.py)
-                unit.host.add_grad(unit, out)
-            else:
-                unit.grad_shard.add_(out)
-
-
-def global_grad_norm(units: list[Unit], device: torch.device) -> torch.Tensor:
-    """L2 norm over all ranks' shards: local sum of squares, one all-reduce of one scalar. The padding's
-    gradient is exactly zero, so it adds nothing."""
-    sq = torch.stack([torch.linalg.vector_norm(u.grad_shard) for u in units]).square().sum().to(device)
-    dist.all_reduce(sq)
-    return sq.sqrt()
-
-
-# The optimizer: a fork swaps it here (optimizer_step, which updates the shards from the clipped gradient)
-# and in M.OPTIMIZER_STATE, the names of the fp32 tensors each unit keeps per element of its shard (Unit
-# makes them; checkpoints, memory accounting and the planner iterate over them; model.py holds them so that
-# the planner, which never imports this file, reads the same ones). Any elementwise optimizer works on
-# shards unchanged: each element sees the same arithmetic as in the whole tensor.
-
-
-def adamw_step_reference(units: list[Unit], cfg: TrainConfig, lr: float, step: int):
-    """torch.optim.AdamW's update, term for term, on this rank's shards (step is 1-based). The readable
-    version of adamw_step below; tests/test_sharding.py holds the two equal."""
-    beta1, beta2 = cfg.adam_beta1, cfg.adam_beta2
-    bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
-    for u in units:
-        exp_avg, exp_avg_sq = u.optimizer_state["exp_avg"], u.optimizer_state["exp_avg_sq"]
-        for lo, hi in u.decay_ranges:  # decoupled decay, before the Adam update, as torch does
-            u.master_shard[lo:hi].mul_(1 - lr * cfg.weight_decay)
-        exp_avg.lerp_(u.grad_shard, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(u.grad_shard, u.grad_shard, value=1 - beta2)
-        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(cfg.adam_eps)
-        u.master_shard.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+            unit.add_grad(out)
 
 
 def adamw_step(units: list[Unit], cfg: TrainConfig, lr: float, step: int):
-    """The same update in one pass over the four shards: PyTorch's fused AdamW kernel (what
+    """adamw_step_reference's update in one pass over the four shards: PyTorch's fused AdamW kernel (what
     torch.optim.AdamW(fused=True) runs), instead of the reference's seven passes and two temporaries.
     Decay stays outside it because it applies to matrices only, not to whole shards."""
     for u in units:
@@ -813,18 +810,110 @@ def adamw_step(units: list[Unit], cfg: TrainConfig, lr: float, step: int):
                         weight_decay=0.0, eps=cfg.adam_eps, amsgrad=False, maximize=False)
 
 
+# The optimizer: a fork swaps it here and in M.OPTIMIZER_STATE, the names of the fp32 tensors each unit keeps
+# per element of its shard (Unit makes them; checkpoints, memory accounting and the planner iterate over them;
+# model.py holds them so that the planner, which never imports this file, reads the same ones). Any
+# elementwise optimizer works on shards unchanged: each element sees the same arithmetic as in the whole tensor.
 optimizer_step = adamw_step
 
 
-def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warmup to --lr, then cosine to 10% of --lr at --steps (or constant). step is 1-based."""
-    if cfg.warmup_steps and step <= cfg.warmup_steps:
-        return cfg.lr * step / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return cfg.lr
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps))
-    min_lr = 0.1 * cfg.lr
-    return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
+# ================================================================================================
+# 4b. Around the step: the sharded model's set-up, the variations' plug-ins, evaluation
+# ================================================================================================
+#
+# ShardedModel's set-up: its units and its stages (what ShardedModel.loss runs), made once.
+
+def build_units(model: M.Llama, rank, world, device, compute_dtype, unit_class=Unit) -> list[Unit]:
+    """embed, layers.0 .. layers.{L-1}, head -- in the order they run."""
+    names = [n for n, _ in model.named_parameters()]
+    groups = [("embed", ["embed_tokens.weight"])]
+    groups += [(f"layers.{i}", [n for n in names if n.startswith(f"layers.{i}.")]) for i in range(len(model.layers))]
+    groups += [("head", [n for n in names if n.startswith(("norm.", "lm_head."))])]
+    return [unit_class(g, model, p, rank, world, device, compute_dtype) for g, p in groups]
+
+
+def make_stages(model: M.Llama, units: list[Unit], ac: str, offload: bool = False, ac_blocks: int = -1,
+                ac_rest: str = "none") -> list[Stage]:
+    """The embedding, each block, the head (ShardedModel.run_stage runs them). The embedding's backward only
+    needs the token ids, so it is not gathered again for backward. With tied embeddings the head also
+    needs the embedding unit (its weight is the head's)."""
+    embed, blocks, head = units[0], units[1:-1], units[-1]
+    head_units = [head, embed] if model.cfg.tie_embeddings else [head]
+    policies = M.block_policies(len(blocks), ac, ac_blocks, ac_rest)
+    # --offload_activations moves what `full` keeps
+    return ([Stage([embed], [])] + [Stage([unit], [unit], policy, offload and policy == "full")
+                                     for unit, policy in zip(blocks, policies)] + [Stage(head_units, head_units)])
+
+
+# --offload_optimizer (offload.py): every unit's fp32 state lives in host memory and the optimizer runs
+# on the CPU; the device keeps a compute-dtype copy of each shard. The set-up chooses OffloadedModel,
+# whose units are OffloadedUnits: the core's extension points, overridden, and no branch in the core.
+
+class OffloadedUnit(Unit):
+    """A Unit whose fp32 shards are views of the rank's host buffer (offload.offload_optimizer places them and
+    sets `host`, an offload.HostOptimizer): the all-gather reads `host`'s compute-dtype device copy, and a
+    reduce-scattered shard is copied to host memory and added there, on a worker thread."""
+
+    def __init__(self, *args):
+        super().__init__(*args, state_device=torch.device("meta"))  # no device memory: offload.py places the state
+        self.host = None
+
+    def gather_input(self) -> torch.Tensor:
+        return self.host.gather_input()
+
+    def add_grad(self, out: torch.Tensor):
+        self.host.add_grad(self, out)
+
+    def persistent_bytes(self, on_device_only: bool = False) -> int:
+        """The fp32 shards (in host memory) and the device copy, which is all `on_device_only` counts."""
+        copy = self.host.compute_shard.numel() * self.host.compute_shard.element_size()
+        return copy if on_device_only else super().persistent_bytes() + copy
+
+
+class OffloadedModel(ShardedModel):
+    """ShardedModel with OffloadedUnits: the step's gradient norm first waits for the host's last adds (they
+    run on a worker thread while backward goes on), and its update, on the CPU, is followed by the refresh
+    of the device copies."""
+    unit_class = OffloadedUnit
+
+    def __init__(self, cfg: TrainConfig, mcfg: M.ModelConfig, rank: int, world: int, device: torch.device):
+        super().__init__(cfg, mcfg, rank, world, device)
+        self.host_adds = []  # the worker thread's adds into the host accumulators, in flight
+        O.offload_optimizer(self.units, self.host_adds)
+
+    def grad_norm(self) -> torch.Tensor:
+        O.finish_host_adds(self.host_adds)
+        return super().grad_norm()
+
+    def update(self, cfg: TrainConfig, lr: float, step: int):
+        super().update(cfg, lr, step)
+        O.refresh_compute_shards(self.units)  # the updated host master shards back to the device, in the compute dtype
+
+
+def build_sharded_model(cfg: TrainConfig, mcfg: M.ModelConfig, rank: int, world: int, device: torch.device):
+    """The set-up's choice: OffloadedModel with --offload_optimizer, else ShardedModel."""
+    model_class = OffloadedModel if cfg.offload_optimizer else ShardedModel
+    return model_class(cfg, mcfg, rank, world, device)
+
+
+def no_fault(where: str, step: int, rank: int, loss=None):
+    """fault_hook outside the tests: the loss as it is."""
+    return loss
+
+
+# The seam of the tests' fault injection (faults.py): forward_backward passes each micro-batch's loss through
+# it. main installs faults.hook when ZERO3_FAULT and ZERO3_ALLOW_FAULTS=1 are set.
+fault_hook = no_fault
+
+
+def nonfinite_message(e: NonFiniteStep, sharded: ShardedModel) -> str:
+    """A skipped step's line, naming the ranks whose own loss was not finite: one all-gather, on every rank
+    (every rank raised the same NonFiniteStep: its values are summed over ranks)."""
+    finite_by_rank = torch.zeros(sharded.world, device=sharded.device)
+    all_gather_flat(finite_by_rank, e.local_finite.float().reshape(1))
+    bad = [r for r, ok in enumerate(finite_by_rank.tolist()) if not ok]
+    where = f" (from rank {', '.join(map(str, bad))})" if bad else ""
+    return f"step {e.step}: loss {e.loss}, grad_norm {e.grad_norm}{where}; the optimizer step was skipped"
 
 
 def evaluate(cfg, sharded: ShardedModel, eval_windows) -> float:
@@ -899,7 +988,7 @@ def setup(cfg: TrainConfig):
     if threads:
         torch.set_num_threads(threads)
     disk.claim_out_dir(cfg.out_dir, rank, world, device)
-    sharded = ShardedModel(cfg, mcfg, rank, world, device)
+    sharded = build_sharded_model(cfg, mcfg, rank, world, device)
     ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
     if cfg.resume == "never" and cfg.overwrite and rank == 0:  # once per run: its restarts resume (disk.py)
         kept = disk.overwrite_once(cfg.out_dir)
@@ -1016,7 +1105,8 @@ def main(argv=None):
     if os.environ.get("ZERO3_FAULT"):  # tests only: a rank killed, hung or given a NaN (faults.py)
         from components import faults
         try:  # honoured only beside the tests' ZERO3_ALLOW_FAULTS=1; else a warning
-            fault_hook = disk.fault_hook = faults.allowed_hook()
+            disk.fault_hook = faults.allowed_hook()
+            fault_hook = disk.fault_hook or no_fault
         except ValueError as e:
             fail(str(e))
     try:
@@ -1044,7 +1134,8 @@ def main(argv=None):
         try:
             with metrics.profile_step(cfg, step, rank, device):  # --profile STEP: a trace of this one
                 loss, grad_norm = train_step(cfg, sharded, windows, step, position)
-        except NonFiniteStep as e:
+        except NonFiniteStep as nonfinite:
+            e = nonfinite_message(nonfinite, sharded)  # which rank's loss went bad: an all-gather, on every rank
             skipped += 1
             if skipped > cfg.max_skipped_steps:
                 fail(f"{e}; stopping after {skipped} such step(s) (--max_skipped_steps {cfg.max_skipped_steps}); "

@@ -7,8 +7,10 @@ train.py's run_block is the only caller.
 
 --offload_optimizer (below OffloadedCheckpoint): each unit's fp32 shards (master, gradient, optimizer
 state) live in host memory and the optimizer runs on the CPU; the GPU keeps only a compute-dtype copy
-of the master shard, 2 B instead of 16 B per parameter / W. train.Unit asks `unit.host` in two places:
-what the all-gather reads (gather_input) and where a reduce-scattered gradient goes (finish_reduces)."""
+of the master shard, 2 B instead of 16 B per parameter / W. It plugs into train.py as train.OffloadedUnit
+(what the all-gather reads: gather_input; where a reduce-scattered gradient goes: add_grad, both through
+`unit.host`, a HostOptimizer) and train.OffloadedModel (the host's last adds before the gradient norm, the
+refresh after the update), which train.setup chooses."""
 import os
 import time
 import weakref

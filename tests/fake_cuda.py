@@ -704,7 +704,7 @@ def child(argv):
     watch_resizes(memory)
     device = torch.device("cuda", 0)
     with FakeTensorMode(allow_non_fake_inputs=True), make_memory_mode(memory, pinned):
-        sharded = T.ShardedModel(cfg, mcfg, args.rank, args.world, device)
+        sharded = T.build_sharded_model(cfg, mcfg, args.rank, args.world, device)
         if cfg.offload_optimizer:
             O.refresh_compute_shards(sharded.units)
         state_bytes = memory.current

@@ -67,7 +67,7 @@ def config_and_data(flags: list[str]):
 def sharded_model(cfg, mcfg, weights) -> T.ShardedModel:
     """This rank's ShardedModel with its first weights (seeded, or its shards of --init_from), as train.setup
     makes it (inside run_ranks: the rank and world come from the thread's group)."""
-    sharded = T.ShardedModel(cfg, mcfg, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    sharded = T.build_sharded_model(cfg, mcfg, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
     T.init_weights(cfg, mcfg, sharded.units, weights)
     if cfg.offload_optimizer:
         O.refresh_compute_shards(sharded.units)

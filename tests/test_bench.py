@@ -159,21 +159,6 @@ def test_checkpoint_io_measures_a_folder_without_a_hugging_face_model(tmp_path):
     assert not (out / "checkpoints").exists()
 
 
-def test_train_py_reads_downward_along_one_step():
-    """bench/reading_path.py traces one train_step: every train.py definition the step visits sits below the
-    definition that first calls it, except Unit (section 3, read before the step); the README quotes the counts."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "reading_path.py")], capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "train.py definitions above their first caller: 1 ['Unit']" in proc.stdout, proc.stdout
-    counts = {line.split(":")[0]: int(line.split(": ")[1].split()[0]) for line in proc.stdout.splitlines()
-              if " top-level definitions" in line}
-    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
-    assert f"{counts.pop('train.py')} definitions of `train.py`" in readme
-    for file, n in counts.items():
-        assert f"{n} of `{file}`" in readme, (file, n)
-
-
 def test_comm_volume_counts_the_zero3_schedule():
     """bench/comm_volume.py counts every collective of 3 steps and a save at W=2, tied and untied, and finds
     each one the ZeRO-3 schedule predicts (BENCHMARKS.md quotes its tables)."""

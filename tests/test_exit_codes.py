@@ -54,7 +54,7 @@ def raise_(e):
 OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is "
        "free. Process 4242 has 77.80 GiB memory in use.\nOf the allocated memory 0 bytes is allocated by PyTorch")
 START_UP = {  # where set-up meets it (train.py's name), the exception, the exit code, the line
-    "CUDA OOM, the GPU still held": ("ShardedModel", torch.cuda.OutOfMemoryError(OOM), 1,
+    "CUDA OOM, the GPU still held": ("build_sharded_model", torch.cuda.OutOfMemoryError(OOM), 1,
                                      "OutOfMemoryError while starting: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 "
                                      "has a total capacity of 79.19 GiB of which 1.06 GiB is free. Process 4242 has 77.80 "
                                      "GiB memory in use (at train.py:{line}); a restart may succeed"),
@@ -62,24 +62,24 @@ START_UP = {  # where set-up meets it (train.py's name), the exception, the exit
                                                           "error (run with NCCL_DEBUG=INFO for details)"), 1,
                            "RuntimeError while starting: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system "
                            "error (run with NCCL_DEBUG=INFO for details) (at train.py:{line}); a restart may succeed"),
-    "an ECC error": ("ShardedModel", RuntimeError("CUDA error: uncorrectable ECC error encountered\nCUDA kernel errors "
+    "an ECC error": ("build_sharded_model", RuntimeError("CUDA error: uncorrectable ECC error encountered\nCUDA kernel errors "
                                                   "might be asynchronously reported"), 1,
                      "RuntimeError while starting: CUDA error: uncorrectable ECC error encountered (at train.py:{line}); "
                      "a restart may succeed"),
-    "a type nobody listed": ("ShardedModel", NobodyListed("something new"), 1,
+    "a type nobody listed": ("build_sharded_model", NobodyListed("something new"), 1,
                              "NobodyListed while starting: something new (at train.py:{line}); a restart may succeed"),
-    "an I/O error": ("ShardedModel", OSError(errno.EIO, os.strerror(errno.EIO), "/shared/x"), 1,
+    "an I/O error": ("build_sharded_model", OSError(errno.EIO, os.strerror(errno.EIO), "/shared/x"), 1,
                      "OSError while starting: /shared/x: Input/output error; a restart may succeed"),
     # Shown to repeat: a restart would meet them again.
-    "bad data": ("ShardedModel", D.DataError("--data: x.npy has token id 700 at position 100"), 2,
+    "bad data": ("build_sharded_model", D.DataError("--data: x.npy has token id 700 at position 100"), 2,
                  "--data: x.npy has token id 700 at position 100"),
-    "a resume under other flags": ("ShardedModel", disk.ResumeMismatch("--resume: checkpoint C was saved under other "
+    "a resume under other flags": ("build_sharded_model", disk.ResumeMismatch("--resume: checkpoint C was saved under other "
                                                                        "values"), 2,
                                    "--resume: checkpoint C was saved under other values"),
-    "a full disk": ("ShardedModel", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/shared/x"), 2,
+    "a full disk": ("build_sharded_model", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/shared/x"), 2,
                     "/shared/x: No space left on device (the filesystem is full, of bytes or of inodes: df -h and df -i "
                     "say which)"),
-    "a missing package": ("ShardedModel", ImportError("--tensorboard needs the tensorboard package: pip install "
+    "a missing package": ("build_sharded_model", ImportError("--tensorboard needs the tensorboard package: pip install "
                                                       "tensorboard"), 2,
                           "--tensorboard needs the tensorboard package: pip install tensorboard"),
 }

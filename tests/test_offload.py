@@ -111,7 +111,7 @@ def test_offloaded_state_lives_in_host_memory(tmp_path):
     with torch.device("meta"):
         model = M.Llama(small_config())
     from components import offload as O
-    units = T.build_units(model, 0, 2, torch.device("cpu"), torch.bfloat16, state_device=torch.device("cpu"))
+    units = T.build_units(model, 0, 2, torch.device("cpu"), torch.bfloat16, T.OffloadedUnit)
     O.offload_optimizer(units, host_adds=[])
     for u in units:
         assert u.host.compute_shard.dtype == torch.bfloat16 and u.host.compute_shard.numel() == u.shard_numel
@@ -138,7 +138,7 @@ def test_the_host_state_is_one_buffer_of_exactly_the_planners_bytes():
     mcfg, world = small_config(), 3
     with torch.device("meta"):
         model = M.Llama(mcfg)
-    units = T.build_units(model, 0, world, torch.device("cpu"), torch.bfloat16, state_device=torch.device("meta"))
+    units = T.build_units(model, 0, world, torch.device("cpu"), torch.bfloat16, T.OffloadedUnit)
     state = O.offload_optimizer(units, host_adds=[])
     buffer = state.buffer
     assert buffer.is_contiguous() and buffer.dtype == torch.float32
@@ -166,7 +166,7 @@ def cpu_units(world=1):
     import train as T
     with torch.device("meta"):
         model = M.Llama(small_config())
-    return T.build_units(model, 0, world, torch.device("cpu"), torch.bfloat16, state_device=torch.device("meta"))
+    return T.build_units(model, 0, world, torch.device("cpu"), torch.bfloat16, T.OffloadedUnit)
 
 
 def test_gradients_are_added_on_a_worker_thread_not_the_one_queuing_backward(monkeypatch):

@@ -193,7 +193,7 @@ OFFLOAD_70B_ONE_NODE = dict(CASE_70B, nnodes=1, ac="full", offload_activations="
 def test_offloaded_optimizer_state_matches_the_trainers_units_with_padding():
     # --offload_optimizer: the GPU keeps a bf16 copy of its shards (2 B x padded N / W), the host the 16 B.
     mcfg, world = M.PRESETS["tiny"](), 3
-    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, torch.device("meta"))
+    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, T.OffloadedUnit)
     buffer = O.offload_optimizer(units, host_adds=[]).buffer  # the state and the staging slots
     assert any(u.padded_numel != u.numel for u in units)
     slice_numel = sum(u.shard_numel for u in units)

@@ -319,3 +319,47 @@ def test_a_units_views_survive_free_and_refill():
         assert states == ["free", "gathered", "gathering"]
         assert freed == ("free", (cfg.n_heads * cfg.head_dim, cfg.dim), 0)  # the view stays, its bytes go
         assert refused and same_grad and grad_size > 0
+
+
+def test_the_naive_step_leaves_the_modules_where_it_found_them(tiny_tokens, tmp_path):
+    """train_step_naive points every module at a full buffer of its own for the step; when it returns they
+    point where they did, at views of each unit's freed `gathered` buffer, so its full buffers (the whole
+    model and its gradient in the compute dtype) go with it, and the real step finds what it expects."""
+    cfg, mcfg, weights, windows = config_and_data(TINY + [f"--data={tiny_tokens}", f"--out_dir={tmp_path}"])
+
+    def rank_runs(rank):
+        sharded = sharded_model(cfg, mcfg, weights)
+        batches = T.micro_batches(cfg, sharded, windows, 0)
+        T.train_step_naive(cfg, sharded.units, sharded.model, batches, 1)
+        return [getattr(slot.module, slot.attr)._base is unit.gathered for unit in sharded.units for slot in unit.slots]
+
+    for on_gathered in run_ranks(2, rank_runs):
+        assert len(on_gathered) > 3 and all(on_gathered)
+
+
+@pytest.mark.parametrize("returned", ["x", "x.view_as(x)"])
+def test_backward_boundary_holds_whether_it_returns_its_input_or_a_view_of_it(returned):
+    """What BackwardBoundary needs (the comment above train.Unit): its output's history must run through its
+    node, so that its backward runs before the previous stage's. Returning the input as it is gives that:
+    PyTorch's custom-function machinery returns an unmodified input as a new view of itself with the
+    Function's node as its grad_fn (torch/csrc/autograd/custom_function.cpp, _process_backward_mode_ad);
+    `x.view_as(x)`, what train.py used to return, gives the same. train.BackwardBoundary returns x itself."""
+    from types import SimpleNamespace
+
+    class Boundary(T.BackwardBoundary):
+        @staticmethod
+        def forward(ctx, x, on_backward):
+            ctx.on_backward = on_backward
+            return x if returned == "x" else x.view_as(x)
+
+    order = []
+    w = torch.randn(4, requires_grad=True)
+    x = w * 2  # the previous stage's output
+    x.register_hook(lambda grad: order.append("previous stage's backward"))
+    y = Boundary.apply(x, lambda: order.append("boundary"))
+    assert y is not x and y._base is x and y.grad_fn.next_functions[0][0] is x.grad_fn
+    (y * 3).sum().backward()
+    assert order == ["boundary", "previous stage's backward"]
+    assert torch.equal(w.grad, torch.full((4,), 6.0))
+    x = torch.randn(2)
+    assert T.BackwardBoundary.forward(SimpleNamespace(), x, None) is x
