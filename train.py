@@ -906,6 +906,22 @@ def no_fault(where: str, step: int, rank: int, loss=None):
 fault_hook = no_fault
 
 
+def left_behind(sharded: ShardedModel, step: int) -> str | None:
+    """The step's invariant, checked after each one (a loop over the units' storage sizes: nothing measurable):
+    every unit is free and no reduce-scatter is in flight. A unit left gathered (a fork whose backward never
+    reaches a unit's boundary, e.g. frozen first blocks) would be taken by the next step's wait_gather as
+    ready, and that step would compute with the weights from before this update: an error, not stale weights."""
+    gathered = [u.name for u in sharded.units if u.state() != "free"]
+    in_flight = [unit.name for unit, *_ in sharded.reduces_in_flight]
+    if not gathered and not in_flight:
+        return None
+    what = "; ".join(part for part in (f"unit(s) {', '.join(gathered)} still gathered" if gathered else "",
+                                       f"reduce-scatter(s) of {', '.join(in_flight)} in flight" if in_flight else "") if part)
+    return (f"step {step} ended with {what}: every unit must be freed and every gradient reduced by the end of a step "
+            f"(ShardedModel.on_backward frees a stage as backward leaves it, finish_reduces waits for the reduce-scatters); "
+            f"the next step would read weights from before this update")
+
+
 def nonfinite_message(e: NonFiniteStep, sharded: ShardedModel) -> str:
     """A skipped step's line, naming the ranks whose own loss was not finite: one all-gather, on every rank
     (every rank raised the same NonFiniteStep: its values are summed over ranks)."""
@@ -1143,6 +1159,9 @@ def main(argv=None):
             if rank == 0:
                 print(f"warning: {e} ({skipped} of at most {cfg.max_skipped_steps})", file=sys.stderr, flush=True)
             loss = grad_norm = None  # null in metrics.jsonl
+        leftover = left_behind(sharded, step)  # a fork's bug, named here rather than training on stale weights
+        if leftover:
+            fail(leftover)
         position += cfg.batch_size  # windows consumed: the data loader's state
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -129,3 +129,30 @@ def test_warmup_as_long_as_the_run_is_a_warning_not_an_error(tmp_path):
         "last step (--lr 0.001)")
     assert checks.config_warnings(T.parse_args(["--steps=21", "--warmup_steps=20"])) == []
     assert checks.config_warnings(T.parse_args(["--steps=0", "--warmup_steps=20"])) == []  # a conversion
+
+
+@pytest.mark.parametrize("leave", ["gathered", "reducing"])
+def test_a_step_that_leaves_a_unit_gathered_or_reducing_stops_with_one_line(main_in_process, monkeypatch, tmp_path,
+                                                                            capsys, leave):
+    """A fork's bug (frozen first blocks whose backward never runs, so their stage is never freed) would let the
+    next step's wait_gather take a unit gathered before the update as ready: stale weights, silently. The loop
+    checks after every step that every unit is free and no reduce-scatter is in flight, and stops with one line."""
+    import numpy as np
+    import train as T
+    tokens = tmp_path / "tok.npy"
+    np.save(tokens, (np.arange(4000) * 7 % 500).astype(np.uint16))
+    real_step = T.train_step
+
+    def buggy_step(cfg, sharded, windows, step, position):
+        result = real_step(cfg, sharded, windows, step, position)
+        if step == 2 and leave == "gathered":
+            sharded.units[1].wait_gather()  # layers.0 gathered again and never freed
+        if step == 2 and leave == "reducing":
+            sharded.reduces_in_flight.append((sharded.units[-1], None, None, None))
+        return result
+    monkeypatch.setattr(T, "train_step", buggy_step)
+    code = main_in_process(["--model=tiny", f"--data={tokens}", f"--out_dir={tmp_path / 'out'}", "--seq_len=16",
+                            "--batch_size=2", "--micro_batch_size=1", "--steps=4", "--eval_every=0"])
+    assert code == 2
+    what = ("unit(s) layers.0 still gathered" if leave == "gathered" else "reduce-scatter(s) of head in flight")
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: step 2 ended with {what}: every unit")
