@@ -571,8 +571,9 @@ def rank_file_tensors(units: list) -> list:
 def checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files) -> dict:
     return {"format": CKPT_FORMAT, "step": step, "world_size": world, "model": asdict(mcfg),
             "train": asdict(cfg), "resolved": {key: flag_meaning(key, getattr(cfg, key)) for key in PATH_FLAGS},
-            "files": files, "optimizer_state": list(units[0].optimizer_state),
-            "units": {u.name: {"numel": u.numel, "shard_numel": u.shard_numel} for u in units},
+            "files": files,  # each unit's own optimizer state names: a fork's units need not all keep the same
+            "units": {u.name: {"numel": u.numel, "shard_numel": u.shard_numel, "optimizer_state": list(u.optimizer_state)}
+                      for u in units},
             "data": data_state}
 
 
@@ -986,14 +987,16 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
     from safetensors import safe_open
     check_manifest_numbers(path, manifest)
     old_world = manifest["world_size"]
-    saved_state = manifest.get("optimizer_state", ["exp_avg", "exp_avg_sq"])
-    if not master_only and saved_state != list(units[0].optimizer_state):
-        raise CheckpointError(f"checkpoint {path}: saved with optimizer state {', '.join(saved_state)}, this run's "
-                              f"optimizer keeps {', '.join(units[0].optimizer_state)}")
     for unit in units:
         saved = manifest["units"].get(unit.name)
         if saved is None or saved["numel"] != unit.numel:
             raise CheckpointError(f"checkpoint {path}: unit {unit.name} is missing or has another size")
+        # Per unit (a manifest saved before 2026-12-05 names one list for all units, at its top level).
+        saved_state = saved.get("optimizer_state", manifest.get("optimizer_state", ["exp_avg", "exp_avg_sq"]))
+        if not master_only and saved_state != list(unit.optimizer_state):
+            raise CheckpointError(f"checkpoint {path}: unit {unit.name} was saved with optimizer state "
+                                  f"{', '.join(saved_state) or 'none'}, this run's optimizer keeps "
+                                  f"{', '.join(unit.optimizer_state) or 'none'} for it")
     verified = set()
     for unit in units:
         old_shard = manifest["units"][unit.name]["shard_numel"]

@@ -119,11 +119,13 @@ class OffloadedCheckpoint(torch.autograd.Function):
 GRAD_SLOTS = 2  # reduce-scattered shards on their way to host memory at once (backward waits for a free slot)
 
 
-def host_buffer_numel(shard_numels: list[int], tensors_per_unit: int) -> int:
+def host_buffer_numel(shard_numels: list[int], tensors_per_unit) -> int:
     """fp32 elements of a rank's one host buffer: each unit's state tensors (master, gradient, optimizer
-    state: `tensors_per_unit` x its shard), then GRAD_SLOTS staging slots as large as the largest shard. What
-    plan.host_bytes_per_gpu and checks.check_host_memory count, byte for byte."""
-    return tensors_per_unit * sum(shard_numels) + GRAD_SLOTS * max(shard_numels)
+    state: `tensors_per_unit` x its shard; a number for all units, or one per unit), then GRAD_SLOTS staging
+    slots as large as the largest shard. What plan.host_bytes_per_gpu and checks.check_host_memory count,
+    byte for byte."""
+    counts = tensors_per_unit if isinstance(tensors_per_unit, list) else [tensors_per_unit] * len(shard_numels)
+    return sum(c * n for c, n in zip(counts, shard_numels)) + GRAD_SLOTS * max(shard_numels)
 
 
 def page_lock(buffer: torch.Tensor, flag: str = "--offload_optimizer"):
@@ -149,8 +151,9 @@ class HostState:
     thread that adds the gradients into the host accumulators (not the thread that queues the GPU's work)."""
 
     def __init__(self, units: list, device: torch.device):
-        tensors_per_unit = 2 + len(units[0].optimizer_state)
+        tensors_per_unit = [2 + len(u.optimizer_state) for u in units]  # each unit's own state, not the first's
         shards = [u.shard_numel for u in units]
+        state_numel = sum(c * n for c, n in zip(tensors_per_unit, shards))
         start = time.perf_counter()
         self.buffer = torch.zeros(host_buffer_numel(shards, tensors_per_unit), dtype=torch.float32)
         self.zeroed_s, self.page_locked_s = time.perf_counter() - start, None  # start-up cost, for the log
@@ -161,12 +164,11 @@ class HostState:
             # Unregistered before the buffer's memory goes back (bench/gpu.py runs one model after another);
             # not at exit, where the process's memory goes anyway.
             weakref.finalize(self, unlock, self.buffer.data_ptr()).atexit = False
-        views = iter(self.buffer[:tensors_per_unit * sum(shards)].split(
-            [n for n in shards for _ in range(tensors_per_unit)]))
+        views = iter(self.buffer[:state_numel].split([n for c, n in zip(tensors_per_unit, shards) for _ in range(c)]))
         for u in units:
             u.master_shard, u.grad_shard = next(views), next(views)
             u.optimizer_state = {name: next(views) for name in u.optimizer_state}
-        self.slots = list(self.buffer[tensors_per_unit * sum(shards):].view(GRAD_SLOTS, max(shards)))
+        self.slots = list(self.buffer[state_numel:].view(GRAD_SLOTS, max(shards)))
         self.free_slots = list(range(GRAD_SLOTS))
         self.sent = [None] * GRAD_SLOTS  # CUDA: per slot, the event of the last copy up that reads it
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -207,3 +207,4 @@ def test_the_staging_buffer_is_what_the_planner_counts_and_is_taken_once(data, m
     assert len(made) == 1 and len(copied_into) == 5  # steps 1..5 in the background, step 6 at the end
     assert made[0].staging.numel() == plan.staging_bytes_per_rank(models[0], 1)
     assert set(copied_into) == {made[0].staging.data_ptr()}
+

@@ -4,6 +4,7 @@ path and its cause, with `latest` and the previous checkpoint untouched; another
 is found at the next save; a lock a crashed node left is judged by what SLURM says of its job (a fake scontrol);
 nothing is written through a symbolic link planted in the folder. A network error while the processes connect
 exits 1, which torchrun retries."""
+import json
 import errno
 import os
 import socket
@@ -393,3 +394,28 @@ def test_samples_jsonl_unwritable_is_kept_for_the_stop_not_raised(tmp_path, monk
     assert sampler.error == (f"--out_dir: cannot write {tmp_path / 'samples.jsonl'}: Is a directory; the run stops "
                              f"without saving: once the file can be written, the same command resumes from the last "
                              f"checkpoint")
+
+
+def test_each_unit_names_its_own_optimizer_state_in_the_manifest(main_in_process, tmp_path, capsys):
+    """The manifest lists the optimizer state per unit (a fork's units need not keep the same); a manifest of
+    the older form (one list at its top level) still resumes; a unit whose saved state differs from what this
+    run keeps for it is named, and resume uses the checkpoint before it."""
+    cmd = tiny_run(tmp_path, "--ckpt_every=1", "--keep_ckpts=5")
+    assert main_in_process(cmd[:] + ["--steps=2"]) == 0
+    path = tmp_path / "out" / "checkpoints" / "step_00000002" / "manifest.json"
+    saved = json.loads(path.read_text())
+    assert {tuple(u["optimizer_state"]) for u in saved["units"].values()} == {("exp_avg", "exp_avg_sq")}
+    for u in saved["units"].values():  # the form saved before 2026-12-05
+        del u["optimizer_state"]
+    path.write_text(json.dumps(dict(saved, optimizer_state=["exp_avg", "exp_avg_sq"])))
+    assert main_in_process(cmd[:] + ["--steps=3"]) == 0
+    assert "at step 2" in capsys.readouterr().out
+    path = tmp_path / "out" / "checkpoints" / "step_00000003" / "manifest.json"
+    saved = json.loads(path.read_text())
+    saved["units"]["layers.0"]["optimizer_state"] = ["momentum_buffer"]
+    path.write_text(json.dumps(saved))
+    assert main_in_process(cmd[:] + ["--steps=4"]) == 0
+    out = capsys.readouterr()
+    assert ("unit layers.0 was saved with optimizer state momentum_buffer, this run's optimizer keeps exp_avg, "
+            "exp_avg_sq for it") in out.err + out.out
+    assert "at step 2" in out.out

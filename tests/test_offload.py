@@ -102,6 +102,28 @@ def test_offload_without_the_host_memory_for_it_stops_at_once(tmp_path):
     assert "GiB available; use more nodes, or train without --offload_optimizer" in proc.stderr
 
 
+def test_the_host_buffer_sizes_each_unit_by_its_own_optimizer_state():
+    """A fork's units need not all keep the same optimizer state (a unit under another optimizer, or none):
+    the host buffer lays each unit out by its own state list, not the first unit's, and is exactly
+    host_buffer_numel of those counts."""
+    import torch
+    import model as M
+    import train as T
+    from components import offload as O
+    with torch.device("meta"):
+        model = M.Llama(small_config())
+    units = T.build_units(model, 0, 2, torch.device("cpu"), torch.float32, T.OffloadedUnit)
+    units[1].optimizer_state = {"momentum_buffer": None}  # one state tensor here, two elsewhere
+    units[2].optimizer_state = {}                          # none at all
+    state = O.offload_optimizer(units, host_adds=[])
+    counts = [2 + len(u.optimizer_state) for u in units]
+    assert state.buffer.numel() == O.host_buffer_numel([u.shard_numel for u in units], counts)
+    views = [t for u in units for t in (u.master_shard, u.grad_shard, *u.optimizer_state.values())]
+    assert all(t.numel() == u.shard_numel for u in units for t in (u.master_shard, u.grad_shard, *u.optimizer_state.values()))
+    starts = sorted(t.data_ptr() for t in views)  # disjoint, back to back
+    assert len(set(starts)) == len(views) and sum(t.numel() for t in views) == sum(c * u.shard_numel for c, u in zip(counts, units))
+
+
 def test_offloaded_state_lives_in_host_memory(tmp_path):
     """What each tensor is: fp32 master, gradient and AdamW state off the compute device, the compute-dtype
     shard on it (on CPU both are the CPU: the counts and dtypes are what can be checked)."""
