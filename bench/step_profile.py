@@ -66,22 +66,32 @@ def setup(flags: list):
     return cfg, sharded, windows
 
 
+def alternating_step_times(cfg, sharded, windows, rounds: int, steps_per_round: int, switch, first_step: int) -> dict:
+    """Step times with switch(True) and with switch(False), in alternating rounds of steps_per_round steps in the
+    same processes, so both see the same machine load; round 0 warms up both and is not kept. The steps continue
+    from `first_step` done. Returns {True: [s, ...], False: [s, ...]}."""
+    times_s = {True: [], False: []}
+    step = first_step
+    for r in range(rounds + 1):
+        for on in (True, False):
+            switch(on)
+            for _ in range(steps_per_round):
+                t0 = time.perf_counter()
+                T.train_step(cfg, sharded, windows, step + 1, step * cfg.batch_size)
+                if r:
+                    times_s[on].append(time.perf_counter() - t0)
+                step += 1
+    return times_s
+
+
 def run_prefetch(folder: str, rounds: int, steps_per_round: int):
     cfg, sharded, windows = setup([
         f"--init_from={folder}/init", f"--data={folder}/tokens.npy", "--seq_len=512", "--batch_size=8",
         "--micro_batch_size=4", "--dtype=float32", "--ac=none", "--doc_mask=false", f"--out_dir={tempfile.gettempdir()}/step_profile_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}",  # one for all ranks
         "--resume=never", "--overwrite=true"])
-    times_s = {True: [], False: []}
-    step = 0
-    for r in range(rounds + 1):  # round 0 warms up both
-        for prefetch in (True, False):
-            sharded.prefetch = prefetch
-            for _ in range(steps_per_round):
-                t0 = time.perf_counter()
-                T.train_step(cfg, sharded, windows, step + 1, step * cfg.batch_size)
-                if r:
-                    times_s[prefetch].append(time.perf_counter() - t0)
-                step += 1
+    def switch(prefetch):
+        sharded.prefetch = prefetch
+    times_s = alternating_step_times(cfg, sharded, windows, rounds, steps_per_round, switch, first_step=0)
     world, mcfg = sharded.world, sharded.model.cfg
     if sharded.rank == 0:
         on, off = statistics.median(times_s[True]), statistics.median(times_s[False])
@@ -179,17 +189,9 @@ def run_ranges(folder: str, rounds: int, model: str, steps_per_round: int = 3):
     T.record_function = counting
     T.train_step(cfg, sharded, windows, 1, 0)
     per_step = len(entered)
-    times_s = {True: [], False: []}
-    step = 1
-    for r in range(rounds + 1):  # round 0 warms up both
-        for ranges in (True, False):
-            T.record_function = real if ranges else NoRange
-            for _ in range(steps_per_round):
-                t0 = time.perf_counter()
-                T.train_step(cfg, sharded, windows, step + 1, step * cfg.batch_size)
-                if r:
-                    times_s[ranges].append(time.perf_counter() - t0)
-                step += 1
+    def switch(ranges):
+        T.record_function = real if ranges else NoRange
+    times_s = alternating_step_times(cfg, sharded, windows, rounds, steps_per_round, switch, first_step=1)
     T.record_function = real
     n = 100_000
     t0 = time.perf_counter()
