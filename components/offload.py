@@ -119,13 +119,11 @@ class OffloadedCheckpoint(torch.autograd.Function):
 GRAD_SLOTS = 2  # reduce-scattered shards on their way to host memory at once (backward waits for a free slot)
 
 
-def host_buffer_numel(shard_numels: list[int], tensors_per_unit) -> int:
+def host_buffer_numel(shard_numels: list[int], tensors_per_unit: list[int]) -> int:
     """fp32 elements of a rank's one host buffer: each unit's state tensors (master, gradient, optimizer
-    state: `tensors_per_unit` x its shard; a number for all units, or one per unit), then GRAD_SLOTS staging
-    slots as large as the largest shard. What plan.host_bytes_per_gpu and checks.check_host_memory count,
-    byte for byte."""
-    counts = tensors_per_unit if isinstance(tensors_per_unit, list) else [tensors_per_unit] * len(shard_numels)
-    return sum(c * n for c, n in zip(counts, shard_numels)) + GRAD_SLOTS * max(shard_numels)
+    state: its `tensors_per_unit` x its shard), then GRAD_SLOTS staging slots as large as the largest shard.
+    What plan.host_bytes_per_gpu and checks.check_host_memory count, byte for byte."""
+    return sum(c * n for c, n in zip(tensors_per_unit, shard_numels)) + GRAD_SLOTS * max(shard_numels)
 
 
 def page_lock(buffer: torch.Tensor, flag: str = "--offload_optimizer"):

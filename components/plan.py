@@ -378,7 +378,7 @@ def offloaded_host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int) -> dict:
     state = 0
     if cfg.offload_optimizer:
         shards = [padded(n, world) // world for n in unit_numels(mcfg)]
-        state = 4 * O.host_buffer_numel(shards, state_bytes() // 4)
+        state = 4 * O.host_buffer_numel(shards, [state_bytes() // 4] * len(shards))
     activations = sum(pinned_allocation_bytes(b) for b, off in block_kept_bytes(mcfg, cfg) if off)
     return dict(state=state, activations=activations)
 
