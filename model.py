@@ -15,6 +15,7 @@ is what the tests compare against HF. sample.py runs the same blocks with a `sam
 """
 
 import math
+import re
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -440,6 +441,43 @@ def block_policies(n_layers: int, ac: str, ac_blocks: int = -1, ac_rest: str = "
     for the others. Memory freed elsewhere (--offload_optimizer) becomes less recompute this way."""
     n = n_layers if ac_blocks < 0 else min(ac_blocks, n_layers)
     return [ac] * n + [ac_rest] * (n_layers - n)
+
+
+def hf_name(name: str) -> str:
+    """A parameter's Hugging Face name (the exported folder's, and what --freeze and --lr_mult match): ours
+    under `model.`, the untied head's `lm_head.weight` as it is."""
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def sharding_units(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """(unit name, its parameters' names) in the order they run: embed, layers.0 .. layers.{L-1}, head (the final
+    norm and the untied lm_head). train.build_units shards these; the planner and --freeze's check read them."""
+    names = [n for n, _ in model.named_parameters()]
+    units = [("embed", ["embed_tokens.weight"])]
+    units += [(f"layers.{i}", [n for n in names if n.startswith(f"layers.{i}.")]) for i in range(len(model.layers))]
+    return units + [("head", [n for n in names if n.startswith(("norm.", "lm_head."))])]
+
+
+def frozen_units(cfg: ModelConfig, freeze: str) -> tuple[list[str], list[str]]:
+    """--freeze: (the units frozen, the units the pattern splits). A unit is frozen when the regex matches
+    (re.search) the Hugging Face name of every parameter in it; a unit where it matches some but not all is
+    split (train.py refuses it: a unit is one flat buffer with one gradient and one optimizer state). With
+    tied embeddings the head's weight is the embedding's, so `lm_head.weight` counts as a name of the
+    embedding's parameter too."""
+    if not freeze:
+        return [], []
+    pattern = re.compile(freeze)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    aliases = {"embed_tokens.weight": ["lm_head.weight"]} if cfg.tie_embeddings else {}
+    frozen, split = [], []
+    for unit, names in sharding_units(model):
+        matched = [any(pattern.search(h) for h in [hf_name(n)] + aliases.get(n, [])) for n in names]
+        if all(matched):
+            frozen.append(unit)
+        elif any(matched):
+            split.append(unit)
+    return frozen, split
 
 
 # The fp32 tensors the optimizer keeps per element of each unit's shard, beside the master weights and the

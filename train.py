@@ -100,6 +100,11 @@ class TrainConfig:
     lr: float = opt(1e-3, "peak learning rate")
     warmup_steps: int = opt(20, "linear warmup steps")
     schedule: str = opt("cosine", "after warmup: 'cosine' (to 10%% of --lr at --steps) or 'constant'")
+    freeze: str = opt("", "a regex (re.search) over the Hugging Face parameter names (model.layers.0.mlp.up_proj.weight, "
+                          "lm_head.weight, as in --export_hf's folder): matching parameters are not trained, whole "
+                          "units only (the embedding, a block, the head); may change on resume (docs/forking.md)")
+    lr_mult: str = opt("", "'REGEX=FACTOR,...': the learning rate of parameters whose Hugging Face name matches REGEX is "
+                           "--lr x FACTOR (the first pattern that matches wins); may change on resume")
     weight_decay: float = opt(0.1, "decoupled AdamW weight decay, on matrices only (not norms)")
     grad_clip: float = opt(1.0, "clip the global gradient L2 norm to this; 0 disables")
     adam_beta1: float = opt(0.9, "AdamW beta1 (decay of the gradient's running mean)")
@@ -824,12 +829,8 @@ optimizer_step = adamw_step
 # ShardedModel's set-up: its units and its stages (what ShardedModel.loss runs), made once.
 
 def build_units(model: M.Llama, rank, world, device, compute_dtype, unit_class=Unit) -> list[Unit]:
-    """embed, layers.0 .. layers.{L-1}, head -- in the order they run."""
-    names = [n for n, _ in model.named_parameters()]
-    groups = [("embed", ["embed_tokens.weight"])]
-    groups += [(f"layers.{i}", [n for n in names if n.startswith(f"layers.{i}.")]) for i in range(len(model.layers))]
-    groups += [("head", [n for n in names if n.startswith(("norm.", "lm_head."))])]
-    return [unit_class(g, model, p, rank, world, device, compute_dtype) for g, p in groups]
+    """One Unit per M.sharding_units entry: embed, layers.0 .. layers.{L-1}, head -- in the order they run."""
+    return [unit_class(g, model, p, rank, world, device, compute_dtype) for g, p in M.sharding_units(model)]
 
 
 def make_stages(model: M.Llama, units: list[Unit], ac: str, offload: bool = False, ac_blocks: int = -1,

@@ -173,7 +173,7 @@ def check_export(mcfg: M.ModelConfig) -> list[str]:
     """--export_hf: what transformers builds from this model's config.json must be this model, found now
     rather than after the training (checkpoint.check_export_tensors; export_hf checks again)."""
     with torch.device("meta"):
-        shapes = {disk.hf_name(n): tuple(p.shape) for n, p in M.Llama(mcfg).named_parameters()}
+        shapes = {M.hf_name(n): tuple(p.shape) for n, p in M.Llama(mcfg).named_parameters()}
     try:
         disk.check_export_tensors(disk.config_to_hf(mcfg, torch.float32), shapes)
     except ValueError as e:

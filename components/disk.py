@@ -1348,7 +1348,7 @@ def check_hf_tensors(files: dict, mcfg: M.ModelConfig, folder: str):
     model lacks (a Qwen2 q_proj.bias, an old conversion's rotary inv_freq, an lm_head.weight beside tied
     embeddings) is refused, never dropped: each is a sign the weights are not that model's."""
     with torch.device("meta"):  # names only: allocates nothing
-        expected = {hf_name(name) for name, _ in M.Llama(mcfg).named_parameters()}
+        expected = {M.hf_name(name) for name, _ in M.Llama(mcfg).named_parameters()}
     missing, unexpected = sorted(expected - files.keys()), sorted(files.keys() - expected)
     if missing:
         raise ValueError(f"--init_from: tensor {missing[0]}{more(missing)} is missing from the safetensors files "
@@ -1366,10 +1366,6 @@ def more(names: list) -> str:
     return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
-def hf_name(name: str) -> str:
-    return name if name.startswith("lm_head.") else "model." + name
-
-
 def load_unit_from_hf(unit, files: dict, open_files: dict):
     """Reads only this rank's shard of each parameter (safetensors reads shards without loading the
     tensor): at most one extra row on each side of the shard is read, then cut away."""
@@ -1380,7 +1376,7 @@ def load_unit_from_hf(unit, files: dict, open_files: dict):
         lo, hi = max(offset, lo_shard), min(offset + math.prod(shape), hi_shard)
         if lo >= hi:
             continue
-        key = hf_name(name)
+        key = M.hf_name(name)
         if key not in files:
             raise KeyError(f"--init_from: tensor {key} is missing from the checkpoint")
         if files[key] not in open_files:
@@ -1511,7 +1507,7 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
     most `shard_gb`; rank 0 holds at most one file's tensors at a time. Returns (on rank 0) a note on the
     tokenizer; an export that cannot be made raises CheckpointError on every rank, leaving no folder.
     (checks.check_export has refused a model transformers would build differently before the training.)"""
-    shapes = {hf_name(slot.name): slot.shape for unit in units for slot in unit.slots}
+    shapes = {M.hf_name(slot.name): slot.shape for unit in units for slot in unit.slots}
     max_bytes = int(shard_gb * 1e9)
     bytes_per = torch.tensor([], dtype=dtype).element_size()
     files, size = [[]], 0
@@ -1538,7 +1534,7 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
             if rank == 0:
                 for slot in unit.slots:
                     piece = full[slot.offset:slot.offset + math.prod(slot.shape)].view(slot.shape)
-                    tensors.append((hf_name(slot.name), piece.to(dtype).cpu().clone()))
+                    tensors.append((M.hf_name(slot.name), piece.to(dtype).cpu().clone()))
             del full
         if rank == 0 and not error:
             try:
