@@ -62,7 +62,7 @@ import model as M
 from components import disk  # state on disk: the out_dir, checkpoints, resume, Hugging Face import and export
 from components import metrics
 from components import offload as O  # --offload_activations and --offload_optimizer
-from components import sample
+from components import plan, sample  # plan: the planner, which runs this file's Unit and blocks (use_trainer)
 from components.checks import (async_save_on, check_run, config_warnings, flash_attn_unsaved_warning,  # every input
                                unknown_flag_message)
 
@@ -985,7 +985,7 @@ def setup(cfg: TrainConfig):
     """Everything before the first step: checks, data, processes, the sharded model, its weights (from
     a checkpoint, --init_from or the seed). Returns (sharded, windows, eval_windows, step, position):
     the last step done (0 on a fresh start) and the data position after it."""
-    state_bytes_per_param = 4 * (2 + len(M.OPTIMIZER_STATE))  # fp32 master, gradient, optimizer state
+    state_bytes_per_param = plan.use_trainer(sys.modules[__name__])  # measured on a Unit: master, gradient, state
     mcfg, weights, errors = check_run(cfg, int(os.environ.get("WORLD_SIZE", 1)), state_bytes_per_param)  # checks.py
     if errors:
         fail("; ".join(errors))
@@ -1091,8 +1091,7 @@ def main(argv=None):
             fail(str(e))
         return
     if cfg.plan:  # the planner (components/plan.py): memory, speed and cost per GPU, from the flags alone
-        from components import plan
-        error = plan.main(cfg)
+        error = plan.main(cfg, trainer=sys.modules[__name__])  # it runs this file's blocks and optimizer, never imports it
         if error:
             fail(error)
         return

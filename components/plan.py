@@ -20,10 +20,19 @@ and from them how long before a time limit a stop request must arrive (launch.sb
 not fit ends --plan with an error naming the nearest one that does (`nearest_fit`).
 """
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import math
+import sys
+import weakref
+
+import numpy as np
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import model as M
 from components import disk
@@ -34,11 +43,6 @@ GIB = 2**30
 COMPUTE_BYTES = 2                                 # bf16: gathered weights, their gradients, activations
 REDUCE_BYTES = {"bfloat16": 2, "float32": 4}      # by --reduce_dtype
 
-
-
-def state_bytes() -> int:
-    """Persistent bytes per parameter (before / W): fp32 master, gradient, and each optimizer state tensor."""
-    return 4 * (2 + len(M.OPTIMIZER_STATE))
 
 
 # bench/host_adamw.py on the development machine (BENCHMARKS.md, "CPU: host AdamW and gradient accumulation"),
@@ -236,6 +240,196 @@ ASSUMPTIONS = {
 }
 
 # ----------------------------------------------------------------------------------------------
+# Reading the code: what a block keeps for backward, what its backward brings back, what the optimizer keeps
+# ----------------------------------------------------------------------------------------------
+#
+# The planner does not count a block's saved tensors or the optimizer's state by hand: it runs the code the
+# trainer runs -- model.py's Block through train.run_block under each --ac policy, train.Unit, and
+# train.optimizer_step -- under FakeTensorMode (torch._subclasses.fake_tensor), where every op computes its
+# output's shape, dtype and autograd node from its meta function and allocates nothing, so a 70B block at
+# seq 8192 costs milliseconds. It counts what stays alive: each storage an op creates (LiveStorages), from
+# then until the last reference to it dies. After a block's forward what is alive, its output aside, is what
+# autograd keeps for backward, whoever keeps it: an op's saved tensors, checkpoint's copy of its input and
+# selective checkpointing's cache, offload.OffloadedCheckpoint's host copy. Storages that existed before (the
+# weights, of which an op saves views, the input, RoPE's tables, the document mask) are not counted. A fork
+# that saves one more tensor, swaps the optimizer or its state, or freezes units is read the same way, with
+# no edit here. train.py hands its module over (use_trainer): components never import it.
+
+TRAINER = None  # train.py's module: run_block, Unit, optimizer_step. Set by use_trainer
+
+
+def use_trainer(module) -> float:
+    """train.py hands itself to the planner (plan.main, train.setup): the code the planner runs. Returns a
+    trained unit's persistent bytes per parameter (state_bytes_per_param), what the start-up checks print."""
+    global TRAINER
+    TRAINER = module
+    return round(state_bytes_per_param())
+
+
+def trainer():
+    """The trainer's code: as handed (use_trainer), or, in a process that imported train.py as `train`
+    (the tests, tests/fake_cuda.py, bench/), that module."""
+    found = TRAINER or sys.modules.get("train")
+    if found is None:
+        raise RuntimeError("plan.py measures train.py's code (run_block, Unit, optimizer_step): hand it with "
+                           "plan.use_trainer(train)")
+    return found
+
+
+class LiveStorages(TorchDispatchMode):
+    """Bytes of the storages the ops under it create, alive now and at their peak; `known`: ids of storages
+    made before, which are not counted (the weights, whose views ops save, and the inputs)."""
+
+    def __init__(self, known: list):
+        super().__init__()
+        self.known = {id(s) for s in known}
+        self.live = {}  # id(storage) -> [weakref, bytes]
+        self.current_bytes = self.peak_bytes = 0
+        self.at_peak = {}  # id -> bytes, what was alive at the peak
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage, key = t.untyped_storage(), id(t.untyped_storage())
+                if key not in self.live and key not in self.known:
+                    self.live[key] = [weakref.ref(storage, lambda _, key=key: self.drop(key)), storage.nbytes()]
+                    self.current_bytes += storage.nbytes()
+                    if self.current_bytes > self.peak_bytes:
+                        self.peak_bytes = self.current_bytes
+                        self.at_peak = {k: v[1] for k, v in self.live.items()}
+        return out
+
+    def drop(self, key):
+        entry = self.live.pop(key, None)
+        if entry:
+            self.current_bytes -= entry[1]
+
+    def restart_peak(self):
+        self.peak_bytes, self.at_peak = self.current_bytes, {k: v[1] for k, v in self.live.items()}
+
+
+@contextlib.contextmanager
+def attention_kernel(kernel: str):
+    """model.attention as it runs on the GPU machines, for the kernel whose saved tensors the planner counts
+    (ASSUMPTIONS attention). "flash": FlashAttention-2 (flash_attn_func, flash_attn_varlen_func) and SDPA's
+    flash kernel save q, k, v, the output and the fp32 log-sum-exp, what model.attention on the CPU runs too
+    (SDPA's flash kernel for CPU), unmasked: a packed document's varlen call saves the same per token.
+    "efficient": --doc_mask without flash-attn, SDPA's memory-efficient kernel with the mask and K/V repeated
+    to the query's heads (model.sdpa_arguments on CUDA), its aten op called as CUDA's SDPA calls it."""
+    if kernel == "flash":
+        yield
+        return
+    def efficient(q, k, v, layout=None):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, layout.mask, True)[0]
+        return out.transpose(1, 2)
+    real, M.attention = M.attention, efficient
+    try:
+        yield
+    finally:
+        M.attention = real
+
+
+def fake_block(mcfg: M.ModelConfig, trained: bool) -> torch.nn.Module:
+    """One block with bf16 fake weights (call under FakeTensorMode): made on the meta device, each parameter
+    replaced, as train.Unit points them at its gathered buffer."""
+    with torch.device("meta"):
+        block = M.Block(mcfg)
+    for name, p in list(block.named_parameters()):
+        module, _, attr = name.rpartition(".")
+        weight = torch.nn.Parameter(torch.empty(p.shape, dtype=torch.bfloat16), requires_grad=trained)
+        setattr(block.get_submodule(module), attr, weight)
+    return block
+
+
+READINGS = {}  # what the planner measured, by what it ran: the arguments and the code
+
+
+def read_block(mcfg: M.ModelConfig, policy: str, micro_batch: int, seq_len: int, kernel: str = "flash",
+               offload: bool = False, trained: bool = True, input_grad: bool = True) -> dict:
+    """One block's forward and backward as the trainer runs them (train.run_block), under fake tensors, at the
+    run's micro-batch: bytes kept for backward (`kept`), and, over the block's backward, what it adds at its
+    peak: its weights' gradients (`gradients`, each alive until the unit's last) and the rest (`backward`:
+    what recompute brings back, activation gradients). `trained`: its weights take gradients (a frozen unit's
+    do not); `input_grad`: its input needs one (False for a frozen prefix: autograd then keeps nothing)."""
+    code = (trainer().run_block, M.attention, M.Block.forward, M.Attention.forward, M.MLP.forward,
+            M.RMSNorm.forward, M.OPTIMIZER_STATE)
+    key = (repr(mcfg), policy, micro_batch, seq_len, kernel, offload, trained, input_grad, code)
+    if key not in READINGS:
+        READINGS[key] = measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, input_grad)
+    return READINGS[key]
+
+
+def measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, input_grad) -> dict:
+    with FakeTensorMode(allow_non_fake_inputs=True), attention_kernel(kernel):
+        block = fake_block(mcfg, trained)
+        x_in = torch.empty(micro_batch, seq_len, mcfg.dim, dtype=torch.bfloat16, requires_grad=input_grad)
+        if kernel == "flash":
+            layout = None
+            positions = torch.arange(seq_len).expand(micro_batch, seq_len)
+        else:  # the mask SDPA reads, for 4 documents per row (its size does not depend on them)
+            starts = np.zeros((micro_batch, seq_len), dtype=bool)
+            starts[:, ::max(1, seq_len // 4)] = True
+            layout = M.document_layout(starts, "cpu", torch.bfloat16)
+            positions = layout.positions
+        cos, sin = M.rope_cos_sin(mcfg, positions, torch.bfloat16)
+        inputs = [x_in, cos, sin] + ([layout.mask] if layout else [])
+        live = LiveStorages([t.untyped_storage() for t in list(block.parameters()) + inputs])
+        with live:
+            x = x_in * 1  # the block's input as the trainer's: made by the step before it, not a leaf
+            out = trainer().run_block(block, policy, x, cos, sin, layout, offload)
+            del x
+            kept = live.current_bytes - out.untyped_storage().nbytes()
+            grad_out = torch.empty_like(out)
+            live.restart_peak()
+            before = live.current_bytes
+            if out.requires_grad:
+                out.backward(grad_out)
+        weight_grads = {id(p.grad.untyped_storage()) for p in block.parameters() if p.grad is not None}
+        gradients = sum(b for k, b in live.at_peak.items() if k in weight_grads)
+    return dict(kept=kept, gradients=gradients, backward=live.peak_bytes - before - gradients)
+
+
+def state_bytes_per_param(frozen: bool = False) -> float:
+    """Persistent bytes per parameter of a unit's shard, read from a train.Unit: its fp32 master shard, its
+    gradient and each optimizer state tensor (Unit.persistent_bytes), 16 B with AdamW. A frozen unit keeps
+    its master shard alone (train.py's --freeze: no gradient, no optimizer state)."""
+    key = ("state", trainer().Unit, M.OPTIMIZER_STATE, frozen)
+    if key not in READINGS:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            unit = fake_units(M.tiny(), 1)[-1]
+            READINGS[key] = (unit.master_shard.element_size() if frozen
+                                   else unit.persistent_bytes() / unit.shard_numel)
+    return READINGS[key]
+
+
+def fake_units(mcfg: M.ModelConfig, world: int) -> list:
+    """train.Unit's embedding, one block and head of `mcfg`, as rank 0 of `world` (call under FakeTensorMode)."""
+    with torch.device("meta"):
+        model = M.Llama(dataclasses.replace(mcfg, n_layers=1))
+    return [trainer().Unit(name, model, names, 0, world, torch.device("cpu"), torch.bfloat16)
+            for name, names in M.sharding_units(model)]
+
+
+def optimizer_temporary_bytes(mcfg: M.ModelConfig, cfg, world: int) -> int:
+    """What train.optimizer_step allocates beside the state at its peak (AdamW's fused kernel: next to
+    nothing; an optimizer that makes a full-unit copy, as Muon's orthogonalisation does: that copy), run on
+    the embedding's, one block's and the head's shards of rank 0 of `world` under fake tensors."""
+    key = ("optimizer", repr(mcfg), world, trainer().optimizer_step, trainer().Unit, M.OPTIMIZER_STATE)
+    if key not in READINGS:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            units = fake_units(mcfg, world)
+            live = LiveStorages([t.untyped_storage() for u in units
+                                 for t in (u.master_shard, u.grad_shard, u.gathered, *u.optimizer_state.values())])
+            with live:
+                trainer().optimizer_step(units, cfg, cfg.lr, 1)
+        READINGS[key] = live.peak_bytes
+    return READINGS[key]
+
+
+# ----------------------------------------------------------------------------------------------
 # Memory
 # ----------------------------------------------------------------------------------------------
 
@@ -288,21 +482,10 @@ def in_flight_reduce_bytes(unit_numel: int, reduce_bytes: int, world: int) -> fl
     return reduce_bytes * unit_numel * (1 + 1 / world)
 
 
-def block_activation_bytes_per_token(mcfg: M.ModelConfig, expanded_kv: bool = False) -> dict:
-    """Bytes per token one block keeps for backward under each policy (bf16), counted from model.py: what
-    each op's autograd node saves, shared tensors counted once. Attention saves q, k, v, its output and
-    the softmax statistics; with `expanded_kv` (SDPA's memory-efficient kernel for --doc_mask, which
-    takes K/V only at the query's head count: model.sdpa_arguments) k and v are saved at H heads."""
-    d, h, kv, dh, f = mcfg.dim, mcfg.n_heads, mcfg.n_kv_heads, mcfg.head_dim, mcfg.ffn_dim
-    kv_saved = h if expanded_kv else kv
-    norm = 4 * d + 2 * d + 4        # RMSNorm: x.float() (fp32, saved by pow), normalized bf16, rsqrt (fp32)
-    none = (2 * norm + 2 * d + 2 * d  # both norms, and their outputs (the q/k/v and gate/up matmul inputs)
-            + 2 * h * dh + 4 * kv_saved * dh + 2 * h * dh + 4 * h  # attention: q, k (after RoPE), v; out, lse
-            + 4 * 2 * f)             # silu input (gate), silu(gate), up, down_proj input
-    matmul_outputs = 2 * (h * dh + 2 * kv * dh + d + 2 * f + d)  # q, k, v, o, gate, up, down
-    selective = 2 * d + matmul_outputs + 2 * h * dh + 4 * h      # + block input, attention out + lse
-    reused = 2 * 2 * f + 2 * kv * dh + 2 * h * dh + 4 * h  # kept by selective and in `none`: not recomputed
-    return dict(none=none, selective=selective, full=2 * d, selective_reused=reused)
+def kernel_for(cfg, flash_attn: bool) -> str:
+    """The attention kernel whose saved tensors a block keeps (attention_kernel): SDPA's memory-efficient one
+    for --doc_mask without flash-attn, a flash kernel otherwise."""
+    return "efficient" if cfg.doc_mask and not flash_attn else "flash"
 
 
 def block_policies(mcfg: M.ModelConfig, cfg) -> list[str]:
@@ -318,45 +501,66 @@ def offloaded_blocks(mcfg: M.ModelConfig, cfg) -> int:
     return mcfg.n_layers if cfg.ac_blocks < 0 else min(cfg.ac_blocks, mcfg.n_layers)
 
 
-def block_kept_bytes(mcfg: M.ModelConfig, cfg, expanded_kv: bool = False) -> list[tuple[int, bool]]:
-    """(bytes kept for backward, offloaded?) of each block, in forward order."""
-    per_token, tokens = block_activation_bytes_per_token(mcfg, expanded_kv), cfg.micro_batch_size * cfg.seq_len
+def frozen_unit_names(mcfg: M.ModelConfig, cfg) -> list[str]:
+    """The units --freeze freezes (model.frozen_units, what train.py freezes)."""
+    freeze = getattr(cfg, "freeze", "")
+    key = ("frozen", repr(mcfg), freeze)
+    if key not in READINGS:
+        READINGS[key] = M.frozen_units(mcfg, freeze)[0] if freeze else []
+    return READINGS[key]
+
+
+def block_training(mcfg: M.ModelConfig, cfg) -> list[tuple[bool, bool]]:
+    """(trained, its input needs a gradient) of each block: a frozen block's weights take no gradient, and
+    before the first trained unit (a frozen prefix) no input needs one, so autograd keeps nothing for them."""
+    frozen = frozen_unit_names(mcfg, cfg)
+    trained_before = "embed" not in frozen
+    training = []
+    for i in range(mcfg.n_layers):
+        trained = f"layers.{i}" not in frozen
+        training.append((trained, trained_before))
+        trained_before = trained_before or trained
+    return training
+
+
+def block_readings(mcfg: M.ModelConfig, cfg, kernel: str = "flash") -> list[tuple[dict, bool]]:
+    """(read_block's bytes, offloaded?) of each block, in forward order, each by its policy (--ac, --ac_blocks,
+    --ac_rest), offload and training."""
     n_offloaded = offloaded_blocks(mcfg, cfg)
-    return [(tokens * per_token[p], i < n_offloaded) for i, p in enumerate(block_policies(mcfg, cfg))]
+    return [(read_block(mcfg, policy, cfg.micro_batch_size, cfg.seq_len, kernel, i < n_offloaded, trained,
+                        input_grad), i < n_offloaded)
+            for i, (policy, (trained, input_grad)) in enumerate(zip(block_policies(mcfg, cfg),
+                                                                    block_training(mcfg, cfg)))]
 
 
-def saved_activation_bytes(mcfg: M.ModelConfig, cfg, blocks: int, expanded_kv: bool = False) -> float:
+def block_kept_bytes(mcfg: M.ModelConfig, cfg, kernel: str = "flash") -> list[tuple[int, bool]]:
+    """(bytes kept for backward, offloaded?) of each block, in forward order."""
+    return [(r["kept"], off) for r, off in block_readings(mcfg, cfg, kernel)]
+
+
+def saved_activation_bytes(mcfg: M.ModelConfig, cfg, blocks: int, kernel: str = "flash") -> float:
     """What the first `blocks` blocks keep for backward on the GPU, each by its policy (--ac, --ac_blocks,
     --ac_rest); of the offloaded ones only ~2 blocks' are in transit."""
-    kept = block_kept_bytes(mcfg, cfg, expanded_kv)[:blocks]
-    offloaded = [b for b, off in kept if off]
+    kept = block_kept_bytes(mcfg, cfg, kernel)[:blocks]
+    offloaded = [b for b, off in kept if off and b]
     return sum(b for b, off in kept if not off) + sum(offloaded[:2])
 
 
-def recompute_bytes(mcfg: M.ModelConfig, cfg, policy: str = "", expanded_kv: bool = False,
-                    offloaded: bool = False) -> float:
-    """A block at the start of its backward: what its recompute brings back (and the first activation
-    gradients, of silu(gate) and up, 2 x F wide). `policy`: the block's (default --ac). Offloaded
-    (offload.OffloadedCheckpoint), the recomputed block's output stays alive through its backward too."""
-    per_token = block_activation_bytes_per_token(mcfg, expanded_kv)
-    recompute = {"none": 0, "full": per_token["none"],
-                 "selective": per_token["none"] - per_token["selective_reused"]}[policy or cfg.ac]
-    output = COMPUTE_BYTES * mcfg.dim if offloaded else 0
-    return cfg.micro_batch_size * cfg.seq_len * (recompute + 2 * 2 * mcfg.ffn_dim + output)
-
-
-def recompute_peak_bytes(mcfg: M.ModelConfig, cfg, expanded_kv: bool = False) -> float:
-    """Activations at the worst block's recompute: backward runs the blocks last to first, so block i
-    recomputes while blocks 0..i keep what they saved (the later ones are done). One policy for all: the
-    last block, as it always was; partial checkpointing: the largest over the blocks."""
-    kept, peak, on_gpu, offloaded = block_kept_bytes(mcfg, cfg, expanded_kv), 0, 0, []
-    for (b, off), p in zip(kept, block_policies(mcfg, cfg)):  # saved_activation_bytes(i + 1), incrementally
+def recompute_peak_bytes(mcfg: M.ModelConfig, cfg, kernel: str = "flash") -> dict:
+    """A block's backward at its peak, the worst block's: what blocks 0..i keep (backward runs the blocks last
+    to first: the later ones are done) and, measured (read_block), what block i's backward adds: what its
+    recompute brings back and the activation gradients (`activations`), its weights' gradients so far
+    (`gradients`). Blocks of a frozen prefix run no backward."""
+    worst, on_gpu, offloaded = dict(activations=0, gradients=0), 0, []
+    for r, off in block_readings(mcfg, cfg, kernel):  # saved_activation_bytes(i + 1), incrementally
         if off:
-            offloaded.append(b)
+            offloaded += [r["kept"]] if r["kept"] else []
         else:
-            on_gpu += b
-        peak = max(peak, on_gpu + sum(offloaded[:2]) + recompute_bytes(mcfg, cfg, p, expanded_kv, off))
-    return peak
+            on_gpu += r["kept"]
+        if r["kept"] or r["gradients"]:  # it runs a backward
+            parts = dict(activations=on_gpu + sum(offloaded[:2]) + r["backward"], gradients=r["gradients"])
+            worst = max(worst, parts, key=lambda p: sum(p.values()))
+    return worst
 
 
 def host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int, async_save: bool | None = None) -> dict:
@@ -378,9 +582,16 @@ def offloaded_host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int) -> dict:
     state = 0
     if cfg.offload_optimizer:
         shards = [padded(n, world) // world for n in unit_numels(mcfg)]
-        state = 4 * O.host_buffer_numel(shards, [state_bytes() // 4] * len(shards))
+        state = 4 * O.host_buffer_numel(shards, [int(b) // 4 for b in unit_state_bytes_per_param(mcfg, cfg)])
     activations = sum(pinned_allocation_bytes(b) for b, off in block_kept_bytes(mcfg, cfg) if off)
     return dict(state=state, activations=activations)
+
+
+def unit_state_bytes_per_param(mcfg: M.ModelConfig, cfg) -> list[float]:
+    """Each unit's persistent bytes per parameter of its shard (state_bytes_per_param), frozen or trained."""
+    frozen = frozen_unit_names(mcfg, cfg)
+    names = ["embed"] + [f"layers.{i}" for i in range(mcfg.n_layers)] + ["head"]
+    return [state_bytes_per_param(name in frozen) for name in names]
 
 
 def staging_bytes_per_rank(mcfg: M.ModelConfig, world: int) -> int:
@@ -475,8 +686,8 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
     emb, block, head = (padded(n, world) for n in (numels[0], numels[1], numels[-1]))
     cbytes, rbytes = COMPUTE_BYTES, REDUCE_BYTES[cfg.reduce_dtype]
     tied, layers, tokens = mcfg.tie_embeddings, mcfg.n_layers, cfg.micro_batch_size * cfg.seq_len
-    expanded_kv = cfg.doc_mask and not flash_attn
-    mask = document_mask_bytes(mcfg, cfg, world) if expanded_kv else 0
+    kernel = kernel_for(cfg, flash_attn)
+    mask = document_mask_bytes(mcfg, cfg, world) if kernel == "efficient" else 0
     prefetched = block if cfg.prefetch else 0  # the previous unit's all-gather, started as this one runs
     # ... and its input, this rank's shard cast to the compute dtype (train.Unit.gather_input), alive until it
     # completes; --offload_optimizer gathers from the compute-dtype copy the state keeps, no cast
@@ -485,12 +696,13 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
     reduce_buffers = in_flight_reduce_bytes(in_flight, rbytes, world)
     waiting = cbytes * emb * tied  # tied: the head's part of the embedding gradient waits for the embedding's
     # --offload_optimizer: the fp32 state lives in host memory; the GPU keeps a compute-dtype copy of its shards
-    persistent = cbytes if cfg.offload_optimizer else state_bytes()
+    per_param = [cbytes] * len(numels) if cfg.offload_optimizer else unit_state_bytes_per_param(mcfg, cfg)
+    state = sum(b * padded(n, world) for b, n in zip(per_param, numels)) / world
 
-    def phase(gathered, gradients, reduce, activations, logits=0.0):
-        dynamic = dict(gathered_weights=cbytes * (gathered + sending), gradients=gradients,
-                       reduce_buffers=reduce, activations=activations + mask, logits=logits)
-        return dict(state=persistent * sum(padded(n, world) for n in numels) / world,
+    def phase(gathered, gradients, reduce, activations, logits=0.0, optimizer=0.0):
+        dynamic = dict(gathered_weights=cbytes * gathered, gradients=gradients, reduce_buffers=reduce,
+                       activations=activations, logits=logits, optimizer_temporaries=optimizer)
+        return dict(state=state,
                     context_and_nccl=ASSUMPTIONS["cuda_context_and_nccl_gib"][0] * GIB, **dynamic,
                     fragmentation=ASSUMPTIONS["fragmentation"][0] * sum(dynamic.values()))
 
@@ -498,16 +710,21 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
     block_grads = unit_gradient_bytes(block, mcfg.dim * mcfg.ffn_dim, in_flight, rbytes, world)
     head_saved = tokens * (4 + 2 + 2) * mcfg.dim  # final norm: fp32 input, normalized, output
     input_gradient = tokens * cbytes * mcfg.dim  # the gradient of the stage's input, on its way to the stage before
-    saved = saved_activation_bytes(mcfg, cfg, layers, expanded_kv)
+    saved = saved_activation_bytes(mcfg, cfg, layers, kernel)
+    recompute = recompute_peak_bytes(mcfg, cfg, kernel)
     return {
-        "head backward": phase(head + emb * tied + prefetched, head_parts["gradients"], head_parts["reduce_buffers"],
-                               saved + head_saved + input_gradient, head_parts["logits"]),
-        "block recompute": phase(block + prefetched, cbytes * mcfg.dim * mcfg.ffn_dim + waiting, reduce_buffers,
-                                 recompute_peak_bytes(mcfg, cfg, expanded_kv) + input_gradient),
-        "block gradient sum": phase(block + prefetched, block_grads["gradients"] + waiting,
+        "head backward": phase(head + emb * tied + prefetched + sending, head_parts["gradients"],
+                               head_parts["reduce_buffers"], saved + head_saved + input_gradient + mask,
+                               head_parts["logits"]),
+        "block recompute": phase(block + prefetched + sending, recompute["gradients"] + waiting, reduce_buffers,
+                                 recompute["activations"] + input_gradient + mask),
+        "block gradient sum": phase(block + prefetched + sending, block_grads["gradients"] + waiting,
                                     block_grads["reduce_buffers"],
                                     # its own saved tensors are gone; its input's gradient is not
-                                    saved_activation_bytes(mcfg, cfg, layers - 1, expanded_kv) + input_gradient),
+                                    saved_activation_bytes(mcfg, cfg, layers - 1, kernel) + input_gradient + mask),
+        # after the last micro-batch: every unit free, the optimizer's own temporaries (optimizer_temporary_bytes)
+        "optimizer step": phase(0, 0, 0, 0, optimizer=0 if cfg.offload_optimizer else
+                                optimizer_temporary_bytes(mcfg, cfg, world)),
     }
 
 
@@ -639,8 +856,8 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
     bandwidth = 1e9 * (gpu["ib_gbps"] if cfg.nnodes > 1 else gpu["nvlink_gbps"])
     ring = (world - 1) / world  # each GPU sends and receives (W-1)/W of the full buffer
     comm_s = ring * sum(collective_bytes_per_micro_step(mcfg, cfg, world)) / bandwidth
-    block_input_bytes = tokens * block_activation_bytes_per_token(mcfg)[cfg.ac]
     n_offloaded = offloaded_blocks(mcfg, cfg)
+    block_input_bytes = max(b for b, _ in block_kept_bytes(mcfg, cfg)[:n_offloaded]) if n_offloaded else 0
     offload_s = 2 * n_offloaded * block_input_bytes / (1e9 * gpu["pcie_gbps"]) if n_offloaded else 0.0
     # Nothing computes while the last block's offloaded input comes back (ASSUMPTIONS offload_overlap), nor,
     # with --prefetch, during the embedding's first all-gather or after its reduce-scatter (without, the
@@ -668,8 +885,9 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
                     host_adamw_elements_per_s_per_gpu=o["host_adamw_elements_per_s_per_gpu"],
                     host_accumulate_elements_per_s_per_gpu=o["host_accumulate_elements_per_s_per_gpu"])
     else:  # the update reads and writes every fp32 shard once (the gradient is zeroed after it)
-        optimizer_s = (2 * state_bytes() * sum(padded(n, world) for n in unit_numels(mcfg)) / world
-                       / (0.8e9 * gpu["hbm_gbps"]))
+        state_bytes = sum(b * padded(n, world) for b, n in zip(unit_state_bytes_per_param(mcfg, cfg),
+                                                                unit_numels(mcfg))) / world
+        optimizer_s = 2 * state_bytes / (0.8e9 * gpu["hbm_gbps"])
     return dict(step_time_s=micro_steps * micro_s + optimizer_s + host["pcie_exposed_s"],
                 compute_s=micro_steps * compute_s,
                 comm_s=micro_steps * comm_s, offload_s=micro_steps * offload_s,
@@ -1199,11 +1417,13 @@ def async_save_drop_hint(mcfg: M.ModelConfig, cfg) -> str | None:
             f"the whole write)")
 
 
-def main(cfg) -> str | None:
+def main(cfg, trainer=None) -> str | None:
     """`train.py --plan true`: check the flags, print the table, write --plan_json. Returns None, or the one
     error line train.py ends with (train.fail, exit code 2): bad flags, or a configuration that does not fit
     (GPU or host memory), naming the nearest that does. The planner never imports train.py (README "Files",
-    the layers)."""
+    the layers): `trainer` is train.py's module, handed over, whose code it runs (use_trainer)."""
+    if trainer is not None:
+        use_trainer(trainer)
     errors = check(cfg)
     if not errors:
         try:

@@ -134,7 +134,8 @@ def test_without_flash_attn_the_mask_and_expanded_kv_are_counted():
     flash, sdpa, either = (P.memory_by_phase(mcfg, cfg, 8, f) for f in (True, False, None))
     masks = 8 * 8192 * 8192 * 2                   # 8 micro-batches of one 8192-token row, bf16
     expanded = 15 * 8192 * 2 * 2 * (64 - 8) * 128  # the 15 blocks without recompute: k and v, bf16
-    assert sdpa["head backward"]["activations"] - flash["head backward"]["activations"] == masks + expanded
+    rng_state = 15 * 2 * 8  # and the memory-efficient kernel's seed and offset (two int64), which it saves too
+    assert sdpa["head backward"]["activations"] - flash["head backward"]["activations"] == masks + expanded + rng_state
     assert either == sdpa
     no_mask = config(**OFFLOAD_70B_ONE_NODE, ac_blocks=65, ac_rest="none", doc_mask="false")
     assert P.memory_by_phase(mcfg, no_mask, 8, True) == P.memory_by_phase(mcfg, no_mask, 8, False)
@@ -153,7 +154,9 @@ def test_slices_and_outputs_alive_beside_the_units():
     assert phase["reduce_buffers"] == 4 * head * (1 + 1 / 16)
     offloaded = P.memory_by_phase(mcfg, config(**CASE_70B, ac="full", offload_optimizer="true"), 16)
     assert offloaded["block recompute"]["gathered_weights"] == 2 * 2 * block  # it gathers the bf16 copy it keeps
-    assert P.recompute_bytes(mcfg, cfg, "full", offloaded=True) - P.recompute_bytes(mcfg, cfg, "full") == 8192 * 2 * 8192
+    # measured (plan.read_block): offloaded, the recomputed block's output (8192 x 8192 bf16) is alive through its backward
+    backward = [P.read_block(mcfg, "full", 1, 8192, offload=off)["backward"] for off in (True, False)]
+    assert backward[0] - backward[1] == 8192 * 2 * 8192
 
 
 def test_offload_copies_overlap_all_but_the_last_blocks_copy_back():
@@ -205,7 +208,7 @@ def test_offloaded_optimizer_state_matches_the_trainers_units_with_padding():
     p = predict(**flags, offload_optimizer="true")
     assert p["state_gib_per_gpu"] * 2**30 == on_device == 2 * slice_numel
     slots = 4 * O.GRAD_SLOTS * max(u.shard_numel for u in units)
-    assert on_host == P.state_bytes() * slice_numel
+    assert on_host == P.state_bytes_per_param() * slice_numel
     assert p["host_gib_per_node"] * 2**30 == (on_host + slots) * world == buffer.numel() * 4 * world
     assert predict(**flags)["host_gib_per_node"] == 0  # nothing offloaded, nothing on the host
     # With the block inputs offloaded too: every block's input of one micro-batch, bf16, per GPU, each one
@@ -292,9 +295,27 @@ def test_a_configuration_that_does_not_fit_gets_the_nearest_that_does():
     assert P.fit_and_speed(mcfg, nearest)["fits"]
 
 
+def test_measured_block_bytes_are_the_count_by_hand():
+    # What the planner measures (plan.read_block: one block run under fake tensors) is what a count by hand
+    # of model.py's ops' saved tensors gives (bf16, shared tensors once), at 70B widths and seq 8192.
+    mcfg = M.PRESETS["llama3-70b"]()
+    d, h, kv, dh, f = mcfg.dim, mcfg.n_heads, mcfg.n_kv_heads, mcfg.head_dim, mcfg.ffn_dim
+    norm = 4 * d + 2 * d + 4  # RMSNorm: x.float() (saved by pow), normalized bf16, rsqrt (fp32)
+    attention = 2 * h * dh + 4 * kv * dh + 2 * h * dh + 4 * h  # q, k (after RoPE), v, output, log-sum-exp
+    none = 2 * norm + 2 * d + 2 * d + attention + 4 * 2 * f  # + the norms' outputs, gate, silu(gate), up, down's input
+    selective = 2 * d + 2 * (h * dh + 2 * kv * dh + d + 2 * f + d) + 2 * h * dh + 4 * h  # input, matmuls, attention
+    for policy, per_token in dict(none=none, selective=selective, full=2 * d).items():
+        assert P.read_block(mcfg, policy, 1, 8192)["kept"] == 8192 * per_token, policy
+    # A frozen prefix's block keeps nothing (no input needs a gradient); a frozen block between trained ones
+    # keeps what its input's gradient needs: not its matmuls' inputs (no weight gradient), less than a trained one.
+    assert P.read_block(mcfg, "none", 1, 8192, trained=False, input_grad=False)["kept"] == 0
+    assert 0 < P.read_block(mcfg, "none", 1, 8192, trained=False)["kept"] < 8192 * none
+
+
 def test_partial_checkpointing_activations_are_the_per_block_sum():
     mcfg = M.PRESETS["llama3-70b"]()
-    per_token, tokens, layers = P.block_activation_bytes_per_token(mcfg), 8192, mcfg.n_layers
+    tokens, layers = 8192, mcfg.n_layers
+    per_token = {p: P.read_block(mcfg, p, 1, tokens)["kept"] / tokens for p in ("none", "selective", "full")}
     for k in (0, 1, 30, layers):
         for rest in ("none", "selective"):
             cfg = config(**dict(CASE_70B, ac="full", ac_blocks=k, ac_rest=rest, doc_mask="false"))
