@@ -84,10 +84,11 @@ def build_shim(build_dir: str) -> str:
 
 
 def run(shim: str, out_json: str, train_flags: list[str], world: int, rank: int = 0, flash: bool = False,
-        model_json: str = "", timeout: float = 1800) -> dict:
+        model_json: str = "", timeout: float = 1800, variant: str = "") -> dict:
     """One fake-CUDA step in a fresh process (the shim must be loaded before torch is). Returns OUT.json."""
     cmd = [sys.executable, os.path.abspath(__file__), out_json, "--shim", shim, "--world", str(world),
            "--rank", str(rank)] + (["--flash"] if flash else []) + (["--model_json", model_json] if model_json else [])
+    cmd += ["--variant", variant] if variant else []
     proc = subprocess.run(cmd + ["--"] + train_flags, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT)
     if proc.returncode != 0:
@@ -590,6 +591,47 @@ def install_flash_attn_stand_in():
 
 
 # ------------------------------------------------------------------------------------------------
+# Forks: a change a researcher makes to model.py or train.py, applied before the step and the plan
+# ------------------------------------------------------------------------------------------------
+
+def soft_capped_attention(M, T):
+    """A fork's Block that soft-caps each attention output in fp32 (as Gemma 2 caps its logits): tanh keeps
+    its fp32 output for backward, one tensor more than model.Block keeps."""
+    import torch
+
+    def forward(self, x, cos, sin, layout=None, cache=None):
+        a = self.self_attn(self.input_layernorm(x), cos, sin, layout, cache)
+        h = x + (30 * torch.tanh(a.float() / 30)).to(x.dtype)
+        return h + self.mlp(self.post_attention_layernorm(h))
+    M.Block.forward = forward
+
+
+def sgd_momentum(M, T):
+    """The optimizer swapped where train.py says a fork swaps it: SGD with momentum, one state tensor
+    (tests/dist_worker.py's, which the parity tests check against torch.optim.SGD)."""
+    sys.path.insert(0, HERE)
+    import dist_worker
+    M.OPTIMIZER_STATE, T.optimizer_step = ("momentum_buffer",), dist_worker.sgd_momentum_step
+
+
+def sgd_bf16_momentum(M, T):
+    """SGD with momentum whose buffer a fork keeps in bf16 to save memory: train.Unit's optimizer state
+    made in bf16 instead of fp32 (2 B per parameter instead of 4; the optimizer's names are unchanged)."""
+    import torch
+    sgd_momentum(M, T)
+    make_unit = T.Unit.__init__
+
+    def init(self, *args, **kwargs):
+        make_unit(self, *args, **kwargs)
+        self.optimizer_state = {name: torch.zeros_like(t, dtype=torch.bfloat16) for name, t in self.optimizer_state.items()}
+    T.Unit.__init__ = init
+
+
+VARIANTS = {"soft-capped attention": soft_capped_attention, "sgd momentum": sgd_momentum,
+            "sgd momentum in bf16": sgd_bf16_momentum}
+
+
+# ------------------------------------------------------------------------------------------------
 # The step
 # ------------------------------------------------------------------------------------------------
 
@@ -666,6 +708,8 @@ def child(argv):
     parser.add_argument("--flash", action="store_true")
     parser.add_argument("--model_json", default="", help="a model.ModelConfig as JSON, instead of --model's preset")
     parser.add_argument("--documents", type=int, default=4, help="documents per row (--doc_mask)")
+    parser.add_argument("--variant", default="", choices=[""] + list(VARIANTS),
+                        help="a fork's change (VARIANTS), applied before the step and the plan, which both see it")
     parser.add_argument("--snapshot", default="", help="also record what is alive at this phase's peak, e.g. "
                                                        "'layers.79 backward'")
     args, train_flags = parser.parse_known_args(argv)
@@ -687,6 +731,8 @@ def child(argv):
     from components import offload as O
     import train as T
     assert (M.flash_attn_func is not None) == args.flash
+    if args.variant:
+        VARIANTS[args.variant](M, T)
     install_checked_collectives(T, args.world)
     cfg = T.parse_args(train_flags + ["--device", "cuda"])
     mcfg = M.ModelConfig(**json.loads(args.model_json)) if args.model_json else disk.model_config(cfg)
