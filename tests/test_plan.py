@@ -751,3 +751,41 @@ def test_plan_from_a_checkpoint_without_a_model_is_one_line(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [
         f"error: --init_from: checkpoint {folder}: manifest.json has no readable model ('model')"]
+
+
+def test_frozen_units_are_planned():
+    # --freeze (model.frozen_units): a frozen unit keeps its fp32 master shard alone (4 B per parameter: no
+    # gradient, no optimizer state); the blocks of a frozen prefix keep no activations (no input needs a
+    # gradient) and run no backward. Llama-3-8B with its embedding and 30 of 32 blocks frozen.
+    mcfg = M.PRESETS["llama3-8b"]()
+    flags = dict(model="llama3-8b", nnodes=1, nproc_per_node=8, seq_len=8192, batch_size=8, micro_batch_size=1,
+                 ac="none", doc_mask="false")
+    cfg, base = config(**flags, freeze=r"model\.(embed_tokens|layers\.([0-9]|[12][0-9]))\."), config(**flags)
+    assert P.frozen_unit_names(mcfg, cfg) == ["embed"] + [f"layers.{i}" for i in range(30)]
+    numels = [P.padded(n, 8) for n in P.unit_numels(mcfg)]
+    frozen, plain = P.memory_by_phase(mcfg, cfg, 8), P.memory_by_phase(mcfg, base, 8)
+    assert frozen["head backward"]["state"] == (4 * sum(numels[:31]) + 16 * sum(numels[31:])) / 8
+    assert plain["head backward"]["state"] == 16 * sum(numels) / 8
+    kept, kept_plain = ([b for b, _ in P.block_kept_bytes(mcfg, c)] for c in (cfg, base))
+    # The first trained block's input needs no gradient either: it keeps only what its weights' gradients need.
+    assert kept[:30] == [0] * 30 and 0 < kept[30] < kept_plain[30] and kept[31] == kept_plain[31]
+    assert plain["head backward"]["activations"] - frozen["head backward"]["activations"] == sum(kept_plain) - sum(kept)
+    assert (plain["block gradient sum"]["activations"] - frozen["block gradient sum"]["activations"]
+            == sum(kept_plain[:31]) - sum(kept[:31]))
+    assert frozen["head backward"]["state"] < 0.4 * plain["head backward"]["state"]  # issue 30: 66% less
+
+
+def test_an_optimizers_temporary_is_planned(monkeypatch):
+    # A fork's optimizer that builds each unit's whole update before applying its shard's part (as Muon
+    # orthogonalises a whole matrix): plan.optimizer_temporary_bytes runs it and finds the largest unit's
+    # fp32 copy, the 70B embedding's, with no edit to the planner.
+    def whole_unit_step(units, cfg, lr, step):
+        for u in units:
+            update = torch.zeros(u.padded_numel, dtype=torch.float32, device=u.master_shard.device)
+            u.master_shard.add_(update[u.shard_start:u.shard_start + u.shard_numel], alpha=-lr)
+            del update
+    mcfg, cfg = M.PRESETS["llama3-70b"](), config(**CASE_70B)
+    assert P.memory_by_phase(mcfg, cfg, 16)["optimizer step"]["optimizer_temporaries"] < 2**20  # fused AdamW
+    monkeypatch.setattr(T, "optimizer_step", whole_unit_step)
+    phase = P.memory_by_phase(mcfg, cfg, 16)["optimizer step"]
+    assert phase["optimizer_temporaries"] == 4 * max(P.padded(n, 16) for n in P.unit_numels(mcfg))
