@@ -527,10 +527,11 @@ def block_readings(mcfg: M.ModelConfig, cfg, kernel: str = "flash") -> list[tupl
     """(read_block's bytes, offloaded?) of each block, in forward order, each by its policy (--ac, --ac_blocks,
     --ac_rest), offload and training."""
     n_offloaded = offloaded_blocks(mcfg, cfg)
-    return [(read_block(mcfg, policy, cfg.micro_batch_size, cfg.seq_len, kernel, i < n_offloaded, trained,
-                        input_grad), i < n_offloaded)
-            for i, (policy, (trained, input_grad)) in enumerate(zip(block_policies(mcfg, cfg),
-                                                                    block_training(mcfg, cfg)))]
+    blocks = [(policy, i < n_offloaded, trained, input_grad)
+              for i, (policy, (trained, input_grad)) in enumerate(zip(block_policies(mcfg, cfg),
+                                                                      block_training(mcfg, cfg)))]
+    readings = {b: read_block(mcfg, b[0], cfg.micro_batch_size, cfg.seq_len, kernel, *b[1:]) for b in set(blocks)}
+    return [(readings[b], b[1]) for b in blocks]
 
 
 def block_kept_bytes(mcfg: M.ModelConfig, cfg, kernel: str = "flash") -> list[tuple[int, bool]]:
@@ -591,7 +592,8 @@ def unit_state_bytes_per_param(mcfg: M.ModelConfig, cfg) -> list[float]:
     """Each unit's persistent bytes per parameter of its shard (state_bytes_per_param), frozen or trained."""
     frozen = frozen_unit_names(mcfg, cfg)
     names = ["embed"] + [f"layers.{i}" for i in range(mcfg.n_layers)] + ["head"]
-    return [state_bytes_per_param(name in frozen) for name in names]
+    per_param = {f: state_bytes_per_param(f) for f in (False, True)}
+    return [per_param[name in frozen] for name in names]
 
 
 def staging_bytes_per_rank(mcfg: M.ModelConfig, world: int) -> int:
