@@ -5,9 +5,11 @@
         --gpu_hour_usd 2.00 [--plan_json plan.json]
 
 Everything printed is a prediction. The memory model follows this trainer's design (train.py sections 3
-and 5): which buffers exist at the three moments memory peaks in a micro-batch, each block by its own
+and 5): which buffers exist at the moments memory peaks in a step, each block by its own
 checkpointing policy (--ac, --ac_blocks, --ac_rest), and what --offload_optimizer and
---offload_activations keep in pinned host memory instead. The time model is FLOPs / (peak x an efficiency
+--offload_activations keep in pinned host memory instead. What a block keeps for backward, what the state
+takes per parameter and what the optimizer allocates are measured by running train.py's own code under
+fake tensors (the section "Reading the code"), not counted beside it. The time model is FLOPs / (peak x an efficiency
 derived from published runs), against the bytes the collectives move, plus, with --offload_optimizer, the
 PCIe copies and the CPU update. `partial_checkpointing` finds the fewest --ac blocks that fit. Every
 constant is in GPUS or ASSUMPTIONS, with where it comes from; `plan()` returns them all.
@@ -673,11 +675,11 @@ def document_mask_bytes(mcfg: M.ModelConfig, cfg, world: int) -> float:
 
 
 def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | None = None) -> dict:
-    """Bytes per GPU by part at the three moments memory peaks in a micro-batch: the head's backward
-    (logits, every block's saved activations; head_backward_bytes), a block's backward once its
-    recompute is done (the last block; with partial checkpointing the worst one, recompute_peak_bytes),
-    and the last block's at its end, when its gradient is summed (the recomputed tensors are gone by
-    then). `flash_attn`: whether flash-attn imports on the GPU machines; without it --doc_mask runs
+    """Bytes per GPU by part at the moments memory peaks in a step: the head's backward (logits, every
+    block's saved activations; head_backward_bytes), a block's backward at its peak (the worst block's,
+    measured: recompute_peak_bytes), the last block's at its end, when its gradient is summed (the
+    recomputed tensors are gone by then), and the optimizer step (its temporaries beside the state,
+    optimizer_temporary_bytes). `flash_attn`: whether flash-attn imports on the GPU machines; without it --doc_mask runs
     SDPA's memory-efficient kernel, with K/V expanded to all heads and a T x T mask. None (what --plan
     uses): each part the larger of the two, since the trainer falls back to SDPA without a word
     (ASSUMPTIONS attention)."""
