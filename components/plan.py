@@ -654,15 +654,19 @@ def head_backward_bytes(mcfg: M.ModelConfig, cfg, head: int, emb: int, world: in
       - the hook, the logits gone: split's concatenation or the cast to --reduce_dtype (unit_gradient_bytes;
         the head is reduced first, nothing is in flight). Tied, the head is the final norm alone and its
         matmul's gradient goes to the embedding unit, split's concatenation included, where it waits.
-    Untied, the weight is lm_head (in the head unit); tied, it is the embedding's."""
+    Untied, the weight is lm_head (in the head unit); tied, it is the embedding's. A frozen unit (--freeze)
+    takes no gradient: none of its parts."""
     cbytes, rbytes = COMPUTE_BYTES, REDUCE_BYTES[cfg.reduce_dtype]
-    weight = mcfg.vocab_size * mcfg.dim
+    frozen = frozen_unit_names(mcfg, cfg)
+    emb_trained, head_trained = "embed" not in frozen, "head" not in frozen
+    weight = mcfg.vocab_size * mcfg.dim * (emb_trained if mcfg.tie_embeddings else head_trained)
     earlier_chunks = 1 if cfg.micro_batch_size * cfg.seq_len > ce_chunk_tokens(cfg) else 0
     softmax = dict(gradients=cbytes * weight * earlier_chunks, reduce_buffers=0, logits=logits_bytes(mcfg, cfg))
     matmul = dict(gradients=cbytes * weight * (1 + earlier_chunks), reduce_buffers=0,
                   logits=cbytes * ce_chunk_tokens(cfg) * mcfg.vocab_size)
-    hook = (dict(gradients=cbytes * (2 * emb + 2 * head), reduce_buffers=0) if mcfg.tie_embeddings
-            else unit_gradient_bytes(head, head - mcfg.dim, 0, rbytes, world))
+    hook = (dict(gradients=cbytes * (2 * emb * emb_trained + 2 * head * head_trained), reduce_buffers=0)
+            if mcfg.tie_embeddings else unit_gradient_bytes(head, head - mcfg.dim, 0, rbytes, world) if head_trained
+            else dict(gradients=0, reduce_buffers=0))
     return max(softmax, matmul, dict(hook, logits=0), key=lambda parts: sum(parts.values()))
 
 
@@ -711,7 +715,8 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
                     fragmentation=ASSUMPTIONS["fragmentation"][0] * sum(dynamic.values()))
 
     head_parts = head_backward_bytes(mcfg, cfg, head, emb, world)
-    block_grads = unit_gradient_bytes(block, mcfg.dim * mcfg.ffn_dim, in_flight, rbytes, world)
+    block_grads = (unit_gradient_bytes(block, mcfg.dim * mcfg.ffn_dim, in_flight, rbytes, world)
+                   if block_training(mcfg, cfg)[-1][0] else dict(gradients=0, reduce_buffers=0))  # frozen: none
     head_saved = tokens * (4 + 2 + 2) * mcfg.dim  # final norm: fp32 input, normalized, output
     input_gradient = tokens * cbytes * mcfg.dim  # the gradient of the stage's input, on its way to the stage before
     saved = saved_activation_bytes(mcfg, cfg, layers, kernel)

@@ -773,6 +773,11 @@ def test_frozen_units_are_planned():
     assert (plain["block gradient sum"]["activations"] - frozen["block gradient sum"]["activations"]
             == sum(kept_plain[:31]) - sum(kept[:31]))
     assert frozen["head backward"]["state"] < 0.4 * plain["head backward"]["state"]  # issue 30: 66% less
+    # A frozen head (lm_head and the final norm) and last block: no weight gradient in the head's backward or at
+    # the last block's end.
+    tail = P.memory_by_phase(mcfg, config(**flags, freeze=r"(lm_head|model\.norm|model\.layers\.31)\."), 8)
+    assert tail["head backward"]["gradients"] == tail["block gradient sum"]["gradients"] == 0
+    assert plain["head backward"]["gradients"] > 0 and plain["block gradient sum"]["gradients"] > 0
 
 
 def test_an_optimizers_temporary_is_planned(monkeypatch):
