@@ -481,8 +481,8 @@ def frozen_units(cfg: ModelConfig, freeze: str) -> tuple[list[str], list[str]]:
 
 
 # The fp32 tensors the optimizer keeps per element of each unit's shard, beside the master weights and the
-# gradient: train.Unit makes them, train.optimizer_step updates them, checkpoints save them, and the planner
-# counts their bytes without a model. Names, not code, so they can sit this low; a planner that one day runs
-# the optimizer's own code (to time it) is handed train.optimizer_step by train.py's call, plan.main. A fork
-# that swaps the optimizer changes this line and train.optimizer_step.
+# gradient: train.Unit makes them, train.optimizer_step updates them, checkpoints save them. Names, not code,
+# so they can sit this low; the planner measures their bytes by running train.Unit and train.optimizer_step,
+# which train.py hands it (plan.main). A fork that swaps the optimizer changes this line and
+# train.optimizer_step.
 OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq")
