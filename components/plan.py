@@ -260,7 +260,7 @@ ASSUMPTIONS = {
 TRAINER = None  # train.py's module: run_block, Unit, optimizer_step. Set by use_trainer
 
 
-def use_trainer(module) -> float:
+def use_trainer(module) -> int:
     """train.py hands itself to the planner (plan.main, train.setup): the code the planner runs. Returns a
     trained unit's persistent bytes per parameter (state_bytes_per_param), what the start-up checks print."""
     global TRAINER
@@ -357,7 +357,7 @@ def read_block(mcfg: M.ModelConfig, policy: str, micro_batch: int, seq_len: int,
     what recompute brings back, activation gradients). `trained`: its weights take gradients (a frozen unit's
     do not); `input_grad`: its input needs one (False for a frozen prefix: autograd then keeps nothing)."""
     code = (trainer().run_block, M.attention, M.Block.forward, M.Attention.forward, M.MLP.forward,
-            M.RMSNorm.forward, M.OPTIMIZER_STATE)
+            M.RMSNorm.forward)  # what a test or a fork swaps in one process gets a reading of its own
     key = (repr(mcfg), policy, micro_batch, seq_len, kernel, offload, trained, input_grad, code)
     if key not in READINGS:
         READINGS[key] = measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, input_grad)
@@ -365,6 +365,8 @@ def read_block(mcfg: M.ModelConfig, policy: str, micro_batch: int, seq_len: int,
 
 
 def measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, input_grad) -> dict:
+    """read_block's measurement, uncached. The gradient of the block's output (the next stage's input
+    gradient, which memory_by_phase counts itself) is made before backward and so not in `backward`."""
     with FakeTensorMode(allow_non_fake_inputs=True), attention_kernel(kernel):
         block = fake_block(mcfg, trained)
         x_in = torch.empty(micro_batch, seq_len, mcfg.dim, dtype=torch.bfloat16, requires_grad=input_grad)
@@ -398,7 +400,7 @@ def state_bytes_per_param(frozen: bool = False) -> float:
     """Persistent bytes per parameter of a unit's shard, read from a train.Unit: its fp32 master shard, its
     gradient and each optimizer state tensor (Unit.persistent_bytes), 16 B with AdamW. A frozen unit keeps
     its master shard alone (train.py's --freeze: no gradient, no optimizer state)."""
-    key = ("state", trainer().Unit, M.OPTIMIZER_STATE, frozen)
+    key = ("state", trainer().Unit, trainer().Unit.__init__, M.OPTIMIZER_STATE, frozen)
     if key not in READINGS:
         with FakeTensorMode(allow_non_fake_inputs=True):
             unit = fake_units(M.tiny(), 1)[-1]
@@ -419,7 +421,7 @@ def optimizer_temporary_bytes(mcfg: M.ModelConfig, cfg, world: int) -> int:
     """What train.optimizer_step allocates beside the state at its peak (AdamW's fused kernel: next to
     nothing; an optimizer that makes a full-unit copy, as Muon's orthogonalisation does: that copy), run on
     the embedding's, one block's and the head's shards of rank 0 of `world` under fake tensors."""
-    key = ("optimizer", repr(mcfg), world, trainer().optimizer_step, trainer().Unit, M.OPTIMIZER_STATE)
+    key = ("optimizer", repr(mcfg), world, trainer().optimizer_step, trainer().Unit.__init__, M.OPTIMIZER_STATE)
     if key not in READINGS:
         with FakeTensorMode(allow_non_fake_inputs=True):
             units = fake_units(mcfg, world)
