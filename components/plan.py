@@ -399,21 +399,21 @@ def measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, 
 def state_bytes_per_param(frozen: bool = False) -> float:
     """Persistent bytes per parameter of a unit's shard, read from a train.Unit: its fp32 master shard, its
     gradient and each optimizer state tensor (Unit.persistent_bytes), 16 B with AdamW. A frozen unit keeps
-    its master shard alone (train.py's --freeze: no gradient, no optimizer state)."""
+    its master shard alone (train.py's --freeze: no gradient, no optimizer state). On the meta device, no
+    fake tensors: the start-up checks read it too (train.setup), and it costs nothing there."""
     key = ("state", trainer().Unit, trainer().Unit.__init__, M.OPTIMIZER_STATE, frozen)
     if key not in READINGS:
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            unit = fake_units(M.tiny(), 1)[-1]
-            READINGS[key] = (unit.master_shard.element_size() if frozen
-                                   else unit.persistent_bytes() / unit.shard_numel)
+        unit = fake_units(M.tiny(), 1, torch.device("meta"))[-1]
+        READINGS[key] = unit.master_shard.element_size() if frozen else unit.persistent_bytes() / unit.shard_numel
     return READINGS[key]
 
 
-def fake_units(mcfg: M.ModelConfig, world: int) -> list:
-    """train.Unit's embedding, one block and head of `mcfg`, as rank 0 of `world` (call under FakeTensorMode)."""
+def fake_units(mcfg: M.ModelConfig, world: int, device=torch.device("cpu")) -> list:
+    """train.Unit's embedding, one block and head of `mcfg`, as rank 0 of `world` (on the CPU: call under
+    FakeTensorMode)."""
     with torch.device("meta"):
         model = M.Llama(dataclasses.replace(mcfg, n_layers=1))
-    return [trainer().Unit(name, model, names, 0, world, torch.device("cpu"), torch.bfloat16)
+    return [trainer().Unit(name, model, names, 0, world, device, torch.bfloat16)
             for name, names in M.sharding_units(model)]
 
 
@@ -588,7 +588,8 @@ def offloaded_host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int) -> dict:
     if cfg.offload_optimizer:
         shards = [padded(n, world) // world for n in unit_numels(mcfg)]
         state = 4 * O.host_buffer_numel(shards, [int(b) // 4 for b in unit_state_bytes_per_param(mcfg, cfg)])
-    activations = sum(pinned_allocation_bytes(b) for b, off in block_kept_bytes(mcfg, cfg) if off)
+    activations = (sum(pinned_allocation_bytes(b) for b, off in block_kept_bytes(mcfg, cfg) if off)
+                   if cfg.offload_activations else 0)
     return dict(state=state, activations=activations)
 
 
