@@ -24,6 +24,7 @@ not fit ends --plan with an error naming the nearest one that does (`nearest_fit
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import json
 import math
@@ -140,8 +141,8 @@ ASSUMPTIONS = {
     "attention": "memory: flash-attn (flash_attn_varlen_func for --doc_mask) or, where it does not import, "
                  "SDPA, whose memory-efficient kernel takes --doc_mask's T x T mask (per micro-batch, all of a "
                  "step's alive at once) and K/V repeated to the query's heads (model.sdpa_arguments). --plan "
-                 "cannot see the GPU machines and the trainer falls back to SDPA silently: each memory part is "
-                 "the larger of the two (plan.memory_by_phase). Checked against train_step on fake CUDA "
+                 "cannot see the GPU machines and the trainer falls back to SDPA silently: each moment is "
+                 "the larger of the two, all its parts from that one (plan.memory_by_phase). Checked against train_step on fake CUDA "
                  "(tests/test_fake_cuda.py, bench/fake_memory.py)",
     "hbm_gbps": "HBM bandwidth (datasheet)",
     "cuda_context_and_nccl_gib": (1.0, "assumption: CUDA context ~0.5 GiB + NCCL buffers ~0.5 GiB, outside "
@@ -360,7 +361,12 @@ def read_block(mcfg: M.ModelConfig, policy: str, micro_batch: int, seq_len: int,
             M.RMSNorm.forward)  # what a test or a fork swaps in one process gets a reading of its own
     key = (repr(mcfg), policy, micro_batch, seq_len, kernel, offload, trained, input_grad, code)
     if key not in READINGS:
-        READINGS[key] = measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, input_grad)
+        gc.disable()  # the cycle collector would free what cycles made here hold at moments that depend on
+        # the process's history: off while measuring, the readings are the same in any process
+        try:
+            READINGS[key] = measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, input_grad)
+        finally:
+            gc.enable()
     return READINGS[key]
 
 
@@ -688,11 +694,13 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
     recomputed tensors are gone by then), and the optimizer step (its temporaries beside the state,
     optimizer_temporary_bytes). `flash_attn`: whether flash-attn imports on the GPU machines; without it --doc_mask runs
     SDPA's memory-efficient kernel, with K/V expanded to all heads and a T x T mask. None (what --plan
-    uses): each part the larger of the two, since the trainer falls back to SDPA without a word
+    uses): each moment the larger of the two, parts and all (a part by part maximum would mix two
+    measured moments: the peak of a block's backward is where recompute and gradients add up most), since
+    the trainer falls back to SDPA without a word
     (ASSUMPTIONS attention)."""
     if flash_attn is None:
         both = [memory_by_phase(mcfg, cfg, world, flash) for flash in (True, False)]
-        return {p: {k: max(b[p][k] for b in both) for k in both[0][p]} for p in both[0]}
+        return {p: max((b[p] for b in both), key=lambda parts: sum(parts.values())) for p in both[0]}
     numels = unit_numels(mcfg)
     emb, block, head = (padded(n, world) for n in (numels[0], numels[1], numels[-1]))
     cbytes, rbytes = COMPUTE_BYTES, REDUCE_BYTES[cfg.reduce_dtype]

@@ -155,7 +155,8 @@ def test_slices_and_outputs_alive_beside_the_units():
     offloaded = P.memory_by_phase(mcfg, config(**CASE_70B, ac="full", offload_optimizer="true"), 16)
     assert offloaded["block recompute"]["gathered_weights"] == 2 * 2 * block  # it gathers the bf16 copy it keeps
     # measured (plan.read_block): offloaded, the recomputed block's output (8192 x 8192 bf16) is alive through its backward
-    backward = [P.read_block(mcfg, "full", 1, 8192, offload=off)["backward"] for off in (True, False)]
+    backward = [sum(P.read_block(mcfg, "full", 1, 8192, offload=off)[k] for k in ("backward", "gradients"))
+                for off in (True, False)]
     assert backward[0] - backward[1] == 8192 * 2 * 8192
 
 
