@@ -39,7 +39,8 @@ def one_process_group():
 def tiny_units():
     """What save_checkpoint reads of train.py's units: a name, sizes, the fp32 slices."""
     return [SimpleNamespace(name=f"u{i}", numel=6, shard_numel=6, shard_start=0, master_shard=torch.arange(6.0) + i,
-                            optimizer_state={"exp_avg": torch.zeros(6), "exp_avg_sq": torch.ones(6)})
+                            optimizer_state={"exp_avg": torch.zeros(6), "exp_avg_sq": torch.ones(6)}, trained=True,
+                            optimizer_steps=1)
             for i in range(2)]
 
 
