@@ -399,30 +399,13 @@ class Unit:
         self.shard_numel = self.padded_numel // world
         self.shard_start = rank * self.shard_numel  # this rank's shard of the flat buffer
 
-        # The fp32 state, on `state_device` (default: the device). A frozen unit (--freeze, `trained` False) keeps
-        # its master shard only: no gradient, no optimizer state, and its gathered buffer does not require grad,
-        # so autograd computes no gradient for it and its reduce-scatter hook is never registered (ShardedModel).
+        # The fp32 state, on `state_device` (default: the device); a frozen unit's (--freeze): its master shard only.
         f32 = dict(dtype=torch.float32, device=state_device or device)
-        self.trained = trained
+        self.trained, self.optimizer_steps = trained, 0  # the unit's own step count (bias corrections), as torch's
         self.master_shard = torch.zeros(self.shard_numel, **f32)
         self.grad_shard = torch.zeros(self.shard_numel if trained else 0, **f32)
         self.optimizer_state = {name: torch.zeros(self.shard_numel, **f32) for name in M.OPTIMIZER_STATE} if trained else {}
-        self.optimizer_steps = 0  # this unit's own count for the bias corrections, as torch keeps one per parameter
-        # The optimizer's pieces of this rank's shard, (lo, hi, learning-rate factor) (--lr_mult; 1 without it), one
-        # per run of slots with the same factor; weight decay's, matrices only (norm weights are 1-D). None frozen.
-        self.lr_ranges, self.decay_ranges = [], []
-        for slot in self.slots if trained else []:
-            lo = max(slot.offset, self.shard_start) - self.shard_start
-            hi = min(slot.offset + math.prod(slot.shape), self.shard_start + self.shard_numel) - self.shard_start
-            factor = (lr_factors or {}).get(slot.name, 1.0)
-            if lo >= hi:
-                continue
-            if self.lr_ranges and self.lr_ranges[-1][1:] == (lo, factor):  # contiguous, same factor: one piece
-                self.lr_ranges[-1] = (self.lr_ranges[-1][0], hi, factor)
-            else:
-                self.lr_ranges.append((lo, hi, factor))
-            if len(slot.shape) >= 2:
-                self.decay_ranges.append((lo, hi, factor))
+        self.lr_ranges, self.decay_ranges = shard_ranges(self, lr_factors or {}) if trained else ([], [])
 
         # The gathered buffer: full padded size, compute dtype, storage allocated only while gathered.
         self.gathered = torch.empty(self.padded_numel, dtype=compute_dtype, device=device, requires_grad=trained)
@@ -539,7 +522,7 @@ def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict]
     scale = min(1.0, cfg.grad_clip / (grad_norm.item() + 1e-6)) if cfg.grad_clip > 0 else 1.0
     for unit in units:
         unit.grad_shard.mul_(scale)
-    adamw_step_reference(units, cfg, lr_at(cfg, step), step)
+    adamw_step_reference([u for u in units if u.trained], cfg, lr_at(cfg, step), step)
     for unit in units:
         unit.grad_shard.zero_()
     for unit, kept in zip(units, views):  # the modules point where they did, not into `full`, which goes now
@@ -557,13 +540,10 @@ def global_grad_norm(units: list[Unit], device: torch.device) -> torch.Tensor:
 
 
 def adamw_step_reference(units: list[Unit], cfg: TrainConfig, lr: float, step: int):
-    """torch.optim.AdamW's update, term for term, on this rank's shards, with a parameter group per --lr_mult
-    factor (the pieces of lr_ranges and decay_ranges). The readable version of adamw_step (the optimizer
-    train_step runs, at the end of this section); tests/test_sharding.py holds the two equal. `step` (1-based)
-    is the schedule's; the bias corrections count each unit's own steps, as torch counts each parameter's: a
-    unit that starts training later (unfrozen on a resume) starts at 1."""
+    """torch.optim.AdamW's update, term for term, on the trained units' shards: adamw_step's readable form (held equal
+    by tests/test_sharding.py). A group per --lr_mult factor; each unit counts its own steps, as torch each parameter's."""
     beta1, beta2 = cfg.adam_beta1, cfg.adam_beta2
-    for u in [u for u in units if u.trained]:  # a frozen unit (--freeze) has no state to update
+    for u in units:
         u.optimizer_steps += 1
         bias_correction1, bias_correction2 = 1 - beta1 ** u.optimizer_steps, 1 - beta2 ** u.optimizer_steps
         exp_avg, exp_avg_sq = u.optimizer_state["exp_avg"], u.optimizer_state["exp_avg_sq"]
@@ -630,7 +610,8 @@ def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: i
         loss = sharded.loss(batch)
         loss = fault_hook("loss", step, sharded.rank, loss)  # the loss itself, but in the tests' faults (section 4b)
         loss.backward()  # the reduce-scatters start inside, unit by unit (reduce_scatter_grad)
-        sharded.end_backward()
+        for unit in sharded.stages[sharded.first_trained].backward_units:  # behind a frozen prefix (--freeze) no
+            unit.free()  # boundary before the first trained stage runs to free it (on_backward); without one, none
         finish_reduces(sharded.reduces_in_flight)
         loss_sum += loss.detach().float()
     local_finite = torch.isfinite(loss_sum)  # read only if the step goes bad: reading it waits for the GPU
@@ -664,10 +645,9 @@ class ShardedModel:
         with torch.device("meta"):  # shapes only: construction allocates nothing
             self.model = M.Llama(mcfg)
         self.reduces_in_flight = []
-        self.units = build_units(self.model, rank, world, device, self.compute_dtype, self.unit_class,
-                                 M.frozen_units(mcfg, cfg.freeze)[0], M.lr_factors(mcfg, cfg.lr_mult)[0])
-        for unit in [u for u in self.units if u.trained]:  # as soon as autograd completes a unit's gradient, it is
-            unit.gathered.register_post_accumulate_grad_hook(  # reduce-scattered; a frozen unit has none
+        self.units = build_units(self.model, rank, world, device, self.compute_dtype, self.unit_class, cfg.freeze, cfg.lr_mult)
+        for unit in [u for u in self.units if u.trained]:  # each unit's gradient is reduce-scattered as soon as
+            unit.gathered.register_post_accumulate_grad_hook(  # autograd completes it (a frozen unit has none)
                 partial(reduce_scatter_grad, unit, self.reduces_in_flight, getattr(torch, cfg.reduce_dtype)))
         self.stages = make_stages(self.model, self.units, cfg.ac, cfg.offload_activations, cfg.ac_blocks, cfg.ac_rest)
         self.first_trained = first_trained_stage(self.stages)
@@ -717,22 +697,13 @@ class ShardedModel:
                 for unit in self.stages[k - 1].backward_units:
                     unit.start_gather()
 
-    def end_backward(self):
-        """After loss.backward(). on_backward frees a stage as backward leaves it, called from the boundary
-        before that stage; the first stage backward runs has no boundary before it that runs. Without --freeze
-        that is the embedding, whose backward needs no units; behind a frozen prefix (the embedding, the first
-        blocks: nothing there requires grad, so autograd stops before them) it is the first trained stage: its
-        units are freed here."""
-        for unit in self.stages[self.first_trained].backward_units:
-            unit.free()
-
     def grad_norm(self) -> torch.Tensor:
         """The global norm of this step's gradient shards."""
         return global_grad_norm(self.units, self.device)
 
     def update(self, cfg: TrainConfig, lr: float, step: int):
-        """The optimizer's step on every unit's shards."""
-        optimizer_step(self.units, cfg, lr, step)
+        """The optimizer's step on the shards of every unit that trains (a frozen one has no state: --freeze)."""
+        optimizer_step([u for u in self.units if u.trained], cfg, lr, step)
 
 
 class Stage(NamedTuple):
@@ -831,25 +802,21 @@ def finish_reduces(reduces_in_flight: list, keep: int = 0):
 
 
 def adamw_step(units: list[Unit], cfg: TrainConfig, lr: float, step: int):
-    """adamw_step_reference's update in one pass over the four shards: PyTorch's fused AdamW kernel (what
-    torch.optim.AdamW(fused=True) runs), instead of the reference's seven passes and two temporaries. One
-    call per learning-rate factor, over the pieces of the shards with that factor (without --lr_mult: one
-    call over whole shards). Decay stays outside it because it applies to matrices only."""
-    trained = [u for u in units if u.trained]  # a frozen unit (--freeze) has no state to update
-    pieces = {}  # lr factor -> [(unit, lo, hi)]
-    for u in trained:
+    """adamw_step_reference in one pass over the four shards: the fused kernel torch.optim.AdamW(fused=True) runs, not
+    seven passes and two temporaries; one call per --lr_mult factor. Decay stays outside: it is for matrices only."""
+    pieces = {}  # lr factor -> [[master, grad, exp_avg, exp_avg_sq, step] of one piece of a unit's shards]
+    for u in units:
         u.optimizer_steps += 1
         for lo, hi, factor in u.decay_ranges:
             u.master_shard[lo:hi].mul_(1 - lr * factor * cfg.weight_decay)
+        step_count = torch.full((), float(u.optimizer_steps), device=u.master_shard.device)  # the bias corrections'
         for lo, hi, factor in u.lr_ranges:
-            pieces.setdefault(factor, []).append((u, lo, hi))
+            shards = (u.master_shard, u.grad_shard, u.optimizer_state["exp_avg"], u.optimizer_state["exp_avg_sq"])
+            pieces.setdefault(factor, []).append([t[lo:hi] for t in shards] + [step_count])
     for factor, group in pieces.items():
-        steps = [torch.full((), float(u.optimizer_steps), device=u.master_shard.device) for u, _, _ in group]
-        torch._fused_adamw_([u.master_shard[lo:hi] for u, lo, hi in group], [u.grad_shard[lo:hi] for u, lo, hi in group],
-                            [u.optimizer_state["exp_avg"][lo:hi] for u, lo, hi in group],
-                            [u.optimizer_state["exp_avg_sq"][lo:hi] for u, lo, hi in group],
-                            [], steps, lr=lr * factor, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2,
-                            weight_decay=0.0, eps=cfg.adam_eps, amsgrad=False, maximize=False)
+        master, grad, exp_avg, exp_avg_sq, steps = map(list, zip(*group))
+        torch._fused_adamw_(master, grad, exp_avg, exp_avg_sq, [], steps, lr=lr * factor, beta1=cfg.adam_beta1,
+                            beta2=cfg.adam_beta2, weight_decay=0.0, eps=cfg.adam_eps, amsgrad=False, maximize=False)
 
 
 # The optimizer: a fork swaps it here and in M.OPTIMIZER_STATE, the names of the fp32 tensors each unit keeps
@@ -865,10 +832,11 @@ optimizer_step = adamw_step
 #
 # ShardedModel's set-up: its units and its stages (what ShardedModel.loss runs), made once.
 
-def build_units(model: M.Llama, rank, world, device, compute_dtype, unit_class=Unit, frozen=(),
-                lr_factors=None) -> list[Unit]:
-    """One Unit per M.sharding_units entry: embed, layers.0 .. layers.{L-1}, head -- in the order they run.
-    `frozen`: the units --freeze freezes (M.frozen_units); `lr_factors`: {parameter: --lr_mult factor}."""
+def build_units(model: M.Llama, rank, world, device, compute_dtype, unit_class=Unit, freeze: str = "",
+                lr_mult: str = "") -> list[Unit]:
+    """One Unit per M.sharding_units entry: embed, layers.0 .. layers.{L-1}, head -- in the order they run;
+    those --freeze freezes whole (M.frozen_units), each parameter with its --lr_mult factor (M.lr_factors)."""
+    frozen, lr_factors = M.frozen_units(model.cfg, freeze)[0], M.lr_factors(model.cfg, lr_mult)[0]
     return [unit_class(g, model, p, rank, world, device, compute_dtype, trained=g not in frozen, lr_factors=lr_factors)
             for g, p in M.sharding_units(model)]
 
@@ -888,6 +856,26 @@ def make_stages(model: M.Llama, units: list[Unit], ac: str, offload: bool = Fals
     # reaches it (and ShardedModel.end_backward frees the first trained stage, which no boundary then frees).
     first = first_trained_stage(stages)
     return [stage._replace(backward_units=[]) for stage in stages[:first]] + stages[first:]
+
+
+def shard_ranges(unit: Unit, lr_factors: dict) -> tuple[list, list]:
+    """Unit's lr_ranges and decay_ranges: (lo, hi, learning-rate factor) pieces of this rank's shard. The
+    optimizer's: one per run of parameters with the same --lr_mult factor (without it: one, the whole shard but
+    its padding); weight decay's: one per matrix (norm weights are 1-D, not decayed)."""
+    lr_ranges, decay_ranges = [], []
+    for slot in unit.slots:
+        lo = max(slot.offset, unit.shard_start) - unit.shard_start
+        hi = min(slot.offset + math.prod(slot.shape), unit.shard_start + unit.shard_numel) - unit.shard_start
+        factor = lr_factors.get(slot.name, 1.0)
+        if lo >= hi:
+            continue
+        if lr_ranges and lr_ranges[-1][1:] == (lo, factor):  # contiguous, the same factor: one piece
+            lr_ranges[-1] = (lr_ranges[-1][0], hi, factor)
+        else:
+            lr_ranges.append((lo, hi, factor))
+        if len(slot.shape) >= 2:
+            decay_ranges.append((lo, hi, factor))
+    return lr_ranges, decay_ranges
 
 
 def first_trained_stage(stages: list[Stage]) -> int:
