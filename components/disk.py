@@ -975,6 +975,9 @@ def check_manifest_numbers(path: str, manifest: dict):
         numel = saved.get("numel")
         if not whole(numel, 1):
             refuse(f"units.{name}.numel", numel, "a whole number >= 1")
+        if not whole(saved.get("optimizer_steps", 0), 0) or type(saved.get("trained", True)) is not bool:
+            refuse(f"units.{name}", {k: saved.get(k) for k in ("optimizer_steps", "trained")},
+                   "optimizer_steps a whole number >= 0 and trained true or false")
         if saved.get("shard_numel") != -(-numel // world) or type(saved["shard_numel"]) is not int:
             refuse(f"units.{name}.shard_numel", saved.get("shard_numel"),
                    f"{-(-numel // world)}: numel {numel} over world_size {world}, rounded up")
@@ -1013,18 +1016,22 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
             raise CheckpointError(f"checkpoint {path}: unit {unit.name} is missing or has another size")
         # Per unit (a manifest saved before 2026-12-05 names one list for all units, at its top level).
         saved_state = saved.get("optimizer_state", manifest.get("optimizer_state", ["exp_avg", "exp_avg_sq"]))
-        if not master_only and saved.get("trained", True) and unit.trained and saved_state != list(unit.optimizer_state):
+        if not master_only and trained_when_saved(manifest, unit.name) and unit.trained and \
+                saved_state != list(unit.optimizer_state):
             raise CheckpointError(f"checkpoint {path}: unit {unit.name} was saved with optimizer state "
                                   f"{', '.join(saved_state) or 'none'}, this run's optimizer keeps "
                                   f"{', '.join(unit.optimizer_state) or 'none'} for it")
-    # --freeze changed since the save: a unit that starts training starts from zero state and its own first
-    # step (as a parameter new to a torch optimizer); a unit frozen now leaves its saved state unread.
+    # The units whose optimizer state is read. Since the save --freeze may have changed: a unit that starts
+    # training starts from zero state and its own first step (as a parameter new to a torch optimizer); a unit
+    # frozen now leaves its saved state unread.
     with_state = set() if master_only else {u.name for u in units if u.trained and trained_when_saved(manifest, u.name)}
     for unit in units:
-        for tensor in unit.optimizer_state.values() if unit.name not in with_state else []:
-            tensor.zero_()  # (a fall-back from a checkpoint that had it: nothing of it stays)
-        unit.optimizer_steps = manifest["units"][unit.name].get("optimizer_steps", manifest["step"]) \
-            if unit.name in with_state else 0  # a manifest saved before 2026-12-05: every unit took every step
+        if unit.name in with_state:  # a manifest saved before 2026-12-05 has no count: every unit took every step
+            unit.optimizer_steps = manifest["units"][unit.name].get("optimizer_steps", manifest["step"])
+        else:
+            unit.optimizer_steps = 0
+            for tensor in unit.optimizer_state.values():
+                tensor.zero_()  # what a fall-back from a checkpoint that had it read goes too
     verified = set()
     for unit in units:
         old_shard = manifest["units"][unit.name]["shard_numel"]

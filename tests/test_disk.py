@@ -342,6 +342,9 @@ MANIFEST_EDITS = {  # what is changed, and the line that names it
                       "units.u0.shard_numel is 0, expected 6: numel 6 over world_size 1, rounded up"),
     "shard_numel short": (lambda m: m["units"]["u1"].update(shard_numel=5),
                           "units.u1.shard_numel is 5, expected 6: numel 6 over world_size 1, rounded up"),
+    "optimizer_steps negative": (lambda m: m["units"]["u1"].update(optimizer_steps=-1),
+                                 "units.u1 is {'optimizer_steps': -1, 'trained': True}, expected optimizer_steps a "
+                                 "whole number >= 0 and trained true or false"),
     "world_size 0": (lambda m: m.update(world_size=0), "world_size is 0, expected a whole number >= 1"),
     "step a string": (lambda m: m.update(step="2"), "step is '2', expected a whole number >= 0"),
     "a file outside": (lambda m: m.update(files={"../rank00000-of-00001.safetensors": {}}),
