@@ -504,8 +504,10 @@ def parse_lr_mult(spec: str) -> list[tuple[str, float]]:
 
 def lr_factors(cfg: ModelConfig, lr_mult: str) -> tuple[dict[str, float], list[str]]:
     """--lr_mult: ({parameter name: its learning-rate factor}, the patterns that match no parameter). The first
-    pattern that matches one of a parameter's Hugging Face names (hf_names) gives its factor; none: 1."""
+    pattern that matches one of a parameter's Hugging Face names (hf_names) gives its factor; a parameter left out: 1."""
     rules = parse_lr_mult(lr_mult)
+    if not rules:
+        return {}, []
     with torch.device("meta"):
         names = [n for n, _ in Llama(cfg).named_parameters()]
     factors, used = {}, set()

@@ -102,7 +102,7 @@ class TrainConfig:
     schedule: str = opt("cosine", "after warmup: 'cosine' (to 10%% of --lr at --steps) or 'constant'")
     freeze: str = opt("", "a regex (re.search) over the Hugging Face parameter names (model.layers.0.mlp.up_proj.weight, "
                           "lm_head.weight, as in --export_hf's folder): matching parameters are not trained, whole "
-                          "units only (the embedding, a block, the head); may change on resume (docs/forking.md)")
+                          "units only (the embedding, a block, the head); may change on resume (docs/operations.md)")
     lr_mult: str = opt("", "'REGEX=FACTOR,...': the learning rate of parameters whose Hugging Face name matches REGEX is "
                            "--lr x FACTOR (the first pattern that matches wins); may change on resume")
     weight_decay: float = opt(0.1, "decoupled AdamW weight decay, on matrices only (not norms)")
@@ -318,8 +318,9 @@ def error_line(e: BaseException, when: str) -> str:
 # parameters only while it runs; PyTorch FSDP (Zhao et al., 2023, arXiv:2304.11277) is its production
 # form. A Unit below is FSDP1's FlatParameter: one flat buffer per unit, sharded evenly, one all-gather
 # and one reduce-scatter each. What it gives up against FSDP2 (a DTensor shard per parameter): one dtype
-# per unit (no fp32 norms beside bf16 matrices), and freezing single parameters (every element of a unit
-# gets a gradient shard and optimizer state); in return the collectives need no copy-in/copy-out.
+# per unit (no fp32 norms beside bf16 matrices), and freezing single parameters (--freeze freezes whole
+# units: every element of a trained unit gets a gradient shard and optimizer state); in return the
+# collectives need no copy-in/copy-out. Learning rates are per element (--lr_mult: Unit.lr_ranges).
 #
 # Sharding units: the embedding, each decoder block, and the head (final norm + lm_head). A block is
 # the natural unit: it is the piece of compute a gathered buffer is alive for, and all blocks have
@@ -328,8 +329,9 @@ def error_line(e: BaseException, when: str) -> str:
 # opposite ends of the step.
 #
 # Per parameter, persistent and split W ways: fp32 master + fp32 gradient + the optimizer's state (AdamW:
-# m and v, fp32) = 16 B / W. Transient: the compute-dtype buffer of the unit(s) running and the one being
-# prefetched, and full-unit gradients on their way to the reduce-scatter.
+# m and v, fp32) = 16 B / W; a frozen unit's (--freeze) is its master alone, 4 B / W. Transient: the
+# compute-dtype buffer of the unit(s) running and the one being prefetched, and full-unit gradients on
+# their way to the reduce-scatter.
 #
 # The trick everything below rests on: modules use a buffer that comes and goes.
 #   - The model is built on the meta device (shapes, no memory). Each Unit deletes its modules'
@@ -610,8 +612,8 @@ def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: i
         loss = sharded.loss(batch)
         loss = fault_hook("loss", step, sharded.rank, loss)  # the loss itself, but in the tests' faults (section 4b)
         loss.backward()  # the reduce-scatters start inside, unit by unit (reduce_scatter_grad)
-        for unit in sharded.stages[sharded.first_trained].backward_units:  # behind a frozen prefix (--freeze) no
-            unit.free()  # boundary before the first trained stage runs to free it (on_backward); without one, none
+        for unit in sharded.stages[sharded.first_trained].backward_units:  # on_backward frees a stage as backward
+            unit.free()  # leaves it, but backward ends in the first trained stage (after a frozen prefix: --freeze)
         finish_reduces(sharded.reduces_in_flight)
         loss_sum += loss.detach().float()
     local_finite = torch.isfinite(loss_sum)  # read only if the step goes bad: reading it waits for the GPU
@@ -853,7 +855,7 @@ def make_stages(model: M.Llama, units: list[Unit], ac: str, offload: bool = Fals
     stages = ([Stage([embed], [])] + [Stage([unit], [unit], policy, offload and policy == "full")
                                        for unit, policy in zip(blocks, policies)] + [Stage(head_units, head_units)])
     # A frozen prefix (--freeze) has no backward: nothing in it or before it requires grad, so autograd never
-    # reaches it (and ShardedModel.end_backward frees the first trained stage, which no boundary then frees).
+    # reaches it (and forward_backward frees the first trained stage, which no boundary then frees).
     first = first_trained_stage(stages)
     return [stage._replace(backward_units=[]) for stage in stages[:first]] + stages[first:]
 
