@@ -469,15 +469,53 @@ def frozen_units(cfg: ModelConfig, freeze: str) -> tuple[list[str], list[str]]:
     pattern = re.compile(freeze)
     with torch.device("meta"):
         model = Llama(cfg)
-    aliases = {"embed_tokens.weight": ["lm_head.weight"]} if cfg.tie_embeddings else {}
     frozen, split = [], []
     for unit, names in sharding_units(model):
-        matched = [any(pattern.search(h) for h in [hf_name(n)] + aliases.get(n, [])) for n in names]
+        matched = [any(pattern.search(h) for h in hf_names(cfg, n)) for n in names]
         if all(matched):
             frozen.append(unit)
         elif any(matched):
             split.append(unit)
     return frozen, split
+
+
+def hf_names(cfg: ModelConfig, name: str) -> list[str]:
+    """The Hugging Face names --freeze and --lr_mult match for our parameter `name`: with tied embeddings the
+    embedding's weight is also the head's, `lm_head.weight`."""
+    tied = cfg.tie_embeddings and name == "embed_tokens.weight"
+    return [hf_name(name)] + (["lm_head.weight"] if tied else [])
+
+
+def parse_lr_mult(spec: str) -> list[tuple[str, float]]:
+    """--lr_mult 'REGEX=FACTOR,...' as [(regex, factor)], in order (a regex holds no ','). ValueError: one line
+    naming --lr_mult."""
+    rules = []
+    for part in filter(None, spec.split(",")):
+        regex, eq, factor = part.rpartition("=")
+        try:
+            rules.append((regex, float(factor)))
+            re.compile(regex)
+        except (ValueError, re.error) as e:
+            raise ValueError(f"--lr_mult: {part!r} is not REGEX=FACTOR ({e})") from None
+        if not eq or not regex or not rules[-1][1] >= 0:
+            raise ValueError(f"--lr_mult: {part!r} is not REGEX=FACTOR with a regex and a factor >= 0")
+    return rules
+
+
+def lr_factors(cfg: ModelConfig, lr_mult: str) -> tuple[dict[str, float], list[str]]:
+    """--lr_mult: ({parameter name: its learning-rate factor}, the patterns that match no parameter). The first
+    pattern that matches one of a parameter's Hugging Face names (hf_names) gives its factor; a parameter left out: 1."""
+    rules = parse_lr_mult(lr_mult)
+    if not rules:
+        return {}, []
+    with torch.device("meta"):
+        names = [n for n, _ in Llama(cfg).named_parameters()]
+    factors, used = {}, set()
+    for name in names:
+        rule = next((r for r in rules if any(re.search(r[0], h) for h in hf_names(cfg, name))), None)
+        factors[name] = rule[1] if rule else 1.0
+        used.add(rule)
+    return factors, [regex for regex, factor in rules if (regex, factor) not in used]
 
 
 # The fp32 tensors the optimizer keeps per element of each unit's shard, beside the master weights and the

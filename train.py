@@ -64,7 +64,7 @@ from components import metrics
 from components import offload as O  # --offload_activations and --offload_optimizer
 from components import plan, sample  # plan: the planner, which runs this file's Unit and blocks (use_trainer)
 from components.checks import (async_save_on, check_run, config_warnings, flash_attn_unsaved_warning,  # every input
-                               unknown_flag_message)
+                               param_group_warnings, unknown_flag_message)
 
 
 # ================================================================================================
@@ -102,7 +102,7 @@ class TrainConfig:
     schedule: str = opt("cosine", "after warmup: 'cosine' (to 10%% of --lr at --steps) or 'constant'")
     freeze: str = opt("", "a regex (re.search) over the Hugging Face parameter names (model.layers.0.mlp.up_proj.weight, "
                           "lm_head.weight, as in --export_hf's folder): matching parameters are not trained, whole "
-                          "units only (the embedding, a block, the head); may change on resume (docs/forking.md)")
+                          "units only (the embedding, a block, the head); may change on resume (docs/operations.md)")
     lr_mult: str = opt("", "'REGEX=FACTOR,...': the learning rate of parameters whose Hugging Face name matches REGEX is "
                            "--lr x FACTOR (the first pattern that matches wins); may change on resume")
     weight_decay: float = opt(0.1, "decoupled AdamW weight decay, on matrices only (not norms)")
@@ -318,8 +318,9 @@ def error_line(e: BaseException, when: str) -> str:
 # parameters only while it runs; PyTorch FSDP (Zhao et al., 2023, arXiv:2304.11277) is its production
 # form. A Unit below is FSDP1's FlatParameter: one flat buffer per unit, sharded evenly, one all-gather
 # and one reduce-scatter each. What it gives up against FSDP2 (a DTensor shard per parameter): one dtype
-# per unit (no fp32 norms beside bf16 matrices), and freezing single parameters (every element of a unit
-# gets a gradient shard and optimizer state); in return the collectives need no copy-in/copy-out.
+# per unit (no fp32 norms beside bf16 matrices), and freezing single parameters (--freeze freezes whole
+# units: every element of a trained unit gets a gradient shard and optimizer state); in return the
+# collectives need no copy-in/copy-out. Learning rates are per element (--lr_mult: Unit.lr_ranges).
 #
 # Sharding units: the embedding, each decoder block, and the head (final norm + lm_head). A block is
 # the natural unit: it is the piece of compute a gathered buffer is alive for, and all blocks have
@@ -328,8 +329,9 @@ def error_line(e: BaseException, when: str) -> str:
 # opposite ends of the step.
 #
 # Per parameter, persistent and split W ways: fp32 master + fp32 gradient + the optimizer's state (AdamW:
-# m and v, fp32) = 16 B / W. Transient: the compute-dtype buffer of the unit(s) running and the one being
-# prefetched, and full-unit gradients on their way to the reduce-scatter.
+# m and v, fp32) = 16 B / W; a frozen unit's (--freeze) is its master alone, 4 B / W. Transient: the
+# compute-dtype buffer of the unit(s) running and the one being prefetched, and full-unit gradients on
+# their way to the reduce-scatter.
 #
 # The trick everything below rests on: modules use a buffer that comes and goes.
 #   - The model is built on the meta device (shapes, no memory). Each Unit deletes its modules'
@@ -380,7 +382,8 @@ class Unit:
     --offload_optimizer's extension point: a subclass (OffloadedUnit, section 4b) overrides gather_input
     (what the all-gather reads) and add_grad (where a reduce-scattered shard goes)."""
 
-    def __init__(self, name, model, param_names, rank, world, device, compute_dtype, state_device=None):
+    def __init__(self, name, model, param_names, rank, world, device, compute_dtype, state_device=None, trained=True,
+                 lr_factors=None):
         self.name = name
         self.slots = []
         offset = 0
@@ -398,21 +401,16 @@ class Unit:
         self.shard_numel = self.padded_numel // world
         self.shard_start = rank * self.shard_numel  # this rank's shard of the flat buffer
 
-        # The fp32 state, on `state_device` (default: the device).
+        # The fp32 state, on `state_device` (default: the device); a frozen unit's (--freeze): its master shard only.
         f32 = dict(dtype=torch.float32, device=state_device or device)
+        self.trained, self.optimizer_steps = trained, 0  # the unit's own step count (bias corrections), as torch's
         self.master_shard = torch.zeros(self.shard_numel, **f32)
-        self.grad_shard = torch.zeros(self.shard_numel, **f32)
-        self.optimizer_state = {name: torch.zeros(self.shard_numel, **f32) for name in M.OPTIMIZER_STATE}
-        # Weight decay goes on matrices only (norm weights are 1-D): ranges of this rank's shard.
-        self.decay_ranges = []
-        for slot in self.slots:
-            lo = max(slot.offset, self.shard_start)
-            hi = min(slot.offset + math.prod(slot.shape), self.shard_start + self.shard_numel)
-            if len(slot.shape) >= 2 and lo < hi:
-                self.decay_ranges.append((lo - self.shard_start, hi - self.shard_start))
+        self.grad_shard = torch.zeros(self.shard_numel if trained else 0, **f32)
+        self.optimizer_state = {name: torch.zeros(self.shard_numel, **f32) for name in M.OPTIMIZER_STATE} if trained else {}
+        self.lr_ranges, self.decay_ranges = shard_ranges(self, lr_factors or {}) if trained else ([], [])
 
         # The gathered buffer: full padded size, compute dtype, storage allocated only while gathered.
-        self.gathered = torch.empty(self.padded_numel, dtype=compute_dtype, device=device, requires_grad=True)
+        self.gathered = torch.empty(self.padded_numel, dtype=compute_dtype, device=device, requires_grad=trained)
         self._storage_bytes = self.gathered.untyped_storage().nbytes()
         self.set_views(self.gathered)  # from now on each module attribute is a view of it (a view needs the storage)
         self.gathered.untyped_storage().resize_(0)
@@ -506,7 +504,7 @@ def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict]
     for unit in units:
         full[unit.name] = torch.empty(unit.padded_numel, dtype=unit.gathered.dtype, device=unit.gathered.device)
         all_gather_flat(full[unit.name], unit.gather_input())
-        full[unit.name].requires_grad_()
+        full[unit.name].requires_grad_(unit.trained)
         unit.set_views(full[unit.name])
     device = batches[0]["tokens"].device
     loss_sum = torch.zeros((), device=device)
@@ -517,7 +515,7 @@ def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict]
         loss = model.head_loss(x, batch["targets"], cfg.ce_chunk) / batch["n_tokens"]
         loss.backward()  # gradients accumulate into full[...].grad over the micro-batches
         loss_sum += loss.detach().float()
-    for unit in units:
+    for unit in [u for u in units if u.trained]:  # a frozen unit (--freeze) has no gradient
         out = torch.empty(unit.shard_numel, device=device)
         reduce_scatter_flat(out, full[unit.name].grad.float(), op=dist.ReduceOp.SUM)
         unit.grad_shard.copy_(out)
@@ -526,7 +524,7 @@ def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict]
     scale = min(1.0, cfg.grad_clip / (grad_norm.item() + 1e-6)) if cfg.grad_clip > 0 else 1.0
     for unit in units:
         unit.grad_shard.mul_(scale)
-    adamw_step_reference(units, cfg, lr_at(cfg, step), step)
+    adamw_step_reference([u for u in units if u.trained], cfg, lr_at(cfg, step), step)
     for unit in units:
         unit.grad_shard.zero_()
     for unit, kept in zip(units, views):  # the modules point where they did, not into `full`, which goes now
@@ -544,19 +542,20 @@ def global_grad_norm(units: list[Unit], device: torch.device) -> torch.Tensor:
 
 
 def adamw_step_reference(units: list[Unit], cfg: TrainConfig, lr: float, step: int):
-    """torch.optim.AdamW's update, term for term, on this rank's shards (step is 1-based). The readable
-    version of adamw_step (the optimizer train_step runs, at the end of this section); tests/test_sharding.py
-    holds the two equal."""
+    """torch.optim.AdamW's update, term for term, on the trained units' shards: adamw_step's readable form (held equal
+    by tests/test_sharding.py). A group per --lr_mult factor; each unit counts its own steps, as torch each parameter's."""
     beta1, beta2 = cfg.adam_beta1, cfg.adam_beta2
-    bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
     for u in units:
+        u.optimizer_steps += 1
+        bias_correction1, bias_correction2 = 1 - beta1 ** u.optimizer_steps, 1 - beta2 ** u.optimizer_steps
         exp_avg, exp_avg_sq = u.optimizer_state["exp_avg"], u.optimizer_state["exp_avg_sq"]
-        for lo, hi in u.decay_ranges:  # decoupled decay, before the Adam update, as torch does
-            u.master_shard[lo:hi].mul_(1 - lr * cfg.weight_decay)
+        for lo, hi, factor in u.decay_ranges:  # decoupled decay, at the group's lr, before the Adam update, as torch
+            u.master_shard[lo:hi].mul_(1 - lr * factor * cfg.weight_decay)
         exp_avg.lerp_(u.grad_shard, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(u.grad_shard, u.grad_shard, value=1 - beta2)
         denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(cfg.adam_eps)
-        u.master_shard.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        for lo, hi, factor in u.lr_ranges:
+            u.master_shard[lo:hi].addcdiv_(exp_avg[lo:hi], denom[lo:hi], value=-lr * factor / bias_correction1)
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
@@ -613,6 +612,8 @@ def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: i
         loss = sharded.loss(batch)
         loss = fault_hook("loss", step, sharded.rank, loss)  # the loss itself, but in the tests' faults (section 4b)
         loss.backward()  # the reduce-scatters start inside, unit by unit (reduce_scatter_grad)
+        for unit in sharded.stages[sharded.first_trained].backward_units:  # on_backward frees a stage as backward
+            unit.free()  # leaves it, but backward ends in the first trained stage (after a frozen prefix: --freeze)
         finish_reduces(sharded.reduces_in_flight)
         loss_sum += loss.detach().float()
     local_finite = torch.isfinite(loss_sum)  # read only if the step goes bad: reading it waits for the GPU
@@ -646,11 +647,12 @@ class ShardedModel:
         with torch.device("meta"):  # shapes only: construction allocates nothing
             self.model = M.Llama(mcfg)
         self.reduces_in_flight = []
-        self.units = build_units(self.model, rank, world, device, self.compute_dtype, self.unit_class)
-        for unit in self.units:  # each unit's gradient is reduce-scattered as soon as autograd completes it
-            unit.gathered.register_post_accumulate_grad_hook(
+        self.units = build_units(self.model, rank, world, device, self.compute_dtype, self.unit_class, cfg.freeze, cfg.lr_mult)
+        for unit in [u for u in self.units if u.trained]:  # each unit's gradient is reduce-scattered as soon as
+            unit.gathered.register_post_accumulate_grad_hook(  # autograd completes it (a frozen unit has none)
                 partial(reduce_scatter_grad, unit, self.reduces_in_flight, getattr(torch, cfg.reduce_dtype)))
         self.stages = make_stages(self.model, self.units, cfg.ac, cfg.offload_activations, cfg.ac_blocks, cfg.ac_rest)
+        self.first_trained = first_trained_stage(self.stages)
         self.prefetch, self.ce_chunk = cfg.prefetch, cfg.ce_chunk
 
     def loss(self, batch: dict) -> torch.Tensor:
@@ -702,8 +704,8 @@ class ShardedModel:
         return global_grad_norm(self.units, self.device)
 
     def update(self, cfg: TrainConfig, lr: float, step: int):
-        """The optimizer's step on every unit's shards."""
-        optimizer_step(self.units, cfg, lr, step)
+        """The optimizer's step on the shards of every unit that trains (a frozen one has no state: --freeze)."""
+        optimizer_step([u for u in self.units if u.trained], cfg, lr, step)
 
 
 class Stage(NamedTuple):
@@ -802,17 +804,21 @@ def finish_reduces(reduces_in_flight: list, keep: int = 0):
 
 
 def adamw_step(units: list[Unit], cfg: TrainConfig, lr: float, step: int):
-    """adamw_step_reference's update in one pass over the four shards: PyTorch's fused AdamW kernel (what
-    torch.optim.AdamW(fused=True) runs), instead of the reference's seven passes and two temporaries.
-    Decay stays outside it because it applies to matrices only, not to whole shards."""
+    """adamw_step_reference in one pass over the four shards: the fused kernel torch.optim.AdamW(fused=True) runs, not
+    seven passes and two temporaries; one call per --lr_mult factor. Decay stays outside: it is for matrices only."""
+    pieces = {}  # lr factor -> [[master, grad, exp_avg, exp_avg_sq, step] of one piece of a unit's shards]
     for u in units:
-        for lo, hi in u.decay_ranges:
-            u.master_shard[lo:hi].mul_(1 - lr * cfg.weight_decay)
-    steps = [torch.full((), float(step), device=u.master_shard.device) for u in units]  # for the bias corrections
-    torch._fused_adamw_([u.master_shard for u in units], [u.grad_shard for u in units],
-                        [u.optimizer_state["exp_avg"] for u in units], [u.optimizer_state["exp_avg_sq"] for u in units],
-                        [], steps, lr=lr, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2,
-                        weight_decay=0.0, eps=cfg.adam_eps, amsgrad=False, maximize=False)
+        u.optimizer_steps += 1
+        for lo, hi, factor in u.decay_ranges:
+            u.master_shard[lo:hi].mul_(1 - lr * factor * cfg.weight_decay)
+        step_count = torch.full((), float(u.optimizer_steps), device=u.master_shard.device)  # the bias corrections'
+        for lo, hi, factor in u.lr_ranges:
+            shards = (u.master_shard, u.grad_shard, u.optimizer_state["exp_avg"], u.optimizer_state["exp_avg_sq"])
+            pieces.setdefault(factor, []).append([t[lo:hi] for t in shards] + [step_count])
+    for factor, group in pieces.items():
+        master, grad, exp_avg, exp_avg_sq, steps = map(list, zip(*group))
+        torch._fused_adamw_(master, grad, exp_avg, exp_avg_sq, [], steps, lr=lr * factor, beta1=cfg.adam_beta1,
+                            beta2=cfg.adam_beta2, weight_decay=0.0, eps=cfg.adam_eps, amsgrad=False, maximize=False)
 
 
 # The optimizer: a fork swaps it here and in M.OPTIMIZER_STATE, the names of the fp32 tensors each unit keeps
@@ -828,9 +834,13 @@ optimizer_step = adamw_step
 #
 # ShardedModel's set-up: its units and its stages (what ShardedModel.loss runs), made once.
 
-def build_units(model: M.Llama, rank, world, device, compute_dtype, unit_class=Unit) -> list[Unit]:
-    """One Unit per M.sharding_units entry: embed, layers.0 .. layers.{L-1}, head -- in the order they run."""
-    return [unit_class(g, model, p, rank, world, device, compute_dtype) for g, p in M.sharding_units(model)]
+def build_units(model: M.Llama, rank, world, device, compute_dtype, unit_class=Unit, freeze: str = "",
+                lr_mult: str = "") -> list[Unit]:
+    """One Unit per M.sharding_units entry: embed, layers.0 .. layers.{L-1}, head -- in the order they run;
+    those --freeze freezes whole (M.frozen_units), each parameter with its --lr_mult factor (M.lr_factors)."""
+    frozen, lr_factors = M.frozen_units(model.cfg, freeze)[0], M.lr_factors(model.cfg, lr_mult)[0]
+    return [unit_class(g, model, p, rank, world, device, compute_dtype, trained=g not in frozen, lr_factors=lr_factors)
+            for g, p in M.sharding_units(model)]
 
 
 def make_stages(model: M.Llama, units: list[Unit], ac: str, offload: bool = False, ac_blocks: int = -1,
@@ -842,8 +852,37 @@ def make_stages(model: M.Llama, units: list[Unit], ac: str, offload: bool = Fals
     head_units = [head, embed] if model.cfg.tie_embeddings else [head]
     policies = M.block_policies(len(blocks), ac, ac_blocks, ac_rest)
     # --offload_activations moves what `full` keeps
-    return ([Stage([embed], [])] + [Stage([unit], [unit], policy, offload and policy == "full")
-                                     for unit, policy in zip(blocks, policies)] + [Stage(head_units, head_units)])
+    stages = ([Stage([embed], [])] + [Stage([unit], [unit], policy, offload and policy == "full")
+                                       for unit, policy in zip(blocks, policies)] + [Stage(head_units, head_units)])
+    # A frozen prefix (--freeze) has no backward: nothing in it or before it requires grad, so autograd never
+    # reaches it (and forward_backward frees the first trained stage, which no boundary then frees).
+    first = first_trained_stage(stages)
+    return [stage._replace(backward_units=[]) for stage in stages[:first]] + stages[first:]
+
+
+def shard_ranges(unit: Unit, lr_factors: dict) -> tuple[list, list]:
+    """Unit's lr_ranges and decay_ranges: (lo, hi, learning-rate factor) pieces of this rank's shard. The
+    optimizer's: one per run of parameters with the same --lr_mult factor (without it: one, the whole shard but
+    its padding); weight decay's: one per matrix (norm weights are 1-D, not decayed)."""
+    lr_ranges, decay_ranges = [], []
+    for slot in unit.slots:
+        lo = max(slot.offset, unit.shard_start) - unit.shard_start
+        hi = min(slot.offset + math.prod(slot.shape), unit.shard_start + unit.shard_numel) - unit.shard_start
+        factor = lr_factors.get(slot.name, 1.0)
+        if lo >= hi:
+            continue
+        if lr_ranges and lr_ranges[-1][1:] == (lo, factor):  # contiguous, the same factor: one piece
+            lr_ranges[-1] = (lr_ranges[-1][0], hi, factor)
+        else:
+            lr_ranges.append((lo, hi, factor))
+        if len(slot.shape) >= 2:
+            decay_ranges.append((lo, hi, factor))
+    return lr_ranges, decay_ranges
+
+
+def first_trained_stage(stages: list[Stage]) -> int:
+    """The first stage with a unit that trains: 0 without --freeze."""
+    return next(k for k, stage in enumerate(stages) if any(u.trained for u in stage.forward_units))
 
 
 # --offload_optimizer (offload.py): every unit's fp32 state lives in host memory and the optimizer runs
@@ -855,8 +894,8 @@ class OffloadedUnit(Unit):
     sets `host`, an offload.HostOptimizer): the all-gather reads `host`'s compute-dtype device copy, and a
     reduce-scattered shard is copied to host memory and added there, on a worker thread."""
 
-    def __init__(self, *args):
-        super().__init__(*args, state_device=torch.device("meta"))  # no device memory: offload.py places the state
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, state_device=torch.device("meta"), **kwargs)  # no device memory: offload.py places it
         self.host = None
 
     def gather_input(self) -> torch.Tensor:
@@ -990,7 +1029,7 @@ def setup(cfg: TrainConfig):
     if errors:
         fail("; ".join(errors))
     if os.environ.get("RANK", "0") == "0":
-        for warning in config_warnings(cfg):  # allowed, but probably not meant
+        for warning in config_warnings(cfg) + param_group_warnings(cfg, mcfg):  # allowed, but probably not meant
             print(f"warning: {warning}", file=sys.stderr, flush=True)
         unsaved = flash_attn_unsaved_warning(SAVED_OPS) if "selective" in (cfg.ac, cfg.ac_rest) else None
         if unsaved:
@@ -1068,7 +1107,7 @@ def save(cfg, sharded: ShardedModel, saving, step: int, data_state, background: 
 def finish_background_save(cfg, sharded: ShardedModel, saving):
     """Commits the save in flight, after every rank's write: the wait, measured, is how long training stalled."""
     try:
-        path, wait_s, write_s = saving.finish(cfg, sharded.model.cfg, sharded.units, sharded.rank, sharded.world)
+        path, wait_s, write_s = saving.finish(cfg, sharded.model.cfg, sharded.rank, sharded.world)
     except disk.CheckpointError as e:
         fail(str(e), exit_code(e))
     if sharded.rank == 0:

@@ -4,6 +4,7 @@ the safetensors headers of --init_from. train.py's setup stops on the first list
 import difflib
 import json
 import os
+import re
 import socket
 import sys
 from dataclasses import asdict
@@ -124,6 +125,54 @@ def check_resume_mix(cfg) -> list[str]:
     sources = D.sample_sources(cfg.out_dir, "train") if cfg.data == "sample" else D.parse_sources(cfg.data, "--data")
     mismatch = D.mix_mismatch(state, [n for n, _, _ in sources], [w for _, _, w in sources])
     return [f"{mismatch} ({candidates[0]})"] if mismatch else []  # --sample_prompts and --sample_tokens
+
+
+def check_param_groups(cfg, mcfg: M.ModelConfig) -> list[str]:
+    """--freeze and --lr_mult against the model's parameters (their Hugging Face names, model.hf_names): a bad
+    pattern, one that matches nothing, a --freeze that splits a unit (units are frozen whole: one flat buffer has
+    one gradient and one optimizer state) or freezes every unit. One line each."""
+    errors = []
+    if cfg.freeze:
+        try:
+            frozen, split = M.frozen_units(mcfg, cfg.freeze)
+        except re.error as e:
+            return [f"--freeze: {cfg.freeze!r} is not a regular expression ({e})"]
+        with torch.device("meta"):
+            model = M.Llama(mcfg)
+        units = M.sharding_units(model)
+        if split:
+            names = dict(units)[split[0]]
+            matched = [n for n in names if any(re.search(cfg.freeze, h) for h in M.hf_names(mcfg, n))]
+            other = next(n for n in names if n not in matched)
+            more = f" (and {len(split) - 1} more unit(s))" if len(split) > 1 else ""
+            return [f"--freeze: {cfg.freeze!r} splits unit {split[0]}{more}: it matches {M.hf_name(matched[0])} but "
+                    f"not {M.hf_name(other)}; units are frozen whole (the embedding, each block, the head: "
+                    f"model.norm.weight with lm_head.weight): match all of a unit's parameters or none"]
+        if not frozen and not split:
+            errors.append(f"--freeze: {cfg.freeze!r} matches no parameter (Hugging Face names, as in --export_hf's "
+                          f"folder: model.embed_tokens.weight, model.layers.0.mlp.up_proj.weight, lm_head.weight)")
+        elif len(frozen) == len(units):
+            errors.append(f"--freeze: {cfg.freeze!r} freezes every unit: nothing would train")
+        elif "embed" in frozen and cfg.offload_activations:  # OffloadedCheckpoint's backward needs an input with grad
+            errors.append(f"--freeze: {cfg.freeze!r} freezes the embedding, so the first trained block's input needs "
+                          f"no gradient, which --offload_activations needs to run its backward; use --ac full without it")
+    if cfg.lr_mult:
+        try:
+            unmatched = M.lr_factors(mcfg, cfg.lr_mult)[1]
+        except ValueError as e:
+            return errors + [str(e)]
+        if unmatched:
+            errors.append(f"--lr_mult: pattern {unmatched[0]!r} matches no parameter (Hugging Face names, as in "
+                          f"--export_hf's folder: model.layers.0.mlp.up_proj.weight, lm_head.weight)")
+    return errors
+
+
+def param_group_warnings(cfg, mcfg: M.ModelConfig) -> list[str]:
+    """What --freeze does beyond what it names, one line each (rank 0 prints them)."""
+    if cfg.freeze and mcfg.tie_embeddings and "embed" in M.frozen_units(mcfg, cfg.freeze)[0]:
+        return [f"--freeze {cfg.freeze!r} freezes the embedding, and with tied embeddings (tie_word_embeddings) "
+                f"its weight is also the head's lm_head.weight: the head's weight is frozen too"]
+    return []
 
 
 def config_warnings(cfg) -> list[str]:
@@ -370,7 +419,8 @@ def check_run(cfg, world: int, state_bytes_per_param: int):
         except ValueError as e:  # config.json describes a model this code does not build
             errors.append(f"--init_from: {e}")
     if mcfg is not None:
-        errors += M.check_model_config(mcfg) or check_host_memory(cfg, mcfg, world, state_bytes_per_param)
+        errors += M.check_model_config(mcfg) or check_param_groups(cfg, mcfg) or check_host_memory(
+            cfg, mcfg, world, state_bytes_per_param)
     if not errors and weights is not None:
         try:
             disk.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from")

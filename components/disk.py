@@ -2,8 +2,9 @@
 and Hugging Face folders (import by partial reads, export one unit at a time).
 
 All this file needs of train.py's units: `name`, `numel`, `padded_numel`, `shard_numel`, `shard_start`,
-`slots` (each parameter's place in the unit's flat buffer), `master_shard` and `optimizer_state` (a dict
-of fp32 tensors shaped like master_shard, named by the optimizer).
+`slots` (each parameter's place in the unit's flat buffer), `master_shard`, `optimizer_state` (a dict
+of fp32 tensors shaped like master_shard, named by the optimizer; empty for a frozen unit), `trained` (False:
+frozen by --freeze) and `optimizer_steps` (the unit's own count for AdamW's bias corrections).
 
   out_dir/.lock                                      rank 0's flock for the whole run: one run per out_dir
   out_dir/checkpoints/step_00000100/manifest.json   step, configs, world size, file checksums
@@ -427,6 +428,7 @@ RESUME_MUST_MATCH = {  # the saved state means something else under another valu
 RESUME_MAY_CHANGE = (  # the training goes on differently from here, deliberately: a warning on rank 0
     "steps", "lr", "warmup_steps", "schedule", "weight_decay", "grad_clip", "adam_beta1", "adam_beta2", "adam_eps",
     "batch_size", "dtype", "reduce_dtype", "eval_data", "eval_every", "eval_batches",
+    "freeze", "lr_mult",  # progressive unfreezing: a unit that starts training starts a fresh optimizer state
 )
 RESUME_NOT_COMPARED = (  # how the run runs (memory, speed, logs, where it writes), not what it trains; and
     # --model, whose model (manifest "model") is compared field by field instead
@@ -568,13 +570,19 @@ def rank_file_tensors(units: list) -> list:
     return [(f"{u.name}.{kind}", t) for u in units for kind, t in saved_tensors(u)]
 
 
-def checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files) -> dict:
+def unit_records(units) -> dict:
+    """The manifest's "units", taken with the snapshot (a background save commits after later steps): each unit's
+    own optimizer state names (a fork's units need not all keep the same), whether it trains (--freeze) and its
+    own optimizer step count."""
+    return {u.name: {"numel": u.numel, "shard_numel": u.shard_numel, "optimizer_state": list(u.optimizer_state),
+                     "trained": u.trained, "optimizer_steps": u.optimizer_steps} for u in units}
+
+
+def checkpoint_manifest(cfg, mcfg, units: dict, step, world, data_state, files) -> dict:
+    """`units`: unit_records of the snapshot."""
     return {"format": CKPT_FORMAT, "step": step, "world_size": world, "model": asdict(mcfg),
             "train": asdict(cfg), "resolved": {key: flag_meaning(key, getattr(cfg, key)) for key in PATH_FLAGS},
-            "files": files,  # each unit's own optimizer state names: a fork's units need not all keep the same
-            "units": {u.name: {"numel": u.numel, "shard_numel": u.shard_numel, "optimizer_state": list(u.optimizer_state)}
-                      for u in units},
-            "data": data_state}
+            "files": files, "units": units, "data": data_state}
 
 
 def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
@@ -584,7 +592,7 @@ def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
     which --async_save (BackgroundSave, below) runs apart: prepare, write, commit."""
     tmp, final = prepare_save(cfg, step, rank)
     report, my_error = write_rank_file(tmp, rank_file_tensors(units), step, rank, world)
-    return commit_save(cfg, mcfg, units, step, rank, world, data_state, report, my_error)
+    return commit_save(cfg, mcfg, unit_records(units), step, rank, world, data_state, report, my_error)
 
 
 def save_paths(cfg, step: int) -> tuple[str, str, str]:
@@ -636,7 +644,7 @@ def write_rank_file(tmp: str, tensors: list, step: int, rank: int, world: int) -
     return report, my_error
 
 
-def commit_save(cfg, mcfg, units, step, rank, world, data_state, report: torch.Tensor, my_error: str) -> str:
+def commit_save(cfg, mcfg, units: dict, step, rank, world, data_state, report: torch.Tensor, my_error: str) -> str:
     """Rank 0 gathers every rank's report and, when all wrote, commits: each file's size checked, the manifest,
     the rename to step_N, `latest`, retention. Returns the checkpoint's path on every rank, or raises
     CheckpointError on every rank with the errno of the first failed write."""
@@ -718,7 +726,7 @@ class BackgroundSave:
             staged.copy_(t, non_blocking=True)
         if self.device.type == "cuda":  # the next optimizer step overwrites what is being copied
             torch.cuda.current_stream(self.device).synchronize()
-        self.pending = dict(step=step, data_state=data_state)
+        self.pending = dict(step=step, data_state=data_state, units=unit_records(units))
         self.written = None
         self.writer = threading.Thread(target=self.write, args=(tmp, step, rank, world), name="checkpoint-writer",
                                        daemon=True)  # a rank that fails mid-write exits without waiting for it
@@ -739,7 +747,7 @@ class BackgroundSave:
     def failed(self) -> bool:
         return self.written is not None and not self.written[0][0]
 
-    def finish(self, cfg, mcfg, units: list, rank: int, world: int) -> tuple[str, float, float]:
+    def finish(self, cfg, mcfg, rank: int, world: int) -> tuple[str, float, float]:
         """Waits for this rank's write and commits the save in flight (a collective: every rank calls it at the
         same step boundary). Returns (its path, seconds training waited here, seconds this rank's write took);
         CheckpointError as a synchronous save's."""
@@ -747,7 +755,7 @@ class BackgroundSave:
         self.writer.join()
         (report, error, write_s), pending = self.written, self.pending
         self.pending = self.writer = self.written = None
-        path = commit_save(cfg, mcfg, units, pending["step"], rank, world, pending["data_state"], report, error)
+        path = commit_save(cfg, mcfg, pending["units"], pending["step"], rank, world, pending["data_state"], report, error)
         return path, time.perf_counter() - t0, write_s  # the wait: for this rank's write, then for the slowest's
 
 
@@ -967,6 +975,9 @@ def check_manifest_numbers(path: str, manifest: dict):
         numel = saved.get("numel")
         if not whole(numel, 1):
             refuse(f"units.{name}.numel", numel, "a whole number >= 1")
+        if not whole(saved.get("optimizer_steps", 0), 0) or type(saved.get("trained", True)) is not bool:
+            refuse(f"units.{name}", {k: saved.get(k) for k in ("optimizer_steps", "trained")},
+                   "optimizer_steps a whole number >= 0 and trained true or false")
         if saved.get("shard_numel") != -(-numel // world) or type(saved["shard_numel"]) is not int:
             refuse(f"units.{name}.shard_numel", saved.get("shard_numel"),
                    f"{-(-numel // world)}: numel {numel} over world_size {world}, rounded up")
@@ -977,6 +988,18 @@ def check_manifest_numbers(path: str, manifest: dict):
     for fname, expect in files.items():
         if not (isinstance(expect, dict) and whole(expect.get("bytes"), 0) and isinstance(expect.get("sha256"), str)):
             refuse(f"files.{fname}", expect, '{"sha256": "...", "bytes": a whole number}')
+
+
+def trained_when_saved(manifest: dict, name: str) -> bool:
+    return manifest["units"][name].get("trained", True)  # a manifest saved before --freeze: every unit trained
+
+
+def freeze_changes(manifest: dict, units: list) -> tuple[list[str], list[str]]:
+    """--freeze changed on resume: (the units that start training, with fresh optimizer state; the units frozen
+    now, whose saved state is dropped)."""
+    started = [u.name for u in units if u.trained and not trained_when_saved(manifest, u.name)]
+    stopped = [u.name for u in units if not u.trained and trained_when_saved(manifest, u.name)]
+    return started, stopped
 
 
 def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = False):
@@ -993,10 +1016,22 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
             raise CheckpointError(f"checkpoint {path}: unit {unit.name} is missing or has another size")
         # Per unit (a manifest saved before 2026-12-05 names one list for all units, at its top level).
         saved_state = saved.get("optimizer_state", manifest.get("optimizer_state", ["exp_avg", "exp_avg_sq"]))
-        if not master_only and saved_state != list(unit.optimizer_state):
+        if not master_only and trained_when_saved(manifest, unit.name) and unit.trained and \
+                saved_state != list(unit.optimizer_state):
             raise CheckpointError(f"checkpoint {path}: unit {unit.name} was saved with optimizer state "
                                   f"{', '.join(saved_state) or 'none'}, this run's optimizer keeps "
                                   f"{', '.join(unit.optimizer_state) or 'none'} for it")
+    # The units whose optimizer state is read. Since the save --freeze may have changed: a unit that starts
+    # training starts from zero state and its own first step (as a parameter new to a torch optimizer); a unit
+    # frozen now leaves its saved state unread.
+    with_state = set() if master_only else {u.name for u in units if u.trained and trained_when_saved(manifest, u.name)}
+    for unit in units:
+        if unit.name in with_state:  # a manifest saved before 2026-12-05 has no count: every unit took every step
+            unit.optimizer_steps = manifest["units"][unit.name].get("optimizer_steps", manifest["step"])
+        else:
+            unit.optimizer_steps = 0
+            for tensor in unit.optimizer_state.values():
+                tensor.zero_()  # what a fall-back from a checkpoint that had it read goes too
     verified = set()
     for unit in units:
         old_shard = manifest["units"][unit.name]["shard_numel"]
@@ -1016,7 +1051,7 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
                 verified.add(fname)
             a, b = max(lo, old_rank * old_shard), min(hi, (old_rank + 1) * old_shard)
             with safe_open(fpath, framework="pt") as f:
-                for kind, tensor in saved_tensors(unit)[:1] if master_only else saved_tensors(unit):
+                for kind, tensor in saved_tensors(unit) if unit.name in with_state else saved_tensors(unit)[:1]:
                     key = f"{unit.name}.{kind}"
                     if key not in f.keys() or f.get_slice(key).get_shape() != [old_shard]:
                         raise CheckpointError(f"checkpoint {path}: {fname} holds {key} with shape "
@@ -1080,6 +1115,14 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: boo
                 if changed:
                     print(f"warning: resuming from {path} with changed flags: {', '.join(changed)}; the run continues "
                           f"under the new values from step {manifest['step'] + 1}", file=sys.stderr, flush=True)
+                started, stopped = freeze_changes(manifest, units)
+                if started:
+                    print(f"warning: --freeze: unit(s) {', '.join(started)} start training at step {manifest['step'] + 1} "
+                          f"with a fresh optimizer state (zero moments, their own step count from 1)", file=sys.stderr,
+                          flush=True)
+                if stopped:
+                    print(f"warning: --freeze: unit(s) {', '.join(stopped)} are frozen from step {manifest['step'] + 1}; "
+                          f"their saved optimizer state is dropped", file=sys.stderr, flush=True)
             data = manifest["data"] or {"position": 0}  # a conversion run (--steps 0) saved no data state
             return manifest["step"], data["position"]
         if MISMATCHED in codes:

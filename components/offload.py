@@ -149,7 +149,8 @@ class HostState:
     thread that adds the gradients into the host accumulators (not the thread that queues the GPU's work)."""
 
     def __init__(self, units: list, device: torch.device):
-        tensors_per_unit = [2 + len(u.optimizer_state) for u in units]  # each unit's own state, not the first's
+        # Each unit's own: master, gradient and optimizer state; a frozen unit's (--freeze) master shard only.
+        tensors_per_unit = [(2 if u.trained else 1) + len(u.optimizer_state) for u in units]
         shards = [u.shard_numel for u in units]
         state_numel = sum(c * n for c, n in zip(tensors_per_unit, shards))
         start = time.perf_counter()
@@ -164,7 +165,8 @@ class HostState:
             weakref.finalize(self, unlock, self.buffer.data_ptr()).atexit = False
         views = iter(self.buffer[:state_numel].split([n for c, n in zip(tensors_per_unit, shards) for _ in range(c)]))
         for u in units:
-            u.master_shard, u.grad_shard = next(views), next(views)
+            u.master_shard = next(views)
+            u.grad_shard = next(views) if u.trained else self.buffer[:0]
             u.optimizer_state = {name: next(views) for name in u.optimizer_state}
         self.slots = list(self.buffer[state_numel:].view(GRAD_SLOTS, max(shards)))
         self.free_slots = list(range(GRAD_SLOTS))

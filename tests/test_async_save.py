@@ -181,6 +181,24 @@ def test_background_saves_of_offloaded_state_are_the_synchronous_saves(data, mai
     assert losses(runs["true"]) == losses(runs["false"])
 
 
+def test_background_saves_of_frozen_units_are_the_synchronous_saves(data, main_in_process, tmp_path):
+    """--freeze: a frozen unit's staged state is its master shard alone; and the manifest's per-unit step counts
+    are the snapshot's, not those of the later step at which the background save commits."""
+    runs = {}
+    for mode in ("false", "true"):
+        runs[mode] = tmp_path / mode
+        extra = ["--ckpt_every=1", "--keep_ckpts=10", "--steps=4", r"--freeze=embed_tokens|layers\.0\.",
+                 f"--async_save={mode}"]
+        assert main_in_process(args(data, runs[mode], *extra)) == 0
+    for step in range(1, 5):
+        assert manifest(runs["true"], step)["files"] == manifest(runs["false"], step)["files"], step
+        assert manifest(runs["true"], step)["units"] == manifest(runs["false"], step)["units"], step
+        assert manifest(runs["true"], step)["units"]["layers.1"]["optimizer_steps"] == step
+    assert manifest(runs["true"], 4)["units"]["embed"] == dict(manifest(runs["true"], 4)["units"]["embed"],
+                                                               trained=False, optimizer_state=[], optimizer_steps=0)
+    assert losses(runs["true"]) == losses(runs["false"])
+
+
 def test_the_staging_buffer_is_what_the_planner_counts_and_is_taken_once(data, main_in_process, monkeypatch, tmp_path):
     """The buffer BackgroundSave allocates is plan.staging_bytes_per_rank's, byte for byte (at W=1 here; the
     planner's own test checks its formula against real units at W=3), taken once and reused by every save."""

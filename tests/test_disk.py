@@ -39,7 +39,8 @@ def one_process_group():
 def tiny_units():
     """What save_checkpoint reads of train.py's units: a name, sizes, the fp32 slices."""
     return [SimpleNamespace(name=f"u{i}", numel=6, shard_numel=6, shard_start=0, master_shard=torch.arange(6.0) + i,
-                            optimizer_state={"exp_avg": torch.zeros(6), "exp_avg_sq": torch.ones(6)})
+                            optimizer_state={"exp_avg": torch.zeros(6), "exp_avg_sq": torch.ones(6)}, trained=True,
+                            optimizer_steps=1)
             for i in range(2)]
 
 
@@ -341,6 +342,9 @@ MANIFEST_EDITS = {  # what is changed, and the line that names it
                       "units.u0.shard_numel is 0, expected 6: numel 6 over world_size 1, rounded up"),
     "shard_numel short": (lambda m: m["units"]["u1"].update(shard_numel=5),
                           "units.u1.shard_numel is 5, expected 6: numel 6 over world_size 1, rounded up"),
+    "optimizer_steps negative": (lambda m: m["units"]["u1"].update(optimizer_steps=-1),
+                                 "units.u1 is {'optimizer_steps': -1, 'trained': True}, expected optimizer_steps a "
+                                 "whole number >= 0 and trained true or false"),
     "world_size 0": (lambda m: m.update(world_size=0), "world_size is 0, expected a whole number >= 1"),
     "step a string": (lambda m: m.update(step="2"), "step is '2', expected a whole number >= 0"),
     "a file outside": (lambda m: m.update(files={"../rank00000-of-00001.safetensors": {}}),
@@ -419,3 +423,40 @@ def test_each_unit_names_its_own_optimizer_state_in_the_manifest(main_in_process
     assert ("unit layers.0 was saved with optimizer state momentum_buffer, this run's optimizer keeps exp_avg, "
             "exp_avg_sq for it") in out.err + out.out
     assert "at step 2" in out.out
+
+
+def test_a_resume_with_another_freeze_starts_fresh_state_or_drops_it_and_old_manifests_count_the_global_step(
+        tmp_path, one_process_group):
+    """--freeze may change on resume: a unit trained in the checkpoint and frozen now reads its master shard alone; a
+    unit frozen in the checkpoint and trained now starts with zero moments and its own step count at 0 (whatever a
+    previous read left in them); a manifest saved before the per-unit step counts gives every unit the checkpoint's
+    step (every unit then took every step)."""
+    path = save(tmp_path / "out", 4)
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert [u["optimizer_steps"] for u in manifest["units"].values()] == [1, 1]
+
+    def fresh(trained):  # this run's units: u1 frozen or trained, their state filled with something else
+        units = tiny_units()
+        for u, keeps in zip(units, trained):
+            u.master_shard.fill_(7.0)
+            u.optimizer_steps, u.trained = 9, keeps
+            u.optimizer_state = {k: t.fill_(7.0) for k, t in u.optimizer_state.items()} if keeps else {}
+        return units
+    units = fresh([True, False])
+    assert disk.freeze_changes(manifest, units) == ([], ["u1"])
+    disk.load_checkpoint(path, manifest, units)
+    assert torch.equal(units[1].master_shard, torch.arange(6.0) + 1) and units[1].optimizer_steps == 0
+    assert torch.equal(units[0].optimizer_state["exp_avg_sq"], torch.ones(6)) and units[0].optimizer_steps == 1
+    manifest["units"]["u1"]["trained"] = False  # saved while u1 was frozen, trained now
+    units = fresh([True, True])
+    assert disk.freeze_changes(manifest, units) == (["u1"], [])
+    disk.load_checkpoint(path, manifest, units)
+    assert torch.equal(units[1].master_shard, torch.arange(6.0) + 1) and units[1].optimizer_steps == 0
+    assert all(not t.any() for t in units[1].optimizer_state.values())
+    for saved in manifest["units"].values():  # the form saved before per-unit step counts and --freeze
+        del saved["trained"], saved["optimizer_steps"]
+    units = fresh([True, True])
+    disk.load_checkpoint(path, manifest, units)
+    assert [u.optimizer_steps for u in units] == [4, 4]
+    assert torch.equal(units[1].optimizer_state["exp_avg_sq"], torch.ones(6))

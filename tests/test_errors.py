@@ -156,3 +156,61 @@ def test_a_step_that_leaves_a_unit_gathered_or_reducing_stops_with_one_line(main
     assert code == 2
     what = ("unit(s) layers.0 still gathered" if leave == "gathered" else "reduce-scatter(s) of head in flight")
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: step 2 ended with {what}: every unit")
+
+
+# -- --freeze and --lr_mult: one line each, before any work (checks.check_param_groups) ----------------------------
+
+PARAM_GROUP_CASES = [
+    (["--freeze=embed|q_proj"], "--freeze: 'embed|q_proj' splits unit layers.0 (and 3 more unit(s)): it matches "
+                                "model.layers.0.self_attn.q_proj.weight but not model.layers.0.input_layernorm.weight; "
+                                "units are frozen whole"),
+    (["--freeze=(layers"], "--freeze: '(layers' is not a regular expression (missing ), unterminated subpattern"),
+    (["--freeze=lora_A"], "--freeze: 'lora_A' matches no parameter (Hugging Face names, as in --export_hf's folder"),
+    (["--freeze=weight"], "--freeze: 'weight' freezes every unit: nothing would train"),
+    (["--freeze=embed_tokens", "--ac=full", "--offload_activations"],
+     "--freeze: 'embed_tokens' freezes the embedding, so the first trained block's input needs no gradient, which "
+     "--offload_activations needs"),
+    (["--lr_mult=lm_head"], "--lr_mult: 'lm_head' is not REGEX=FACTOR"),
+    (["--lr_mult=lm_head=fast"], "--lr_mult: 'lm_head=fast' is not REGEX=FACTOR (could not convert string to float"),
+    (["--lr_mult=lm_head=-1"], "--lr_mult: 'lm_head=-1' is not REGEX=FACTOR with a regex and a factor >= 0"),
+    (["--lr_mult=(=2"], "--lr_mult: '(=2' is not REGEX=FACTOR (missing ), unterminated subpattern"),
+    (["--lr_mult=lm_head=0.1,lora_B=2"], "--lr_mult: pattern 'lora_B' matches no parameter"),
+]
+
+
+@pytest.mark.parametrize("flags,message", PARAM_GROUP_CASES, ids=[" ".join(c[0]) for c in PARAM_GROUP_CASES])
+def test_a_bad_freeze_or_lr_mult_is_one_line_naming_the_flag(flags, message):
+    import model as M
+    errors = checks.check_param_groups(T.parse_args(flags), M.PRESETS["tiny"]())
+    assert len(errors) == 1 and errors[0].startswith(message), errors
+
+
+def test_whole_units_freeze_and_lr_groups_by_element_pass_the_checks():
+    import model as M
+    cfg = T.parse_args([r"--freeze=embed_tokens|layers\.[01]\.", r"--lr_mult=mlp\.up_proj=0.5,norm=0"])
+    assert checks.check_param_groups(cfg, M.PRESETS["tiny"]()) == []
+    assert M.frozen_units(M.PRESETS["tiny"](), cfg.freeze) == (["embed", "layers.0", "layers.1"], [])
+
+
+def test_freezing_a_tied_embedding_says_the_head_is_frozen_too():
+    """With tied embeddings the head's lm_head.weight is the embedding's: freezing one freezes the other, and a
+    pattern for either name matches it (model.hf_names)."""
+    import model as M
+    tied = M.PRESETS["llama3.2-1b"]()
+    for pattern in ("embed_tokens", "lm_head"):
+        cfg = T.parse_args([f"--freeze={pattern}"])
+        assert checks.check_param_groups(cfg, tied) == []
+        assert checks.param_group_warnings(cfg, tied) == [
+            f"--freeze '{pattern}' freezes the embedding, and with tied embeddings (tie_word_embeddings) its weight "
+            f"is also the head's lm_head.weight: the head's weight is frozen too"]
+    untied = T.parse_args(["--freeze=embed_tokens"])
+    assert checks.param_group_warnings(untied, M.PRESETS["tiny"]()) == []
+
+
+def test_a_freeze_that_splits_a_unit_stops_train_py_with_one_line(tmp_path):
+    proc = run_train(["--model=tiny", "--freeze=mlp", f"--out_dir={tmp_path}"], check=False, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "error: --freeze: 'mlp' splits unit layers.0 (and 3 more unit(s)): it matches model.layers.0.mlp.gate_proj.weight "
+        "but not model.layers.0.input_layernorm.weight; units are frozen whole (the embedding, each block, the head: "
+        "model.norm.weight with lm_head.weight): match all of a unit's parameters or none"]

@@ -53,29 +53,34 @@ def test_an_offloaded_run_is_the_run_without_offload_bit_for_bit(plain, offloade
     assert read_metrics(out)[-1]["loss"] < read_metrics(out)[0]["loss"]  # it trained
 
 
-@pytest.mark.parametrize("world,reduce_dtype", [(1, "float32"), (2, "float32"), (3, "float32"), (2, "bfloat16")])
-def test_offloaded_optimizer_steps_are_bit_identical(files, tmp_path, world, reduce_dtype):
+@pytest.mark.parametrize("world,reduce_dtype,freeze", [(1, "float32", ""), (2, "float32", ""), (3, "float32", ""),
+                                                       (2, "bfloat16", ""), (2, "float32", r"embed_tokens|layers\.0\.")],
+                         ids=["w1", "w2", "w3", "w2-bf16", "w2-frozen-prefix"])
+def test_offloaded_optimizer_steps_are_bit_identical(files, tmp_path, world, reduce_dtype, freeze):
     """The step at each W (ranks as threads of this process, tests/ranks.py): six steps with and without
     offload give the same losses and norms and, after them, the same master shards and optimizer state, bit
-    for bit. bfloat16: the reduce-scattered shards reach host memory in bf16 and are cast before the add."""
+    for bit. bfloat16: the reduce-scattered shards reach host memory in bf16 and are cast before the add. A frozen
+    prefix (--freeze): its units keep their master shard alone in the host buffer, never changed."""
     import torch
     from ranks import config_and_data, run_ranks, sharded_model
     import train as T
 
     def six_steps(offload):
         flags = BASE + files + [f"--reduce_dtype={reduce_dtype}", f"--offload_optimizer={offload}",
-                                f"--out_dir={tmp_path / offload}"]
+                                f"--out_dir={tmp_path / offload}", f"--freeze={freeze}"]
         cfg, mcfg, weights, windows = config_and_data(flags)
 
         def rank_steps(rank):
             sharded = sharded_model(cfg, mcfg, weights)
             log = [T.train_step(cfg, sharded, windows, step, (step - 1) * cfg.batch_size)
                    for step in range(1, cfg.steps + 1)]
-            return log, [torch.cat([u.master_shard, *u.optimizer_state.values()]) for u in sharded.units]
+            return log, [torch.cat([u.master_shard, *u.optimizer_state.values()]) for u in sharded.units], [
+                (u.master_shard.numel(), u.grad_shard.numel(), len(u.optimizer_state)) for u in sharded.units if not u.trained]
         return run_ranks(world, rank_steps)
     without, offloaded = six_steps("false"), six_steps("true")
-    for (want_log, want_state), (got_log, got_state) in zip(without, offloaded, strict=True):
+    for (want_log, want_state, _), (got_log, got_state, frozen) in zip(without, offloaded, strict=True):
         assert got_log == want_log
+        assert [(grad, state) for _, grad, state in frozen] == ([(0, 0)] * 2 if freeze else [])
         assert len(got_state) == len(want_state) and all(torch.equal(g, w) for g, w in zip(got_state, want_state))
     assert offloaded[0][0][-1][0] < offloaded[0][0][0][0]  # it trained
 

@@ -5,12 +5,13 @@ into some rows; the oracle runs each document alone, which is what --doc_mask (t
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
-from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
+from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config, stopped_at
 
 import data as D
 import train as T
@@ -26,17 +27,22 @@ def split_at_eos(row: torch.Tensor, eos_id: int) -> list:
     return [(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
-def reference_run(init_dir, data_path, doc_mask: bool, optimizer: str = "adamw", args: dict = ARGS):
+def reference_run(init_dir, data_path, doc_mask: bool, optimizer: str = "adamw", args: dict = ARGS,
+                  frozen=lambda step, name: False, lr_mult=()):
     """The oracle: one process, whole global batch at once, HF model, torch AdamW. With doc_mask, each
-    packed document runs through HF alone (its own positions from 0, nothing else to attend to)."""
+    packed document runs through HF alone (its own positions from 0, nothing else to attend to).
+    `frozen(step, name)`: requires_grad=False for that step's forward and backward; `lr_mult`: [(regex,
+    factor)], a parameter group each (the first regex that matches a parameter's name wins)."""
     from transformers import AutoModelForCausalLM
     ref = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32, attn_implementation="eager")
     params = dict(ref.named_parameters())
-    decay = [p for p in params.values() if p.ndim >= 2]
-    no_decay = [p for p in params.values() if p.ndim < 2]
+    groups = {}  # (lr factor, decayed) -> parameters
+    for name, p in params.items():
+        factor = next((f for regex, f in lr_mult if re.search(regex, name)), 1.0)
+        groups.setdefault((factor, p.ndim >= 2), []).append(p)
     if optimizer == "adamw":
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": args["weight_decay"]},
-                                 {"params": no_decay, "weight_decay": 0.0}], lr=args["lr"], betas=(0.9, 0.95), eps=1e-8)
+        opt = torch.optim.AdamW([{"params": ps, "factor": factor, "weight_decay": args["weight_decay"] if decayed else 0.0}
+                                 for (factor, decayed), ps in groups.items()], lr=args["lr"], betas=(0.9, 0.95), eps=1e-8)
     else:  # tests/dist_worker.py's sgd_momentum_step
         opt = torch.optim.SGD(ref.parameters(), lr=args["lr"], momentum=0.9)
     cfg = T.TrainConfig(**args)
@@ -45,6 +51,8 @@ def reference_run(init_dir, data_path, doc_mask: bool, optimizer: str = "adamw",
     for step in range(STEPS):
         inputs, targets = (torch.from_numpy(a) for a in windows.micro_batch(step * BATCH, 0, 0, 1, BATCH))
         loss = 0.0
+        for name, p in params.items():
+            p.requires_grad_(not frozen(step + 1, name))
         for row in range(BATCH):
             docs = split_at_eos(inputs[row], ref.config.eos_token_id) if doc_mask else [(0, SEQ)]
             n_split += len(docs) > 1
@@ -52,11 +60,11 @@ def reference_run(init_dir, data_path, doc_mask: bool, optimizer: str = "adamw",
                 logits = ref(inputs[row:row + 1, a:b]).logits[0]
                 loss = loss + torch.nn.functional.cross_entropy(logits.float(), targets[row, a:b], reduction="sum")
         loss = loss / targets.numel()
-        opt.zero_grad()
+        opt.zero_grad()  # to None: a frozen parameter has no gradient, so AdamW and the clip skip it
         loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item())
+        norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), args["grad_clip"]).item())
         for group in opt.param_groups:
-            group["lr"] = T.lr_at(cfg, step + 1)
+            group["lr"] = T.lr_at(cfg, step + 1) * group.get("factor", 1.0)
         opt.step()
         losses.append(loss.item())
     assert not doc_mask or n_split >= 4, "the data must pack several documents into some rows"
@@ -74,14 +82,14 @@ def setup(request, tmp_path_factory):
     return root, init_dir, data_path, reference_run(init_dir, data_path, doc_mask=True)
 
 
-def check_against_reference(out, reference):
+def check_against_reference(out, reference, clip=CLIP):
     ref_losses, ref_norms, ref_state = reference
     got = read_metrics(out)
     assert [m["step"] for m in got] == list(range(1, STEPS + 1))
     for m, loss, norm in zip(got, ref_losses, ref_norms):
         assert math.isclose(m["loss"], loss, rel_tol=1e-5), (m["step"], m["loss"], loss)
         assert math.isclose(m["grad_norm"], norm, rel_tol=1e-4), (m["step"], m["grad_norm"], norm)
-    assert max(ref_norms) > CLIP, "the test must exercise clipping"
+    assert max(ref_norms) > clip, "the test must exercise clipping"
     from transformers import AutoModelForCausalLM
     exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"), dtype=torch.float32)
     state = exported.state_dict()
@@ -180,3 +188,41 @@ def test_a_second_optimizer_swapped_in_one_place_trains_like_torch(tmp_path):
     from safetensors import safe_open
     with safe_open(os.path.join(ckpt, "rank00000-of-00002.safetensors"), framework="pt") as f:
         assert {key.rsplit(".", 1)[1] for key in f.keys()} == {"master_shard", "momentum_buffer"}
+
+
+FREEZE_THEN, FREEZE_NOW = r"embed_tokens|layers\.0\.", "embed_tokens"  # progressive unfreezing: block 0 from step 3
+LR_MULT = r"lm_head=0.5,layers\.1\.mlp=2"  # the second splits block 1: factors work element by element
+
+
+def test_frozen_units_and_lr_groups_match_torch_across_a_resume_that_unfreezes(setup, main_in_process, capsys):
+    """--freeze and --lr_mult against the oracle with requires_grad=False and torch AdamW parameter groups: steps
+    1-2 with the embedding and block 0 frozen, then a resume that unfreezes block 0 (fresh moments, its own step
+    count from 1, as torch's lazily made per-parameter state), at W=1 in this process and, from the same step-2
+    checkpoint, at W=2 under torchrun. The same tolerances as the parity tests above; the frozen embedding is
+    exported bit for bit as it was loaded. Tied: the head's weight, the embedding's, is frozen with it (said so)."""
+    root, init_dir, data_path, _ = setup
+    tied = "untied" not in root.name
+    groups_args = dict(ARGS, grad_clip=0.2)  # frozen units' gradients are not in the norm: clip below what is left
+    reference = reference_run(init_dir, data_path, doc_mask=True, args=groups_args,
+                              lr_mult=[(r"lm_head", 0.5), (r"layers\.1\.mlp", 2.0)],
+                              frozen=lambda step, name: bool(re.search(FREEZE_THEN if step <= 2 else FREEZE_NOW, name)))
+    w1, w2 = str(root / "freeze-w1"), str(root / "freeze-w2")
+    args = [f"--{k}={v}" for k, v in groups_args.items()] + [f"--init_from={init_dir}", f"--data={data_path}",
+                                                              "--micro_batch_size=2", f"--lr_mult={LR_MULT}"]
+    assert main_in_process(args + ["--steps=2", f"--freeze={FREEZE_THEN}", "--ac=full", f"--out_dir={w1}"]) == 0
+    stopped_at(w1, w2, 2)
+    capsys.readouterr()
+    assert main_in_process(args + [f"--freeze={FREEZE_NOW}", f"--out_dir={w1}", f"--export_hf={w1}/hf"]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: --freeze: unit(s) layers.0 start training at step 3 with a fresh optimizer state (zero "
+            "moments, their own step count from 1)") in err, err
+    assert ("with tied embeddings (tie_word_embeddings) its weight is also the head's lm_head.weight: the head's "
+            "weight is frozen too") in err if tied else "frozen too" not in err
+    proc = run_train(args + [f"--freeze={FREEZE_NOW}", "--ac=selective", f"--out_dir={w2}", f"--export_hf={w2}/hf"],
+                     nproc=2)
+    assert "unit(s) layers.0 start training at step 3" in proc.stderr
+    from safetensors.torch import load_file
+    initial = load_file(os.path.join(init_dir, "model.safetensors"))["model.embed_tokens.weight"]
+    for out in (w1, w2):
+        check_against_reference(out, reference, clip=groups_args["grad_clip"])
+        assert torch.equal(load_file(os.path.join(out, "hf", "model.safetensors"))["model.embed_tokens.weight"], initial)

@@ -62,8 +62,9 @@ def folder(tmp_path, monkeypatch):
 
 def manifest_of(cfg) -> dict:
     """What disk.checkpoint_manifest writes for `cfg` (one unit), through JSON as a resume reads it."""
-    unit = types.SimpleNamespace(name="u0", numel=6, shard_numel=6, optimizer_state={"exp_avg": None})
-    return json.loads(json.dumps(disk.checkpoint_manifest(cfg, small_config(), [unit], 6, 1, None, {})))
+    unit = types.SimpleNamespace(name="u0", numel=6, shard_numel=6, optimizer_state={"exp_avg": None},
+                                 trained=True, optimizer_steps=6)
+    return json.loads(json.dumps(disk.checkpoint_manifest(cfg, small_config(), disk.unit_records([unit]), 6, 1, None, {})))
 
 
 def base_config() -> T.TrainConfig:

@@ -217,7 +217,7 @@ def test_fused_adamw_equals_the_written_out_reference():
             state(fused_unit)[name].copy_(value)
             state(ref_unit)[name].copy_(value)
     # Some slice holds a norm weight (not decayed) between matrices (decayed).
-    assert any(0 < sum(hi - lo for lo, hi in u.decay_ranges) < u.shard_numel for u in pair[0])
+    assert any(0 < sum(hi - lo for lo, hi, _ in u.decay_ranges) < u.shard_numel for u in pair[0])
     cfg = T.TrainConfig(weight_decay=0.1)
     for step, scale in ((1, 1.0), (2, 0.5), (3, 1.0)):
         for fused_unit, ref_unit in zip(*pair):
@@ -258,6 +258,7 @@ def test_naive_step_equals_the_real_one(tmp_path):
             for u, saved in zip(units, start):
                 for t, value in zip([u.master_shard, *u.optimizer_state.values()], saved):
                     t.copy_(value)
+                u.optimizer_steps = 0  # each unit's count for the bias corrections: both start at step 1
             log = [step_fn(cfg, sharded, windows, step, (step - 1) * cfg.batch_size) for step in (1, 2, 3)]
             result[name] = dict(log=log, master=[u.master_shard.clone() for u in units],
                                 grads_zero=all(not u.grad_shard.any() for u in units))
@@ -363,3 +364,54 @@ def test_backward_boundary_holds_whether_it_returns_its_input_or_a_view_of_it(re
     assert torch.equal(w.grad, torch.full((4,), 6.0))
     x = torch.randn(2)
     assert T.BackwardBoundary.forward(SimpleNamespace(), x, None) is x
+
+
+@pytest.mark.parametrize("freeze,frozen,forward_only", [
+    (r"embed_tokens|layers\.[01]\.", ["embed", "layers.0", "layers.1"], ["embed", "layers.0", "layers.1", "head"]),
+    (r"layers\.1\.", ["layers.1"], ["embed", "head"])], ids=["prefix", "between"])
+def test_a_frozen_unit_keeps_its_master_shard_alone_and_is_never_reduced(tiny_tokens, tmp_path, monkeypatch, freeze,
+                                                                         frozen, forward_only):
+    """--freeze at W=2, one step of two micro-batches per rank: a rank's persistent bytes are exactly 16 per trained
+    and 4 per frozen element of its shards (padded as units pad); a frozen unit has no gradient shard, no
+    optimizer state and no reduce-scatter, and its master shard is bit for bit what it was; a frozen prefix is
+    gathered for forward only (no backward reaches it) and the step leaves every unit free; a frozen unit between
+    trained ones is gathered again in backward (its input's gradient needs its weights)."""
+    import model as M
+    cfg, mcfg, weights, windows = config_and_data(["--seq_len=32", "--batch_size=4", "--micro_batch_size=1",
+                                                   "--dtype=float32", f"--data={tiny_tokens}", f"--out_dir={tmp_path}",
+                                                   f"--freeze={freeze}"])
+    gathers, reduces = {}, {}
+    original_start, original_reduce = T.Unit.start_gather, T.reduce_scatter_grad
+
+    def counting_start(unit):
+        key = (dist.get_rank(), unit.name)
+        gathers[key] = gathers.get(key, 0) + (unit.state() == "free")
+        original_start(unit)
+
+    def counting_reduce(unit, *args):
+        key = (dist.get_rank(), unit.name)
+        reduces[key] = reduces.get(key, 0) + 1
+        original_reduce(unit, *args)
+    monkeypatch.setattr(T.Unit, "start_gather", counting_start)
+    monkeypatch.setattr(T, "reduce_scatter_grad", counting_reduce)
+
+    def rank_step(rank):
+        sharded = sharded_model(cfg, mcfg, weights)
+        before = [u.master_shard.clone() for u in sharded.units]
+        T.train_step(cfg, sharded, windows, 1, 0)
+        return dict(persistent=sum(u.persistent_bytes() for u in sharded.units), left=T.left_behind(sharded, 1),
+                    unchanged=[u.name for u, b in zip(sharded.units, before) if torch.equal(u.master_shard, b)],
+                    kept={u.name: (u.grad_shard.numel(), list(u.optimizer_state), u.gathered.requires_grad)
+                          for u in sharded.units if u.name in frozen})
+
+    with torch.device("meta"):
+        model = M.Llama(mcfg)
+    sizes = {unit: sum(p.numel() for n, p in model.named_parameters() if n in names)
+             for unit, names in M.sharding_units(model)}
+    expected = sum(-(-numel // 2) * (4 if unit in frozen else 16) for unit, numel in sizes.items())
+    for rank, r in enumerate(run_ranks(2, rank_step)):
+        assert r["persistent"] == expected, (r["persistent"], expected)
+        assert r["left"] is None and r["unchanged"] == frozen
+        assert r["kept"] == {unit: (0, [], False) for unit in frozen}
+        assert {unit: reduces.get((rank, unit), 0) for unit in sizes} == {unit: 0 if unit in frozen else 2 for unit in sizes}
+        assert {unit: gathers[(rank, unit)] for unit in sizes} == {unit: 2 if unit in forward_only else 4 for unit in sizes}
