@@ -684,7 +684,7 @@ class ShardedModel:
             return self.model.head_loss(x, batch["targets"], self.ce_chunk) / batch["n_tokens"]
         stage = self.stages[k]
         return run_block(self.model.layers[k - 1], stage.ac, x, batch["cos"], batch["sin"], batch["layout"], stage.offload,
-                         stage.forward_units[0].name)
+                         stage.forward_units[0].name, stage.forward_units[0].trained)
 
     def on_backward(self, k: int):
         """Backward has finished stage k + 1 and is about to run stage k. In a trace, stage k's backward runs
@@ -730,7 +730,7 @@ for _namespace, _names in ATTENTION_FORWARD_OPS.items():
             SAVED_OPS.add(getattr(getattr(torch.ops, _namespace), _name).default)
 
 
-def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False, name: str = "block"):
+def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False, name: str = "block", trained: bool = True):
     if ac == "none":
         return block(x, cos, sin, layout)
 
@@ -745,7 +745,7 @@ def run_block(block, ac: str, x, cos, sin, layout, offload: bool = False, name: 
         with record_function(f"{'recompute' if in_backward else 'checkpointed'} {name}"):
             return block(*args)
     if offload:  # --offload_activations' extension point: `full`, the block's input kept in host memory (offload.py)
-        return O.OffloadedCheckpoint.apply(x, lambda h: ranged(h, cos, sin, layout))
+        return O.offloaded_checkpoint(x, lambda h: ranged(h, cos, sin, layout), trained)
     if ac == "full":  # save only the block's input; recompute the whole block in backward
         return checkpoint(ranged, x, cos, sin, layout, use_reentrant=False)
     def keep_saved_ops(ctx, op, *args, **kwargs):  # --ac selective: keep SAVED_OPS' outputs, recompute the rest

@@ -153,9 +153,6 @@ def check_param_groups(cfg, mcfg: M.ModelConfig) -> list[str]:
                           f"folder: model.embed_tokens.weight, model.layers.0.mlp.up_proj.weight, lm_head.weight)")
         elif len(frozen) == len(units):
             errors.append(f"--freeze: {cfg.freeze!r} freezes every unit: nothing would train")
-        elif "embed" in frozen and cfg.offload_activations:  # OffloadedCheckpoint's backward needs an input with grad
-            errors.append(f"--freeze: {cfg.freeze!r} freezes the embedding, so the first trained block's input needs "
-                          f"no gradient, which --offload_activations needs to run its backward; use --ac full without it")
     if cfg.lr_mult:
         try:
             unmatched = M.lr_factors(mcfg, cfg.lr_mult)[1]

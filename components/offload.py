@@ -29,6 +29,16 @@ class OffloadedInput:
         self.ready = None         # CUDA: an event on the copy stream, recorded when that copy is done
 
 
+def offloaded_checkpoint(x, run, trained: bool):
+    """OffloadedCheckpoint on x, with autograd told that its backward must run when the block's weights train but x
+    needs no gradient (the first trained block after a frozen prefix, --freeze). Autograd runs a Function's backward
+    only if an input needs a gradient, and the weights are not inputs (the recompute reads them as views of the
+    unit's buffer; passing the buffer itself would give it a second, empty gradient). An empty leaf that needs one
+    stands in for them; nothing is saved for it and its gradient is None."""
+    weights_train = torch.empty(0, device=x.device, requires_grad=trained and torch.is_grad_enabled())
+    return OffloadedCheckpoint.apply(x, run, weights_train)
+
+
 class OffloadedCheckpoint(torch.autograd.Function):
     """--ac full with --offload_activations: like full checkpointing, but the block's input waits for
     backward in pinned CPU memory, so a 70B model's 80 block inputs (128 MiB each at seq 8192) leave
@@ -45,9 +55,10 @@ class OffloadedCheckpoint(torch.autograd.Function):
     copy_streams = {}    # CUDA device -> its side stream for the copies
 
     @staticmethod
-    def forward(ctx, x, run):
+    def forward(ctx, x, run, weights_train=None):
+        """`weights_train`: offloaded_checkpoint's stand-in for the block's weights (above)."""
         ctx.run, ctx.device, ctx.saved = run, x.device, None
-        if ctx.needs_input_grad[0]:  # a backward will come (evaluation runs under no_grad: none will)
+        if any(ctx.needs_input_grad):  # a backward will come (evaluation runs under no_grad: none will)
             ctx.saved = OffloadedInput(OffloadedCheckpoint.to_host(x), previous=OffloadedCheckpoint.latest)
             OffloadedCheckpoint.latest = ctx.saved
         with torch.no_grad():
@@ -62,11 +73,11 @@ class OffloadedCheckpoint(torch.autograd.Function):
         if saved.previous is not None:  # prefetch: it arrives while this block recomputes and backpropagates
             OffloadedCheckpoint.start_copy_back(saved.previous, ctx.device)
             saved.previous = None
-        x = OffloadedCheckpoint.wait_copy_back(saved, ctx.device).requires_grad_()
+        x = OffloadedCheckpoint.wait_copy_back(saved, ctx.device).requires_grad_(ctx.needs_input_grad[0])
         with torch.enable_grad():
             out = ctx.run(x)
-        torch.autograd.backward(out, grad_out)
-        return x.grad, None
+        torch.autograd.backward(out, grad_out)  # the weights' gradients reach their unit's buffer through the recompute
+        return x.grad, None, None
 
     @staticmethod
     def copy_stream(device):

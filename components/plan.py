@@ -389,7 +389,7 @@ def measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, 
         live = LiveStorages([t.untyped_storage() for t in list(block.parameters()) + inputs])
         with live:
             x = x_in * 1  # the block's input as the trainer's: made by the step before it, not a leaf
-            out = trainer().run_block(block, policy, x, cos, sin, layout, offload)
+            out = trainer().run_block(block, policy, x, cos, sin, layout, offload, trained=trained)
             del x
             kept = live.current_bytes - out.untyped_storage().nbytes()
             grad_out = torch.empty_like(out)
@@ -403,23 +403,34 @@ def measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, 
 
 
 def state_bytes_per_param(frozen: bool = False) -> float:
-    """Persistent bytes per parameter of a unit's shard, read from a train.Unit: its fp32 master shard, its
-    gradient and each optimizer state tensor (Unit.persistent_bytes), 16 B with AdamW. A frozen unit keeps
-    its master shard alone (train.py's --freeze: no gradient, no optimizer state). On the meta device, no
-    fake tensors: the start-up checks read it too (train.setup), and it costs nothing there."""
-    key = ("state", trainer().Unit, trainer().Unit.__init__, M.OPTIMIZER_STATE, frozen)
+    """Persistent bytes per parameter of a unit's shard, read from a train.Unit (Unit.persistent_bytes): its fp32
+    master shard, its gradient and each optimizer state tensor, 16 B with AdamW; a frozen one's (--freeze), its
+    master shard alone. On the meta device, no fake tensors: the start-up checks read it too (train.setup)."""
+    unit = meta_unit(frozen)
+    return unit.persistent_bytes() / unit.shard_numel
+
+
+def saved_bytes_per_element(frozen: bool = False) -> list[int]:
+    """Bytes per element of each tensor a unit's checkpoint file holds (disk.rank_file_tensors: the master shard
+    and each optimizer state tensor), read from a train.Unit: [4, 4, 4] with AdamW, [4] for a frozen unit."""
+    unit = meta_unit(frozen)
+    return [t.element_size() for t in (unit.master_shard, *unit.optimizer_state.values())]
+
+
+def meta_unit(frozen: bool):
+    """A tiny model's head as a train.Unit on the meta device, trained or frozen: what a Unit keeps, read."""
+    key = ("unit", trainer().Unit, trainer().Unit.__init__, M.OPTIMIZER_STATE, frozen)
     if key not in READINGS:
-        unit = fake_units(M.tiny(), 1, torch.device("meta"))[-1]
-        READINGS[key] = unit.master_shard.element_size() if frozen else unit.persistent_bytes() / unit.shard_numel
+        READINGS[key] = fake_units(M.tiny(), 1, torch.device("meta"), trained=not frozen)[-1]
     return READINGS[key]
 
 
-def fake_units(mcfg: M.ModelConfig, world: int, device=torch.device("cpu")) -> list:
+def fake_units(mcfg: M.ModelConfig, world: int, device=torch.device("cpu"), trained: bool = True) -> list:
     """train.Unit's embedding, one block and head of `mcfg`, as rank 0 of `world` (on the CPU: call under
     FakeTensorMode)."""
     with torch.device("meta"):
         model = M.Llama(dataclasses.replace(mcfg, n_layers=1))
-    return [trainer().Unit(name, model, names, 0, world, device, torch.bfloat16)
+    return [trainer().Unit(name, model, names, 0, world, device, torch.bfloat16, trained=trained)
             for name, names in M.sharding_units(model)]
 
 
@@ -585,7 +596,7 @@ def host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int, async_save: bool | 
     parts = offloaded_host_bytes_per_gpu(mcfg, cfg, world)
     if async_save is None:
         async_save = async_save_planned(mcfg, cfg)
-    return dict(parts, staging=staging_bytes_per_rank(mcfg, world) if async_save else 0)
+    return dict(parts, staging=staging_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg)) if async_save else 0)
 
 
 def offloaded_host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int) -> dict:
@@ -602,18 +613,22 @@ def offloaded_host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int) -> dict:
 def unit_state_bytes_per_param(mcfg: M.ModelConfig, cfg) -> list[float]:
     """Each unit's persistent bytes per parameter of its shard (state_bytes_per_param), frozen or trained."""
     frozen = frozen_unit_names(mcfg, cfg)
-    names = ["embed"] + [f"layers.{i}" for i in range(mcfg.n_layers)] + ["head"]
     per_param = {f: state_bytes_per_param(f) for f in (False, True)}
-    return [per_param[name in frozen] for name in names]
+    return [per_param[name in frozen] for name in unit_names(mcfg)]
 
 
-def staging_bytes_per_rank(mcfg: M.ModelConfig, world: int) -> int:
+def staging_bytes_per_rank(mcfg: M.ModelConfig, world: int, frozen: list | tuple = ()) -> int:
     """--async_save's host staging buffer on each rank, exactly: a copy of every tensor the rank's checkpoint
-    file holds (disk.saved_tensors: each unit's fp32 master shard and optimizer state shards), each placed at
-    a multiple of disk.STAGING_ALIGN_BYTES (ASSUMPTIONS async_save)."""
+    file holds (disk.rank_file_tensors: each unit's fp32 master shard and optimizer state shards, a `frozen`
+    unit's master alone), each placed at a multiple of disk.STAGING_ALIGN_BYTES (ASSUMPTIONS async_save)."""
     align = disk.STAGING_ALIGN_BYTES
-    tensors_per_unit = 1 + len(M.OPTIMIZER_STATE)
-    return sum(tensors_per_unit * (-(-4 * (padded(n, world) // world) // align) * align) for n in unit_numels(mcfg))
+    return sum(-(-size * (padded(n, world) // world) // align) * align
+               for name, n in zip(unit_names(mcfg), unit_numels(mcfg)) for size in saved_bytes_per_element(name in frozen))
+
+
+def unit_names(mcfg: M.ModelConfig) -> list[str]:
+    """The units' names in unit_numels' order (model.sharding_units')."""
+    return ["embed"] + [f"layers.{i}" for i in range(mcfg.n_layers)] + ["head"]
 
 
 def async_save_planned(mcfg: M.ModelConfig, cfg) -> bool:
@@ -622,7 +637,8 @@ def async_save_planned(mcfg: M.ModelConfig, cfg) -> bool:
     if cfg.async_save != "auto":
         return cfg.async_save == "true"
     world = cfg.nnodes * cfg.nproc_per_node
-    needed = sum(offloaded_host_bytes_per_gpu(mcfg, cfg, world).values()) + staging_bytes_per_rank(mcfg, world)
+    needed = (sum(offloaded_host_bytes_per_gpu(mcfg, cfg, world).values())
+              + staging_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg)))
     return needed / GIB * cfg.nproc_per_node <= host_usable_gib_per_node(cfg)
 
 
@@ -945,21 +961,22 @@ def prompt_sizes(cfg) -> tuple[int, int]:
 # Checkpoints, and the stop before a time limit
 # ----------------------------------------------------------------------------------------------
 
-def checkpoint_bytes_per_rank(mcfg: M.ModelConfig, world: int) -> int:
+def checkpoint_bytes_per_rank(mcfg: M.ModelConfig, world: int, frozen: list | tuple = ()) -> int:
     """The file disk.save_checkpoint writes on each rank: every unit's fp32 master shard and optimizer
-    state shards (4 B each per padded parameter / W; gradients are not saved), and the safetensors header
-    (at most checkpoint_header_bytes_per_tensor each, a bound)."""
-    numels = unit_numels(mcfg)
-    tensors_per_unit = 1 + len(M.OPTIMIZER_STATE)
-    data = 4 * tensors_per_unit * sum(padded(n, world) for n in numels) // world
-    return 8 + ASSUMPTIONS["checkpoint_header_bytes_per_tensor"][0] * tensors_per_unit * len(numels) + data
+    state shards (a `frozen` unit's master alone; 4 B each per padded parameter / W with AdamW; gradients are
+    not saved), and the safetensors header (at most checkpoint_header_bytes_per_tensor each, a bound)."""
+    sizes = [(n, saved_bytes_per_element(name in frozen)) for name, n in zip(unit_names(mcfg), unit_numels(mcfg))]
+    data = sum(sum(per_element) * padded(n, world) // world for n, per_element in sizes)
+    tensors = sum(len(per_element) for _, per_element in sizes)
+    return 8 + ASSUMPTIONS["checkpoint_header_bytes_per_tensor"][0] * tensors + data
 
 
 def save_copy_s(mcfg: M.ModelConfig, cfg) -> float:
     """An asynchronous save's copy into the staging buffer, per rank (ASSUMPTIONS async_save_copy): device to
     host over PCIe, or, with --offload_optimizer, host to host (each byte read and written)."""
     gpu, world = GPUS[cfg.gpu], cfg.nnodes * cfg.nproc_per_node
-    staging, host_gbps = staging_bytes_per_rank(mcfg, world), host_gbps_per_gpu(gpu, cfg.nproc_per_node)
+    staging = staging_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg))
+    host_gbps = host_gbps_per_gpu(gpu, cfg.nproc_per_node)
     if cfg.offload_optimizer:
         return 2 * staging / (1e9 * host_gbps)
     return staging / (1e9 * min(gpu["pcie_gbps"], host_gbps))
@@ -984,7 +1001,7 @@ def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: flo
     the lead does not include."""
     world = cfg.nnodes * cfg.nproc_per_node
     asynchronous = async_save_planned(mcfg, cfg)
-    ckpt_bytes = checkpoint_bytes_per_rank(mcfg, world)
+    ckpt_bytes = checkpoint_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg))
     save_s = ckpt_bytes / (1e9 * cfg.fs_write_gbps)
     load_s = save_s  # a restart reads back what a save wrote, at the same rate per rank
     copy_s = save_copy_s(mcfg, cfg)
@@ -1421,7 +1438,7 @@ def async_save_drop_hint(mcfg: M.ModelConfig, cfg) -> str | None:
     if cfg.async_save != "true" or host_fits(mcfg, cfg):
         return None
     world = cfg.nnodes * cfg.nproc_per_node
-    staging_gib = staging_bytes_per_rank(mcfg, world) * cfg.nproc_per_node / GIB
+    staging_gib = staging_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg)) * cfg.nproc_per_node / GIB
     without_async = dataclasses.replace(cfg, async_save="false")
     without_offload = dataclasses.replace(cfg, offload_optimizer=False)
     candidates = [("--async_save true", without_async)] + ([("--offload_optimizer", without_offload)]

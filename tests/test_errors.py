@@ -167,9 +167,6 @@ PARAM_GROUP_CASES = [
     (["--freeze=(layers"], "--freeze: '(layers' is not a regular expression (missing ), unterminated subpattern"),
     (["--freeze=lora_A"], "--freeze: 'lora_A' matches no parameter (Hugging Face names, as in --export_hf's folder"),
     (["--freeze=weight"], "--freeze: 'weight' freezes every unit: nothing would train"),
-    (["--freeze=embed_tokens", "--ac=full", "--offload_activations"],
-     "--freeze: 'embed_tokens' freezes the embedding, so the first trained block's input needs no gradient, which "
-     "--offload_activations needs"),
     (["--lr_mult=lm_head"], "--lr_mult: 'lm_head' is not REGEX=FACTOR"),
     (["--lr_mult=lm_head=fast"], "--lr_mult: 'lm_head=fast' is not REGEX=FACTOR (could not convert string to float"),
     (["--lr_mult=lm_head=-1"], "--lr_mult: 'lm_head=-1' is not REGEX=FACTOR with a regex and a factor >= 0"),

@@ -62,12 +62,11 @@ FORKS = [
      "--reduce_dtype bfloat16", 0.02, "sgd momentum in bf16", ""),
     ("Qwen3's QK-norm at 32B widths", WIDE_QWEN3_32B, 16, True,
      "--seq_len 8192 --batch_size 16 --micro_batch_size 1 --ac none --reduce_dtype bfloat16", 0.02, "", ""),
-    # Enabled once train.py freezes units (issue 30 item 2: no gradient, state or backward for frozen units):
-    # delete the reason. The planner's side is tests/test_plan.py::test_frozen_units_are_planned.
-    ("frozen embedding and first three blocks", WIDE_70B, 16, True,
-     "--seq_len 8192 --batch_size 16 --micro_batch_size 1 --ac none --reduce_dtype bfloat16 "
-     r"--freeze model\.(embed_tokens|layers\.[0-2])\.", 0.02, "",
-     "train.py does not freeze units on this branch yet (issue 30 item 2)"),
+    # Frozen units (--freeze): master shards only, no gradient, no backward for the frozen prefix. The planner's
+    # numbers alone: tests/test_plan.py::test_frozen_units_are_planned.
+    ("frozen embedding and first two blocks, the recipe's offloaded activations", WIDE_70B, 16, True,
+     "--seq_len 8192 --batch_size 16 --micro_batch_size 1 --ac full --offload_activations true --reduce_dtype bfloat16 "
+     r"--freeze model\.(embed_tokens|layers\.[01])\.", 0.02, "", ""),
 ]
 
 O_GRAD_SLOTS = 2  # offload.GRAD_SLOTS (offload.py is not imported here: the shim loads before torch)

@@ -414,14 +414,18 @@ def run_plan(*flags):
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
-def test_checkpoint_bytes_per_rank_are_what_the_trainer_writes(tmp_path):
-    # Rank 0's file at a W whose padding is not zero, written by the trainer's own save function.
+@pytest.mark.parametrize("freeze", ["", r"embed|layers\.0\."])
+def test_checkpoint_bytes_per_rank_are_what_the_trainer_writes(tmp_path, freeze):
+    # Rank 0's file at a W whose padding is not zero, written by the trainer's own save function; frozen units
+    # (--freeze) save their master shard alone.
     mcfg, world = M.PRESETS["tiny"](), 3
-    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16)
+    units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, freeze=freeze)
+    frozen = P.frozen_unit_names(mcfg, config(model="tiny", freeze=freeze))
+    assert sorted(u.name for u in units if not u.trained) == sorted(frozen) and (frozen or not freeze)
     tensors = [(f"{u.name}.{kind}", t) for u in units for kind, t in disk.saved_tensors(u)]
     _, written = disk.write_safetensors_streaming(str(tmp_path / "rank0.safetensors"), tensors)
     assert written == (tmp_path / "rank0.safetensors").stat().st_size
-    predicted = P.checkpoint_bytes_per_rank(mcfg, world)
+    predicted = P.checkpoint_bytes_per_rank(mcfg, world, frozen)
     header_bound = P.ASSUMPTIONS["checkpoint_header_bytes_per_tensor"][0] * len(tensors)
     assert predicted - header_bound < written <= predicted  # the data exactly, the header within its bound
 
@@ -550,6 +554,11 @@ def test_staging_buffer_is_the_checkpoints_tensors_aligned():
     staged = sum(-(-t.numel() * t.element_size() // align) * align for t in tensors)
     assert staged > sum(t.numel() * t.element_size() for t in tensors)  # the alignment is counted too
     assert P.staging_bytes_per_rank(mcfg, world) == staged
+    frozen_units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, freeze="embed")
+    frozen_tensors = [t for u in frozen_units for _, t in disk.saved_tensors(u)]  # the embedding's master alone
+    assert len(frozen_tensors) == len(tensors) - len(M.OPTIMIZER_STATE)
+    assert P.staging_bytes_per_rank(mcfg, world, ["embed"]) == sum(-(-t.numel() * t.element_size() // align) * align
+                                                                   for t in frozen_tensors)
     flags = dict(model="tiny", nnodes=1, nproc_per_node=world, seq_len=256, batch_size=12, micro_batch_size=4)
     for setting, expected in (("auto", staged), ("true", staged), ("false", 0)):  # auto: a GPU node's memory fits it
         p = predict(**flags, async_save=setting)
