@@ -62,6 +62,8 @@ import model as M  # noqa: E402
 from components import plan as P  # noqa: E402
 import train as T  # noqa: E402
 
+P.use_trainer(T)  # the planner runs train.py's blocks, Unit and optimizer: handed over, as train.main does
+
 GIB = 2**30
 # Llama 3 8B's block and vocabulary; the layer count is chosen to fit. --dry-run shrinks every width.
 SHAPE_8B = dict(vocab_size=128256, dim=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336, max_seq_len=8192)

@@ -28,7 +28,6 @@ import gc
 import itertools
 import json
 import math
-import sys
 import weakref
 
 import numpy as np
@@ -270,13 +269,12 @@ def use_trainer(module) -> int:
 
 
 def trainer():
-    """The trainer's code: as handed (use_trainer), or, in a process that imported train.py as `train`
-    (the tests, tests/fake_cuda.py, bench/), that module."""
-    found = TRAINER or sys.modules.get("train")
-    if found is None:
+    """The trainer's code, as handed (use_trainer: train.main and train.setup, the tests' conftest.py,
+    tests/fake_cuda.py, bench/gpu.py)."""
+    if TRAINER is None:
         raise RuntimeError("plan.py measures train.py's code (run_block, Unit, optimizer_step): hand it with "
                            "plan.use_trainer(train)")
-    return found
+    return TRAINER
 
 
 class LiveStorages(TorchDispatchMode):

@@ -690,6 +690,8 @@ def planned(mcfg, cfg, world: int, flash_attn: bool) -> dict:
     part but CUDA/NCCL's own and the allocator's slack."""
     import dataclasses
     from components import plan as P
+    import train as T
+    P.use_trainer(T)  # the planner runs the trainer's blocks and optimizer, a fork's (--variant) included
     cfg = dataclasses.replace(cfg, nnodes=1, nproc_per_node=world)
     phases = P.memory_by_phase(mcfg, cfg, world, flash_attn)
     allocated_by_phase = {p: sum(v for k, v in parts.items() if k not in ("context_and_nccl", "fragmentation"))
