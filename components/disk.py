@@ -1010,21 +1010,23 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
     from safetensors import safe_open
     check_manifest_numbers(path, manifest)
     old_world = manifest["world_size"]
+    # The units whose optimizer state is read: those that train now and trained then. Since the save --freeze may
+    # have changed: a unit that starts training starts from zero state and its own first step (as a parameter new
+    # to a torch optimizer); a unit frozen now leaves its saved state unread.
+    with_state = set()
     for unit in units:
         saved = manifest["units"].get(unit.name)
         if saved is None or saved["numel"] != unit.numel:
             raise CheckpointError(f"checkpoint {path}: unit {unit.name} is missing or has another size")
+        if master_only or not (unit.trained and trained_when_saved(manifest, unit.name)):
+            continue
+        with_state.add(unit.name)
         # Per unit (a manifest saved before 2026-12-05 names one list for all units, at its top level).
         saved_state = saved.get("optimizer_state", manifest.get("optimizer_state", ["exp_avg", "exp_avg_sq"]))
-        if not master_only and trained_when_saved(manifest, unit.name) and unit.trained and \
-                saved_state != list(unit.optimizer_state):
+        if saved_state != list(unit.optimizer_state):
             raise CheckpointError(f"checkpoint {path}: unit {unit.name} was saved with optimizer state "
                                   f"{', '.join(saved_state) or 'none'}, this run's optimizer keeps "
                                   f"{', '.join(unit.optimizer_state) or 'none'} for it")
-    # The units whose optimizer state is read. Since the save --freeze may have changed: a unit that starts
-    # training starts from zero state and its own first step (as a parameter new to a torch optimizer); a unit
-    # frozen now leaves its saved state unread.
-    with_state = set() if master_only else {u.name for u in units if u.trained and trained_when_saved(manifest, u.name)}
     for unit in units:
         if unit.name in with_state:  # a manifest saved before 2026-12-05 has no count: every unit took every step
             unit.optimizer_steps = manifest["units"][unit.name].get("optimizer_steps", manifest["step"])
