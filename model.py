@@ -458,20 +458,18 @@ def sharding_units(model: nn.Module) -> list[tuple[str, list[str]]]:
     return units + [("head", [n for n in names if n.startswith(("norm.", "lm_head."))])]
 
 
-def frozen_units(cfg: ModelConfig, freeze: str) -> tuple[list[str], list[str]]:
-    """--freeze: (the units frozen, the units the pattern splits). A unit is frozen when the regex matches
-    (re.search) the Hugging Face name of every parameter in it; a unit where it matches some but not all is
-    split (train.py refuses it: a unit is one flat buffer with one gradient and one optimizer state). With
-    tied embeddings the head's weight is the embedding's, so `lm_head.weight` counts as a name of the
-    embedding's parameter too."""
+def frozen_units(model: nn.Module, freeze: str) -> tuple[list[str], list[str]]:
+    """--freeze on `model` (a Llama, on the meta device or not): (the units frozen, the units the pattern splits).
+    A unit is frozen when the regex matches (re.search) the Hugging Face name of every parameter in it; a unit
+    where it matches some but not all is split (train.py refuses it: a unit is one flat buffer with one gradient
+    and one optimizer state). With tied embeddings the head's weight is the embedding's, so `lm_head.weight`
+    counts as a name of the embedding's parameter too."""
     if not freeze:
         return [], []
     pattern = re.compile(freeze)
-    with torch.device("meta"):
-        model = Llama(cfg)
     frozen, split = [], []
     for unit, names in sharding_units(model):
-        matched = [any(pattern.search(h) for h in hf_names(cfg, n)) for n in names]
+        matched = [any(pattern.search(h) for h in hf_names(model.cfg, n)) for n in names]
         if all(matched):
             frozen.append(unit)
         elif any(matched):
@@ -502,17 +500,16 @@ def parse_lr_mult(spec: str) -> list[tuple[str, float]]:
     return rules
 
 
-def lr_factors(cfg: ModelConfig, lr_mult: str) -> tuple[dict[str, float], list[str]]:
-    """--lr_mult: ({parameter name: its learning-rate factor}, the patterns that match no parameter). The first
-    pattern that matches one of a parameter's Hugging Face names (hf_names) gives its factor; a parameter left out: 1."""
+def lr_factors(model: nn.Module, lr_mult: str) -> tuple[dict[str, float], list[str]]:
+    """--lr_mult on `model` (a Llama): ({parameter name: its learning-rate factor}, the patterns that match no
+    parameter). The first pattern that matches one of a parameter's Hugging Face names (hf_names) gives its
+    factor; a parameter left out: 1."""
     rules = parse_lr_mult(lr_mult)
     if not rules:
         return {}, []
-    with torch.device("meta"):
-        names = [n for n, _ in Llama(cfg).named_parameters()]
     factors, used = {}, set()
-    for name in names:
-        rule = next((r for r in rules if any(re.search(r[0], h) for h in hf_names(cfg, name))), None)
+    for name, _ in model.named_parameters():
+        rule = next((r for r in rules if any(re.search(r[0], h) for h in hf_names(model.cfg, name))), None)
         factors[name] = rule[1] if rule else 1.0
         used.add(rule)
     return factors, [regex for regex, factor in rules if (regex, factor) not in used]

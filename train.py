@@ -838,7 +838,7 @@ def build_units(model: M.Llama, rank, world, device, compute_dtype, unit_class=U
                 lr_mult: str = "") -> list[Unit]:
     """One Unit per M.sharding_units entry: embed, layers.0 .. layers.{L-1}, head -- in the order they run;
     those --freeze freezes whole (M.frozen_units), each parameter with its --lr_mult factor (M.lr_factors)."""
-    frozen, lr_factors = M.frozen_units(model.cfg, freeze)[0], M.lr_factors(model.cfg, lr_mult)[0]
+    frozen, lr_factors = M.frozen_units(model, freeze)[0], M.lr_factors(model, lr_mult)[0]
     return [unit_class(g, model, p, rank, world, device, compute_dtype, trained=g not in frozen, lr_factors=lr_factors)
             for g, p in M.sharding_units(model)]
 

@@ -131,14 +131,16 @@ def check_param_groups(cfg, mcfg: M.ModelConfig) -> list[str]:
     """--freeze and --lr_mult against the model's parameters (their Hugging Face names, model.hf_names): a bad
     pattern, one that matches nothing, a --freeze that splits a unit (units are frozen whole: one flat buffer has
     one gradient and one optimizer state) or freezes every unit. One line each."""
+    if not (cfg.freeze or cfg.lr_mult):
+        return []
     errors = []
+    with torch.device("meta"):  # names only: allocates nothing (one model for both flags: 1 s at 70B)
+        model = M.Llama(mcfg)
     if cfg.freeze:
         try:
-            frozen, split = M.frozen_units(mcfg, cfg.freeze)
+            frozen, split = M.frozen_units(model, cfg.freeze)
         except re.error as e:
             return [f"--freeze: {cfg.freeze!r} is not a regular expression ({e})"]
-        with torch.device("meta"):
-            model = M.Llama(mcfg)
         units = M.sharding_units(model)
         if split:
             names = dict(units)[split[0]]
@@ -155,7 +157,7 @@ def check_param_groups(cfg, mcfg: M.ModelConfig) -> list[str]:
             errors.append(f"--freeze: {cfg.freeze!r} freezes every unit: nothing would train")
     if cfg.lr_mult:
         try:
-            unmatched = M.lr_factors(mcfg, cfg.lr_mult)[1]
+            unmatched = M.lr_factors(model, cfg.lr_mult)[1]
         except ValueError as e:
             return errors + [str(e)]
         if unmatched:
@@ -166,7 +168,11 @@ def check_param_groups(cfg, mcfg: M.ModelConfig) -> list[str]:
 
 def param_group_warnings(cfg, mcfg: M.ModelConfig) -> list[str]:
     """What --freeze does beyond what it names, one line each (rank 0 prints them)."""
-    if cfg.freeze and mcfg.tie_embeddings and "embed" in M.frozen_units(mcfg, cfg.freeze)[0]:
+    if not (cfg.freeze and mcfg.tie_embeddings):
+        return []
+    with torch.device("meta"):
+        model = M.Llama(mcfg)
+    if "embed" in M.frozen_units(model, cfg.freeze)[0]:
         return [f"--freeze {cfg.freeze!r} freezes the embedding, and with tied embeddings (tie_word_embeddings) "
                 f"its weight is also the head's lm_head.weight: the head's weight is frozen too"]
     return []

@@ -522,10 +522,10 @@ def offloaded_blocks(mcfg: M.ModelConfig, cfg) -> int:
 
 def frozen_unit_names(mcfg: M.ModelConfig, cfg) -> list[str]:
     """The units --freeze freezes (model.frozen_units, what train.py freezes)."""
-    freeze = getattr(cfg, "freeze", "")
-    key = ("frozen", repr(mcfg), freeze)
+    key = ("frozen", repr(mcfg), cfg.freeze)
     if key not in READINGS:
-        READINGS[key] = M.frozen_units(mcfg, freeze)[0] if freeze else []
+        with torch.device("meta"):
+            READINGS[key] = M.frozen_units(M.Llama(mcfg), cfg.freeze)[0] if cfg.freeze else []
     return READINGS[key]
 
 
