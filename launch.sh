@@ -112,7 +112,7 @@ if [ "$GPUS" -eq 0 ]; then
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}  # one thread per CPU process: 2 processes on 2 cores
 fi
 
-OUT_DIR=out  # --out_dir's absolute path (train.py's default: out), for the rendezvous id and the flight recorder
+OUT_DIR=out  # --out_dir's absolute path (train.py's default: out), for the rendezvous id
 previous=
 for arg in "$@"; do
   [ "$previous" = --out_dir ] && OUT_DIR=$arg
@@ -121,37 +121,9 @@ for arg in "$@"; do
 done
 case "$OUT_DIR" in /*) ;; *) OUT_DIR="$PWD/$OUT_DIR" ;; esac
 
-# GPU memory and diagnosis (each can be overridden from the environment; none matters on CPU).
-# NVLS (NVLink SHARP, NVSwitch systems: H100/H200 HGX) makes NCCL bind multicast buffers outside PyTorch's
-# allocator, 1 GiB or more per communicator (NCCL's log: "NVLS Bind mem ... size 1073741824"); NVIDIA's own
-# launchers turn it off to save that memory (NeMo-Framework-Launcher#127, JAX-Toolbox#383). The planner
-# allows 1 GiB for the CUDA context and NCCL together, and the two-node recipe leaves ~2 GiB. ZeRO-3's
-# all-gathers and reduce-scatters run at NVLink bandwidth on NCCL's ring and P2P paths without it.
-export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-# Expandable segments: freed blocks of one size (a unit's gathered buffer comes and goes every step) do not
-# strand reserved memory the next size cannot use. Safe with train.py's storage resize_(0)/resize_ trick:
-# a CUDA storage's resize_ (ATen resize_bytes_cuda) is allocate-new + copy + free-old through the same
-# allocator, whatever it maps; FSDP2 frees its unsharded parameters the same way and torchtitan runs with
-# this setting. PYTORCH_ALLOC_CONF is torch 2.13's name (PYTORCH_CUDA_ALLOC_CONF is the deprecated one).
-if [ -z "${PYTORCH_ALLOC_CONF:-}${PYTORCH_CUDA_ALLOC_CONF:-}" ]; then
-  export PYTORCH_ALLOC_CONF=expandable_segments:True
-fi
-# NCCL's flight recorder: the last 2000 collectives per rank, dumped when the watchdog times one out, to
-# OUT_DIR/nccl_trace/rank_<N>: in the run's folder, which every node shares and which outlives the job, not
-# torch's default /tmp/nccl_trace_rank_<N> on each node, which many sites wipe when the job ends. Exported
-# values win (TORCH_FR_DUMP_TEMP_FILE, or its older name TORCH_NCCL_DEBUG_INFO_TEMP_FILE). The folder is
-# made here: torch's writer opens the file and does not make folders (GPUs only: gloo records nothing).
-# `torchfrtrace OUT_DIR/nccl_trace` names the collective and the ranks that never joined it.
-if [ -z "${TORCH_FR_BUFFER_SIZE:-}${TORCH_NCCL_TRACE_BUFFER_SIZE:-}" ]; then
-  export TORCH_FR_BUFFER_SIZE=2000  # the name since torch 2.8 (requirements.txt's floor); the older TORCH_NCCL_ one warns
-fi
-export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
-if [ -z "${TORCH_FR_DUMP_TEMP_FILE:-}${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}" ] && [ "${1:-}" != --check ]; then
-  export TORCH_FR_DUMP_TEMP_FILE=$OUT_DIR/nccl_trace/rank_
-  if [ "$GPUS" -gt 0 ]; then
-    mkdir -p "$OUT_DIR/nccl_trace" 2>/dev/null || true  # an --out_dir that cannot be written: train.py says so
-  fi
-fi
+# GPU memory and diagnosis (NVLS off, expandable segments, NCCL's flight recorder dumping into OUT_DIR/nccl_trace):
+# train.py sets them itself before CUDA starts (components/agree.py launch_settings), so that a plain torchrun
+# gets them too; an exported value wins there.
 # NUMA: torchrun (torch 2.9+) binds each worker to CPUs of its GPU's NUMA node (numactl); "exclusive" splits
 # that node's physical cores evenly between its GPUs, the cores per GPU the planner's CPU update assumes
 # (components/plan.py host_cores_per_node / GPUs per node); offload.optimizer_threads then uses all of the rank's own.

@@ -59,11 +59,12 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import data as D
 import model as M
+from components import agree  # what each rank reads from its own machine, agreed by every rank before it acts
 from components import disk  # state on disk: the out_dir, checkpoints, resume, Hugging Face import and export
 from components import metrics
 from components import offload as O  # --offload_activations and --offload_optimizer
 from components import plan, sample  # plan: the planner, which runs this file's Unit and blocks (use_trainer)
-from components.checks import (async_save_on, check_run, config_warnings, flash_attn_unsaved_warning,  # every input
+from components.checks import (check_run, config_warnings, flash_attn_unsaved_warning,  # every input
                                param_group_warnings, unknown_flag_message)
 
 
@@ -237,7 +238,6 @@ def init_processes(cfg: TrainConfig):
             dist.init_process_group(backend, timeout=timeout, **bound)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bound)
-    disk.make_group(cfg.ckpt_timeout_min)  # saves and resumes wait longer: their own group (disk.py)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -252,16 +252,21 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def fail(message: str, exit_code: int = 2):
+def fail(message: str, exit_code: int = 2, together: bool = False):
     """One line, on every rank, and the exit code: never a traceback wall or a hang. Exit code 2 (the default:
     a line our own checks wrote, a bad flag) says a restart would meet the same error, so launch.sh, which gives
     us ZERO3_FATAL_FILE, stops torchrun from restarting when the line appears there. Exit code 1 (exit_code(e)
-    of anything not shown to repeat) is left to torchrun's restarts and then to a requeue."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    of anything not shown to repeat) is left to torchrun's restarts and then to a requeue. `together`: every
+    rank fails here (a decision they all took): none exits before all have said it, since torchrun stops the
+    others at the first exit."""
+    sys.stderr.write(f"error: {message}\n")  # one write: ranks sharing a terminal or pipe do not interleave lines
+    sys.stderr.flush()
     sys.stdout.flush()
     if exit_code == 2 and os.environ.get("ZERO3_FATAL_FILE"):
         with open(os.environ["ZERO3_FATAL_FILE"], "a") as f:
             f.write(f"error: {message}\n")
+    if together:
+        dist.barrier()
     os._exit(exit_code)  # no interpreter teardown (see the end of this file)
 
 
@@ -1022,24 +1027,32 @@ def init_weights(cfg: TrainConfig, mcfg: M.ModelConfig, units: list[Unit], weigh
 
 def setup(cfg: TrainConfig):
     """Everything before the first step: checks, data, processes, the sharded model, its weights (from
-    a checkpoint, --init_from or the seed). Returns (sharded, windows, eval_windows, step, position):
-    the last step done (0 on a fresh start) and the data position after it."""
+    a checkpoint, --init_from or the seed). Returns (sharded, windows, eval_windows, step, position, agreed):
+    the last step done (0 on a fresh start), the data position after it, and what every rank agreed on
+    (agree.py): {"async_save": bool, "hosts": each rank's host}."""
     state_bytes_per_param = plan.use_trainer(sys.modules[__name__])  # measured on a Unit: master, gradient, state
-    mcfg, weights, errors = check_run(cfg, int(os.environ.get("WORLD_SIZE", 1)), state_bytes_per_param)  # checks.py
+    mcfg, weights, errors = check_run(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # checks.py
     if errors:
         fail("; ".join(errors))
-    if os.environ.get("RANK", "0") == "0":
-        for warning in config_warnings(cfg) + param_group_warnings(cfg, mcfg):  # allowed, but probably not meant
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
-        unsaved = flash_attn_unsaved_warning(SAVED_OPS) if "selective" in (cfg.ac, cfg.ac_rest) else None
-        if unsaved:
-            print(f"warning: {unsaved}", file=sys.stderr, flush=True)
 
     windows = eval_windows = None
     if cfg.steps > 0 and not cfg.from_ckpt:
         mcfg, windows, eval_windows = D.open_data(cfg, mcfg)
 
     rank, world, device = init_processes(cfg)
+    # What each rank reads from its own machine (host memory, packages, limits, its GPU), gathered and decided the
+    # same on every rank: one line per problem on every rank before any weights are read (agree.py).
+    warnings = config_warnings(cfg) + param_group_warnings(cfg, mcfg)  # allowed, but probably not meant
+    unsaved = flash_attn_unsaved_warning(SAVED_OPS) if "selective" in (cfg.ac, cfg.ac_rest) else None
+    facts = agree.gather_json(agree.read_facts(cfg, mcfg, world, device, state_bytes_per_param,
+                                               warnings + ([unsaved] if unsaved else [])), device)
+    problems, warnings, async_save = agree.decide(facts)
+    if problems:
+        fail("\nerror: ".join(problems), together=True)
+    for warning in warnings if rank == 0 else []:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    agreed = dict(async_save=async_save, hosts=[f["host"] for f in facts])
+    disk.make_group(cfg.ckpt_timeout_min)  # saves and resumes wait longer: their own group (disk.py)
     threads = O.optimizer_threads(cfg, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(os.sched_getaffinity(0)))
     if threads:
         torch.set_num_threads(threads)
@@ -1053,7 +1066,8 @@ def setup(cfg: TrainConfig):
     dist.barrier()
     # A checkpoint in --out_dir wins over --init_from: re-running the same command continues the run.
     # After --overwrite, what is left is this run's own: a restart's checkpoints (overwrite_once).
-    candidates = disk.resume_candidates(ckpt_root) if not cfg.from_ckpt and (cfg.resume == "auto" or cfg.overwrite) else []
+    resumes = not cfg.from_ckpt and (cfg.resume == "auto" or cfg.overwrite)
+    candidates = agree.resume_candidates(ckpt_root, rank, agreed["hosts"], device) if resumes else []  # every rank's
     step = position = 0
     if cfg.from_ckpt:  # weights to export, not to train
         step = disk.load_weights(weights, sharded.units, "--from_ckpt")
@@ -1068,7 +1082,7 @@ def setup(cfg: TrainConfig):
                   f"position)", flush=True)
     if cfg.offload_optimizer:  # the device copies of the host master shards just filled
         O.refresh_compute_shards(sharded.units)
-    return sharded, windows, eval_windows, step, position
+    return sharded, windows, eval_windows, step, position, agreed
 
 
 def catch_stop_signals() -> list:
@@ -1123,6 +1137,7 @@ def main(argv=None):
         cfg = parse_args(argv)
     except ValueError as e:
         fail(str(e))
+    agree.launch_settings(cfg.out_dir)  # NVLS off, expandable segments, NCCL's flight recorder: before CUDA starts
     if cfg.plot:
         try:
             print(f"wrote {metrics.plot_metrics(cfg.plot)}")
@@ -1165,9 +1180,10 @@ def main(argv=None):
         except ValueError as e:
             fail(str(e))
     try:
-        sharded, windows, eval_windows, start_step, position = setup(cfg)
+        sharded, windows, eval_windows, start_step, position, agreed = setup(cfg)
         steps = 0 if cfg.from_ckpt else cfg.steps
-        log = metrics.MetricsLog(cfg, sharded.model.cfg, sharded.world, sharded.device, sharded.rank, start_step, steps)
+        log = metrics.MetricsLog(cfg, sharded.model.cfg, sharded.world, sharded.device, sharded.rank, start_step, steps,
+                                 agreed["hosts"])
         sampler = sample.Sampler(cfg, sharded.model.cfg, sharded.rank, start_step) if cfg.sample_prompts and steps else None
     except Exception as e:  # a node or its port not up yet, a GPU still held, bad data: one line, exit_code's code
         fail(error_line(e, "while starting"), exit_code(e))
@@ -1175,11 +1191,9 @@ def main(argv=None):
     if rank == 0:
         print(metrics.startup_line(cfg, sharded, start_step), flush=True)
     metrics.print_device_memory(cfg, sharded, "after set-up (its all-gathers made NCCL's buffers)", "state_gib")
-    # --async_save: the staging buffer, taken now (checks.async_save_on: 'auto' is on for GPUs where it fits);
+    # --async_save: the staging buffer, taken now ('auto' is on for GPUs where every node fits it: agree.decide);
     # only periodic saves are written in the background, so a run without them needs none.
-    background, note = async_save_on(cfg, sharded.model.cfg, sharded.world)
-    if note and rank == 0:
-        print(f"warning: {note}", file=sys.stderr, flush=True)
+    background = agreed["async_save"]
     saving = disk.BackgroundSave(sharded.units, device) if background and cfg.ckpt_every and steps > start_step else None
     stop_signals, skipped = catch_stop_signals(), 0
 
@@ -1209,7 +1223,9 @@ def main(argv=None):
         eval_loss = None
         if eval_windows is not None and (step % cfg.eval_every == 0 or step == steps):
             eval_loss = eval_windows.losses(partial(evaluate, cfg, sharded))  # each source's, and their weighted mean
-        log.step(step, loss, grad_norm, lr_at(cfg, step), step_time_s, mem_gb, eval_loss, windows.progress(position))
+        step_times_s = metrics.step_times_by_rank(step_time_s, device)  # the slowest rank is named, not averaged away
+        log.step(step, loss, grad_norm, lr_at(cfg, step), step_time_s, mem_gb, eval_loss, windows.progress(position),
+                 step_times_s)
         if step == start_step + 1:
             metrics.print_device_memory(cfg, sharded, f"after step {step}", "peak_gib")
         if sampler and (step % cfg.eval_every == 0 or step == steps):

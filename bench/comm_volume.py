@@ -5,7 +5,8 @@
 Runs train.py's own loop (train.main) for a few steps of a small Llama, untied and then tied, with
 gradient accumulation (batch 8 = W 2 x micro-batch 2 x 2 accumulation steps), and counts every call of
 the collectives it uses: train.all_gather_flat and train.reduce_scatter_flat (which Unit looks up at call
-time), and torch.distributed.all_reduce, all_gather_object, broadcast_object_list and barrier. Each call
+time, and metrics.all_gather_flat: every rank's step time), and torch.distributed.all_reduce, all_gather_object,
+broadcast_object_list and barrier. Each call
 is labelled by the unit it moves (embed, block, head: their padded sizes differ) and by the phase it
 happens in: the step (train_step), the loop around it, the final checkpoint save, or set-up.
 
@@ -19,8 +20,8 @@ head once (it stays gathered from its forward into its backward); one reduce-sca
 gradient in the reduce dtype (fp32). Tied embeddings: the head stage uses the embedding unit a second
 time, so the embedding is gathered twice in forward (and not for backward); autograd sums both uses into
 one gradient, so it is reduce-scattered once. Per step: all-reduces of three fp32 scalars (token count,
-loss, squared gradient norm) in the step and one (the stop flags) in the loop. Any difference, or a
-model-sized collective outside the steps, fails the run (exit 1).
+loss, squared gradient norm) in the step; in the loop, one all-reduce (the stop flags) and an all-gather of
+each rank's step time. Any difference, or a model-sized collective outside the steps, fails the run (exit 1).
 """
 import collections
 import os
@@ -106,6 +107,7 @@ def in_phase(phase: str, original):
 
 def install_counters():
     T.all_gather_flat = counting("all_gather_flat", T.all_gather_flat, describe_gather)
+    T.metrics.all_gather_flat = counting("all_gather_flat", T.metrics.all_gather_flat, describe_gather)
     T.reduce_scatter_flat = counting("reduce_scatter_flat", T.reduce_scatter_flat, describe_reduce_scatter)
     dist.all_reduce = counting("all_reduce", dist.all_reduce, describe_all_reduce)
     dist.all_gather_object = counting("all_gather_object", dist.all_gather_object, describe_object)
@@ -145,6 +147,8 @@ def expected_per_step(mcfg: M.ModelConfig, world: int) -> dict:
     out[("step", "all_reduce", "scalar", "float32")] = (3, 3 * FP32_BYTES)  # n_tokens, loss, grad norm^2
     # stop signal, rank 0 cannot write metrics, a rank still writing / failed to write a background save
     out[("loop", "all_reduce", "4 elements", "float32")] = (1, 4 * FP32_BYTES)
+    # every rank's step time (metrics.step_times_by_rank: the step line names the slowest rank)
+    out[("loop", "all_gather_flat", f"{world} elements", "float64")] = (1, world * 8)
     return out
 
 

@@ -147,7 +147,7 @@ def compiled_run_block(backend: str = "inductor"):
 def build_ours(flags: list, compile_blocks: bool = False):
     """train.py's own set-up and step; returns (mcfg, units, step_fn(step) -> (loss, grad_norm))."""
     cfg = T.parse_args(flags)
-    sharded, windows, _, _, _ = T.setup(cfg)
+    sharded, windows = T.setup(cfg)[:2]
     T.run_block = compiled_run_block() if compile_blocks else EAGER_RUN_BLOCK  # what the block stages call
 
     def step_fn(step: int):  # 0-based here, 1-based in train.py

@@ -30,7 +30,7 @@ else
         exit 2
     fi
 fi
-# As launch.sh: NCCL's NVLS buffers off, the allocator's expandable segments on. On a GPU the correctness
+# As train.py sets them (agree.launch_settings): NCCL's NVLS buffers off, expandable segments on. On a GPU the correctness
 # check then runs train.py's storage resize_(0)/resize_ trick under expandable segments (a wrong gather
 # shows as a loss or gradient off the oracle), and each run's peak is what a launch.sh run would have.
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
@@ -76,6 +76,23 @@ else:
     print("--deterministic: not measured (a run failed; see above)")
 PY
     rm -rf "$WORK"
+fi
+# Every rank runs the same job (issue 37) on real ranks: a plain torchrun of train.py (not launch.sh) on every local
+# GPU, with NCCL's log: the preflight (agree.py) passes on a healthy node; the step line names the slowest rank; NCCL
+# says NVLS is off (train.py set NCCL_NVLS_ENABLE=0 itself); and a tensor made after agree.launch_settings sits in an
+# expandable segment (the allocator read PYTORCH_ALLOC_CONF after torch was imported, as train.py sets it).
+if [[ " $* " != *" --dry-run "* ]]; then
+    SAME=$(mktemp -d)
+    NCCL_DEBUG=INFO timeout 180 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train.py \
+        --model tiny --steps 3 --eval_every 0 --batch_size "$((4 * NPROC))" --out_dir "$SAME/run" >"$SAME/log" 2>&1 \
+        || echo "bench/gpu.sh: the plain torchrun failed: $(grep -m1 '^error' "$SAME/log")" >&2
+    echo "same job: $(grep -c '^error' "$SAME/log") preflight errors | $(grep -m1 -o 'slowest rank.*' "$SAME/log" || echo 'no slowest-rank line')" \
+         "| NCCL on NVLS: $(grep -m1 -io 'NVLS[^|]*' "$SAME/log" || echo 'nothing said')"
+    "$PYTHON" -c "import torch; from components import agree; agree.launch_settings('$SAME/run')
+x = torch.empty(1 << 20, device='cuda')
+print('expandable segments after launch_settings:', any(s.get('is_expandable') for s in torch.cuda.memory_snapshot()))" \
+        || echo "bench/gpu.sh: the expandable-segments check failed" >&2
+    rm -rf "$SAME"
 fi
 # --async_save on a GPU (issue 27; nothing here ran on one yet): the stall of a save, synchronous vs in the
 # background, where the copy is device to page-locked host memory (PCIe) instead of a memcpy, and the background

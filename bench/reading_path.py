@@ -33,7 +33,7 @@ def trace_step(flags: list[str]) -> tuple[list[dict], list[tuple]]:
     two of them ((caller's file, qualname, line), (callee's file, qualname, line)), first seen first."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg = T.parse_args([f"--out_dir={tmp}", *flags])
-        sharded, windows, _, _, position = T.setup(cfg)
+        sharded, windows, _, _, position, _ = T.setup(cfg)
         seen, order, edges = set(), [], {}
 
         def ours(code) -> bool:

@@ -62,7 +62,7 @@ def status_kib(key: str) -> int:
 
 def setup(flags: list):
     cfg = T.parse_args(flags)
-    sharded, windows, _, _, _ = T.setup(cfg)
+    sharded, windows = T.setup(cfg)[:2]
     return cfg, sharded, windows
 
 

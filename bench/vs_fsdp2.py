@@ -65,7 +65,7 @@ def build_ours(folder: str, init: str, tokens: str, total_steps: int):
         "--ac=none", f"--steps={total_steps}", "--lr=3e-4", "--warmup_steps=2", "--eval_every=0",
         f"--out_dir={tempfile.gettempdir()}/vs_fsdp2_{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}",  # one for all ranks
         "--resume=never", "--overwrite=true"])
-    sharded, windows, _, _, _ = T.setup(cfg)
+    sharded, windows = T.setup(cfg)[:2]
 
     def step_fn(step: int):  # 0-based here, 1-based in train.py
         return T.train_step(cfg, sharded, windows, step + 1, step * cfg.batch_size)

@@ -315,18 +315,18 @@ def fits_host_memory(needed: int, limit) -> bool:
     return limit is None or needed <= HOST_MEMORY_USABLE * limit[0]
 
 
-def async_save_on(cfg, mcfg: M.ModelConfig, world: int) -> tuple[bool, str | None]:
-    """--async_save for this run, and, when 'auto' turns it off for lack of host memory, one line saying so
-    (the caller prints it on rank 0). 'true' and 'false' are what they say; 'auto' is off on CPU (the cores
-    would share training and writing) and on for a CUDA run whose ranks on this node fit their staging
-    buffers beside what they already pin (host_memory_limit, less 10%)."""
+def async_save_on(cfg, mcfg: M.ModelConfig, world: int, limit=None) -> tuple[bool, str | None]:
+    """--async_save on this node, and, when 'auto' turns it off for lack of host memory, one line saying so.
+    'true' and 'false' are what they say; 'auto' is off on CPU (the cores would share training and writing)
+    and on for a CUDA run whose ranks on this node fit their staging buffers beside what they already pin
+    (`limit`, host_memory_limit's when None, less 10%). The run's decision is every node's (agree.decide)."""
     if cfg.async_save != "auto":
         return cfg.async_save == "true", None
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if not cuda:
         return False, None
     local_world, parts = node_host_bytes(cfg, mcfg, world, async_save=True)
-    limit = host_memory_limit()
+    limit = limit or host_memory_limit()
     if fits_host_memory(sum(parts.values()), limit):
         return True, None
     beside = (f" beside {(parts['state'] + parts['activations']) / 2**30:,.1f} GiB already offloaded"
@@ -336,18 +336,18 @@ def async_save_on(cfg, mcfg: M.ModelConfig, world: int) -> tuple[bool, str | Non
                    f"{limit[1]}; every save stalls training for its whole write")
 
 
-def check_host_memory(cfg, mcfg: M.ModelConfig, world: int, state_bytes_per_param: int) -> list[str]:
+def check_host_memory(cfg, mcfg: M.ModelConfig, world: int, state_bytes_per_param: int, limit=None) -> list[str]:
     """What the node's ranks pin in host memory must fit in what the machine has now and what the job may use,
     or the kernel kills the job mid-run instead of this line: --offload_optimizer's fp32 state (and the block
     inputs of --offload_activations), and --async_save's staging buffer, a copy of each rank's checkpoint."""
     if cfg.plan:
         return []
-    asynchronous = async_save_on(cfg, mcfg, world)[0]  # 'auto' is on only where it fits
+    limit = limit or host_memory_limit()
+    asynchronous = async_save_on(cfg, mcfg, world, limit)[0]  # 'auto' is on only where it fits
     if not cfg.offload_optimizer and not asynchronous:
         return []
     local_world, parts = node_host_bytes(cfg, mcfg, world, asynchronous)
     needed = sum(parts.values())
-    limit = host_memory_limit()
     if fits_host_memory(needed, limit):
         return []
     fix = "ask SLURM for all of the node's memory (sbatch --mem=0), " if "cgroup" in limit[1] else ""
@@ -405,11 +405,11 @@ def flash_attn_unsaved_warning(saved_ops) -> str | None:
             f"--no-build-isolation")
 
 
-def check_run(cfg, world: int, state_bytes_per_param: int):
+def check_run(cfg, world: int):
     """Returns (model config, where the first weights come from, errors). The weights: None (seeded),
     {HF tensor name: file} (an --init_from Hugging Face folder), or a checkpoint folder (--from_ckpt, or
     --init_from one of ours: its manifest and file sizes checked here, its SHA-256 as it is read)."""
-    errors = check_nodes() or check_config(cfg, world) + check_flash_attn(cfg)
+    errors = check_nodes() or check_config(cfg, world)  # what depends on the node: agree.read_facts
     mcfg = weights = None
     if not errors:
         try:
@@ -422,8 +422,7 @@ def check_run(cfg, world: int, state_bytes_per_param: int):
         except ValueError as e:  # config.json describes a model this code does not build
             errors.append(f"--init_from: {e}")
     if mcfg is not None:
-        errors += M.check_model_config(mcfg) or check_param_groups(cfg, mcfg) or check_host_memory(
-            cfg, mcfg, world, state_bytes_per_param)
+        errors += M.check_model_config(mcfg) or check_param_groups(cfg, mcfg)
     if not errors and weights is not None:
         try:
             disk.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from")

@@ -1101,6 +1101,21 @@ def unreadable_on_some_rank(path: str, error: str, by_rank: torch.Tensor) -> Che
                                                             f"is not damage")
 
 
+def check_same_manifest(path: str, manifest: dict):
+    """After a load, every rank read the same manifest: its step and SHA-256 (data position and file hashes
+    included) gathered. Ranks that read other bytes under one name (a folder written again while a node still
+    caches the old one) stop here, before a step trains on a mix of two checkpoints; a restart reads again."""
+    digest = int(hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:15], 16)
+    by_rank = torch.zeros(dist.get_world_size(), 2, dtype=torch.int64)
+    all_gather_flat(by_rank.view(-1), torch.tensor([manifest["step"], digest]), group=group)
+    read = by_rank.tolist()
+    if any(row != read[0] for row in read):
+        steps = ", ".join(f"rank {r}: step {step}" for r, (step, _) in enumerate(read))
+        raise CheckpointError(f"checkpoint {path}: the ranks read different manifests ({steps}; SHA-256 differs "
+                              f"too): this filesystem showed the ranks different files; a restart reads again",
+                              os_errno=errno.ESTALE)
+
+
 def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: bool) -> tuple[int, int]:
     """Loads the newest intact checkpoint among `candidates`; returns its step and data position. All ranks agree on each
     candidate (a damaged file seen by one rank rejects it for all), and with `fallback` a damaged
@@ -1125,6 +1140,7 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: boo
                 if stopped:
                     print(f"warning: --freeze: unit(s) {', '.join(stopped)} are frozen from step {manifest['step'] + 1}; "
                           f"their saved optimizer state is dropped", file=sys.stderr, flush=True)
+            check_same_manifest(path, manifest)
             data = manifest["data"] or {"position": 0}  # a conversion run (--steps 0) saved no data state
             return manifest["step"], data["position"]
         if MISMATCHED in codes:

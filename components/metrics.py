@@ -13,10 +13,22 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 import model as M
 from components import disk
 from components import plan
+
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as in train.py
+
+
+def step_times_by_rank(step_time_s: float, device) -> list[float]:
+    """Every rank's step time, one all-gather: the step line names the slowest rank beside the median, so a slow
+    GPU or node is named rather than averaged away."""
+    by_rank = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    all_gather_flat(by_rank, torch.tensor([step_time_s], dtype=torch.float64, device=device))
+    return by_rank.tolist()
+
 
 def peak_flops(device: torch.device):
     if device.type != "cuda":
@@ -89,6 +101,8 @@ def log_step(cfg, metrics: dict, f, epochs_by_source: dict | None = None):
               f"grad_norm {grad_norm} | {metrics['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | "
               f"mfu {mfu} | mem {metrics['mem_gb']:.2f} GB | elapsed {fmt_time(metrics['elapsed_s'])} | "
               f"eta {fmt_time(metrics['eta_s'])}" +
+              (f" | slowest rank {metrics['slowest_rank']} ({metrics['slowest_host']}) {metrics['step_time_max_s']:.2f} s, "
+               f"median {metrics['step_time_median_s']:.2f} s" if "slowest_rank" in metrics else "") +
               (f" | ${metrics['cost_usd']:,.2f} of ${metrics['projected_cost_usd']:,.2f}" if "cost_usd" in metrics else "") +
               (f" | eval_loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else "") +
               "".join(f" | {key} {value:.4f}" for key, value in metrics.items() if key.startswith("eval_loss/")) +
@@ -101,8 +115,8 @@ class MetricsLog:
     """Rank 0's metrics: metrics.jsonl (one line per step; a resumed run keeps the lines of the steps it
     has already done, and only those), the step line, TensorBoard. Other ranks hold one and write nothing."""
 
-    def __init__(self, cfg, mcfg, world: int, device, rank: int, start_step: int, steps: int):
-        self.cfg, self.world, self.steps, self.start_step = cfg, world, steps, start_step
+    def __init__(self, cfg, mcfg, world: int, device, rank: int, start_step: int, steps: int, hosts=None):
+        self.cfg, self.world, self.steps, self.start_step, self.hosts = cfg, world, steps, start_step, hosts
         self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self.flops_per_token = M.flops_per_token(mcfg, cfg.seq_len)
         self.peak = peak_flops(device)
@@ -124,10 +138,11 @@ class MetricsLog:
         self.start = time.perf_counter()
 
     def step(self, step: int, loss, grad_norm, lr: float, step_time_s: float, mem_gb: float, eval_loss=None,
-             progress=None):
+             progress=None, step_times_s=None):
         """Logs 1-based `step`; loss and grad_norm are None for a skipped step. eval_loss: a number, or
         {"eval_loss": ..., "eval_loss/SOURCE": ...} (data.MixedWindows.losses); progress: the loader's
-        windows_by_source and epochs_by_source (data.MixedWindows.progress)."""
+        windows_by_source and epochs_by_source (data.MixedWindows.progress); step_times_s: every rank's
+        (step_times_by_rank), whose slowest rank and median join the row when W > 1."""
         if self.file is None:
             return
         now = time.perf_counter() - self.start
@@ -137,6 +152,11 @@ class MetricsLog:
             step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
             mfu=None if self.peak is None else tokens_per_sec_per_gpu * self.flops_per_token / self.peak,
             mem_gb=mem_gb, step_time_s=step_time_s, elapsed_s=self.elapsed_before + now, eta_s=eta)
+        if step_times_s and len(step_times_s) > 1:
+            slowest = max(range(len(step_times_s)), key=step_times_s.__getitem__)
+            metrics.update(slowest_rank=slowest, slowest_host=self.hosts[slowest] if self.hosts else "?",
+                           step_time_max_s=step_times_s[slowest],
+                           step_time_median_s=float(sorted(step_times_s)[len(step_times_s) // 2]))
         if progress is not None:
             metrics["windows_by_source"] = progress["windows_by_source"]
         if eval_loss is not None:
@@ -153,7 +173,7 @@ class MetricsLog:
             return
         for key, value in metrics.items() if self.tensorboard else ():
             for name, number in (value.items() if isinstance(value, dict) else [(None, value)]):
-                if key != "step" and number is not None:
+                if key != "step" and isinstance(number, (int, float)):
                     self.tensorboard.add_scalar(f"{key}/{name}" if name else key, number, step)
 
     def unwritable(self, e: OSError):

@@ -22,6 +22,7 @@ def main_in_process(monkeypatch):
     signal handlers it installs are put back afterwards."""
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)}
     monkeypatch.setattr(os, "_exit", lambda code: sys.exit(code))
+    environment = dict(os.environ)  # train.main sets launch.sh's GPU settings in its own environment (agree.py)
 
     def run(argv):
         try:
@@ -32,6 +33,8 @@ def main_in_process(monkeypatch):
     yield run
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
+    os.environ.clear()
+    os.environ.update(environment)
     if dist.is_initialized():  # a failed run leaves its group
         dist.destroy_process_group()
     disk.group = None

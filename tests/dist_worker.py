@@ -1,8 +1,10 @@
 """Run under torchrun by the tests: checks that need the trainer's internals, one JSON file per rank.
 
     torchrun --nproc_per_node W tests/dist_worker.py MODE OUT_DIR [train.py flags...]
-MODE is `load` (how much of the checkpoint each rank reads) or `sgd` (a whole run with SGD + momentum
-swapped in for AdamW; writes no JSON). Checks of the step itself run in one process (tests/ranks.py).
+MODE is `load` (how much of the checkpoint each rank reads), `sgd` (a whole run with SGD + momentum
+swapped in for AdamW; writes no JSON), or `facts` (a whole run in which each rank sees its own machine as
+ZERO3_TEST_FACTS says: see facts(); writes the launch settings it ran under). Checks of the step itself run
+in one process (tests/ranks.py).
 """
 import json
 import os
@@ -65,11 +67,51 @@ def load(flags):
                 model_elements=sum(u.numel for u in units), rank=rank, world=world)
 
 
+def facts(overrides: dict):
+    """This rank sees another machine: ZERO3_TEST_FACTS is JSON {rank: {what: value}}. host, gloo (the address its
+    hostname resolves to), memlock (bytes), host_memory (bytes), flash_attn (a version installed), and
+    checkpoints_up_to (a name: this rank does not see the newer step_* folders, and reads an older `latest`, as a
+    node whose NFS or Lustre client still caches the listing before the last save). What the code reads is
+    replaced where it reads it, so the same patches apply to the code before components/agree.py too."""
+    import types
+    from components import checks, disk
+    try:
+        from components import agree
+        agree.CHECKPOINT_WAIT_S, agree.CHECKPOINT_POLL_S = 2.0, 0.5
+    except ImportError:  # the code before it (the tests were run there once, to see them fail)
+        agree = None
+    if "host" in overrides and agree:
+        agree.host_name = lambda env=None: overrides["host"]
+    if "gloo" in overrides and agree:
+        agree.gloo_address = lambda hostname, env=None: overrides["gloo"]
+    if "memlock" in overrides and agree:
+        agree.memlock_bytes = lambda: overrides["memlock"]
+    if "host_memory" in overrides:
+        checks.host_memory_limit = lambda *a, **k: (overrides["host_memory"], "this machine has "
+                                                    f"{overrides['host_memory'] / 2**30:.1f} GiB available")
+    if "flash_attn" in overrides:
+        sys.modules["flash_attn"] = types.SimpleNamespace(__version__=overrides["flash_attn"])
+        M.flash_attn_func = M.flash_attn_varlen_func = lambda *a, **k: None  # CPU: never called (model.uses_flash)
+    if "checkpoints_up_to" in overrides:
+        newest, list_checkpoints = overrides["checkpoints_up_to"], disk.list_checkpoints
+        disk.list_checkpoints = lambda root: [p for p in list_checkpoints(root) if os.path.basename(p) <= newest]
+        disk.latest_name = lambda root: newest
+        disk.resume_candidates = lambda root: disk.list_checkpoints(root)  # the code before: its own reading
+
+
 if __name__ == "__main__":
     mode, out_dir, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
     if mode == "sgd":  # a second optimizer, swapped in where train.py says a fork swaps it; then a whole run
         M.OPTIMIZER_STATE, T.optimizer_step = ("momentum_buffer",), sgd_momentum_step
         T.main(flags)
+        os._exit(0)
+    if mode == "facts":
+        facts(json.loads(os.environ.get("ZERO3_TEST_FACTS", "{}")).get(os.environ["RANK"], {}))
+        T.main(flags)
+        settings = ("NCCL_NVLS_ENABLE", "PYTORCH_ALLOC_CONF", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+                    "TORCH_FR_DUMP_TEMP_FILE")
+        with open(os.path.join(out_dir, f"env_rank{os.environ['RANK']}.json"), "w") as f:
+            json.dump({name: os.environ.get(name) for name in settings}, f)
         os._exit(0)
     if mode == "load":
         result = load(flags)

@@ -476,23 +476,6 @@ def test_under_slurm_the_rendezvous_is_the_jobs_whatever_the_shell_exported(tmp_
         "one process per GPU): srun --ntasks-per-node=1 ./launch.sh, or #SBATCH --ntasks-per-node=1"]
 
 
-def test_the_flight_recorder_dumps_into_the_runs_folder(tmp_path):
-    """Not torch's default /tmp/nccl_trace_rank_N, which many sites wipe at the end of a job: OUT_DIR/nccl_trace,
-    a relative --out_dir resolved from the caller's folder, the folder made (torch does not make it); a value
-    exported by the user wins, under either of torch's names."""
-    code, err, _ = launch_dry(tmp_path, ["--lr", "1e-4", "--out_dir", "run_a"], FAKE_GPUS="8")
-    assert code == 0, err
-    assert launch_env(tmp_path)["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/run_a/nccl_trace/rank_"
-    assert (tmp_path / "run_a" / "nccl_trace").is_dir()
-    code, err, _ = launch_dry(tmp_path, [f"--out_dir={tmp_path / 'run_b'}"], FAKE_GPUS="8")
-    assert launch_env(tmp_path)["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/run_b/nccl_trace/rank_"
-    code, err, _ = launch_dry(tmp_path, ["--out_dir", "run_a"], FAKE_GPUS="8", TORCH_FR_DUMP_TEMP_FILE="/scratch/fr_")
-    assert launch_env(tmp_path)["TORCH_FR_DUMP_TEMP_FILE"] == "/scratch/fr_"
-    code, err, _ = launch_dry(tmp_path, ["--out_dir", "run_a"], FAKE_GPUS="8", TORCH_NCCL_DEBUG_INFO_TEMP_FILE="/scratch/fr_")
-    env = launch_env(tmp_path)
-    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/scratch/fr_" and "TORCH_FR_DUMP_TEMP_FILE" not in env
-
-
 @pytest.mark.parametrize("version", ["v2", "v1"])
 def test_the_host_memory_check_reads_the_jobs_cgroup_limit(tmp_path, monkeypatch, version):
     """A SLURM job granted less memory than the node has (--exclusive without --mem=0) is held to its cgroup's
@@ -524,26 +507,23 @@ def launch_env(tmp_path) -> dict:
     return dict(line.split("=", 1) for line in (tmp_path / "torchrun.args.env").read_text().splitlines() if "=" in line)
 
 
-def test_launch_leaves_the_gpu_memory_the_planner_counts(tmp_path):
-    """NCCL's NVLS buffers (outside the allocator, over the planner's 1 GiB for context and NCCL) are off, and
-    the allocator's expandable segments on (train.py's storage resize_ allocates and frees through the
-    allocator, which expandable segments do not change); a user's own settings win."""
+def test_launch_leaves_the_gpu_settings_to_train_py(tmp_path, monkeypatch):
+    """NVLS, the allocator and NCCL's flight recorder are train.py's to set (agree.launch_settings, tests/test_agree.py),
+    so that a plain torchrun gets them too: launch.sh passes through only what the user exported."""
+    settings = ("NCCL_NVLS_ENABLE", "PYTORCH_ALLOC_CONF", "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE")
+    for name in settings:
+        monkeypatch.delenv(name, raising=False)
     code, err, torchrun = launch_dry(tmp_path, [], FAKE_GPUS="8")
     env = launch_env(tmp_path)
     assert code == 0, err
-    assert env["NCCL_NVLS_ENABLE"] == "0" and env["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
-    code, err, torchrun = launch_dry(tmp_path, [], FAKE_GPUS="8", NCCL_NVLS_ENABLE="1",
-                                     PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512")
-    env = launch_env(tmp_path)
-    assert code == 0, err
-    assert env["NCCL_NVLS_ENABLE"] == "1" and "PYTORCH_ALLOC_CONF" not in env
-    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    for name in settings:
+        assert name not in env, name
 
 
-def test_launch_leaves_a_trace_of_a_hang_and_binds_each_rank_to_its_gpus_cores(tmp_path):
-    """NCCL's flight recorder is on and dumps when the watchdog times a collective out; on GPUs, with a torchrun
-    that has --numa-binding and numactl present, each rank gets its own share of its GPU's NUMA node
-    ("exclusive"), and offload.optimizer_threads is told so; NUMA_BINDING=none, no numactl, or no GPU: no binding."""
+def test_launch_binds_each_rank_to_its_gpus_cores(tmp_path):
+    """On GPUs, with a torchrun that has --numa-binding and numactl present, each rank gets its own share of its
+    GPU's NUMA node ("exclusive"), and offload.optimizer_threads is told so; NUMA_BINDING=none, no numactl, or no
+    GPU: no binding."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "numactl").write_text("#!/bin/sh\n")
@@ -552,8 +532,6 @@ def test_launch_leaves_a_trace_of_a_hang_and_binds_each_rank_to_its_gpus_cores(t
     code, err, torchrun = launch_dry(tmp_path, [], FAKE_GPUS="8", PATH=with_numactl)
     env = launch_env(tmp_path)
     assert code == 0, err
-    assert int(env["TORCH_FR_BUFFER_SIZE"]) > 0 and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env  # torch 2.13 prints that it is deprecated, on every rank
     assert flag_value(torchrun, "--numa-binding") == "exclusive" and env["ZERO3_NUMA_BINDING"] == "exclusive"
     assert torchrun.index("--numa-binding") < torchrun.index(os.path.join(ROOT, "train.py"))
     for unbound in (dict(FAKE_GPUS="8", PATH=with_numactl, NUMA_BINDING="none"), dict(FAKE_GPUS="0", PATH=with_numactl),

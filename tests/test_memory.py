@@ -64,7 +64,7 @@ def worker(out_dir, flags):
         hooks.append(dict(unit=unit.name, numel=unit.padded_numel, most_alive_bytes=tracker.most_alive))
     T.reduce_scatter_grad = measured_hook  # before setup: ShardedModel registers the hook it finds then
     cfg = T.parse_args(flags)
-    sharded, windows, _, _, _ = T.setup(cfg)
+    sharded, windows = T.setup(cfg)[:2]
     units, rank = sharded.units, sharded.rank
     tracker.unit_numels = {u.padded_numel for u in units}
     with tracker:

@@ -99,28 +99,28 @@ def copy_of_a(phase_one, tmp_path):
 
 def test_bad_init_from_checkpoints_are_one_line_before_any_work(phase_one, tmp_path):
     """The checks every rank runs before any process group exists (checks.check_run)."""
-    mcfg, source, errors = check_run(flags(phase_one, tmp_path, "--model=tiny"), 2, 16)
+    mcfg, source, errors = check_run(flags(phase_one, tmp_path, "--model=tiny"), 2)
     assert errors == [] and source == os.path.join(phase_one["a"], "checkpoints", "step_00000002")
     assert mcfg.vocab_size == 400 and mcfg.n_layers == 4  # the checkpoint's model: the data's vocabulary
 
-    _, _, errors = check_run(flags(phase_one, tmp_path, "--model=llama3-8b"), 2, 16)
+    _, _, errors = check_run(flags(phase_one, tmp_path, "--model=llama3-8b"), 2)
     assert len(errors) == 1 and errors[0].startswith(
         f"--model: llama3-8b is not the model of --init_from {source}, which decides the model (its manifest.json): "
         f"they differ in dim 4096 vs 256, n_layers 32 vs 4")
 
     copy, step = copy_of_a(phase_one, tmp_path)
     os.truncate(step / "rank00001-of-00002.safetensors", 1000)
-    _, _, errors = check_run(T.parse_args([f"--init_from={copy}", f"--out_dir={tmp_path / 'o'}", "--steps=0"]), 1, 16)
+    _, _, errors = check_run(T.parse_args([f"--init_from={copy}", f"--out_dir={tmp_path / 'o'}", "--steps=0"]), 1)
     assert errors == [f"--init_from: checkpoint {step}: rank00001-of-00002.safetensors has 1000 bytes, the manifest "
                       f"says {json.load(open(step / 'manifest.json'))['files']['rank00001-of-00002.safetensors']['bytes']} "
                       f"(truncated?)"]
 
     (copy / "checkpoints" / "latest").write_text("step_00000009\n")
-    _, _, errors = check_run(T.parse_args([f"--init_from={copy}", f"--out_dir={tmp_path / 'o'}", "--steps=0"]), 1, 16)
+    _, _, errors = check_run(T.parse_args([f"--init_from={copy}", f"--out_dir={tmp_path / 'o'}", "--steps=0"]), 1)
     assert len(errors) == 1 and errors[0].startswith(f"--init_from: {copy / 'checkpoints' / 'latest'} names 'step_00000009'")
 
     (tmp_path / "neither").mkdir()
-    _, _, errors = check_run(T.parse_args([f"--init_from={tmp_path / 'neither'}", f"--out_dir={tmp_path / 'o'}"]), 1, 16)
+    _, _, errors = check_run(T.parse_args([f"--init_from={tmp_path / 'neither'}", f"--out_dir={tmp_path / 'o'}"]), 1)
     assert errors == [f"--init_from: {tmp_path / 'neither'} is neither a Hugging Face folder (no config.json) nor one "
                       f"of our checkpoints (no manifest.json, and no checkpoints/step_* folder in it)"]
 
@@ -131,7 +131,7 @@ def test_a_phase_on_data_of_another_tokenizer_is_refused(phase_one, tmp_path):
                       encoding="utf-8")
     D.train_tokenizer([str(corpus)], 400, str(tmp_path / "other.model"))
     D.prepare([str(corpus)], str(tmp_path / "other.model"), str(tmp_path / "other"), quiet=True)
-    _, _, errors = check_run(flags(phase_one, tmp_path, f"--data={tmp_path / 'other'}"), 1, 16)
+    _, _, errors = check_run(flags(phase_one, tmp_path, f"--data={tmp_path / 'other'}"), 1)
     assert len(errors) == 1 and errors[0].startswith(f"--data: {tmp_path / 'other'} was tokenized with "
                                                      f"{tmp_path / 'other.model'}, and the model of --init_from")
 

@@ -1,0 +1,299 @@
+"""Every rank runs the same job: what a rank reads from its own machine is agreed before any rank acts on it.
+
+A two-node run is 16 processes on two machines that do not see the same world: the host memory free, a
+shared filesystem that shows a new checkpoint to one node seconds after the other (NFS and Lustre cache what
+they listed), the packages installed, the limits a job inherits. Code that acts on what its own rank sees
+splits the job: a rank that saves in the background skips the all-gather that a synchronous rank waits in
+(a hang at the first save, hours in); a rank that still reads the previous `latest` loads step 400 while
+the others load 500, and the run trains on from both.
+
+So each such fact is read on every rank (read_facts), gathered in one all-gather (gather_json), and decided
+from the whole list by the same function on every rank (decide): the same decision everywhere, or the same
+refusal on every rank, one line per problem naming the ranks and hosts, before any weights are read. The
+checkpoint to resume from is agreed the same way once the out_dir is claimed (resume_candidates).
+docs/operations.md, "What every rank agrees on", lists the facts and the rule for each.
+"""
+import errno
+import ipaddress
+import json
+import os
+import resource
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import model as M
+from components import checks, disk
+from components import plan as P
+
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as in train.py
+
+GIB = 2**30
+# NCCL registers its InfiniBand buffers with the HCA (ibv_reg_mr), which counts against the locked-memory limit;
+# jobs often inherit 64 KiB (or systemd's 8 MiB) from slurmd, and NCCL's set-up then fails. NVIDIA's containers
+# and NCCL's troubleshooting page ask for unlimited (docker --ulimit memlock=-1).
+MEMLOCK_LEAST_BYTES = 1 * GIB
+# NCCL's shared-memory transport and its proxy between a node's ranks live in /dev/shm: a container's default
+# 64 MiB fails NCCL's set-up with 8 GPUs (NVIDIA: docker --shm-size=1g, or --ipc=host).
+SHM_LEAST_BYTES = 1 * GIB
+# How long a checkpoint that some ranks see and others do not yet (a quick restart on NFS or Lustre, whose
+# attribute caches hold a listing for up to 60 s by default: nfs(5) acdirmax) is waited for, and how often
+# every rank looks again. Past it, the newest checkpoint every rank sees is used, with one line saying so.
+CHECKPOINT_WAIT_S = 90.0
+CHECKPOINT_POLL_S = 3.0
+
+
+# -- one all-gather of what each rank read ---------------------------------------------------------------
+
+def gather_json(value, device) -> list:
+    """`value` (anything JSON holds) from every rank, in rank order, through two all-gathers: the sizes, then
+    the bytes (JSON, not pickle: nothing a peer sends is ever unpickled)."""
+    world = dist.get_world_size()
+    data = torch.tensor(list(json.dumps(value, sort_keys=True).encode()), dtype=torch.uint8, device=device)
+    sizes = torch.zeros(world, dtype=torch.int64, device=device)
+    all_gather_flat(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+    longest = int(sizes.max())
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    everyone = torch.zeros(world * longest, dtype=torch.uint8, device=device)
+    all_gather_flat(everyone, padded)
+    rows = everyone.view(world, longest).cpu()
+    return [json.loads(bytes(rows[r, :n].tolist())) for r, n in enumerate(sizes.tolist())]
+
+
+def who(ranks: list[int], hosts: list[str]) -> str:
+    """'rank 3 (node0)', 'ranks 8-15 (node1)', 'ranks 0-3, 9 (node0, node1)'."""
+    spans, start = [], ranks[0]
+    for previous, rank in zip(ranks, ranks[1:] + [None]):
+        if rank != previous + 1:
+            spans.append(f"{start}-{previous}" if previous > start else f"{start}")
+            start = rank
+    named = ", ".join(dict.fromkeys(hosts[r] for r in ranks))
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(spans)} ({named})"
+
+
+def by_value(values: list) -> list[tuple]:
+    """[(value, [ranks that hold it]), ...] in order of first appearance."""
+    groups = {}
+    for rank, value in enumerate(values):
+        groups.setdefault(json.dumps(value, sort_keys=True), (value, []))[1].append(rank)
+    return list(groups.values())
+
+
+def said_by(lines_by_rank: list[list[str]], hosts: list[str]) -> list[str]:
+    """Each distinct line once: as it is when every rank said it, else after the ranks and hosts that did."""
+    lines = list(dict.fromkeys(line for lines in lines_by_rank for line in lines))
+    out = []
+    for line in lines:
+        ranks = [r for r, lines in enumerate(lines_by_rank) if line in lines]
+        out.append(line if len(ranks) == len(hosts) else f"{who(ranks, hosts)}: {line}")
+    return out
+
+
+# -- what a rank reads from its own machine --------------------------------------------------------------
+
+def host_name(env=os.environ) -> str:
+    return env.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def gloo_address(hostname: str, env=os.environ) -> str | None:
+    """The address gloo (the checkpoint group, disk.make_group) listens on, or None when GLOO_SOCKET_IFNAME
+    chooses the interface. As ProcessGroupGloo's createDefaultDevice: the first address the hostname resolves to
+    that a socket can bind, else the loopback address. Many images map the hostname to 127.0.1.1 in /etc/hosts."""
+    if env.get("GLOO_SOCKET_IFNAME"):
+        return None
+    try:
+        infos = socket.getaddrinfo(hostname, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return "127.0.0.1"
+    for family, _, _, _, address in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((address[0], 0))
+            return address[0]
+        except OSError:
+            continue
+    return "127.0.0.1"
+
+
+def memlock_bytes() -> int:
+    """The locked-memory limit (ulimit -l) in bytes; -1 for unlimited."""
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    return -1 if soft == resource.RLIM_INFINITY else soft
+
+
+def shm_bytes(path: str = "/dev/shm") -> int | None:
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return None
+    return stats.f_frsize * stats.f_blocks
+
+
+def flash_attn_version() -> str | None:
+    """The flash-attn that attention runs on, or None (SDPA)."""
+    if M.flash_attn_func is None:
+        return None
+    return str(getattr(sys.modules.get("flash_attn"), "__version__", "unknown version"))
+
+
+def gpu_memory(cfg, mcfg, world: int, device) -> dict | None:
+    """What this rank's GPU has free now (every process's use, the CUDA context and NCCL's buffers counted), and
+    what the run will ask PyTorch's allocator for at its peak (the planner's, less its allowance for the context)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    figures = P.run_memory_gib(mcfg, cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                               torch.cuda.get_device_name(device))
+    need = None if figures is None else (figures["peak_gib"] - figures["context_gib"]) * GIB
+    return dict(index=device.index, free=free, total=total, reserved=torch.cuda.memory_reserved(device), need=need)
+
+
+def read_facts(cfg, mcfg, world: int, device, state_bytes_per_param: int, warnings: list[str]) -> dict:
+    """Everything this rank reads from its own machine that changes what the ranks run, with the problems and
+    warnings it finds alone (a broken flash-attn, the node's host memory): the rest is decide's, over all ranks."""
+    limit = checks.host_memory_limit()
+    async_fits, async_note = checks.async_save_on(cfg, mcfg, world, limit)
+    problems = checks.check_flash_attn(cfg) + checks.check_host_memory(cfg, mcfg, world, state_bytes_per_param, limit)
+    host = host_name()
+    return dict(host=host, torch=torch.__version__, flash_attn=flash_attn_version(),
+                nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
+                gloo=gloo_address(host), memlock=memlock_bytes(), shm=shm_bytes(),
+                gpu=gpu_memory(cfg, mcfg, world, device), async_save=async_fits,
+                problems=problems, warnings=warnings + ([async_note] if async_note else []))
+
+
+# -- decided the same on every rank, from every rank's facts -----------------------------------------------
+
+def decide(facts: list[dict]) -> tuple[list[str], list[str], bool]:
+    """(problems, warnings, --async_save) from every rank's facts: the same on every rank, since every rank has the
+    same list. A problem stops the run before any weights are read (exit 2); a warning is printed once by rank 0."""
+    hosts = [f["host"] for f in facts]
+    problems = said_by([f["problems"] for f in facts], hosts)
+    for key, what in (("torch", "torch"), ("nccl", "NCCL"), ("flash_attn", "flash-attn")):
+        versions = by_value([f[key] for f in facts])
+        if len(versions) > 1:
+            problems.append(f"{what} differs between ranks: " + "; ".join(
+                f"{value or 'not installed'} on {who(ranks, hosts)}" for value, ranks in versions) +
+                f"; install the same {what} on every node")
+    cuda = all(f["nccl"] for f in facts)
+    ranks_on = {host: hosts.count(host) for host in hosts}
+    for rank, f in enumerate(facts):
+        mine = [r for r, host in enumerate(hosts) if host == f["host"]]
+        if rank != mine[0]:  # a node's facts once, from its first rank (its other ranks read the same machine)
+            continue
+        if len(ranks_on) > 1 and f["gloo"] and ipaddress.ip_address(f["gloo"].split("%")[0]).is_loopback:
+            problems.append(f"{who(mine, hosts)}: the hostname {f['host']} resolves to {f['gloo']}, a loopback address: "
+                            f"gloo (the checkpoint group: every save and resume) would listen there and no rank on "
+                            f"another node could connect; set GLOO_SOCKET_IFNAME to the interface between the nodes "
+                            f"(as NCCL_SOCKET_IFNAME, e.g. eth0), or map the hostname to its address in /etc/hosts")
+        if cuda and len(ranks_on) > 1 and 0 <= f["memlock"] < MEMLOCK_LEAST_BYTES:
+            problems.append(f"{who(mine, hosts)}: the locked-memory limit is {f['memlock'] / 2**20:g} MiB (ulimit -l): "
+                            f"NCCL cannot register its InfiniBand buffers; run with `ulimit -l unlimited` (SLURM: "
+                            f"LimitMEMLOCK=infinity in slurmd's systemd unit, or PropagateResourceLimitsExcept=MEMLOCK "
+                            f"in slurm.conf; containers: --ulimit memlock=-1)")
+        if cuda and ranks_on[f["host"]] > 1 and f["shm"] is not None and f["shm"] < SHM_LEAST_BYTES:
+            problems.append(f"{who(mine, hosts)}: /dev/shm holds {f['shm'] / 2**20:g} MiB: NCCL's shared memory between "
+                            f"the node's {ranks_on[f['host']]} ranks needs more (a container: --shm-size=1g or more, "
+                            f"or --ipc=host)")
+    for rank, f in enumerate(facts):
+        gpu = f["gpu"]
+        if gpu and gpu["need"] is not None and gpu["free"] + gpu["reserved"] < gpu["need"]:
+            held = (gpu["total"] - gpu["free"] - gpu["reserved"]) / GIB
+            problems.append(f"{who([rank], hosts)}: GPU {gpu['index']} has {gpu['free'] / GIB:.1f} GiB free of "
+                            f"{gpu['total'] / GIB:.1f}, and the run needs {gpu['need'] / GIB:.1f} GiB for PyTorch at its "
+                            f"peak (--plan's, less the context); {held:.1f} GiB are held outside this process's "
+                            f"allocator: another process on the GPU? (nvidia-smi)")
+    warnings = said_by([f["warnings"] for f in facts], hosts)
+    return problems, warnings, all(f["async_save"] for f in facts)
+
+
+# -- the checkpoint to resume from ------------------------------------------------------------------------
+
+def checkpoint_view(root: str) -> dict:
+    """What this rank sees of checkpoints/: the name in `latest`, the step_* folders, those whose manifest reads."""
+    folders = [os.path.basename(p) for p in disk.list_checkpoints(root)]
+    complete = [name for name in folders if disk.is_complete(os.path.join(root, name))]
+    return dict(latest=disk.latest_name(root), folders=folders, complete=complete)
+
+
+def settled(views: list[dict]) -> bool:
+    """Every rank sees the same (a `latest` that names no folder, seen so by every rank, is the operator's edit:
+    agreed_checkpoints refuses it at once)."""
+    return all(v == views[0] for v in views)
+
+
+def agreed_checkpoints(root: str, views: list[dict], hosts: list[str]) -> tuple[list[str], str | None]:
+    """(the checkpoints to try, newest first; a line when the ranks' views differ): those every rank sees, up to
+    the oldest `latest` any rank reads (editing `latest` rolls a run back; a rank that still reads the previous
+    one holds the others there too). A `latest` no rank sees as a folder is an error, as with one rank."""
+    named = [v["latest"] for v in views if v["latest"]]
+    if named and not any(name in v["folders"] for name in named for v in views):
+        raise disk.CheckpointError(f"{os.path.join(root, 'latest')} names {named[0]!r}, which is not a folder in {root}; "
+                                   f"write the name of a step_* folder there, or delete it to use the newest")
+    common = set(views[0]["folders"]).intersection(*(v["folders"] for v in views))
+    names = sorted((n for n in common if not named or n <= min(named)), reverse=True)
+    if settled(views):
+        return [os.path.join(root, n) for n in names], None
+    seen = "; ".join(f"{who(ranks, hosts)} see{'s' if len(ranks) == 1 else ''} latest {view['latest'] or '(none)'} and "
+                     f"{', '.join(view['folders']) or 'no checkpoint'}" for view, ranks in by_value(views))
+    newest = [v["complete"][0] for v in views if v["complete"]]
+    if not names and newest:  # some rank sees a checkpoint that another never did: not a view to start afresh from
+        raise disk.CheckpointError(f"the ranks do not see the same checkpoints after {CHECKPOINT_WAIT_S:g} s ({seen}), and "
+                                   f"none is seen by every rank; a restart looks again", os_errno=errno.ESTALE)  # exit 1
+    return ([os.path.join(root, n) for n in names],
+            f"the ranks do not see the same checkpoints after {CHECKPOINT_WAIT_S:g} s ({seen}): resuming from the newest "
+            f"one every rank sees, {names[0] if names else 'none (a fresh start)'}")
+
+
+def resume_candidates(root: str, rank: int, hosts: list[str], device) -> list[str]:
+    """The checkpoints disk.resume tries, the same list on every rank: every rank's view gathered, and gathered
+    again every CHECKPOINT_POLL_S while they differ, for at most CHECKPOINT_WAIT_S (counted in rounds, so every
+    rank stops looking at the same round)."""
+    views = gather_json(checkpoint_view(root), device)
+    for _ in range(int(CHECKPOINT_WAIT_S / CHECKPOINT_POLL_S)):
+        if settled(views):
+            break
+        time.sleep(CHECKPOINT_POLL_S)
+        views = gather_json(checkpoint_view(root), device)
+    paths, note = agreed_checkpoints(root, views, hosts)
+    if note and rank == 0:
+        print(f"warning: {note}", file=sys.stderr, flush=True)
+    return paths
+
+
+# -- the settings launch.sh used to make, made by train.py itself ---------------------------------------------
+
+def launch_settings(out_dir: str, env=os.environ):
+    """GPU memory and diagnosis settings, in train.py's own environment before CUDA or NCCL read them, so that the
+    design card's plain `torchrun ... train.py` runs as launch.sh does. A value the user exported is kept.
+    - NCCL_NVLS_ENABLE=0. NVLS (NVLink SHARP, on NVSwitch systems: H100/H200 HGX) binds multicast buffers outside
+      PyTorch's allocator, 1 GiB or more per communicator (NCCL's log: "NVLS Bind mem ... size 1073741824"), beyond
+      the planner's allowance; NVIDIA's own launchers turn it off (NeMo-Framework-Launcher#127, JAX-Toolbox#383).
+      ZeRO-3's all-gathers and reduce-scatters run at NVLink bandwidth on NCCL's ring and P2P paths without it.
+    - PYTORCH_ALLOC_CONF=expandable_segments:True: a unit's gathered buffer comes and goes every step, and freed
+      blocks of one size no longer strand reserved memory the next size cannot use. Safe with train.py's storage
+      resize_(0)/resize_: a CUDA storage's resize_ allocates, copies and frees through the same allocator; FSDP2
+      frees its unsharded parameters the same way and torchtitan runs with this setting. Read when CUDA's
+      allocator starts (the first CUDA tensor), after this. PYTORCH_CUDA_ALLOC_CONF is its deprecated name.
+    - NCCL's flight recorder: the last 2000 collectives per rank, dumped when the watchdog times one out, into
+      OUT_DIR/nccl_trace/rank_<N> (every node shares it, and it outlives the job) instead of torch's default
+      /tmp/nccl_trace_rank_<N>, which many sites wipe; `torchfrtrace OUT_DIR/nccl_trace` names the collective and
+      the ranks that never joined it. The folder is made here on GPUs (torch's writer does not make folders)."""
+    def default(name, value, *older_names):
+        if not any(env.get(n) for n in (name, *older_names)):
+            env[name] = value
+    default("NCCL_NVLS_ENABLE", "0")
+    default("PYTORCH_ALLOC_CONF", "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF")
+    default("TORCH_FR_BUFFER_SIZE", "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+    default("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    trace = os.path.join(os.path.abspath(out_dir), "nccl_trace")
+    default("TORCH_FR_DUMP_TEMP_FILE", os.path.join(trace, "rank_"), "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if torch.cuda.is_available() and env.get("TORCH_FR_DUMP_TEMP_FILE", "").startswith(trace):
+        try:
+            os.makedirs(trace, exist_ok=True)
+        except OSError:  # an --out_dir that cannot be written: the out_dir's claim says so, in one line
+            pass

@@ -1,0 +1,252 @@
+"""Every rank runs the same job (components/agree.py): what a rank reads from its own machine (host memory,
+packages, limits, the address gloo binds, the checkpoints it sees) is gathered from every rank and decided
+the same on every rank, or refused on every rank in one line per problem, before any weights are read.
+
+The decisions are pure functions of every rank's facts, tested here on facts as two nodes would report them;
+two runs under torchrun show the whole path, each rank patched to see its own machine (tests/dist_worker.py
+facts): a refusal before step 1 on every rank, and a resume where rank 1's view of the out_dir is stale."""
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from common import ROOT, model_and_tokens, read_metrics, run_train, stopped_at
+from ranks import run_ranks
+
+from components import agree  # noqa: E402
+from components import disk  # noqa: E402
+import train as T  # noqa: E402
+
+GIB = 2**30
+
+
+def node_facts(host, **changes) -> dict:
+    """One rank's facts as read_facts reports them on a healthy GPU node."""
+    facts = dict(host=host, torch="2.13.0", flash_attn="2.7.4", nccl="2.27.3", gloo="10.0.0.1", memlock=-1,
+                 shm=64 * GIB, gpu=dict(index=0, free=78 * GIB, total=80 * GIB, reserved=0, need=70 * GIB),
+                 async_save=True, problems=[], warnings=[])
+    facts.update(changes)
+    return facts
+
+
+def two_nodes(**node1) -> list[dict]:
+    """Ranks 0-1 on node0, ranks 2-3 on node1 (whose facts differ by `node1`)."""
+    return [node_facts("node0"), node_facts("node0"), node_facts("node1", **node1), node_facts("node1", **node1)]
+
+
+def test_a_healthy_two_node_job_has_nothing_to_say():
+    assert agree.decide(two_nodes()) == ([], [], True)
+
+
+def test_who_names_ranks_as_spans_and_their_hosts():
+    hosts = ["a"] * 8 + ["b"] * 8
+    assert agree.who([3], hosts) == "rank 3 (a)"
+    assert agree.who(list(range(8, 16)), hosts) == "ranks 8-15 (b)"
+    assert agree.who([0, 1, 2, 3, 9], hosts) == "ranks 0-3, 9 (a, b)"
+
+
+def test_async_save_auto_is_decided_by_the_tightest_node():
+    """Node 1 has less host memory: --async_save auto is off on every rank (a rank saving in the background while
+    another saves synchronously pairs the collectives wrong at the first save), and node 1's reason is printed."""
+    note = "--async_save auto: off: the 2 rank(s) on this node would need 120.0 GiB of host memory"
+    problems, warnings, async_save = agree.decide(two_nodes(async_save=False, warnings=[note]))
+    assert (problems, async_save) == ([], False)
+    assert warnings == [f"ranks 2-3 (node1): {note}"]
+
+
+def test_a_line_every_rank_says_is_printed_once_as_it_is():
+    facts = [node_facts("node0", warnings=["--warmup_steps 20 is not below --steps 3"]) for _ in range(4)]
+    assert agree.decide(facts)[1] == ["--warmup_steps 20 is not below --steps 3"]
+
+
+@pytest.mark.parametrize("key, node1_value, what", [("flash_attn", None, "flash-attn"),
+                                                   ("flash_attn", "2.6.3", "flash-attn"),
+                                                   ("torch", "2.12.1", "torch"), ("nccl", "2.21.5", "NCCL")])
+def test_another_version_on_one_node_is_refused_naming_both(key, node1_value, what):
+    [line] = agree.decide(two_nodes(**{key: node1_value}))[0]
+    node0 = node_facts("node0")[key]
+    assert line == (f"{what} differs between ranks: {node0} on ranks 0-1 (node0); {node1_value or 'not installed'} on "
+                    f"ranks 2-3 (node1); install the same {what} on every node")
+
+
+def test_a_64_kib_memlock_limit_is_refused_on_a_gpu_job_across_nodes():
+    [line] = agree.decide(two_nodes(memlock=64 * 1024))[0]
+    assert line.startswith("ranks 2-3 (node1): the locked-memory limit is 0.0625 MiB (ulimit -l): NCCL cannot "
+                           "register its InfiniBand buffers; run with `ulimit -l unlimited`"), line
+    one_node = [node_facts("node0", memlock=64 * 1024) for _ in range(2)]
+    assert agree.decide(one_node)[0] == []  # NVLink within a node: nothing registered with an HCA
+    on_cpu = [node_facts(h, memlock=64 * 1024, nccl=None, gpu=None) for h in ("node0", "node1")]
+    assert agree.decide(on_cpu)[0] == []  # gloo
+
+
+def test_a_hostname_on_a_loopback_address_is_refused_when_the_job_spans_nodes():
+    [line] = agree.decide(two_nodes(gloo="127.0.1.1"))[0]
+    assert line.startswith("ranks 2-3 (node1): the hostname node1 resolves to 127.0.1.1, a loopback address: gloo "
+                           "(the checkpoint group: every save and resume) would listen there"), line
+    assert "GLOO_SOCKET_IFNAME" in line
+    assert agree.decide([node_facts("node0", gloo="127.0.1.1") for _ in range(2)])[0] == []  # one node: fine
+    assert agree.decide(two_nodes(gloo=None))[0] == []  # GLOO_SOCKET_IFNAME set: the user chose
+
+
+def test_the_address_gloo_binds_is_read_as_gloo_reads_it(monkeypatch):
+    monkeypatch.setattr(agree.socket, "getaddrinfo", lambda host, port, type: [
+        (agree.socket.AF_INET, type, 6, "", ("127.0.1.1", 0))] if host == "node1" else [])
+    assert agree.gloo_address("node1", env={}) == "127.0.1.1"
+    assert agree.gloo_address("node1", env={"GLOO_SOCKET_IFNAME": "eth0"}) is None
+    assert agree.gloo_address("unknown", env={}) == "127.0.0.1"  # gloo falls back to the loopback address
+
+
+def test_a_small_dev_shm_and_a_gpu_another_process_holds_are_refused():
+    [line] = agree.decide(two_nodes(shm=64 * 2**20))[0]
+    assert line.startswith("ranks 2-3 (node1): /dev/shm holds 64 MiB: NCCL's shared memory between the node's 2 "
+                           "ranks needs more"), line
+    held = dict(index=1, free=30 * GIB, total=80 * GIB, reserved=GIB, need=70 * GIB)
+    facts = two_nodes()
+    facts[3] = node_facts("node1", gpu=held)
+    [line] = agree.decide(facts)[0]
+    assert line.startswith("rank 3 (node1): GPU 1 has 30.0 GiB free of 80.0, and the run needs 70.0 GiB for PyTorch "
+                           "at its peak (--plan's, less the context); 49.0 GiB are held outside"), line
+
+
+def test_a_rank_s_own_problem_is_named_with_its_rank_and_host():
+    facts = two_nodes()
+    facts[2]["problems"] = ["flash_attn is installed but does not import (ImportError: undefined symbol)"]
+    assert agree.decide(facts)[0] == ["rank 2 (node1): flash_attn is installed but does not import (ImportError: "
+                                      "undefined symbol)"]
+
+
+# -- the checkpoint to resume from --------------------------------------------------------------------------
+
+def view(latest, *folders, complete=None) -> dict:
+    names = [f"step_{n:08d}" for n in folders]
+    return dict(latest=latest and f"step_{latest:08d}", folders=sorted(names, reverse=True),
+                complete=sorted(names if complete is None else [f"step_{n:08d}" for n in complete], reverse=True))
+
+
+HOSTS = ["node0", "node0", "node1", "node1"]
+
+
+def test_every_rank_seeing_the_same_resumes_from_latest_without_a_word():
+    paths, note = agree.agreed_checkpoints("ck", [view(4, 2, 4)] * 4, HOSTS)
+    assert (paths, note) == (["ck/step_00000004", "ck/step_00000002"], None)
+
+
+@pytest.mark.parametrize("stale", [view(2, 2, 4), view(2, 2), view(4, 2)],
+                         ids=["older-latest", "older-latest-newest-missing", "newest-missing"])
+def test_a_stale_view_on_one_node_resumes_every_rank_from_the_newest_common_checkpoint(stale):
+    """After the wait: the newest checkpoint every rank sees, up to the oldest `latest` any rank reads; one line
+    names who sees what. Before, each rank resumed from its own view."""
+    paths, note = agree.agreed_checkpoints("ck", [view(4, 2, 4), view(4, 2, 4), stale, stale], HOSTS)
+    assert paths == ["ck/step_00000002"]
+    assert note.startswith(f"the ranks do not see the same checkpoints after {agree.CHECKPOINT_WAIT_S:g} s "
+                           f"(ranks 0-1 (node0) see latest step_00000004 and step_00000004, step_00000002; ranks 2-3 "
+                           f"(node1) see latest "), note
+    assert note.endswith("resuming from the newest one every rank sees, step_00000002"), note
+
+
+def test_a_latest_no_rank_sees_is_refused_and_a_checkpoint_only_some_ever_see_is_left_to_a_restart():
+    with pytest.raises(disk.CheckpointError, match="names 'step_00000099', which is not a folder") as e:
+        agree.agreed_checkpoints("ck", [view(99, 2, 4)] * 4, HOSTS)
+    assert T.exit_code(e.value) == 2  # the operator's edit: a restart repeats it
+    with pytest.raises(disk.CheckpointError, match="none is seen by every rank; a restart looks again") as e:
+        agree.agreed_checkpoints("ck", [view(2, 2)] * 2 + [view(None)] * 2, HOSTS)
+    assert e.value.os_errno == errno.ESTALE and T.exit_code(e.value) == 1
+
+
+def test_a_view_that_catches_up_within_the_wait_resumes_from_the_newest(monkeypatch, capsys):
+    """Rank 1 sees step 4 only at its third look: both ranks look as often (rounds, not clocks), and resume from 4."""
+    monkeypatch.setattr(agree, "CHECKPOINT_POLL_S", 0.01)
+    looks = [0, 0]
+
+    def checkpoint_view(root):
+        rank = T.dist.get_rank()
+        looks[rank] += 1
+        return view(4, 2, 4) if rank == 0 or looks[rank] >= 3 else view(2, 2)
+    monkeypatch.setattr(agree, "checkpoint_view", checkpoint_view)
+    got = run_ranks(2, lambda rank: agree.resume_candidates("ck", rank, ["a", "b"], T.torch.device("cpu")))
+    assert got == [["ck/step_00000004", "ck/step_00000002"]] * 2 and looks == [3, 3]
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_facts_travel_as_json_in_rank_order():
+    got = run_ranks(3, lambda rank: agree.gather_json({"rank": rank, "host": "x" * rank}, T.torch.device("cpu")))
+    assert got == [[{"rank": r, "host": "x" * r} for r in range(3)]] * 3
+
+
+# -- launch.sh's settings, made by train.py ------------------------------------------------------------------
+
+def test_train_py_sets_what_launch_sh_set_and_keeps_what_the_user_exported(tmp_path, monkeypatch):
+    """NVLS off (its buffers sit outside the allocator, over the planner's allowance), expandable segments, NCCL's
+    flight recorder dumping into OUT_DIR/nccl_trace (a relative --out_dir from the caller's folder; made on GPUs,
+    since torch's writer makes no folders), not torch's default /tmp/nccl_trace_rank_N, which sites wipe; the
+    deprecated TORCH_NCCL_TRACE_BUFFER_SIZE never set (torch 2.13 warns on every rank)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(agree.torch.cuda, "is_available", lambda: True)
+    env = {}
+    agree.launch_settings("run_a", env)
+    assert env == dict(NCCL_NVLS_ENABLE="0", PYTORCH_ALLOC_CONF="expandable_segments:True", TORCH_FR_BUFFER_SIZE="2000",
+                       TORCH_NCCL_DUMP_ON_TIMEOUT="1", TORCH_FR_DUMP_TEMP_FILE=f"{tmp_path}/run_a/nccl_trace/rank_")
+    assert (tmp_path / "run_a" / "nccl_trace").is_dir()
+    mine = dict(NCCL_NVLS_ENABLE="1", PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512", TORCH_NCCL_TRACE_BUFFER_SIZE="50",
+                TORCH_NCCL_DEBUG_INFO_TEMP_FILE="/scratch/fr_", TORCH_NCCL_DUMP_ON_TIMEOUT="0")
+    env = dict(mine)
+    agree.launch_settings(str(tmp_path / "run_b"), env)
+    assert env == mine and not (tmp_path / "run_b").exists()
+
+
+# -- the whole path, two processes ---------------------------------------------------------------------------
+
+FLAGS = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=float32", "--steps=6", "--lr=3e-3",
+         "--warmup_steps=2", "--seed=4", "--timeout_min=1", "--ckpt_every=2", "--eval_every=0"]
+
+
+def run_facts(flags, out_dir, rank_facts: dict, **env) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "tests", "dist_worker.py"), "facts", str(out_dir), *flags, f"--out_dir={out_dir}"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", ZERO3_TEST_FACTS=json.dumps(rank_facts), **env))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return model_and_tokens(tmp_path_factory.mktemp("agree"))
+
+
+def test_what_one_node_sees_differently_is_said_on_every_rank_before_step_1(files, tmp_path):
+    """Rank 1 is on 'node1', whose hostname resolves to 127.0.1.1, with another flash-attn and 100 kB of host memory
+    for a --async_save true run: every rank exits 2 with the same lines, before any step or weight. Before agree.py,
+    rank 1 alone stopped on the host memory, and nothing named the flash-attn or the loopback address."""
+    proc = run_facts(FLAGS + files + ["--async_save=true"], tmp_path,
+                     {"1": dict(host="node1", gloo="127.0.1.1", flash_attn="2.6.3", host_memory=100_000)})
+    lines = proc.stderr.splitlines()
+    for start in ("error: rank 1 (node1): --async_save true: the 2 rank(s) on this node need",
+                  "error: flash-attn differs between ranks: not installed on rank 0 (",
+                  "error: rank 1 (node1): the hostname node1 resolves to 127.0.1.1, a loopback address"):
+        assert sum(line.startswith(start) for line in lines) == 2, (start, proc.stderr[-3000:])  # each rank's
+    assert "step 1" not in proc.stdout and "resumed" not in proc.stdout
+    assert "exitcode  : 2" in proc.stderr  # torchrun's summary: the refusal's code
+
+
+def test_a_rank_with_a_stale_view_of_the_out_dir_resumes_with_the_others_and_the_settings_are_launch_shs(files, tmp_path):
+    """The out_dir holds steps 2 and 4 (`latest`: 4), but rank 1 sees it as it was before step 4's save: an older
+    `latest`, and no step 4. Both ranks resume from step 2, one line says why, and steps 3-6 have the losses of a
+    run never stopped. Before agree.py, rank 0 resumed from step 4 and rank 1 from step 2: a run of mixed steps,
+    which hung. The run is a plain torchrun of the worker: train.py set launch.sh's GPU settings itself, and kept
+    the one the user exported."""
+    whole = tmp_path / "whole"
+    run_train(FLAGS + files + [f"--out_dir={whole}"], nproc=2)
+    out = stopped_at(whole, tmp_path / "resumed", 4)
+    shutil.copytree(whole / "checkpoints" / "step_00000002", out / "checkpoints" / "step_00000002")
+    proc = run_facts(FLAGS + files, out, {"1": {"checkpoints_up_to": "step_00000002"}}, NCCL_NVLS_ENABLE="1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank 1 (" in proc.stderr and "resuming from the newest one every rank sees, step_00000002" in proc.stderr
+    assert "resumed from" in proc.stdout and "at step 2" in proc.stdout
+    losses = {m["step"]: m["loss"] for m in read_metrics(out)}
+    assert [losses[s] for s in range(3, 7)] == [m["loss"] for m in read_metrics(whole)][2:]
+    for rank in (0, 1):
+        env = json.loads((out / f"env_rank{rank}.json").read_text())
+        assert env == dict(NCCL_NVLS_ENABLE="1", PYTORCH_ALLOC_CONF="expandable_segments:True", TORCH_FR_BUFFER_SIZE="2000",
+                           TORCH_NCCL_DUMP_ON_TIMEOUT="1", TORCH_FR_DUMP_TEMP_FILE=f"{out}/nccl_trace/rank_")
