@@ -1045,7 +1045,7 @@ def setup(cfg: TrainConfig):
     warnings = config_warnings(cfg) + param_group_warnings(cfg, mcfg)  # allowed, but probably not meant
     unsaved = flash_attn_unsaved_warning(SAVED_OPS) if "selective" in (cfg.ac, cfg.ac_rest) else None
     facts = agree.gather_json(agree.read_facts(cfg, mcfg, world, device, state_bytes_per_param,
-                                               warnings + ([unsaved] if unsaved else [])), device)
+                                               warnings + ([unsaved] if unsaved else []), windows), device)
     problems, warnings, async_save = agree.decide(facts)
     if problems:
         fail("\nerror: ".join(problems), together=True)

@@ -14,6 +14,8 @@ checkpoint to resume from is agreed the same way once the out_dir is claimed (re
 docs/operations.md, "What every rank agrees on", lists the facts and the rule for each.
 """
 import errno
+import glob
+import hashlib
 import ipaddress
 import json
 import os
@@ -21,6 +23,7 @@ import resource
 import socket
 import sys
 import time
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -44,6 +47,13 @@ SHM_LEAST_BYTES = 1 * GIB
 # every rank looks again. Past it, the newest checkpoint every rank sees is used, with one line saying so.
 CHECKPOINT_WAIT_S = 90.0
 CHECKPOINT_POLL_S = 3.0
+
+
+# Flags that name files or folders: a node may reach the same ones by another path (its own mount point, a copy
+# on local disk). What they hold is compared instead: the model (config.json), the data (windows per source),
+# the out_dir (disk.claim_out_dir: rank 0's lock file, seen by every rank).
+FILE_FLAGS = ("init_from", "data", "eval_data", "from_ckpt", "out_dir", "export_hf", "sample_prompts", "plan_json",
+              "plot")
 
 
 # -- one all-gather of what each rank read ---------------------------------------------------------------
@@ -152,14 +162,29 @@ def gpu_memory(cfg, mcfg, world: int, device) -> dict | None:
     return dict(index=device.index, free=free, total=total, reserved=torch.cuda.memory_reserved(device), need=need)
 
 
-def read_facts(cfg, mcfg, world: int, device, state_bytes_per_param: int, warnings: list[str]) -> dict:
+def code_sha256() -> str:
+    """The trainer's own code (train.py, model.py, data.py, components/): a node whose checkout is another version
+    would run another step."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(root, "*.py")) + glob.glob(os.path.join(root, "components", "*.py"))):
+        with open(path, "rb") as f:
+            digest.update(os.path.relpath(path, root).encode() + b"\0" + f.read())
+    return digest.hexdigest()[:16]
+
+
+def read_facts(cfg, mcfg, world: int, device, state_bytes_per_param: int, warnings: list[str], windows=None) -> dict:
     """Everything this rank reads from its own machine that changes what the ranks run, with the problems and
-    warnings it finds alone (a broken flash-attn, the node's host memory): the rest is decide's, over all ranks."""
+    warnings it finds alone (a broken flash-attn, the node's host memory): the rest is decide's, over all ranks.
+    The flags, the model (config.json, the data's tokenizer) and the data (windows per source) are read from each
+    node's own files too: a node that was given another command, or another copy of a file, would train another job."""
     limit = checks.host_memory_limit()
     async_fits, async_note = checks.async_save_on(cfg, mcfg, world, limit)
     problems = checks.check_flash_attn(cfg) + checks.check_host_memory(cfg, mcfg, world, state_bytes_per_param, limit)
     host = host_name()
-    return dict(host=host, torch=torch.__version__, flash_attn=flash_attn_version(),
+    return dict(host=host, code=code_sha256(), flags=asdict(cfg), model=asdict(mcfg),
+                data=windows and [source.n_windows for source in windows.sources],
+                torch=torch.__version__, flash_attn=flash_attn_version(),
                 nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
                 gloo=gloo_address(host), memlock=memlock_bytes(), shm=shm_bytes(),
                 gpu=gpu_memory(cfg, mcfg, world, device), async_save=async_fits,
@@ -172,7 +197,21 @@ def decide(facts: list[dict]) -> tuple[list[str], list[str], bool]:
     """(problems, warnings, --async_save) from every rank's facts: the same on every rank, since every rank has the
     same list. A problem stops the run before any weights are read (exit 2); a warning is printed once by rank 0."""
     hosts = [f["host"] for f in facts]
+    other_job = []
+    for key, what, fix in (("code", "the trainer's code (train.py, model.py, data.py, components/)",
+                            "the same checkout on every node"),
+                           ("data", "--data (windows per source)", "the same files on every node"),
+                           *((f"flags/{name}", f"--{name}", "the same command on every node")
+                             for name in facts[0]["flags"] if name not in FILE_FLAGS),
+                           *((f"model/{name}", f"the model's {name}", "the same --init_from (config.json) and data "
+                              "(its tokenizer) on every node") for name in facts[0]["model"])):
+        values = by_value([value_of(f, key) for f in facts])
+        if len(values) > 1:
+            other_job.append(f"{what} differs between ranks: " + "; ".join(
+                f"{value} on {who(ranks, hosts)}" for value, ranks in values) + f"; {fix}")
     problems = said_by([f["problems"] for f in facts], hosts)
+    if other_job:  # a node running another job: the rest of what it read is not comparable
+        return other_job + problems, [], False
     for key, what in (("torch", "torch"), ("nccl", "NCCL"), ("flash_attn", "flash-attn")):
         versions = by_value([f[key] for f in facts])
         if len(versions) > 1:
@@ -209,6 +248,13 @@ def decide(facts: list[dict]) -> tuple[list[str], list[str], bool]:
                             f"allocator: another process on the GPU? (nvidia-smi)")
     warnings = said_by([f["warnings"] for f in facts], hosts)
     return problems, warnings, all(f["async_save"] for f in facts)
+
+
+def value_of(facts: dict, key: str):
+    """facts["flags/lr"] is facts["flags"]["lr"]."""
+    for part in key.split("/"):
+        facts = facts.get(part) if isinstance(facts, dict) else None
+    return facts
 
 
 # -- the checkpoint to resume from ------------------------------------------------------------------------

@@ -47,10 +47,25 @@ group = None
 fault_hook = None  # tests only: faults.py installs it to kill or slow a rank while it saves
 
 
+GLOO_CONNECT_TIMEOUT_S = 120.0
+
+
 def make_group(timeout_min: float):
+    """gloo connects every pair of ranks when a group is made, waiting up to the group's timeout: behind a firewall
+    or on the wrong interface, an hour (--ckpt_timeout_min) of silence before the first step. So a group is first
+    made and dropped with a short timeout (GLOO_CONNECT_TIMEOUT_S), which turns that into one line."""
     global group
-    if group is None:  # new_group is itself collective: every rank makes it, in the same order
-        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_min))
+    if group is not None:
+        return
+    try:  # new_group is itself collective: every rank makes it, in the same order
+        dist.destroy_process_group(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GLOO_CONNECT_TIMEOUT_S)))
+    except (RuntimeError, dist.DistError) as e:
+        cause = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise RuntimeError(f"the checkpoint group (gloo: TCP between every pair of ranks) did not connect within "
+                           f"{GLOO_CONNECT_TIMEOUT_S:g} s ({cause}): gloo listens on the address this host's name "
+                           f"resolves to unless GLOO_SOCKET_IFNAME names the interface between the nodes; every node "
+                           f"must reach the others on any TCP port") from None
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_min))
 
 
 class CheckpointError(Exception):

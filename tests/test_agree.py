@@ -25,7 +25,9 @@ GIB = 2**30
 
 def node_facts(host, **changes) -> dict:
     """One rank's facts as read_facts reports them on a healthy GPU node."""
-    facts = dict(host=host, torch="2.13.0", flash_attn="2.7.4", nccl="2.27.3", gloo="10.0.0.1", memlock=-1,
+    facts = dict(host=host, code="5e1f0c2a9b7d3e41", flags=dict(lr=1e-4, steps=1000, out_dir="/shared/run"),
+                 model=dict(dim=8192, vocab_size=128256), data=[1200000, 300000],
+                 torch="2.13.0", flash_attn="2.7.4", nccl="2.27.3", gloo="10.0.0.1", memlock=-1,
                  shm=64 * GIB, gpu=dict(index=0, free=78 * GIB, total=80 * GIB, reserved=0, need=70 * GIB),
                  async_save=True, problems=[], warnings=[])
     facts.update(changes)
@@ -70,6 +72,31 @@ def test_another_version_on_one_node_is_refused_naming_both(key, node1_value, wh
     node0 = node_facts("node0")[key]
     assert line == (f"{what} differs between ranks: {node0} on ranks 0-1 (node0); {node1_value or 'not installed'} on "
                     f"ranks 2-3 (node1); install the same {what} on every node")
+
+
+@pytest.mark.parametrize("key, node1_value, line", [
+    ("flags", dict(lr=2e-4, steps=1000, out_dir="/shared/run"),
+     "--lr differs between ranks: 0.0001 on ranks 0-1 (node0); 0.0002 on ranks 2-3 (node1); the same command on every node"),
+    ("model", dict(dim=8192, vocab_size=128000),
+     "the model's vocab_size differs between ranks: 128256 on ranks 0-1 (node0); 128000 on ranks 2-3 (node1); the same "
+     "--init_from (config.json) and data (its tokenizer) on every node"),
+    ("data", [1200000, 200000], "--data (windows per source) differs between ranks: [1200000, 300000] on ranks 0-1 "
+     "(node0); [1200000, 200000] on ranks 2-3 (node1); the same files on every node"),
+    ("code", "0d9c1e2f3a4b5c6d", "the trainer's code (train.py, model.py, data.py, components/) differs between ranks: "
+     "5e1f0c2a9b7d3e41 on ranks 0-1 (node0); 0d9c1e2f3a4b5c6d on ranks 2-3 (node1); the same checkout on every node")])
+def test_a_node_given_another_command_model_data_or_code_is_refused(key, node1_value, line):
+    """Each node is launched by hand or by its own srun task: nothing but this compares what each was given."""
+    assert agree.decide(two_nodes(**{key: node1_value})) == ([line], [], False)
+
+
+def test_a_folder_a_node_reaches_by_another_path_is_compared_by_what_it_holds():
+    """--out_dir, --init_from, --data under another mount point are the same job: what they hold is compared (the
+    model, the data's windows, the out_dir's lock)."""
+    assert agree.decide(two_nodes(flags=dict(lr=1e-4, steps=1000, out_dir="/mnt/shared/run"))) == ([], [], True)
+
+
+def test_the_code_fingerprint_reads_the_trainers_files():
+    assert agree.code_sha256() == agree.code_sha256() and len(agree.code_sha256()) == 16
 
 
 def test_a_64_kib_memlock_limit_is_refused_on_a_gpu_job_across_nodes():
@@ -174,6 +201,22 @@ def test_a_view_that_catches_up_within_the_wait_resumes_from_the_newest(monkeypa
 def test_facts_travel_as_json_in_rank_order():
     got = run_ranks(3, lambda rank: agree.gather_json({"rank": rank, "host": "x" * rank}, T.torch.device("cpu")))
     assert got == [[{"rank": r, "host": "x" * r} for r in range(3)]] * 3
+
+
+def test_a_checkpoint_group_that_cannot_connect_is_one_line_within_the_short_timeout(monkeypatch):
+    """gloo connects every pair of ranks when its group is made, for as long as the group's timeout (an hour): a
+    group made first with GLOO_CONNECT_TIMEOUT_S says in one line what to set."""
+    def new_group(backend, timeout):
+        assert timeout.total_seconds() == disk.GLOO_CONNECT_TIMEOUT_S  # the probe comes first
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:144] Timed out connecting to 10.0.0.2:41233")
+    monkeypatch.setattr(disk, "group", None)
+    monkeypatch.setattr(disk.dist, "new_group", new_group)
+    with pytest.raises(RuntimeError) as e:
+        disk.make_group(60)
+    assert str(e.value).startswith("the checkpoint group (gloo: TCP between every pair of ranks) did not connect within "
+                                   "120 s ([../third_party/gloo/gloo/transport/tcp/pair.cc:144] Timed out connecting to "
+                                   "10.0.0.2:41233): gloo listens on the address"), e.value
+    assert "GLOO_SOCKET_IFNAME" in str(e.value) and disk.group is None
 
 
 # -- launch.sh's settings, made by train.py ------------------------------------------------------------------
