@@ -16,11 +16,12 @@ Read top to bottom; the sections follow the data:
 
 What is not the story lives beside it: model.py, data.py (tokenize, pack, the window order), and in
 components/ (which never imports this file): checks.py (every flag and input checked before any work),
-disk.py (state on disk: checkpoints, resume at any world size, Hugging Face import and export),
-metrics.py (tokens/s/GPU, MFU, memory, ETA, dollars), offload.py (--offload_activations and
---offload_optimizer: state in host memory, a variation a first reading skips), sample.py
-(--sample_prompts: greedy completions at each evaluation, through the same gather/free units), plan.py
-(`--plan`: memory, speed and cost predicted without a GPU), faults.py (fault injection for the tests).
+agree.py (what each rank reads from its own machine, agreed by every rank before any acts on it), disk.py
+(state on disk: checkpoints, resume at any world size, Hugging Face import and export), metrics.py
+(tokens/s/GPU, MFU, memory, ETA, dollars), offload.py (--offload_activations and --offload_optimizer: state
+in host memory, a variation a first reading skips), sample.py (--sample_prompts: greedy completions at each
+evaluation, through the same gather/free units), plan.py (`--plan`: memory, speed and cost predicted without
+a GPU), faults.py (fault injection for the tests).
 
 Launch recipes (the flags are in TrainConfig below; `python train.py --help` lists them):
 
@@ -28,7 +29,7 @@ Launch recipes (the flags are in TrainConfig below; `python train.py --help` lis
       python train.py --model tiny --steps 100
   one node, 8 GPUs:
       torchrun --standalone --nproc_per_node 8 train.py --model llama3-8b --init_from /models/Llama-3-8B ...
-  two nodes x 8 GPUs (run on each node, NODE_RANK 0 and 1):
+  two nodes x 8 GPUs (run on each node, NODE_RANK 0 and 1; train.py sets launch.sh's GPU settings itself):
       torchrun --nnodes 2 --nproc_per_node 8 --node_rank $NODE_RANK --rdzv_backend c10d \\
           --rdzv_endpoint $MASTER_ADDR:29500 train.py --init_from /models/Llama-3-70B-Instruct ...
   SLURM (one task per node; launch.sh reads SLURM_* and calls torchrun):
