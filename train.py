@@ -42,6 +42,7 @@ from __future__ import annotations  # annotations may name what is defined furth
 
 import argparse
 import datetime
+import gc
 import math
 import os
 import signal
@@ -1086,6 +1087,9 @@ def setup(cfg: TrainConfig):
     return sharded, windows, eval_windows, step, position, agreed
 
 
+GC_EVERY_STEPS = 50  # Python's garbage collection, at the same step on every rank (main)
+
+
 def catch_stop_signals() -> list:
     """Preemption: SIGUSR1 (what launch.sh forwards), SIGTERM (SLURM, torchrun) or SIGINT (Ctrl-C) means
     "save and stop". Noted in the returned list; at the next step boundary all ranks agree through an
@@ -1197,10 +1201,17 @@ def main(argv=None):
     background = agreed["async_save"]
     saving = disk.BackgroundSave(sharded.units, device) if background and cfg.ckpt_every and steps > start_step else None
     stop_signals, skipped = catch_stop_signals(), 0
+    # Python's garbage collector runs when allocations pass a threshold: at another moment on each rank, and every
+    # collective then waits for the rank that paused. Off while training; a collection every GC_EVERY_STEPS steps,
+    # at the same step on every rank instead (torchtitan does the same; bench/gc_pauses.py measures both ways).
+    gc.collect()
+    gc.disable()
 
     for step in range(start_step + 1, steps + 1):
         metrics.reset_peak_mem(device)
         t0 = time.perf_counter()
+        if step % GC_EVERY_STEPS == 0:
+            gc.collect()
         try:
             with metrics.profile_step(cfg, step, rank, device):  # --profile STEP: a trace of this one
                 loss, grad_norm = train_step(cfg, sharded, windows, step, position)
@@ -1280,6 +1291,7 @@ def main(argv=None):
             if rank == 0:
                 print(f"exported a Hugging Face folder to {cfg.export_hf} ({note})", flush=True)
     log.close()
+    gc.enable()
     if owns_group:
         dist.destroy_process_group()  # every group, the checkpoint group too
         disk.group = None

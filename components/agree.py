@@ -109,6 +109,18 @@ def host_name(env=os.environ) -> str:
     return env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+def network_namespace() -> str:
+    """Which loopback this rank shares: its kernel (boot id) and network namespace. Ranks with the same one reach
+    each other on 127.0.0.1, whatever their host names (SLURM's nodes on one machine); ranks with another need the
+    network between them: gloo's address, InfiniBand's locked memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return host_name()
+
+
 def gloo_address(hostname: str, env=os.environ) -> str | None:
     """The address gloo (the checkpoint group, disk.make_group) listens on, or None when GLOO_SOCKET_IFNAME
     chooses the interface. As ProcessGroupGloo's createDefaultDevice: the first address the hostname resolves to
@@ -182,7 +194,7 @@ def read_facts(cfg, mcfg, world: int, device, state_bytes_per_param: int, warnin
     async_fits, async_note = checks.async_save_on(cfg, mcfg, world, limit)
     problems = checks.check_flash_attn(cfg) + checks.check_host_memory(cfg, mcfg, world, state_bytes_per_param, limit)
     host = host_name()
-    return dict(host=host, code=code_sha256(), flags=asdict(cfg), model=asdict(mcfg),
+    return dict(host=host, netns=network_namespace(), code=code_sha256(), flags=asdict(cfg), model=asdict(mcfg),
                 data=windows and [source.n_windows for source in windows.sources],
                 torch=torch.__version__, flash_attn=flash_attn_version(),
                 nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
@@ -220,16 +232,17 @@ def decide(facts: list[dict]) -> tuple[list[str], list[str], bool]:
                 f"; install the same {what} on every node")
     cuda = all(f["nccl"] for f in facts)
     ranks_on = {host: hosts.count(host) for host in hosts}
+    apart = len({f["netns"] for f in facts}) > 1  # some ranks reach others only over the network
     for rank, f in enumerate(facts):
         mine = [r for r, host in enumerate(hosts) if host == f["host"]]
         if rank != mine[0]:  # a node's facts once, from its first rank (its other ranks read the same machine)
             continue
-        if len(ranks_on) > 1 and f["gloo"] and ipaddress.ip_address(f["gloo"].split("%")[0]).is_loopback:
+        if apart and f["gloo"] and ipaddress.ip_address(f["gloo"].split("%")[0]).is_loopback:
             problems.append(f"{who(mine, hosts)}: the hostname {f['host']} resolves to {f['gloo']}, a loopback address: "
                             f"gloo (the checkpoint group: every save and resume) would listen there and no rank on "
                             f"another node could connect; set GLOO_SOCKET_IFNAME to the interface between the nodes "
                             f"(as NCCL_SOCKET_IFNAME, e.g. eth0), or map the hostname to its address in /etc/hosts")
-        if cuda and len(ranks_on) > 1 and 0 <= f["memlock"] < MEMLOCK_LEAST_BYTES:
+        if cuda and apart and 0 <= f["memlock"] < MEMLOCK_LEAST_BYTES:
             problems.append(f"{who(mine, hosts)}: the locked-memory limit is {f['memlock'] / 2**20:g} MiB (ulimit -l): "
                             f"NCCL cannot register its InfiniBand buffers; run with `ulimit -l unlimited` (SLURM: "
                             f"LimitMEMLOCK=infinity in slurmd's systemd unit, or PropagateResourceLimitsExcept=MEMLOCK "

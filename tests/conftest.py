@@ -1,4 +1,5 @@
 """Fixtures shared by several test files."""
+import gc
 import os
 import pwd
 import shutil
@@ -35,6 +36,7 @@ def main_in_process(monkeypatch):
         signal.signal(sig, handler)
     os.environ.clear()
     os.environ.update(environment)
+    gc.enable()  # train.main turns Python's automatic collection off while it trains; a failed run leaves it off
     if dist.is_initialized():  # a failed run leaves its group
         dist.destroy_process_group()
     disk.group = None

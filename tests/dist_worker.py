@@ -69,10 +69,10 @@ def load(flags):
 
 def facts(overrides: dict):
     """This rank sees another machine: ZERO3_TEST_FACTS is JSON {rank: {what: value}}. host, gloo (the address its
-    hostname resolves to), memlock (bytes), host_memory (bytes), flash_attn (a version installed), and
-    checkpoints_up_to (a name: this rank does not see the newer step_* folders, and reads an older `latest`, as a
-    node whose NFS or Lustre client still caches the listing before the last save). What the code reads is
-    replaced where it reads it, so the same patches apply to the code before components/agree.py too."""
+    hostname resolves to), netns (another machine's loopback), memlock (bytes), host_memory (bytes), flash_attn (a
+    version installed), and checkpoints_up_to (a name: this rank does not see the newer step_* folders, and reads an
+    older `latest`, as a node whose NFS or Lustre client still caches the listing before the last save). What the
+    code reads is replaced where it reads it, so the same patches apply to the code before components/agree.py too."""
     import types
     from components import checks, disk
     try:
@@ -82,6 +82,8 @@ def facts(overrides: dict):
         agree = None
     if "host" in overrides and agree:
         agree.host_name = lambda env=None: overrides["host"]
+    if "netns" in overrides and agree:
+        agree.network_namespace = lambda: overrides["netns"]
     if "gloo" in overrides and agree:
         agree.gloo_address = lambda hostname, env=None: overrides["gloo"]
     if "memlock" in overrides and agree:

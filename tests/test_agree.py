@@ -25,7 +25,7 @@ GIB = 2**30
 
 def node_facts(host, **changes) -> dict:
     """One rank's facts as read_facts reports them on a healthy GPU node."""
-    facts = dict(host=host, code="5e1f0c2a9b7d3e41", flags=dict(lr=1e-4, steps=1000, out_dir="/shared/run"),
+    facts = dict(host=host, netns=f"boot-of-{host}/4026531840", code="5e1f0c2a9b7d3e41", flags=dict(lr=1e-4, steps=1000, out_dir="/shared/run"),
                  model=dict(dim=8192, vocab_size=128256), data=[1200000, 300000],
                  torch="2.13.0", flash_attn="2.7.4", nccl="2.27.3", gloo="10.0.0.1", memlock=-1,
                  shm=64 * GIB, gpu=dict(index=0, free=78 * GIB, total=80 * GIB, reserved=0, need=70 * GIB),
@@ -115,6 +115,8 @@ def test_a_hostname_on_a_loopback_address_is_refused_when_the_job_spans_nodes():
                            "(the checkpoint group: every save and resume) would listen there"), line
     assert "GLOO_SOCKET_IFNAME" in line
     assert agree.decide([node_facts("node0", gloo="127.0.1.1") for _ in range(2)])[0] == []  # one node: fine
+    one_machine = [node_facts("n1", gloo="127.0.0.1", netns="b/1"), node_facts("n2", gloo="127.0.0.1", netns="b/1")]
+    assert agree.decide(one_machine)[0] == []  # SLURM's two nodes on one machine: one loopback for both
     assert agree.decide(two_nodes(gloo=None))[0] == []  # GLOO_SOCKET_IFNAME set: the user chose
 
 
@@ -240,6 +242,25 @@ def test_train_py_sets_what_launch_sh_set_and_keeps_what_the_user_exported(tmp_p
     assert env == mine and not (tmp_path / "run_b").exists()
 
 
+# -- Python's garbage collector: at the same step on every rank ----------------------------------------------
+
+def test_garbage_is_collected_at_fixed_steps_and_never_by_itself_while_training(files, tmp_path, monkeypatch,
+                                                                                main_in_process):
+    """An automatic collection pauses one rank at a moment of its own, and every collective waits for it: off while
+    the steps run, a collection before the first and at every GC_EVERY_STEPS-th step, the same steps on every rank."""
+    monkeypatch.setattr(T, "GC_EVERY_STEPS", 2)
+    collected, enabled_in_step, real_step = [], [], T.train_step
+    monkeypatch.setattr(T.gc, "collect", lambda *a: collected.append(T.gc.isenabled()))
+
+    def train_step(cfg, sharded, windows, step, position):
+        enabled_in_step.append((step, T.gc.isenabled(), len(collected)))
+        return real_step(cfg, sharded, windows, step, position)
+    monkeypatch.setattr(T, "train_step", train_step)
+    assert main_in_process(FLAGS[:4] + files + ["--steps=4", "--eval_every=0", f"--out_dir={tmp_path}"]) == 0
+    assert enabled_in_step == [(1, False, 1), (2, False, 2), (3, False, 2), (4, False, 3)]
+    assert T.gc.isenabled()  # given back when the run ends
+
+
 # -- the whole path, two processes ---------------------------------------------------------------------------
 
 FLAGS = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=float32", "--steps=6", "--lr=3e-3",
@@ -263,7 +284,8 @@ def test_what_one_node_sees_differently_is_said_on_every_rank_before_step_1(file
     for a --async_save true run: every rank exits 2 with the same lines, before any step or weight. Before agree.py,
     rank 1 alone stopped on the host memory, and nothing named the flash-attn or the loopback address."""
     proc = run_facts(FLAGS + files + ["--async_save=true"], tmp_path,
-                     {"1": dict(host="node1", gloo="127.0.1.1", flash_attn="2.6.3", host_memory=100_000)})
+                     {"1": dict(host="node1", netns="another-machine", gloo="127.0.1.1", flash_attn="2.6.3",
+                                host_memory=100_000)})
     lines = proc.stderr.splitlines()
     for start in ("error: rank 1 (node1): --async_save true: the 2 rank(s) on this node need",
                   "error: flash-attn differs between ranks: not installed on rank 0 (",
