@@ -1203,8 +1203,10 @@ def main(argv=None):
     stop_signals, skipped = catch_stop_signals(), 0
     # Python's garbage collector runs when allocations pass a threshold: at another moment on each rank, and every
     # collective then waits for the rank that paused. Off while training; a collection every GC_EVERY_STEPS steps,
-    # at the same step on every rank instead (torchtitan does the same; bench/gc_pauses.py measures both ways).
+    # at the same step on every rank instead (torchtitan does the same). What set-up made is frozen out of those
+    # collections, which then walk only what training made since (bench/gc_pauses.py measures both ways).
     gc.collect()
+    gc.freeze()
     gc.disable()
 
     for step in range(start_step + 1, steps + 1):
@@ -1291,6 +1293,7 @@ def main(argv=None):
             if rank == 0:
                 print(f"exported a Hugging Face folder to {cfg.export_hf} ({note})", flush=True)
     log.close()
+    gc.unfreeze()
     gc.enable()
     if owns_group:
         dist.destroy_process_group()  # every group, the checkpoint group too

@@ -45,6 +45,7 @@ def run(mode: str, steps: int, out_dir: str) -> dict:
     finally:
         gc.callbacks.remove(on_collection)
         T.train_step, gc.disable, T.GC_EVERY_STEPS = real_step, real_disable, real_every
+        gc.unfreeze()
         gc.enable()
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         step_s = [json.loads(line)["step_time_s"] for line in f]

@@ -36,7 +36,8 @@ def main_in_process(monkeypatch):
         signal.signal(sig, handler)
     os.environ.clear()
     os.environ.update(environment)
-    gc.enable()  # train.main turns Python's automatic collection off while it trains; a failed run leaves it off
+    gc.unfreeze()  # train.main freezes set-up's objects and turns automatic collection off while it trains; a
+    gc.enable()    # failed run leaves them so
     if dist.is_initialized():  # a failed run leaves its group
         dist.destroy_process_group()
     disk.group = None

@@ -247,18 +247,19 @@ def test_train_py_sets_what_launch_sh_set_and_keeps_what_the_user_exported(tmp_p
 def test_garbage_is_collected_at_fixed_steps_and_never_by_itself_while_training(files, tmp_path, monkeypatch,
                                                                                 main_in_process):
     """An automatic collection pauses one rank at a moment of its own, and every collective waits for it: off while
-    the steps run, a collection before the first and at every GC_EVERY_STEPS-th step, the same steps on every rank."""
+    the steps run, a collection before the first and at every GC_EVERY_STEPS-th step, the same steps on every rank;
+    what set-up made is frozen out of them (a collection then walks only what training made)."""
     monkeypatch.setattr(T, "GC_EVERY_STEPS", 2)
     collected, enabled_in_step, real_step = [], [], T.train_step
     monkeypatch.setattr(T.gc, "collect", lambda *a: collected.append(T.gc.isenabled()))
 
     def train_step(cfg, sharded, windows, step, position):
-        enabled_in_step.append((step, T.gc.isenabled(), len(collected)))
+        enabled_in_step.append((step, T.gc.isenabled(), len(collected), T.gc.get_freeze_count() > 0))
         return real_step(cfg, sharded, windows, step, position)
     monkeypatch.setattr(T, "train_step", train_step)
     assert main_in_process(FLAGS[:4] + files + ["--steps=4", "--eval_every=0", f"--out_dir={tmp_path}"]) == 0
-    assert enabled_in_step == [(1, False, 1), (2, False, 2), (3, False, 2), (4, False, 3)]
-    assert T.gc.isenabled()  # given back when the run ends
+    assert enabled_in_step == [(1, False, 1, True), (2, False, 2, True), (3, False, 2, True), (4, False, 3, True)]
+    assert T.gc.isenabled() and T.gc.get_freeze_count() == 0  # given back when the run ends
 
 
 # -- the whole path, two processes ---------------------------------------------------------------------------
