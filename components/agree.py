@@ -167,7 +167,10 @@ def gpu_memory(cfg, mcfg, world: int, device) -> dict | None:
     what the run will ask PyTorch's allocator for at its peak (the planner's, less its allowance for the context)."""
     if device.type != "cuda":
         return None
-    free, total = torch.cuda.mem_get_info(device)
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+    except RuntimeError as e:  # a GPU in a bad state: said by decide on every rank, not raised on this one alone
+        return dict(index=device.index, error=next(iter(str(e).splitlines()), type(e).__name__))
     figures = P.run_memory_gib(mcfg, cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                                torch.cuda.get_device_name(device))
     need = None if figures is None else (figures["peak_gib"] - figures["context_gib"]) * GIB
@@ -253,7 +256,10 @@ def decide(facts: list[dict]) -> tuple[list[str], list[str], bool]:
                             f"or --ipc=host)")
     for rank, f in enumerate(facts):
         gpu = f["gpu"]
-        if gpu and gpu["need"] is not None and gpu["free"] + gpu["reserved"] < gpu["need"]:
+        if gpu and "error" in gpu:
+            problems.append(f"{who([rank], hosts)}: GPU {gpu['index']} cannot say its free memory ({gpu['error']}): "
+                            f"nvidia-smi -q shows its state; leave the node out (sbatch --exclude)")
+        elif gpu and gpu["need"] is not None and gpu["free"] + gpu["reserved"] < gpu["need"]:
             held = (gpu["total"] - gpu["free"] - gpu["reserved"]) / GIB
             problems.append(f"{who([rank], hosts)}: GPU {gpu['index']} has {gpu['free'] / GIB:.1f} GiB free of "
                             f"{gpu['total'] / GIB:.1f}, and the run needs {gpu['need'] / GIB:.1f} GiB for PyTorch at its "
@@ -273,10 +279,15 @@ def value_of(facts: dict, key: str):
 # -- the checkpoint to resume from ------------------------------------------------------------------------
 
 def checkpoint_view(root: str) -> dict:
-    """What this rank sees of checkpoints/: the name in `latest`, the step_* folders, those whose manifest reads."""
-    folders = [os.path.basename(p) for p in disk.list_checkpoints(root)]
+    """What this rank sees of checkpoints/: the name in `latest`, the step_* folders, those whose manifest reads; or
+    the error listing them raised (every rank raises it, agreed_checkpoints: not this rank alone, while the others
+    wait in the next collective)."""
+    try:
+        folders = [os.path.basename(p) for p in disk.list_checkpoints(root)]
+    except OSError as e:
+        return dict(latest=None, folders=[], complete=[], error=[e.errno or 0, f"{e.filename or root}: {e.strerror or e}"])
     complete = [name for name in folders if disk.is_complete(os.path.join(root, name))]
-    return dict(latest=disk.latest_name(root), folders=folders, complete=complete)
+    return dict(latest=disk.latest_name(root), folders=folders, complete=complete, error=None)
 
 
 def settled(views: list[dict]) -> bool:
@@ -289,6 +300,10 @@ def agreed_checkpoints(root: str, views: list[dict], hosts: list[str]) -> tuple[
     """(the checkpoints to try, newest first; a line when the ranks' views differ): those every rank sees, up to
     the oldest `latest` any rank reads (editing `latest` rolls a run back; a rank that still reads the previous
     one holds the others there too). A `latest` no rank sees as a folder is an error, as with one rank."""
+    failed = [(r, v["error"]) for r, v in enumerate(views) if v.get("error")]
+    if failed:
+        (rank, (os_errno, line)), ranks = failed[0], [r for r, _ in failed]
+        raise disk.CheckpointError(f"{who(ranks, hosts)} cannot list the checkpoints: {line}", os_errno=os_errno or None)
     named = [v["latest"] for v in views if v["latest"]]
     if named and not any(name in v["folders"] for name in named for v in views):
         raise disk.CheckpointError(f"{os.path.join(root, 'latest')} names {named[0]!r}, which is not a folder in {root}; "

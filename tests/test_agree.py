@@ -185,6 +185,26 @@ def test_a_latest_no_rank_sees_is_refused_and_a_checkpoint_only_some_ever_see_is
     assert e.value.os_errno == errno.ESTALE and T.exit_code(e.value) == 1
 
 
+def test_a_rank_that_cannot_list_the_checkpoints_stops_every_rank_with_its_error(tmp_path, monkeypatch):
+    """Raised on that rank alone, the error would leave the others waiting in the next collective."""
+    def denied(root):
+        raise PermissionError(errno.EACCES, "Permission denied", root)
+    monkeypatch.setattr(disk, "list_checkpoints", denied)
+    stale = agree.checkpoint_view(str(tmp_path))
+    with pytest.raises(disk.CheckpointError) as e:
+        agree.agreed_checkpoints(str(tmp_path), [view(4, 2, 4)] * 3 + [stale], HOSTS)
+    assert str(e.value) == f"rank 3 (node1) cannot list the checkpoints: {tmp_path}: Permission denied"
+    assert T.exit_code(e.value) == 2  # EACCES lasts (disk.LASTING_ERRNOS)
+
+
+def test_a_gpu_that_cannot_say_its_memory_is_named():
+    facts = two_nodes()
+    facts[1]["gpu"] = dict(index=1, error="CUDA error: an illegal memory access was encountered")
+    assert agree.decide(facts)[0] == ["rank 1 (node0): GPU 1 cannot say its free memory (CUDA error: an illegal memory "
+                                      "access was encountered): nvidia-smi -q shows its state; leave the node out "
+                                      "(sbatch --exclude)"]
+
+
 def test_a_view_that_catches_up_within_the_wait_resumes_from_the_newest(monkeypatch, capsys):
     """Rank 1 sees step 4 only at its third look: both ranks look as often (rounds, not clocks), and resume from 4."""
     monkeypatch.setattr(agree, "CHECKPOINT_POLL_S", 0.01)
