@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import resource
+import statistics
 import sys
 import time
 
@@ -156,7 +157,7 @@ class MetricsLog:
             slowest = max(range(len(step_times_s)), key=step_times_s.__getitem__)
             metrics.update(slowest_rank=slowest, slowest_host=self.hosts[slowest] if self.hosts else "?",
                            step_time_max_s=step_times_s[slowest],
-                           step_time_median_s=float(sorted(step_times_s)[len(step_times_s) // 2]))
+                           step_time_median_s=statistics.median(step_times_s))
         if progress is not None:
             metrics["windows_by_source"] = progress["windows_by_source"]
         if eval_loss is not None:

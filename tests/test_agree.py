@@ -332,6 +332,9 @@ def test_a_rank_with_a_stale_view_of_the_out_dir_resumes_with_the_others_and_the
     assert "resumed from" in proc.stdout and "at step 2" in proc.stdout
     losses = {m["step"]: m["loss"] for m in read_metrics(out)}
     assert [losses[s] for s in range(3, 7)] == [m["loss"] for m in read_metrics(whole)][2:]
+    for row in read_metrics(out)[2:]:  # every rank's step time gathered: the slowest named beside the median
+        assert row["slowest_rank"] in (0, 1) and row["slowest_host"] and row["step_time_max_s"] >= row["step_time_median_s"]
+    assert " | slowest rank " in proc.stdout
     for rank in (0, 1):
         env = json.loads((out / f"env_rank{rank}.json").read_text())
         assert env == dict(NCCL_NVLS_ENABLE="1", PYTORCH_ALLOC_CONF="expandable_segments:True", TORCH_FR_BUFFER_SIZE="2000",
