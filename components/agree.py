@@ -32,8 +32,6 @@ import model as M
 from components import checks, disk
 from components import plan as P
 
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as in train.py
-
 GIB = 2**30
 # NCCL registers its InfiniBand buffers with the HCA (ibv_reg_mr), which counts against the locked-memory limit;
 # jobs often inherit 64 KiB (or systemd's 8 MiB) from slurmd, and NCCL's set-up then fails. NVIDIA's containers
@@ -64,12 +62,12 @@ def gather_json(value, device) -> list:
     world = dist.get_world_size()
     data = torch.tensor(list(json.dumps(value, sort_keys=True).encode()), dtype=torch.uint8, device=device)
     sizes = torch.zeros(world, dtype=torch.int64, device=device)
-    all_gather_flat(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+    disk.all_gather_flat(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
     longest = int(sizes.max())
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
     everyone = torch.zeros(world * longest, dtype=torch.uint8, device=device)
-    all_gather_flat(everyone, padded)
+    disk.all_gather_flat(everyone, padded)
     rows = everyone.view(world, longest).cpu()
     return [json.loads(bytes(rows[r, :n].tolist())) for r, n in enumerate(sizes.tolist())]
 
@@ -91,6 +89,15 @@ def by_value(values: list) -> list[tuple]:
     for rank, value in enumerate(values):
         groups.setdefault(json.dumps(value, sort_keys=True), (value, []))[1].append(rank)
     return list(groups.values())
+
+
+def differing(what: str, values: list, hosts: list[str], fix: str) -> list[str]:
+    """One line when the ranks' values differ, naming each value and the ranks that hold it; none when all agree."""
+    groups = by_value(values)
+    if len(groups) < 2:
+        return []
+    return [f"{what} differs between ranks: " + "; ".join(f"{value} on {who(ranks, hosts)}" for value, ranks in groups)
+            + f"; {fix}"]
 
 
 def said_by(lines_by_rank: list[list[str]], hosts: list[str]) -> list[str]:
@@ -212,27 +219,19 @@ def decide(facts: list[dict]) -> tuple[list[str], list[str], bool]:
     """(problems, warnings, --async_save) from every rank's facts: the same on every rank, since every rank has the
     same list. A problem stops the run before any weights are read (exit 2); a warning is printed once by rank 0."""
     hosts = [f["host"] for f in facts]
-    other_job = []
-    for key, what, fix in (("code", "the trainer's code (train.py, model.py, data.py, components/)",
-                            "the same checkout on every node"),
-                           ("data", "--data (windows per source)", "the same files on every node"),
-                           *((f"flags/{name}", f"--{name}", "the same command on every node")
-                             for name in facts[0]["flags"] if name not in FILE_FLAGS),
-                           *((f"model/{name}", f"the model's {name}", "the same --init_from (config.json) and data "
-                              "(its tokenizer) on every node") for name in facts[0]["model"])):
-        values = by_value([value_of(f, key) for f in facts])
-        if len(values) > 1:
-            other_job.append(f"{what} differs between ranks: " + "; ".join(
-                f"{value} on {who(ranks, hosts)}" for value, ranks in values) + f"; {fix}")
+    other_job = differing("the trainer's code (train.py, model.py, data.py, components/)", [f["code"] for f in facts],
+                          hosts, "the same checkout on every node")
+    other_job += differing("--data (windows per source)", [f["data"] for f in facts], hosts, "the same files on every node")
+    for name in (n for n in facts[0]["flags"] if n not in FILE_FLAGS):
+        other_job += differing(f"--{name}", [f["flags"].get(name) for f in facts], hosts, "the same command on every node")
+    for name in facts[0]["model"]:
+        other_job += differing(f"the model's {name}", [f["model"].get(name) for f in facts], hosts,
+                               "the same --init_from (config.json) and data (its tokenizer) on every node")
     problems = said_by([f["problems"] for f in facts], hosts)
     if other_job:  # a node running another job: the rest of what it read is not comparable
         return other_job + problems, [], False
     for key, what in (("torch", "torch"), ("nccl", "NCCL"), ("flash_attn", "flash-attn")):
-        versions = by_value([f[key] for f in facts])
-        if len(versions) > 1:
-            problems.append(f"{what} differs between ranks: " + "; ".join(
-                f"{value or 'not installed'} on {who(ranks, hosts)}" for value, ranks in versions) +
-                f"; install the same {what} on every node")
+        problems += differing(what, [f[key] or "not installed" for f in facts], hosts, f"install the same {what} on every node")
     cuda = all(f["nccl"] for f in facts)
     ranks_on = {host: hosts.count(host) for host in hosts}
     apart = len({f["netns"] for f in facts}) > 1  # some ranks reach others only over the network
@@ -269,13 +268,6 @@ def decide(facts: list[dict]) -> tuple[list[str], list[str], bool]:
     return problems, warnings, all(f["async_save"] for f in facts)
 
 
-def value_of(facts: dict, key: str):
-    """facts["flags/lr"] is facts["flags"]["lr"]."""
-    for part in key.split("/"):
-        facts = facts.get(part) if isinstance(facts, dict) else None
-    return facts
-
-
 # -- the checkpoint to resume from ------------------------------------------------------------------------
 
 def checkpoint_view(root: str) -> dict:
@@ -302,8 +294,9 @@ def agreed_checkpoints(root: str, views: list[dict], hosts: list[str]) -> tuple[
     one holds the others there too). A `latest` no rank sees as a folder is an error, as with one rank."""
     failed = [(r, v["error"]) for r, v in enumerate(views) if v.get("error")]
     if failed:
-        (rank, (os_errno, line)), ranks = failed[0], [r for r, _ in failed]
-        raise disk.CheckpointError(f"{who(ranks, hosts)} cannot list the checkpoints: {line}", os_errno=os_errno or None)
+        os_errno, line = failed[0][1]
+        raise disk.CheckpointError(f"{who([r for r, _ in failed], hosts)} cannot list the checkpoints: {line}",
+                                   os_errno=os_errno or None)
     named = [v["latest"] for v in views if v["latest"]]
     if named and not any(name in v["folders"] for name in named for v in views):
         raise disk.CheckpointError(f"{os.path.join(root, 'latest')} names {named[0]!r}, which is not a folder in {root}; "
