@@ -161,6 +161,13 @@ class TrainConfig:
     nnodes: int = opt(1, "--plan: nodes")
     nproc_per_node: int = opt(8, "--plan: GPUs per node")
     gpu: str = opt("h100", "--plan: GPU type (see components/plan.py GPUS)")
+    nics_per_node: int = opt(0, "--plan: network adapters per node the collectives use (0: the --gpu's server, 8 on "
+                                "HGX H100/H200 and DGX A100); the trainer times the fabric at start-up")
+    nic_gbps: float = opt(0.0, "--plan: bus bandwidth of one such NIC in a collective, GB/s (0: the --gpu's, 45 for "
+                               "NDR 400 Gb/s, 22 for HDR 200 Gb/s)")
+    outside_gib: float = opt(1.25, "--plan: GPU memory outside PyTorch's allocator, GiB per GPU: the CUDA context "
+                                   "and NCCL's buffers (plan.ASSUMPTIONS outside_gib); the trainer measures it after "
+                                   "set-up and prints the largest")
     train_tokens: float = opt(0.0, "--plan: tokens to train on, for hours and cost (0: one epoch of nothing)")
     plan_json: str = opt("", "--plan: also write the prediction as JSON here")
     fs_write_gbps: float = opt(0.45, "--plan: checkpoint bandwidth per rank of --out_dir's filesystem, every rank at "
@@ -1195,7 +1202,10 @@ def main(argv=None):
     rank, device = sharded.rank, sharded.device
     if rank == 0:
         print(metrics.startup_line(cfg, sharded, start_step), flush=True)
-    metrics.print_device_memory(cfg, sharded, "after set-up (its all-gathers made NCCL's buffers)", "state_gib")
+    # What --plan assumed, measured before step 1: the fabric's bandwidth, the GPU memory outside the allocator
+    problems = agree.before_step_one(cfg, sharded, agreed["hosts"]) if steps > start_step else []
+    if problems:
+        fail("\nerror: ".join(problems), together=True)
     # --async_save: the staging buffer, taken now ('auto' is on for GPUs where every node fits it: agree.decide);
     # only periodic saves are written in the background, so a run without them needs none.
     background = agreed["async_save"]
@@ -1217,6 +1227,9 @@ def main(argv=None):
         try:
             with metrics.profile_step(cfg, step, rank, device):  # --profile STEP: a trace of this one
                 loss, grad_norm = train_step(cfg, sharded, windows, step, position)
+        except torch.OutOfMemoryError as e:  # the same step runs out again after a restart: exit 2, and what to change
+            fail(metrics.out_of_memory_line(e, step, [u.name for u in sharded.units if u.state() != "free"],
+                                            metrics.allocator_held(device), metrics.planned_memory(cfg, sharded)))
         except NonFiniteStep as nonfinite:
             e = nonfinite_message(nonfinite, sharded)  # which rank's loss went bad: an all-gather, on every rank
             skipped += 1

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import fake_cuda  # noqa: E402
 from components import plan as P  # noqa: E402
+from train import TrainConfig  # noqa: E402
 
 GIB = 2**30
 
@@ -99,7 +100,7 @@ def gpu_bench_rows(spec: str, flash: bool, shim: str, tmp: str) -> list[dict]:
 def margins(r: dict) -> dict:
     """The measured peak with what torch does not count added as the planner adds it: CUDA context and
     NCCL (an assumption), and allocator fragmentation on everything but the persistent state."""
-    context = P.ASSUMPTIONS["cuda_context_and_nccl_gib"][0] * GIB
+    context = TrainConfig().outside_gib * GIB  # --outside_gib's default, an assumption
     fragmentation = P.ASSUMPTIONS["fragmentation"][0] * (r["peak_bytes"] - r["state_bytes"])
     total = r["peak_bytes"] + context + fragmentation
     usable = P.GPUS["h100"]["memory_mib"] * 2**20

@@ -21,8 +21,10 @@ import json
 import os
 import resource
 import socket
+import statistics
 import sys
 import time
+import dataclasses
 from dataclasses import asdict
 
 import torch
@@ -330,6 +332,105 @@ def resume_candidates(root: str, rank: int, hosts: list[str], device) -> list[st
     if note and rank == 0:
         print(f"warning: {note}", file=sys.stderr, flush=True)
     return paths
+
+
+# -- before step 1: the plan's assumptions measured on the run's own GPUs and fabric ---------------------------
+
+# The start-up all-gather below this fraction of the plan's bus bandwidth is a warning, and `--check` fails: NCCL
+# on TCP sockets instead of InfiniBand, or without GPUDirect RDMA, runs 3-5x slower and says nothing itself.
+FABRIC_LEAST_FRACTION = 0.5
+
+
+def gather_bus_gbps(sharded) -> tuple[str, float]:
+    """(the largest unit, the bus bandwidth of its all-gather, GB/s), the same on every rank: gathered as training
+    gathers it, once to warm up, then three times; the median, and of the ranks' medians the slowest (a collective
+    is as fast as its slowest rank). nccl-tests' convention: what each rank's link carries, bytes x (W - 1) / W."""
+    unit = max(sharded.units, key=lambda u: u.padded_numel)
+    seconds = []
+    for _ in range(4):
+        if sharded.device.type == "cuda":
+            torch.cuda.synchronize(sharded.device)
+        t0 = time.perf_counter()
+        unit.wait_gather()
+        if sharded.device.type == "cuda":
+            torch.cuda.synchronize(sharded.device)
+        seconds.append(time.perf_counter() - t0)
+        unit.free()
+    slowest = torch.tensor([statistics.median(seconds[1:])], dtype=torch.float64, device=sharded.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    nbytes = unit.padded_numel * unit.gathered.element_size()
+    return unit.name, nbytes * (sharded.world - 1) / sharded.world / slowest.item() / 1e9
+
+
+def fabric_warning(measured_gbps: float, planned_gbps: float | None, what: str) -> str | None:
+    """The warning for a fabric under FABRIC_LEAST_FRACTION of the plan (`what`: the measurement, named)."""
+    if planned_gbps is None or measured_gbps >= FABRIC_LEAST_FRACTION * planned_gbps:
+        return None
+    return (f"{what} ran at {measured_gbps:.1f} GB/s bus bandwidth, under {FABRIC_LEAST_FRACTION:.0%} of the plan's "
+            f"{planned_gbps:.0f} (--nics_per_node x --nic_gbps, capped by NVLink): NCCL may be on TCP sockets instead of "
+            f"InfiniBand, without GPUDirect RDMA, or on the wrong HCAs. Run with NCCL_DEBUG=INFO and look for NET/IB (not "
+            f"NET/Socket) and GDRDMA in its channel lines; NCCL_IB_HCA names the compute NICs. The plan's step time, "
+            f"--ckpt_every and signal lead assume the planned figure")
+
+
+def outside_allocator_problems(outside: list[float], totals: list[float], need_bytes: float, hosts: list[str],
+                               peak_phase: str) -> list[str]:
+    """A line for each rank whose GPU cannot hold the planned peak of PyTorch's allocator (`need_bytes`, in
+    `peak_phase`) beside what it holds outside the allocator, measured."""
+    return [f"{who([r], hosts)}: the planned peak, {need_bytes / GIB:.2f} GiB in PyTorch's allocator ({peak_phase}), "
+            f"beside the {outside[r] / GIB:.2f} GiB its GPU holds outside it (CUDA context, NCCL, other processes: "
+            f"measured after set-up), needs {(need_bytes + outside[r]) / GIB:.2f} GiB of its {totals[r] / GIB:.2f}"
+            for r in range(len(outside)) if need_bytes + outside[r] > totals[r]]
+
+
+def gpu_now(device) -> dict | None:
+    """This rank's GPU as CUDA names it, and what it holds outside PyTorch's allocator now (bytes); None on a CPU."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return dict(name=torch.cuda.get_device_name(device), outside=total - free - torch.cuda.memory_reserved(device),
+                total=total)
+
+
+def before_step_one(cfg, sharded, hosts: list[str]) -> list[str]:
+    """What --plan assumed, measured on the run's own GPUs and fabric after set-up (its collectives have made
+    NCCL's buffers), printed by rank 0 beside the plan's figures: the bus bandwidth of a unit's all-gather (a
+    warning under FABRIC_LEAST_FRACTION of the plan's), and what each GPU holds outside PyTorch's allocator (the
+    largest of the ranks). Returns the problems, the same on every rank: a GPU that cannot hold the planned peak
+    beside what it holds, with the nearest configuration that fits at the measured figure."""
+    device, world = sharded.device, sharded.world
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpu = gpu_now(device)
+    name = gpu["name"] if gpu else ""
+    planned = P.run_memory_gib(sharded.model.cfg, cfg, world, local_world, name) if gpu else None
+    lines, problems = [], []
+    if world > 1:
+        unit, gbps = gather_bus_gbps(sharded)
+        what = f"the all-gather of {unit} over {world} ranks"
+        lines.append(f"{what}: {gbps:.1f} GB/s bus bandwidth (measured at start-up)"
+                     + (f", the plan's {planned['bus_gbps']:.0f}" if planned else ""))
+        warning = fabric_warning(gbps, planned and planned["bus_gbps"], what)
+        lines += [f"warning: {warning}"] if warning else []
+    if gpu:
+        everyone = torch.zeros(2 * world, dtype=torch.float64, device=device)
+        disk.all_gather_flat(everyone, torch.tensor([gpu["outside"], gpu["total"]], dtype=torch.float64, device=device))
+        outside, totals = everyone[0::2].tolist(), everyone[1::2].tolist()
+        r = max(range(world), key=lambda i: outside[i])
+        lines.append(f"GPU memory outside PyTorch's allocator after set-up (CUDA context, NCCL): largest "
+                     f"{outside[r] / GIB:.2f} GiB ({who([r], hosts)})"
+                     + (f"; the plan allows {planned['context_gib']:.2f} (--outside_gib)" if planned else ""))
+        if planned:
+            need = (planned["peak_gib"] - planned["context_gib"]) * GIB
+            problems = outside_allocator_problems(outside, totals, need, hosts, planned["peak_phase"])
+        if problems:
+            run = dataclasses.replace(P.as_launched(cfg, world, local_world, name), outside_gib=outside[r] / GIB)
+            nearest = P.nearest_fit(sharded.model.cfg, run)
+            problems[-1] += (f"; the nearest configuration that fits at --outside_gib {outside[r] / GIB:.2f}: "
+                             f"{P.changed_flags(run, nearest)} (--plan with it prints the rest)" if nearest else
+                             "; no configuration --plan tries fits at that figure")
+    for line in lines if sharded.rank == 0 else []:
+        print(line, file=sys.stderr if line.startswith("warning") else sys.stdout, flush=True)
+    return problems
 
 
 # -- the settings launch.sh used to make, made by train.py itself ---------------------------------------------

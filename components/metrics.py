@@ -7,11 +7,13 @@ token (model.flops_per_token) over the GPU's dense BF16 peak (plan.PEAK_BF16_FLO
 """
 import contextlib
 import json
+import linecache
 import os
 import resource
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -69,18 +71,60 @@ def device_memory_line(when: str, free_bytes: int, total_bytes: int, reserved_by
     return line
 
 
+def planned_memory(cfg, sharded) -> dict | None:
+    """plan.run_memory_gib for this run as launched, on a GPU the planner knows; else None."""
+    if sharded.device.type != "cuda":
+        return None
+    return plan.run_memory_gib(sharded.model.cfg, cfg, sharded.world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                               torch.cuda.get_device_name(sharded.device))
+
+
 def print_device_memory(cfg, sharded, when: str, planned: str):
-    """Rank 0, on CUDA: device_memory_line now, beside plan.run_memory_gib's `planned` figure ("state_gib"
-    after set-up, "peak_gib" after a step)."""
+    """Rank 0, on CUDA: device_memory_line now, beside planned_memory's `planned` figure ("peak_gib" after a step)."""
     device = sharded.device
     if sharded.rank != 0 or device.type != "cuda":
         return
-    from components import plan  # plan imports this module
     free, total = torch.cuda.mem_get_info(device)
-    figures = plan.run_memory_gib(sharded.model.cfg, cfg, sharded.world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                                  torch.cuda.get_device_name(device))
+    figures = planned_memory(cfg, sharded)
     print(device_memory_line(when, free, total, torch.cuda.memory_reserved(device),
                              figures and figures[planned], figures and figures["context_gib"]), flush=True)
+
+
+def where_in_code(e: BaseException) -> str:
+    """The innermost line of the trainer's own files in `e`'s traceback: file:line in function (`statement`)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ours = [(os.path.relpath(frame.f_code.co_filename, root), frame, line)
+            for frame, line in traceback.walk_tb(e.__traceback__)]
+    ours = [o for o in ours if o[0] in ("train.py", "model.py", "data.py") or o[0].startswith("components" + os.sep)]
+    if not ours:
+        return "outside the trainer's code"
+    path, frame, line = ours[-1]
+    return f"{path}:{line} in {frame.f_code.co_name} (`{linecache.getline(frame.f_code.co_filename, line).strip()}`)"
+
+
+def allocator_held(device) -> dict | None:
+    """What PyTorch's allocator holds on the GPU now and held at most since the step began, bytes; None on a CPU."""
+    if device.type != "cuda":
+        return None
+    return dict(allocated=torch.cuda.memory_allocated(device), reserved=torch.cuda.memory_reserved(device),
+                peak=torch.cuda.max_memory_allocated(device))
+
+
+def out_of_memory_line(e: BaseException, step: int, gathered: list[str], held: dict | None, planned: dict | None) -> str:
+    """An out-of-memory error as one line: where (the code's line, the units gathered then), what the allocator held,
+    what --plan predicted (`planned`: plan.run_memory_gib), and what to change. A restart runs the same step into the
+    same error, so the caller exits 2, not 1 (which torchrun and a requeue would repeat in a loop)."""
+    line = (f"out of memory in step {step}, at {where_in_code(e)}, with {', '.join(gathered) or 'no unit'} gathered: "
+            f"{next(iter(str(e).splitlines()), '').split('. GPU')[0].rstrip('.')}")
+    if held:
+        line += (f"; PyTorch's allocator held {held['allocated'] / 2**30:.2f} GiB ({held['reserved'] / 2**30:.2f} "
+                 f"reserved, at most {held['peak'] / 2**30:.2f} in this step)")
+    if planned:
+        phases = ", ".join(f"{name} {gib:.2f}" for name, gib in planned["phases_gib"].items())
+        line += (f"; --plan predicted {planned['peak_gib']:.2f} GiB at the peak ({planned['peak_phase']}; {phases}), "
+                 f"{planned['context_gib']:.2f} of it outside the allocator")
+    return (line + ". A restart would run out again: lower the peak (`--plan` with this run's flags names the nearest "
+                   "configuration that fits: a smaller --micro_batch_size, --ac full, --offload_activations, ...)")
 
 
 def fmt_time(seconds: float) -> str:

@@ -63,19 +63,19 @@ PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("
 # Bandwidths are achievable per-GPU bus bandwidths for large messages, below the nominal link rate.
 GPUS = {
     "h100": dict(device_name="NVIDIA H100 80GB HBM3", memory_mib=81559, family="h100",
-                 hbm_gbps=3350, nvlink_gbps=360, ib_gbps=40, pcie_gbps=40,
+                 hbm_gbps=3350, nvlink_gbps=360, nics_per_node=8, nic_gbps=45, pcie_gbps=40,
                  host_memory_gib_per_node=2048, host_cores_per_node=112, host_memory_gbps_per_node=614),
     "h100-pcie": dict(device_name="NVIDIA H100 PCIe", memory_mib=81559, family="h100",
-                      hbm_gbps=2000, nvlink_gbps=40, ib_gbps=40, pcie_gbps=40,
+                      hbm_gbps=2000, nvlink_gbps=40, nics_per_node=4, nic_gbps=45, pcie_gbps=40,
                       host_memory_gib_per_node=1024, host_cores_per_node=64, host_memory_gbps_per_node=614),
     "h200": dict(device_name="NVIDIA H200", memory_mib=143771, family="h100",
-                 hbm_gbps=4800, nvlink_gbps=360, ib_gbps=40, pcie_gbps=40,
+                 hbm_gbps=4800, nvlink_gbps=360, nics_per_node=8, nic_gbps=45, pcie_gbps=40,
                  host_memory_gib_per_node=2048, host_cores_per_node=112, host_memory_gbps_per_node=614),
     "a100": dict(device_name="NVIDIA A100-SXM4-80GB", memory_mib=81920, family="a100",
-                 hbm_gbps=2039, nvlink_gbps=230, ib_gbps=20, pcie_gbps=20,
+                 hbm_gbps=2039, nvlink_gbps=230, nics_per_node=8, nic_gbps=22, pcie_gbps=20,
                  host_memory_gib_per_node=2048, host_cores_per_node=128, host_memory_gbps_per_node=410),
     "a100-40gb": dict(device_name="NVIDIA A100-SXM4-40GB", memory_mib=40960, family="a100",
-                      hbm_gbps=1555, nvlink_gbps=230, ib_gbps=20, pcie_gbps=20,
+                      hbm_gbps=1555, nvlink_gbps=230, nics_per_node=8, nic_gbps=22, pcie_gbps=20,
                       host_memory_gib_per_node=1024, host_cores_per_node=128, host_memory_gbps_per_node=410),
 }
 
@@ -83,8 +83,18 @@ ASSUMPTIONS = {
     "memory_mib": "total memory as nvidia-smi reports it (H100 SXM 81,559 MiB, H200 143,771 MiB); check yours",
     "nvlink_gbps": "NVLink: H100/H200 SXM 450 GB/s per direction nominal, ~360 achievable (nccl-tests busbw); "
                    "A100 300 nominal, ~230; H100 PCIe has no NVLink switch: PCIe Gen5, ~40",
-    "ib_gbps": "one NIC per GPU: NDR 400 Gb/s = 50 GB/s nominal, 40 assumed (H100/H200); HDR 200 Gb/s = 25, "
-               "20 assumed (A100). A ring spanning nodes runs at its slowest link, so nnodes > 1 uses this",
+    "nics_per_node": "compute NICs per node (--nics_per_node overrides): HGX/DGX H100 and H200 one ConnectX-7 "
+                     "(NDR 400 Gb/s) per GPU, 8; DGX A100 one HDR 200 Gb/s per GPU, 8; h100-pcie 4, an assumption "
+                     "for a PCIe server (one per two GPUs)",
+    "nic_gbps": "bus bandwidth one NIC carries in a collective (--nic_gbps overrides): NDR 400 Gb/s = 50 GB/s "
+                "nominal, 45 assumed (NCCL's maintainers expect 46-48 per NDR NIC in nccl-tests, NVIDIA/nccl-tests "
+                "issue 290); HDR 200 Gb/s = 25 nominal, 22 assumed",
+    "network": "collectives spanning nodes (plan.bus_gbps): NCCL builds one ring (or tree) per NIC, each GPU's "
+               "traffic leaving the node on its own rail, all at once (rail-aligned, PXN), so the bus bandwidth "
+               "is the NICs' sum, min(nics_per_node, nproc_per_node) x nic_gbps, capped by NVLink, which every "
+               "ring also crosses inside the node. Users report 200-340 GB/s all-gather bus bandwidth on up to "
+               "32 such H100 nodes (NVIDIA/nccl issue 1218). Not modelled: congestion of a shared fabric, "
+               "SHARP. The trainer times an all-gather at start-up and warns below half of this figure",
     "pcie_gbps": "pinned host<->GPU copies (--offload_activations, --offload_optimizer): Gen5 x16 ~40 GB/s per "
                  "direction, Gen4 ~20 (assumption). Full duplex: the gradients going down in backward do not "
                  "contend with the offloaded activations coming back up. If two GPUs share a PCIe switch's "
@@ -144,8 +154,12 @@ ASSUMPTIONS = {
                  "the larger of the two, all its parts from that one (plan.memory_by_phase). Checked against train_step on fake CUDA "
                  "(tests/test_fake_cuda.py, bench/fake_memory.py)",
     "hbm_gbps": "HBM bandwidth (datasheet)",
-    "cuda_context_and_nccl_gib": (1.0, "assumption: CUDA context ~0.5 GiB + NCCL buffers ~0.5 GiB, outside "
-                                       "torch.cuda.max_memory_allocated"),
+    "outside_gib": "GPU memory outside PyTorch's allocator (--outside_gib, default 1.25): the CUDA context, ~0.4 "
+                   "GiB with lazy module loading (pytorch/pytorch issue 109888), and NCCL's buffers, 544-688 MB per "
+                   "communicator on 4 A100 (NVIDIA/nccl issue 964): 1.09, rounded up for the kernels loaded later. "
+                   "NVLS, which takes more, is off (agree.launch_settings). A sourced assumption, not measured here: "
+                   "the trainer prints the largest figure of its ranks after set-up and refuses a run whose planned "
+                   "peak does not fit beside it",
     "fragmentation": (0.10, "assumption: allocator slack of 10% on everything but the persistent state"),
     "gradient_accumulation": "a unit's backward peaks at the larger of two moments: split's backward (2 unit-"
                              "sized compute-dtype gradients, its parameters' and their concatenation, see "
@@ -736,7 +750,7 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
         dynamic = dict(gathered_weights=cbytes * gathered, gradients=gradients, reduce_buffers=reduce,
                        activations=activations, logits=logits, optimizer_temporaries=optimizer)
         return dict(state=state,
-                    context_and_nccl=ASSUMPTIONS["cuda_context_and_nccl_gib"][0] * GIB, **dynamic,
+                    context_and_nccl=cfg.outside_gib * GIB, **dynamic,
                     fragmentation=ASSUMPTIONS["fragmentation"][0] * sum(dynamic.values()))
 
     head_parts = head_backward_bytes(mcfg, cfg, head, emb, world)
@@ -825,6 +839,15 @@ def matmul_efficiency(family: str, dim: int) -> float:
     return e0 + (e1 - e0) * (min(max(dim, d0), d1) - d0) / (d1 - d0)
 
 
+def bus_gbps(gpu: dict, cfg) -> float:
+    """The bus bandwidth of a collective over the run's GPUs, GB/s per GPU (ASSUMPTIONS network): NVLink inside
+    one node; across nodes every NIC at once, capped by NVLink."""
+    if cfg.nnodes == 1:
+        return gpu["nvlink_gbps"]
+    nics = min(cfg.nics_per_node or gpu["nics_per_node"], cfg.nproc_per_node)
+    return min(gpu["nvlink_gbps"], nics * (cfg.nic_gbps or gpu["nic_gbps"]))
+
+
 def collective_bytes_per_micro_step(mcfg: M.ModelConfig, cfg, world: int) -> tuple[float, float]:
     """(all-gather, reduce-scatter) bytes of the full buffers, one forward + backward. Blocks are gathered
     twice; the head stays gathered across the turn; the embedding's backward needs no weights (the tied
@@ -887,7 +910,7 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
     selective = policies.count("selective")
     if selective:  # the share of the blocks running selective
         compute_s *= 1 + ASSUMPTIONS["selective_recompute_time"][0] * (selective / mcfg.n_layers)
-    bandwidth = 1e9 * (gpu["ib_gbps"] if cfg.nnodes > 1 else gpu["nvlink_gbps"])
+    bandwidth = 1e9 * bus_gbps(gpu, cfg)
     ring = (world - 1) / world  # each GPU sends and receives (W-1)/W of the full buffer
     comm_s = ring * sum(collective_bytes_per_micro_step(mcfg, cfg, world)) / bandwidth
     n_offloaded = offloaded_blocks(mcfg, cfg)
@@ -922,7 +945,10 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
         state_bytes = sum(b * padded(n, world) for b, n in zip(unit_state_bytes_per_param(mcfg, cfg),
                                                                 unit_numels(mcfg))) / world
         optimizer_s = 2 * state_bytes / (0.8e9 * gpu["hbm_gbps"])
-    return dict(step_time_s=micro_steps * micro_s + optimizer_s + host["pcie_exposed_s"],
+    # What bounds a micro-batch: the longest of what runs at once (with --prefetch), else compute + collectives
+    parts = dict(compute=compute_s, collectives=comm_s, offload=offload_s) if cfg.prefetch else \
+        {"compute + collectives": compute_s + comm_s, "offload": offload_s}
+    return dict(step_time_s=micro_steps * micro_s + optimizer_s + host["pcie_exposed_s"], bound=max(parts, key=parts.get),
                 compute_s=micro_steps * compute_s,
                 comm_s=micro_steps * comm_s, offload_s=micro_steps * offload_s,
                 exposed_s=micro_steps * exposed_s, optimizer_s=optimizer_s,
@@ -934,7 +960,7 @@ def sampling_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int, n_prompts: in
     the bytes all-gathered per GPU buffer, and the KV cache each rank holds (every rank runs every prompt)."""
     numels = [padded(n, world) for n in unit_numels(mcfg)]
     gathered_bytes = COMPUTE_BYTES * (sum(numels) + (numels[0] if mcfg.tie_embeddings else 0))  # a tied head: embedding again
-    bandwidth = 1e9 * (gpu["ib_gbps"] if cfg.nnodes > 1 else gpu["nvlink_gbps"])
+    bandwidth = 1e9 * bus_gbps(gpu, cfg)
     gather_s = (world - 1) / world * gathered_bytes / bandwidth
     prefill_flops = 2 * M.count_params(mcfg)["total"] * n_prompts * prompt_tokens
     prefill_s = prefill_flops / (peak_flops(gpu) * matmul_efficiency(gpu["family"], mcfg.dim))
@@ -1090,19 +1116,27 @@ def fit_and_speed(mcfg: M.ModelConfig, cfg) -> dict:
                 mfu=tokens_per_sec_per_gpu * M.flops_per_token(mcfg, cfg.seq_len) / peak_flops(gpu))
 
 
-def run_memory_gib(mcfg: M.ModelConfig, cfg, world: int, local_world: int, device_name: str) -> dict | None:
-    """The planner's GPU memory for a run as launched (W ranks, local_world per node, on the GPU CUDA names),
-    for the lines that print the measured figures beside it: the persistent state, the peak, and the part
-    of both that is the CUDA context and NCCL's buffers (outside PyTorch's allocator). None for a GPU the
-    planner does not know."""
+def as_launched(cfg, world: int, local_world: int, device_name: str):
+    """cfg as the planner sees the run launched (W ranks, local_world per node, the GPU CUDA names), or None for a
+    GPU the planner does not know."""
     gpu = next((key for key, g in GPUS.items() if g["device_name"] == device_name), None)
     if gpu is None:
         return None
-    run = dataclasses.replace(cfg, gpu=gpu, nnodes=max(1, world // local_world), nproc_per_node=local_world)
+    return dataclasses.replace(cfg, gpu=gpu, nnodes=max(1, world // local_world), nproc_per_node=local_world)
+
+
+def run_memory_gib(mcfg: M.ModelConfig, cfg, world: int, local_world: int, device_name: str) -> dict | None:
+    """The planner's figures for a run as launched, for the lines that print the measured ones beside them: the
+    persistent state, the peak (and its phase, each phase's total), the part of both that is the CUDA context and
+    NCCL's buffers (outside PyTorch's allocator: --outside_gib), the collectives' bus bandwidth. None for a GPU
+    the planner does not know."""
+    run = as_launched(cfg, world, local_world, device_name)
+    if run is None:
+        return None
     r = fit_and_speed(mcfg, run)
-    context = ASSUMPTIONS["cuda_context_and_nccl_gib"][0]
-    return dict(state_gib=r["phases"][r["peak_phase"]]["state"] / GIB + context, peak_gib=r["peak_gib"],
-                context_gib=context)
+    return dict(state_gib=r["phases"][r["peak_phase"]]["state"] / GIB + cfg.outside_gib, peak_gib=r["peak_gib"],
+                context_gib=cfg.outside_gib, peak_phase=r["peak_phase"], bus_gbps=bus_gbps(GPUS[run.gpu], run),
+                phases_gib={name: sum(parts.values()) / GIB for name, parts in r["phases"].items()})
 
 
 def partial_checkpointing(mcfg: M.ModelConfig, cfg) -> dict | None:
@@ -1262,6 +1296,9 @@ def check(cfg) -> list[str]:
     if not errors and cfg.batch_size % (world * cfg.micro_batch_size):
         errors.append(f"--batch_size: {cfg.batch_size} is not a multiple of world size x --micro_batch_size "
                       f"= {world} x {cfg.micro_batch_size} = {world * cfg.micro_batch_size}")
+    for name in ("nics_per_node", "nic_gbps", "outside_gib"):
+        if getattr(cfg, name) < 0:
+            errors.append(f"--{name}: must be >= 0, got {getattr(cfg, name)}")
     if cfg.fs_write_gbps <= 0:
         errors.append(f"--fs_write_gbps: must be > 0 (GB/s per rank), got {cfg.fs_write_gbps}")
     if cfg.mtbf_hours <= 0:
@@ -1313,12 +1350,16 @@ def table(p: dict, cfg) -> str:
                      f"({100 * ASSUMPTIONS['host_usable_fraction'][0]:.0f}% of "
                      f"{GPUS[cfg.gpu]['host_memory_gib_per_node']:,} GiB assumed per node): {host_verdict}")
     optimizer = "AdamW on the CPU" if cfg.offload_optimizer else "AdamW"
+    gpu = GPUS[cfg.gpu]
+    network = (f"{min(cfg.nics_per_node or gpu['nics_per_node'], cfg.nproc_per_node)} NICs x "
+               f"{cfg.nic_gbps or gpu['nic_gbps']:g} GB/s per node, capped by NVLink {gpu['nvlink_gbps']}"
+               if cfg.nnodes > 1 else "NVLink")
     lines += ["",
               f"step (predicted): compute {p['compute_s']:.2f} s, collectives {p['comm_s']:.2f} s at "
-              f"{p['bandwidth_gbps']:.0f} GB/s, offload copies {p['offload_s']:.2f} s, exposed {p['exposed_s']:.2f} s, "
+              f"{p['bandwidth_gbps']:.0f} GB/s (bus bandwidth, {network}), offload copies {p['offload_s']:.2f} s, exposed {p['exposed_s']:.2f} s, "
               f"{optimizer} {p['optimizer_s']:.2f} s"
               + (f", PCIe exposed {p['pcie_exposed_s']:.2f} s" if cfg.offload_optimizer else "")
-              + f" -> {p['step_time_s']:.2f} s per step",
+              + f" -> {p['step_time_s']:.2f} s per step, bound by {p['bound']}",
               f"tokens/s/GPU {p['tokens_per_sec_per_gpu']:,.0f} | MFU {100 * p['mfu']:.1f}% | matmul efficiency "
               f"{p['assumptions']['matmul_efficiency'][0]:.3f} (from published runs, see --plan_json assumptions)"]
     if cfg.offload_optimizer:

@@ -71,7 +71,8 @@ def facts(overrides: dict):
     """This rank sees another machine: ZERO3_TEST_FACTS is JSON {rank: {what: value}}. host, gloo (the address its
     hostname resolves to), netns (another machine's loopback), memlock (bytes), host_memory (bytes), flash_attn (a
     version installed), and checkpoints_up_to (a name: this rank does not see the newer step_* folders, and reads an
-    older `latest`, as a node whose NFS or Lustre client still caches the listing before the last save). What the
+    older `latest`, as a node whose NFS or Lustre client still caches the listing before the last save), gpu_now (its
+    GPU's name and memory outside PyTorch's allocator, as agree.before_step_one reads them). What the
     code reads is replaced where it reads it, so the same patches apply to the code before components/agree.py too."""
     import types
     from components import checks, disk
@@ -94,6 +95,8 @@ def facts(overrides: dict):
     if "flash_attn" in overrides:
         sys.modules["flash_attn"] = types.SimpleNamespace(__version__=overrides["flash_attn"])
         M.flash_attn_func = M.flash_attn_varlen_func = lambda *a, **k: None  # CPU: never called (model.uses_flash)
+    if "gpu_now" in overrides and agree:  # {"name": a CUDA device name, "outside": bytes, "total": bytes}
+        agree.gpu_now = lambda device: overrides["gpu_now"]
     if "checkpoints_up_to" in overrides:
         newest, list_checkpoints = overrides["checkpoints_up_to"], disk.list_checkpoints
         disk.list_checkpoints = lambda root: [p for p in list_checkpoints(root) if os.path.basename(p) <= newest]

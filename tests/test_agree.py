@@ -339,3 +339,46 @@ def test_a_rank_with_a_stale_view_of_the_out_dir_resumes_with_the_others_and_the
         env = json.loads((out / f"env_rank{rank}.json").read_text())
         assert env == dict(NCCL_NVLS_ENABLE="1", PYTORCH_ALLOC_CONF="expandable_segments:True", TORCH_FR_BUFFER_SIZE="2000",
                            TORCH_NCCL_DUMP_ON_TIMEOUT="1", TORCH_FR_DUMP_TEMP_FILE=f"{out}/nccl_trace/rank_")
+
+
+# -- before step 1: the plan's assumptions measured (issue: the plan's assumptions measured) -------------------
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def test_a_fabric_under_half_the_plans_bus_bandwidth_is_a_warning_naming_what_to_check():
+    assert agree.fabric_warning(200.0, 360.0, "the all-gather of layers.0") is None  # above half: the plan holds
+    assert agree.fabric_warning(0.3, None, "the all-gather of head") is None  # a CPU, a GPU the planner does not know
+    line = agree.fabric_warning(40.0, 360.0, "the all-gather of layers.0 over 16 ranks")
+    assert line.startswith("the all-gather of layers.0 over 16 ranks ran at 40.0 GB/s bus bandwidth, under 50% of the "
+                           "plan's 360 (--nics_per_node x --nic_gbps, capped by NVLink): NCCL may be on TCP sockets")
+    assert "NCCL_DEBUG=INFO" in line and "NET/IB" in line and "GDRDMA" in line and "NCCL_IB_HCA" in line
+
+
+def test_a_gpu_that_cannot_hold_the_planned_peak_beside_what_it_holds_outside_the_allocator_is_named():
+    gib = 2**30
+    lines = agree.outside_allocator_problems([1.3 * gib, 2.5 * gib], [79.65 * gib, 79.65 * gib], 77.5 * gib,
+                                             ["node0", "node1"], "block recompute")
+    assert lines == ["rank 1 (node1): the planned peak, 77.50 GiB in PyTorch's allocator (block recompute), beside the "
+                     "2.50 GiB its GPU holds outside it (CUDA context, NCCL, other processes: measured after set-up), "
+                     "needs 80.00 GiB of its 79.65"]
+
+
+def test_before_step_1_the_fabric_and_the_memory_outside_the_allocator_are_measured_and_a_peak_that_cannot_fit_stops_every_rank(
+        files, tmp_path):
+    """Both ranks' GPUs are H100s as agree.gpu_now reads them; rank 1's holds its whole memory outside PyTorch's
+    allocator (all of it). Rank 0 prints the all-gather's bus bandwidth beside the plan's (NVLink: one node), warns that this
+    CPU's is under half of it, and prints the largest figure outside the allocator beside --outside_gib; then every
+    rank exits 2 with rank 1's line, before step 1. Before this, the run trained into an out-of-memory error."""
+    total = 81559 * 2**20
+    gpu = lambda outside: {"gpu_now": dict(name=H100, outside=outside, total=total)}  # noqa: E731
+    proc = run_facts(FLAGS + files, tmp_path, {"0": gpu(1.1 * 2**30), "1": gpu(total)})
+    assert " over 2 ranks: " in proc.stdout and "GB/s bus bandwidth (measured at start-up), the plan's 360" in proc.stdout
+    assert " over 2 ranks ran at " in proc.stderr and "NET/Socket" in proc.stderr, proc.stderr[-3000:]
+    assert ("GPU memory outside PyTorch's allocator after set-up (CUDA context, NCCL): largest 79.65 GiB (rank 1 ("
+            in proc.stdout) and "the plan allows 1.25 (--outside_gib)" in proc.stdout
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: rank 1 (")]
+    assert len(lines) == 2 and lines[0] == lines[1], proc.stderr[-3000:]  # said on each rank
+    assert "its GPU holds outside it (CUDA context, NCCL, other processes: measured after set-up), needs " in lines[0]
+    assert lines[0].endswith("; no configuration --plan tries fits at that figure"), lines[0]
+    assert "step 1" not in proc.stdout and "exitcode  : 2" in proc.stderr

@@ -42,10 +42,10 @@ def test_the_gpu_memory_is_printed_by_rank_0_on_cuda_beside_the_planners_figure(
     expected = P.run_memory_gib(mcfg, cfg, 16, 8, "NVIDIA H100 80GB HBM3")
     two_nodes = P.fit_and_speed(mcfg, T.parse_args(["--seq_len", "64", "--batch_size", "16", "--micro_batch_size", "1",
                                                     "--nnodes", "2", "--nproc_per_node", "8", "--gpu", "h100"]))
-    assert expected["peak_gib"] == two_nodes["peak_gib"] and expected["context_gib"] == 1.0
+    assert expected["peak_gib"] == two_nodes["peak_gib"] and expected["context_gib"] == cfg.outside_gib == 1.25
     metrics.print_device_memory(cfg, sharded, "after step 1", "peak_gib")
     assert capsys.readouterr().out == metrics.device_memory_line("after step 1", 60 * GIB, 80 * GIB, 19 * GIB,
-                                                                 expected["peak_gib"], 1.0) + "\n"
+                                                                 expected["peak_gib"], 1.25) + "\n"
     for quiet in (dict(sharded.__dict__, rank=1), dict(sharded.__dict__, device=torch.device("cpu"))):
         metrics.print_device_memory(cfg, types.SimpleNamespace(**quiet), "after step 1", "peak_gib")
     assert capsys.readouterr().out == ""
@@ -142,3 +142,54 @@ def test_a_flash_attn_whose_attention_the_selective_policy_cannot_save_is_a_warn
     assert checks.flash_attn_unsaved_warning(v27) is None
     monkeypatch.setattr(M, "flash_attn_func", None)  # not installed: SDPA, nothing to say
     assert checks.flash_attn_unsaved_warning(T.SAVED_OPS) is None
+
+
+TORCH_OOM = ("CUDA out of memory. Tried to allocate 1.75 GiB. GPU 3 has a total capacity of 79.19 GiB of which 1.02 GiB "
+             "is free. Including non-PyTorch memory, this process has 78.16 GiB memory in use.")
+
+
+def test_an_out_of_memory_error_is_one_line_with_where_what_was_held_and_what_the_plan_predicted():
+    try:
+        T.Unit.free(None)  # any line of the trainer's: the error's place is read from its traceback
+    except AttributeError as e:
+        error = torch.OutOfMemoryError(TORCH_OOM).with_traceback(e.__traceback__)
+    planned = dict(peak_gib=78.98, peak_phase="block recompute", context_gib=1.25,
+                   phases_gib={"head backward": 77.06, "block recompute": 78.98, "optimizer step": 66.96})
+    line = metrics.out_of_memory_line(error, 7, ["layers.40", "layers.41"],
+                                      dict(allocated=76.5 * GIB, reserved=77.9 * GIB, peak=77.0 * GIB), planned)
+    assert line.startswith("out of memory in step 7, at train.py:"), line
+    assert (" in free (`if self._gather_work is not None:  # an error, not an assert: `python -O` must not skip it`), "
+            "with layers.40, layers.41 gathered: CUDA out of memory. Tried to allocate 1.75 GiB; PyTorch's allocator "
+            "held 76.50 GiB (77.90 reserved, at most 77.00 in this step); --plan predicted 78.98 GiB at the peak (block "
+            "recompute; head backward 77.06, block recompute 78.98, optimizer step 66.96), 1.25 of it outside the "
+            "allocator. A restart would run out again: lower the peak") in line, line
+    assert "\n" not in line
+
+
+def test_out_of_memory_in_a_step_stops_the_run_with_exit_2_not_a_restart_loop(main_in_process, tmp_path, monkeypatch,
+                                                                              capfd):
+    """A fake allocator error in layers.1's forward at step 2: one line naming the step, the line of code and the units
+    gathered, exit 2 (before, exit 1 and "a restart may succeed": torchrun restarted into the same error)."""
+    run_block = T.run_block
+
+    def failing_block(block, ac, x, *args, **kwargs):
+        if T.torch.is_grad_enabled() and kwargs.get("name", args[4] if len(args) > 4 else "") == "layers.1" and failing_block.step == 2:
+            raise torch.OutOfMemoryError(TORCH_OOM)
+        return run_block(block, ac, x, *args, **kwargs)
+    failing_block.step = 0
+    train_step = T.train_step
+
+    def counted_step(cfg, sharded, windows, step, position):
+        failing_block.step = step
+        return train_step(cfg, sharded, windows, step, position)
+    monkeypatch.setattr(T, "run_block", failing_block)
+    monkeypatch.setattr(T, "train_step", counted_step)
+    code = main_in_process(["--steps", "3", "--seq_len", "32", "--batch_size", "4", "--micro_batch_size", "2",
+                            "--eval_every", "0", "--out_dir", str(tmp_path)])
+    err = capfd.readouterr().err
+    assert code == 2, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and lines[0].startswith("error: out of memory in step 2, at train.py:"), err[-2000:]
+    assert " in run_stage (`return run_block(" in lines[0]  # the trainer's innermost line, not the test's stand-in
+    assert ("with layers.1, layers.2 gathered: CUDA out of memory. Tried to allocate 1.75 GiB. A restart would run out "
+            "again") in lines[0]  # layers.2: prefetched
