@@ -1210,6 +1210,7 @@ def main(argv=None):
     # only periodic saves are written in the background, so a run without them needs none.
     background = agreed["async_save"]
     saving = disk.BackgroundSave(sharded.units, device) if background and cfg.ckpt_every and steps > start_step else None
+    metrics.print_page_locking(sharded, agreed["hosts"])  # --offload_optimizer's state, the staging buffer: timed
     stop_signals, skipped = catch_stop_signals(), 0
     # Python's garbage collector runs when allocations pass a threshold: at another moment on each rank, and every
     # collective then waits for the rank that paused. Off while training; a collection every GC_EVERY_STEPS steps,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import model as M
-from components import disk
+from components import disk, offload
 from components import plan
 
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as in train.py
@@ -88,6 +88,34 @@ def print_device_memory(cfg, sharded, when: str, planned: str):
     figures = planned_memory(cfg, sharded)
     print(device_memory_line(when, free, total, torch.cuda.memory_reserved(device),
                              figures and figures[planned], figures and figures["context_gib"]), flush=True)
+
+
+def page_locking_line(by_rank: list[tuple[float, float]], hosts: list[str]) -> str | None:
+    """Per node: the host memory its ranks page-locked (bytes, seconds each), the slowest rank's time and rate,
+    beside the rate --plan's restart time assumes. None when nothing was page-locked."""
+    if not any(nbytes for nbytes, _ in by_rank):
+        return None
+    nodes = []
+    for host in dict.fromkeys(hosts):
+        mine = [by_rank[r] for r, h in enumerate(hosts) if h == host]
+        nbytes, slowest = max(mine, key=lambda m: m[1])
+        nodes.append(f"{host}: {len(mine)} rank(s), {sum(b for b, _ in mine) / 1e9:,.1f} GB, the slowest rank "
+                     f"{slowest:.1f} s ({nbytes / 1e9 / max(slowest, 1e-9):.2f} GB/s)")
+    return (f"host memory page-locked at start-up (cudaHostRegister, on the path to step 1): {'; '.join(nodes)}; "
+            f"--plan assumes {plan.ASSUMPTIONS['host_page_locking_gbps'][0]:g} GB/s per rank for a restart's set-up")
+
+
+def print_page_locking(sharded, hosts: list[str]):
+    """Rank 0, on CUDA: page_locking_line over every rank's page-locking (one all-gather on every rank)."""
+    if sharded.device.type != "cuda":
+        return
+    mine = torch.tensor([sum(b for b, _ in offload.PAGE_LOCKED), sum(t for _, t in offload.PAGE_LOCKED)],
+                        dtype=torch.float64, device=sharded.device)
+    everyone = torch.zeros(2 * sharded.world, dtype=torch.float64, device=sharded.device)
+    disk.all_gather_flat(everyone, mine)
+    line = page_locking_line(list(zip(everyone[0::2].tolist(), everyone[1::2].tolist())), hosts)
+    if line and sharded.rank == 0:
+        print(line, flush=True)
 
 
 def where_in_code(e: BaseException) -> str:

@@ -137,13 +137,18 @@ def host_buffer_numel(shard_numels: list[int], tensors_per_unit: list[int]) -> i
     return sum(c * n for c, n in zip(tensors_per_unit, shard_numels)) + GRAD_SLOTS * max(shard_numels)
 
 
+PAGE_LOCKED = []  # (bytes, seconds) of each page_lock in this process
+
+
 def page_lock(buffer: torch.Tensor, flag: str = "--offload_optimizer"):
     """Pins an ordinary (exactly sized) host tensor with cudaHostRegister. Not pin_memory=True: PyTorch's
     caching host allocator rounds every allocation up to a power of two, so a 70B block's 408 MiB shard at
     W=8 would take 512 MiB, and one 130 GiB buffer 256 GiB. Registered memory is what copies with
     non_blocking=True need to run without the host waiting (tests/fake_cuda.py replaces this)."""
     nbytes = buffer.numel() * buffer.element_size()
+    start = time.perf_counter()
     error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+    PAGE_LOCKED.append((nbytes, time.perf_counter() - start))  # metrics.print_page_locking: per node, at start-up
     if error:
         raise RuntimeError(f"{flag}: cudaHostRegister of {nbytes / 2**30:,.1f} GiB of host memory failed "
                            f"(CUDA error {error}); is the locked-memory limit (ulimit -l) unlimited?")

@@ -238,6 +238,12 @@ ASSUMPTIONS = {
                   "optimizer updates it in place while the write runs, so the copy is needed: both count. The "
                   "planner plans GPU runs: 'auto' is on where the node's host memory fits the staging buffer "
                   "beside what is offloaded (host_usable_fraction), 'true' on, 'false' off",
+    "async_write_slowdown": (1.05, "the steps that run beside a background write are this much slower: a PREDICTION "
+                                   "for a GPU node, where the write's hashing and filesystem client take one of 14 "
+                                   "cores per GPU and ~1% of its host memory bandwidth; MEASURED 1.51 on the 2-core "
+                                   "development machine, where writing and training share the cores (BENCHMARKS.md, "
+                                   "'CPU: a save's stall'). bench/gpu.sh measures it on a GPU. Counted in the "
+                                   "asynchronous save's stall: (slowdown - 1) x the steps' time the write overlaps"),
     "async_save_copy": "the stall of an asynchronous save: the copy into the staging buffer, device to host over "
                        "PCIe at min(pcie_gbps, the GPU's share of host memory bandwidth) without --offload_optimizer; "
                        "host to host with it (read + write: 2 B of host memory traffic per byte at the GPU's share "
@@ -1008,10 +1014,12 @@ def save_copy_s(mcfg: M.ModelConfig, cfg) -> float:
 
 def save_stall_s(asynchronous: bool, every: int, step_time_s: float, save_s: float, copy_s: float) -> float:
     """What one periodic save every `every` steps costs the run: synchronous, the whole write; asynchronous,
-    the copy to host memory and, when the previous write outlasts the steps between, the wait for it."""
+    the copy to host memory, the steps the write overlaps made slower (async_write_slowdown), and, when the
+    write outlasts the steps between, the wait for it."""
     if not asynchronous:
         return save_s
-    return copy_s + max(0.0, save_s - every * step_time_s)
+    slower_s = (ASSUMPTIONS["async_write_slowdown"][0] - 1) * min(save_s, every * step_time_s)
+    return copy_s + slower_s + max(0.0, save_s - every * step_time_s)
 
 
 def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: float = 0.0) -> dict:
@@ -1063,7 +1071,8 @@ def checkpoint_interval(cfg, step_time_s: float, save_s: float, restart_s: float
     # optimum checkpoint interval for restart dumps", refines it for saves not small against the MTBF. The
     # write's time a failure also loses, asynchronous, is the same at every interval: it does not move the
     # optimum. At most one save in flight: an interval shorter than the write would wait for it at each save.
-    young_daly_steps = math.sqrt(2 * (copy_s if asynchronous else save_s) * mtbf_s) / step_time_s
+    slower_s = (ASSUMPTIONS["async_write_slowdown"][0] - 1) * save_s  # the steps beside a write (async_write_slowdown)
+    young_daly_steps = math.sqrt(2 * (copy_s + slower_s if asynchronous else save_s) * mtbf_s) / step_time_s
     write_steps = math.ceil(save_s / step_time_s) if asynchronous else 1
     suggested_ckpt_every = max(1, write_steps, round(young_daly_steps))
 
@@ -1089,6 +1098,8 @@ def checkpoint_interval(cfg, step_time_s: float, save_s: float, restart_s: float
     async_stall_s = save_stall_s(True, every, step_time_s, save_s, copy_s)
     sync_fraction, async_fraction = (fraction(saving_s(every, mode)[1]) for mode in (False, True))
     return dict(save_stall_s=async_stall_s if asynchronous else sync_stall_s, sync_save_stall_s=sync_stall_s,
+                async_write_wait_s=max(0.0, save_s - every * step_time_s),
+                async_slower_s=(ASSUMPTIONS["async_write_slowdown"][0] - 1) * min(save_s, every * step_time_s),
                 async_save_stall_s=async_stall_s, run_steps=steps, saves=now["saves"],
                 save_fraction=async_fraction if asynchronous else sync_fraction,
                 sync_save_fraction=sync_fraction, async_save_fraction=async_fraction,
@@ -1385,8 +1396,9 @@ def table(p: dict, cfg) -> str:
     restart = (f"a late restart's set-up + load ({p['restart_setup_s']:.0f} + {p['load_s']:.0f} s"
                + (f", the set-up page-locking {p['page_locking_s']:.0f} s of host memory" if p["page_locking_s"] else "")
                + ")")
-    periodic = (f"a periodic save's stall ({seconds(p['periodic_save_s'])} s: the copy to host memory"
-                + (", and the wait for the write before it" if p["periodic_save_s"] > p["save_copy_s"] else "") + ")"
+    periodic = (f"a periodic save's stall ({seconds(p['periodic_save_s'])} s: the copy to host memory, the steps "
+                f"beside its write"
+                + (", and the wait for the write before it" if p["async_write_wait_s"] else "") + ")"
                 if p["async_save"] else f"a periodic save in progress ({p['periodic_save_s']:.0f} s)")
     before = f"the longer of {periodic} and {restart}" if cfg.ckpt_every else restart
     write = (f"one write {p['save_s']:.0f} s (the one in flight finished, or the stop's own save)" if p["async_save"]
@@ -1400,8 +1412,9 @@ def table(p: dict, cfg) -> str:
                  f"#SBATCH --signal=USR1@{p['signal_lead_s']}")
     every = f"--ckpt_every {cfg.ckpt_every}" if cfg.ckpt_every else "--ckpt_every 0 (a save at the end only)"
     mode = "asynchronous" if p["async_save"] else "synchronous"
-    wait = (f" and {p['async_save_stall_s'] - p['save_copy_s']:.0f} s waiting for the write before it"
-            if p["async_save_stall_s"] > p["save_copy_s"] else "")
+    wait = (f", {p['async_slower_s']:.1f} s of steps slower beside the write (x {ASSUMPTIONS['async_write_slowdown'][0]},"
+            f" async_write_slowdown)"
+            + (f" and {p['async_write_wait_s']:.0f} s waiting for the write before it" if p["async_write_wait_s"] else ""))
     lines += [f"save stall per save (predicted): synchronous {p['sync_save_stall_s']:.0f} s (every GPU waiting for the "
               f"write), asynchronous {seconds(p['async_save_stall_s'])} s (the copy of "
               f"{p['checkpoint_gb_per_rank']:.1f} GB to host memory{wait}; the write goes on in the background); this "

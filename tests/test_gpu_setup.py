@@ -9,6 +9,7 @@ from common import small_config
 
 from components import checks
 from components import metrics
+from components import offload as O
 from components import plan as P
 import train as T
 
@@ -193,3 +194,22 @@ def test_out_of_memory_in_a_step_stops_the_run_with_exit_2_not_a_restart_loop(ma
     assert " in run_stage (`return run_block(" in lines[0]  # the trainer's innermost line, not the test's stand-in
     assert ("with layers.1, layers.2 gathered: CUDA out of memory. Tried to allocate 1.75 GiB. A restart would run out "
             "again") in lines[0]  # layers.2: prefetched
+
+
+def test_page_locking_is_timed_and_said_per_node_beside_the_plans_rate():
+    gb = 1e9
+    by_rank = [(53 * gb, 40.0), (53 * gb, 70.0), (60 * gb, 30.0), (53 * gb, 35.0)]
+    line = metrics.page_locking_line(by_rank, ["node0", "node0", "node1", "node1"])
+    assert line == ("host memory page-locked at start-up (cudaHostRegister, on the path to step 1): node0: 2 rank(s), "
+                    "106.0 GB, the slowest rank 70.0 s (0.76 GB/s); node1: 2 rank(s), 113.0 GB, the slowest rank 35.0 s "
+                    "(1.51 GB/s); --plan assumes 1 GB/s per rank for a restart's set-up")
+    assert metrics.page_locking_line([(0, 0.0), (0, 0.0)], ["a", "b"]) is None  # a CPU, or nothing offloaded
+
+
+def test_page_lock_records_what_it_locked_and_how_long_it_took(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: types.SimpleNamespace(
+        cudaHostRegister=lambda ptr, nbytes, flags: calls.append(nbytes) or 0))
+    monkeypatch.setattr(O, "PAGE_LOCKED", [])
+    O.page_lock(torch.zeros(1000, dtype=torch.float32), "--async_save")
+    assert calls == [4000] and len(O.PAGE_LOCKED) == 1 and O.PAGE_LOCKED[0][0] == 4000 and O.PAGE_LOCKED[0][1] >= 0

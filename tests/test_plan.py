@@ -79,6 +79,21 @@ def test_collectives_across_nodes_run_over_every_nic_at_once_capped_by_nvlink():
     assert predict(**dict(CASE_70B, gpu="a100"))["bandwidth_gbps"] == 8 * 22  # HDR: the NICs below NVLink's 230
 
 
+def test_a_background_write_slows_the_steps_beside_it_by_a_stated_factor():
+    """bench/async_save.py measured the steps beside a write 1.51x slower on 2 shared cores; the planner counts a
+    stated factor of the steps' time the write overlaps in the asynchronous save's stall."""
+    slowdown = P.ASSUMPTIONS["async_write_slowdown"][0]
+    assert slowdown > 1 and "MEASURED 1.51" in P.ASSUMPTIONS["async_write_slowdown"][1]
+    # a 118 s write, 40 s steps: every 200 steps it overlaps 118 s of steps; every 2 steps 80 s, and 38 s are waited
+    assert P.save_stall_s(True, 200, 40.0, 118.0, 1.3) == pytest.approx(1.3 + (slowdown - 1) * 118.0)
+    assert P.save_stall_s(True, 2, 40.0, 118.0, 1.3) == pytest.approx(1.3 + (slowdown - 1) * 80.0 + 38.0)
+    assert P.save_stall_s(False, 200, 40.0, 118.0, 1.3) == 118.0
+    p = predict(**RECOMMENDED_70B, ckpt_every=200)
+    assert p["async_save_stall_s"] == pytest.approx(p["save_copy_s"] + (slowdown - 1) * p["save_s"])
+    assert f"s of steps slower beside the write (x {slowdown}, async_write_slowdown)" in P.table(p, config(
+        **RECOMMENDED_70B, ckpt_every=200))
+
+
 def test_state_per_gpu_of_70b_on_16_gpus():
     mcfg, world = M.PRESETS["llama3-70b"](), 16
     counts = M.count_params(mcfg)
@@ -605,33 +620,36 @@ def test_async_save_stalls_for_the_copy_and_the_interval_follows_it():
     mcfg = M.PRESETS["llama3-70b"]()
     p, sync = predict(**RECOMMENDED_70B, ckpt_every=200), predict(**SYNC_70B, ckpt_every=200)
     copy_s = P.staging_bytes_per_rank(mcfg, 16) / 40e9
+    stall_s = copy_s + (P.ASSUMPTIONS["async_write_slowdown"][0] - 1) * p["save_s"]  # and the steps beside the write
     assert p["async_save"] and not sync["async_save"]
-    assert p["save_stall_s"] == p["async_save_stall_s"] == pytest.approx(copy_s) and copy_s < 2
+    assert p["save_stall_s"] == p["async_save_stall_s"] == pytest.approx(stall_s) and copy_s < 2 and stall_s < 10
     assert p["sync_save_stall_s"] == sync["save_stall_s"] == pytest.approx(p["save_s"]) and p["save_s"] > 100
     assert p["sync_save_fraction"] == pytest.approx(sync["save_fraction"])
-    assert sync["save_fraction"] > 50 * p["save_fraction"]
+    assert sync["save_fraction"] > 10 * p["save_fraction"]  # the steps beside a write slower: not free either
     steps, step_s, mtbf_s = p["run_steps"], p["step_time_s"], 3167.0 * 3600
     train_s = steps * step_s
-    saves_s = (p["saves"] - 1) * copy_s + p["save_s"]  # the last save's write is waited for
+    saves_s = (p["saves"] - 1) * stall_s + p["save_s"]  # the last save's write is waited for
     assert p["save_fraction"] == pytest.approx(saves_s / (train_s + saves_s))
-    assert p["suggested_ckpt_every"] == round((2 * copy_s * mtbf_s) ** 0.5 / step_s) < sync["suggested_ckpt_every"]
+    assert p["suggested_ckpt_every"] == round((2 * stall_s * mtbf_s) ** 0.5 / step_s) < sync["suggested_ckpt_every"]
     assert p["lost_per_failure_s"] == pytest.approx(100 * step_s + p["save_s"] + p["restart_s"])
     assert p["overhead_fraction"] == pytest.approx((saves_s + train_s / mtbf_s * p["lost_per_failure_s"]) / train_s)
     assert p["overhead_fraction"] < sync["overhead_fraction"]
     text = P.table(p, config(**RECOMMENDED_70B, ckpt_every=200))
     assert (f"save stall per save (predicted): synchronous {p['save_s']:.0f} s (every GPU waiting for the write), "
-            f"asynchronous {copy_s:.1f} s (the copy of 52.9 GB to host memory") in text
-    young_daly = f"suggested --ckpt_every {p['suggested_ckpt_every']} (Young/Daly: sqrt(2 x {copy_s:.1f} s asynchronous"
+            f"asynchronous {stall_s:.1f} s (the copy of 52.9 GB to host memory, ") in text
+    young_daly = f"suggested --ckpt_every {p['suggested_ckpt_every']} (Young/Daly: sqrt(2 x {stall_s:.1f} s asynchronous"
     assert young_daly in text
     # With --offload_optimizer the state is in host memory already: a host-to-host copy, read and write.
     offloaded = predict(**RECOMMENDED_70B, offload_optimizer="true", async_save="true")
     host_gbps = 614 * 0.7 / 8
-    assert offloaded["async_save_stall_s"] == pytest.approx(2 * P.staging_bytes_per_rank(mcfg, 16) / (host_gbps * 1e9))
+    assert offloaded["async_save_stall_s"] == pytest.approx(2 * P.staging_bytes_per_rank(mcfg, 16) / (host_gbps * 1e9)
+                                                            + stall_s - copy_s)
     # A filesystem so slow the write (10,582 s) outlasts 20 steps: each save waits for the one before.
     slow = predict(**RECOMMENDED_70B, ckpt_every=20, fs_write_gbps=0.005)
-    assert slow["async_save_stall_s"] == pytest.approx(copy_s + slow["save_s"] - 20 * step_s)
+    slower_s = (P.ASSUMPTIONS["async_write_slowdown"][0] - 1) * 20 * step_s  # the 20 steps beside the write
+    assert slow["async_save_stall_s"] == pytest.approx(copy_s + slower_s + slow["save_s"] - 20 * step_s)
     write_steps = -(-slow["save_s"] // step_s)
-    assert slow["suggested_ckpt_every"] == write_steps > round((2 * copy_s * mtbf_s) ** 0.5 / step_s)
+    assert slow["suggested_ckpt_every"] == write_steps > round((2 * stall_s * mtbf_s) ** 0.5 / step_s)
     assert (f"raised to the {write_steps:.0f} steps a write takes: at most one save in flight"
             in P.table(slow, config(**RECOMMENDED_70B, ckpt_every=20, fs_write_gbps=0.005)))
 
@@ -643,7 +661,8 @@ def test_the_stop_lead_under_async_save_counts_one_write():
     p = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4)
     sync = predict(**SYNC_70B, ckpt_every=200, eval_every=200, eval_batches=4)
     staging_gb = P.staging_bytes_per_rank(M.PRESETS["llama3-70b"](), 16) / 1e9
-    assert p["async_save"] and p["periodic_save_s"] == pytest.approx(p["save_copy_s"]) and p["save_copy_s"] < 2
+    slower_s = (P.ASSUMPTIONS["async_write_slowdown"][0] - 1) * p["save_s"]  # the steps beside the write
+    assert p["async_save"] and p["periodic_save_s"] == pytest.approx(p["save_copy_s"] + slower_s) and p["save_copy_s"] < 2
     assert p["restart_setup_s"] == pytest.approx(P.ASSUMPTIONS["restart_setup_s"][0] + staging_gb / 1.0)
     assert p["restart_s"] == pytest.approx(p["restart_setup_s"] + p["load_s"])
     one_write = p["restart_s"] + p["step_time_s"] + p["eval_s"] + p["save_s"]
@@ -653,7 +672,7 @@ def test_the_stop_lead_under_async_save_counts_one_write():
     text = P.table(p, config(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4))
     assert (f"one write {p['save_s']:.0f} s (the one in flight finished, or the stop's own save), x 1.25): "
             f"#SBATCH --signal=USR1@{p['signal_lead_s']}") in text
-    assert f"a periodic save's stall ({p['periodic_save_s']:.1f} s: the copy to host memory)" in text
+    assert f"a periodic save's stall ({p['periodic_save_s']:.1f} s: the copy to host memory, the steps beside its write)" in text
 
 
 def fake_host_memory(monkeypatch, gib: float):
