@@ -644,14 +644,16 @@ def test_async_save_stalls_for_the_copy_and_the_interval_follows_it():
     host_gbps = 614 * 0.7 / 8
     assert offloaded["async_save_stall_s"] == pytest.approx(2 * P.staging_bytes_per_rank(mcfg, 16) / (host_gbps * 1e9)
                                                             + stall_s - copy_s)
-    # A filesystem so slow the write (10,582 s) outlasts 20 steps: each save waits for the one before.
-    slow = predict(**RECOMMENDED_70B, ckpt_every=20, fs_write_gbps=0.005)
+    # A filesystem so slow the write (10,582 s) outlasts 20 steps: each save waits for the one before; with a failure
+    # an hour, Young/Daly's interval is shorter than the write.
+    slow = predict(**RECOMMENDED_70B, ckpt_every=20, fs_write_gbps=0.005, mtbf_hours=1)  # and a failure an hour
     slower_s = (P.ASSUMPTIONS["async_write_slowdown"][0] - 1) * 20 * step_s  # the 20 steps beside the write
     assert slow["async_save_stall_s"] == pytest.approx(copy_s + slower_s + slow["save_s"] - 20 * step_s)
     write_steps = -(-slow["save_s"] // step_s)
-    assert slow["suggested_ckpt_every"] == write_steps > round((2 * stall_s * mtbf_s) ** 0.5 / step_s)
+    slow_stall_s = copy_s + (P.ASSUMPTIONS["async_write_slowdown"][0] - 1) * slow["save_s"]
+    assert slow["suggested_ckpt_every"] == write_steps > round((2 * slow_stall_s * 3600) ** 0.5 / step_s)
     assert (f"raised to the {write_steps:.0f} steps a write takes: at most one save in flight"
-            in P.table(slow, config(**RECOMMENDED_70B, ckpt_every=20, fs_write_gbps=0.005)))
+            in P.table(slow, config(**RECOMMENDED_70B, ckpt_every=20, fs_write_gbps=0.005, mtbf_hours=1)))
 
 
 def test_the_stop_lead_under_async_save_counts_one_write():
