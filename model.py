@@ -410,8 +410,11 @@ def count_params(cfg: ModelConfig) -> dict:
 
 def flops_per_token(mcfg: ModelConfig, seq_len: int) -> float:
     """6 * (N - embedding) + 12 * L * d * T: weights' matmuls forward and backward, plus attention's
-    QK^T and AV, causal mask not discounted (the PaLM / torchtitan convention). MFU's numerator
-    (components/metrics.py) and the planner's compute (components/plan.py)."""
+    QK^T and AV over the whole window of T tokens, causal mask not discounted (the PaLM / torchtitan
+    convention). With --doc_mask attention runs within each packed document, fewer FLOPs than this count:
+    MFU still counts the window (the startup line says so), so it overstates the attention work done by
+    up to T / (mean document length) on that part. MFU's numerator (components/metrics.py) and the
+    planner's compute (components/plan.py)."""
     counts = count_params(mcfg)
     return 6 * (counts["total"] - counts["embedding"]) + 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
 

@@ -386,6 +386,8 @@ def startup_line(cfg, sharded, start_step: int) -> str:
             f"batch {cfg.batch_size} x {cfg.seq_len} = {cfg.batch_size * cfg.seq_len:,} tokens/step | "
             f"accumulation {cfg.batch_size // (world * cfg.micro_batch_size)} | ac {cfg.ac} | {str(sharded.compute_dtype).removeprefix('torch.')} | "
             f"attention: {attention_kernel(device, sharded.compute_dtype, cfg.doc_mask)}")
+    if cfg.doc_mask:  # the MFU convention (model.flops_per_token): the window's causal count, not each document's
+        line += " | MFU counts attention over the whole window (causal), not per document: more than --doc_mask runs"
     if start_step and not cfg.from_ckpt:  # --from_ckpt: setup names the checkpoint it read
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun's, on this node
         line += (f"\nresumed from {os.path.join(cfg.out_dir, 'checkpoints', f'step_{start_step:08d}')} at step "

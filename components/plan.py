@@ -258,7 +258,10 @@ ASSUMPTIONS = {
               "--export_hf DIR` (OUT_DIR's latest checkpoint) as a job of its own (docs/operations.md)",
     "mfu_convention": "MFU = tokens/s x model.flops_per_token (6(N-emb) + 12 L H Dh T) / peak; recompute, the "
                       "tied head's matmul and the chunked cross-entropy's recomputed logits are executed FLOPs "
-                      "that cost time but are not counted in MFU",
+                      "that cost time but are not counted in MFU. Attention is counted over the whole window, "
+                      "causal, also with --doc_mask, whose attention stays within each packed document and does "
+                      "fewer FLOPs (torchtitan counts the same way): the compute time uses the same count, an "
+                      "upper bound for packed short documents",
 }
 
 # ----------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import pytest
 import torch
 from common import small_config
 
+import model as M
 from components import checks
 from components import metrics
 from components import offload as O
@@ -213,3 +214,15 @@ def test_page_lock_records_what_it_locked_and_how_long_it_took(monkeypatch):
     monkeypatch.setattr(O, "PAGE_LOCKED", [])
     O.page_lock(torch.zeros(1000, dtype=torch.float32), "--async_save")
     assert calls == [4000] and len(O.PAGE_LOCKED) == 1 and O.PAGE_LOCKED[0][0] == 4000 and O.PAGE_LOCKED[0][1] >= 0
+
+
+def test_the_mfu_convention_is_stated_where_document_masking_does_less_attention_than_it_counts():
+    mcfg = small_config()
+    units = [types.SimpleNamespace(persistent_bytes=lambda on_device_only=False: 0)]
+    sharded = types.SimpleNamespace(model=types.SimpleNamespace(cfg=mcfg), world=1, device=torch.device("cpu"),
+                                    units=units, compute_dtype=torch.float32)
+    masked, causal = (metrics.startup_line(T.parse_args(["--doc_mask", flag]), sharded, 0) for flag in ("true", "false"))
+    assert masked.endswith(" | MFU counts attention over the whole window (causal), not per document: more than "
+                           "--doc_mask runs")
+    assert "MFU counts" not in causal
+    assert "--doc_mask" in M.flops_per_token.__doc__ and "--doc_mask" in P.ASSUMPTIONS["mfu_convention"]
