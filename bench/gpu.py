@@ -412,7 +412,7 @@ def environment(device) -> dict:
                world=dist.get_world_size(), flash_attn=M.flash_attn_func is not None,
                # On a GPU: does the selective policy save flash_attn's attention (2.7+), did it fail to import,
                # and what sits outside PyTorch's allocator after the correctness run (CUDA context, NCCL with
-               # NCCL_NVLS_ENABLE as gpu.sh sets it) against the planner's 1 GiB.
+               # NCCL_NVLS_ENABLE as gpu.sh sets it) against the planner's --outside_gib.
                flash_attn_unsaved=checks.flash_attn_unsaved_warning(T.SAVED_OPS),
                flash_attn_import_problem=checks.flash_attn_import_problem(M.FLASH_ATTN_IMPORT_ERROR))
     if device.type == "cuda":

@@ -339,6 +339,7 @@ def resume_candidates(root: str, rank: int, hosts: list[str], device) -> list[st
 # The start-up all-gather below this fraction of the plan's bus bandwidth is a warning, and `--check` fails: NCCL
 # on TCP sockets instead of InfiniBand, or without GPUDirect RDMA, runs 3-5x slower and says nothing itself.
 FABRIC_LEAST_FRACTION = 0.5
+FABRIC_TIMED_GATHERS = 3  # after one to warm up
 
 
 def gather_bus_gbps(sharded) -> tuple[str, float]:
@@ -347,7 +348,7 @@ def gather_bus_gbps(sharded) -> tuple[str, float]:
     is as fast as its slowest rank). nccl-tests' convention: what each rank's link carries, bytes x (W - 1) / W."""
     unit = max(sharded.units, key=lambda u: u.padded_numel)
     seconds = []
-    for _ in range(4):
+    for _ in range(1 + FABRIC_TIMED_GATHERS):
         if sharded.device.type == "cuda":
             torch.cuda.synchronize(sharded.device)
         t0 = time.perf_counter()

@@ -13,7 +13,7 @@ from common import ROOT
 
 def test_gpu_benchmark_dry_run_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
-    env = dict(os.environ, PYTHON=sys.executable)
+    env = dict(os.environ, PYTHON=sys.executable, BENCH_PARTS_JSONL=str(tmp_path / "parts.jsonl"))
     proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh"), "--dry-run", "--steps", "3",
                            "--json", str(out)], capture_output=True, text=True, env=env, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -30,6 +30,10 @@ def test_gpu_benchmark_dry_run_on_cpu(tmp_path):
     assert runs["ours, --offload_optimizer true"]["loss_vs_eager_rel"] == 0.0  # on CPU: the same arithmetic
     assert "| ours | " in proc.stdout and "| transformers + FSDP2 | " in proc.stdout
     assert "| peak GiB | fake-CUDA GiB |" in proc.stdout  # a dry run (CPU) has no fake-CUDA figure: n/a
+    # The script's own record, written as each part ends (a run stopped half-way still says what it measured)
+    part = json.loads((tmp_path / "parts.jsonl").read_text().splitlines()[0])
+    assert part["part"] == "gpu_py" and part["exit"] == 0 and part["budget_s"] <= 330
+    assert any(line.startswith("| ours | ") for line in part["lines"])
 
 
 def test_one_runs_failure_is_agreed_on_and_one_that_strands_the_others_stops_the_benchmark(tmp_path):
@@ -37,7 +41,7 @@ def test_one_runs_failure_is_agreed_on_and_one_that_strands_the_others_stops_the
     on rank 1 alone leaves rank 0 inside its collectives: rank 1 does not find rank 0 at the agreement and
     ends the benchmark with one line (torchrun stops rank 0) instead of every later run hanging."""
     out = tmp_path / "gpu.json"
-    env = dict(os.environ, PYTHON=sys.executable)
+    env = dict(os.environ, PYTHON=sys.executable, BENCH_PARTS_JSONL=str(tmp_path / "parts.jsonl"))
     proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh"), "--dry-run", "--steps", "1", "--no-compile",
                            "--no-baseline", "--json", str(out), "--agree_timeout_s", "5",
                            "--inject_failure", "ours, --prefetch false@0,1",
@@ -167,3 +171,14 @@ def test_comm_volume_counts_the_zero3_schedule():
                           timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("all equal, nothing model-sized outside the steps: True") == 2, proc.stdout[-3000:]
+
+
+def test_gpu_benchmark_gives_each_part_what_is_left_of_its_budget_and_records_it(tmp_path):
+    """bench/gpu.sh fits one device call: a part with under 20 s of BENCH_BUDGET_S left is skipped, said, and recorded."""
+    parts = tmp_path / "parts.jsonl"
+    env = dict(os.environ, PYTHON=sys.executable, BENCH_PARTS_JSONL=str(parts), BENCH_BUDGET_S="15")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh"), "--dry-run"], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert proc.returncode == 0 and "bench/gpu.sh: gpu_py: skipped, " in proc.stderr, proc.stderr[-2000:]
+    assert json.loads(parts.read_text()) == dict(part="gpu_py", exit=-1, seconds=0, budget_s=json.loads(
+        parts.read_text())["budget_s"], lines=[])
