@@ -182,3 +182,16 @@ def test_gpu_benchmark_gives_each_part_what_is_left_of_its_budget_and_records_it
     assert proc.returncode == 0 and "bench/gpu.sh: gpu_py: skipped, " in proc.stderr, proc.stderr[-2000:]
     assert json.loads(parts.read_text()) == dict(part="gpu_py", exit=-1, seconds=0, budget_s=json.loads(
         parts.read_text())["budget_s"], lines=[])
+
+
+def test_launch_check_fails_under_half_the_plans_bus_bandwidth(monkeypatch):
+    """--check's verdict is the start-up warning's: a GPU the planner knows, under half the plan's bus bandwidth."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import comm_check
+    import torch
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    cuda = torch.device("cuda")
+    line = comm_check.fabric_problem(12.0, cuda, 16, 8)  # 2 nodes: 8 NICs x 45 GB/s, capped by NVLink's 360
+    assert line.startswith("the largest all-reduce ran at 12.0 GB/s bus bandwidth, under 50% of the plan's 360")
+    assert comm_check.fabric_problem(250.0, cuda, 16, 8) is None
+    assert comm_check.fabric_problem(0.5, torch.device("cpu"), 2, 2) is None  # gloo: no plan to compare with
