@@ -1118,9 +1118,11 @@ def save(cfg, sharded: ShardedModel, saving, step: int, data_state, background: 
     t0 = time.perf_counter()
     try:
         if background:
+            first = saving.saves == 0  # its staging buffer was made in the background since start-up
             saving.start(cfg, sharded.units, step, sharded.rank, sharded.world, data_state)
             message = (f"checkpoint of step {step}: copied to host memory in {time.perf_counter() - t0:.2f} s, "
-                       f"writing in the background")
+                       f"writing in the background" + (f" (the staging buffer was made beside the first steps in "
+                                                       f"{saving.prepared_s:.1f} s, off the path to step 1)" if first else ""))
         else:
             path = disk.save_checkpoint(cfg, sharded.model.cfg, sharded.units, step, sharded.rank, sharded.world, data_state)
             message = f"saved checkpoint {path} (in {time.perf_counter() - t0:.2f} s, training waiting)"

@@ -224,12 +224,12 @@ ASSUMPTIONS = {
                              "the failed attempt's workers (SIGKILL after 30 s at most, launch.sh), the rendezvous, "
                              "a fresh interpreter importing torch and train.py (~5 s measured on the 2-core "
                              "development machine), the process groups, data and the sharded state allocated; "
-                             "plus what is page-locked at host_page_locking_gbps: --offload_optimizer's host state "
-                             "and --async_save's staging buffer"),
-    "host_page_locking_gbps": (1.0, "--offload_optimizer's host state and --async_save's staging buffer zeroed and "
-                                    "registered once per attempt (the staging buffer at start-up or at the first "
-                                    "save: either way before a stop's save after a restart, so the restart counts "
-                                    "it): the slower end of the ~1-2 GB/s in 'pinning' (a prediction, not measured)"),
+                             "plus what is page-locked before step 1 at host_page_locking_gbps: --offload_optimizer's "
+                             "host state (--async_save's staging buffer is made in a thread beside the first steps, "
+                             "disk.BackgroundSave, and a stop's save after a restart is synchronous: it needs none)"),
+    "host_page_locking_gbps": (1.0, "--offload_optimizer's host state zeroed and registered once per attempt, before "
+                                    "step 1: the slower end of the ~1-2 GB/s in 'pinning' (a prediction, not measured; "
+                                    "the trainer prints each node's rate before step 1)"),
     "async_save": "--async_save: each rank copies what its checkpoint file holds (disk.saved_tensors: every unit's "
                   "fp32 master and optimizer state shards) into one exact host buffer, page-locked on CUDA "
                   "(offload.page_lock, no power-of-two rounding), each tensor at a multiple of "
@@ -1043,7 +1043,7 @@ def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: flo
     periodic_save_s = (save_stall_s(asynchronous, cfg.ckpt_every, step_time_s, save_s, copy_s)
                        if cfg.ckpt_every else 0.0)
     host = host_bytes_per_gpu(mcfg, cfg, world, asynchronous)
-    page_locking_s = (host["state"] + host["staging"]) / 1e9 / ASSUMPTIONS["host_page_locking_gbps"][0]
+    page_locking_s = host["state"] / 1e9 / ASSUMPTIONS["host_page_locking_gbps"][0]  # the staging buffer: beside step 1
     restart_setup_s = ASSUMPTIONS["restart_setup_s"][0] + page_locking_s
     restart_s = restart_setup_s + load_s
     before_step_s = max(periodic_save_s, restart_s)  # one or the other: a restart ends the save in progress

@@ -66,6 +66,8 @@ def test_a_background_save_is_the_synchronous_save_byte_for_byte(data, never_sav
     assert manifest(background, 6)["files"] == manifest(never_saves, 6)["files"]
     assert losses(background) == losses(sync) == losses(never_saves)
     assert "checkpoint of step 1: copied to host memory in" in proc.stdout
+    # the staging buffer was made in a thread beside the first steps, not before step 1: said once, at the first save
+    assert proc.stdout.count("(the staging buffer was made beside the first steps in ") == 1
     waited = [line for line in proc.stdout.splitlines() if "step_00000002 (written in the background" in line]
     assert len(waited) == 1 and float(waited[0].split("training waited ")[1].split(" s")[0]) >= 2.0, waited
 
@@ -226,3 +228,18 @@ def test_the_staging_buffer_is_what_the_planner_counts_and_is_taken_once(data, m
     assert made[0].staging.numel() == plan.staging_bytes_per_rank(models[0], 1)
     assert set(copied_into) == {made[0].staging.data_ptr()}
 
+
+
+def test_a_staging_buffer_that_cannot_be_made_stops_every_rank_at_the_first_save(data, main_in_process, monkeypatch,
+                                                                                 tmp_path, capsys):
+    """The staging buffer is made off the path to step 1, in a thread; if that fails (host memory, the locked-memory
+    limit), the first save says so on every rank (an all-reduce over the checkpoint group first: no rank waits in a
+    collective the others left) and the run stops, exit 2: a restart would meet the same limit."""
+    def failing(self, tensors, device):
+        self.prepare_error, self.prepared_s = RuntimeError("cudaHostRegister of 49.3 GiB failed (CUDA error 2)"), 0.0
+    monkeypatch.setattr(disk.BackgroundSave, "prepare", failing)
+    assert main_in_process(args(data, tmp_path, "--ckpt_every=2", "--async_save=true")) == 2
+    err = capsys.readouterr().err
+    assert ("error: --async_save: 1 rank(s) could not make the staging buffer: cudaHostRegister of 49.3 GiB failed "
+            "(CUDA error 2)") in err, err[-2000:]
+    assert not os.path.exists(os.path.join(tmp_path, "checkpoints", "step_00000002"))
