@@ -7,6 +7,8 @@
 #   2. start-up as the planner assumed it (issue 38), a plain torchrun of train.py (not launch.sh) on every local GPU
 #      with --offload_optimizer and --async_save: the all-gather's bus bandwidth beside the plan's, the largest
 #      memory outside PyTorch's allocator at this many ranks beside --outside_gib, the page-locking rate per node
+#      (the --offload_optimizer state before step 1; the --async_save staging buffer beside the first steps, said at the
+#      first save)
 #      beside host_page_locking_gbps; and what issue 37 asked of it (no preflight error, the slowest rank named,
 #      NVLS off, expandable segments in effect).
 #   3. bench/async_save.py: a save's stall and the steps beside its write (plan.ASSUMPTIONS async_write_slowdown).
@@ -77,7 +79,7 @@ $DRY && exit "$status"
 
 "$PYTHON" -c "import numpy as np, sys; np.save(sys.argv[1], np.random.default_rng(0).integers(0, 128000, 1_000_000).astype(np.uint32))" "$WORK/tokens.npy"
 # 2. Start-up measured (the planner's assumptions) and the same job on every rank.
-part startup 120 'all-gather of|outside PyTorch|page-locked|slowest rank|^error|^warning|NVLS|expandable' \
+part startup 120 'all-gather of|outside PyTorch|page-locked|staging buffer|slowest rank|^error|^warning|NVLS|expandable' \
     env NCCL_DEBUG=INFO "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train.py \
     --model llama3.2-1b --data "$WORK/tokens.npy" --seq_len 4096 --batch_size "$NPROC" --micro_batch_size 1 --steps 4 \
     --warmup_steps 1 --eval_every 0 --ckpt_every 2 --async_save true --offload_optimizer true --out_dir "$WORK/startup"
