@@ -7,10 +7,9 @@
 #   2. start-up as the planner assumed it (issue 38), a plain torchrun of train.py (not launch.sh) on every local GPU
 #      with --offload_optimizer and --async_save: the all-gather's bus bandwidth beside the plan's, the largest
 #      memory outside PyTorch's allocator at this many ranks beside --outside_gib, the page-locking rate per node
-#      (the --offload_optimizer state before step 1; the --async_save staging buffer beside the first steps, said at the
-#      first save)
-#      beside host_page_locking_gbps; and what issue 37 asked of it (no preflight error, the slowest rank named,
-#      NVLS off, expandable segments in effect).
+#      beside host_page_locking_gbps (the --offload_optimizer state, before step 1; the --async_save staging buffer,
+#      made beside the first steps, at the first save); and what issue 37 asked of it (no preflight error, the
+#      slowest rank named, NVLS off, expandable segments in effect).
 #   3. bench/async_save.py: a save's stall and the steps beside its write (plan.ASSUMPTIONS async_write_slowdown).
 #   4. --deterministic's cost (Llama-3.2-1B, one GPU, 3 short runs), 5. a --profile trace of one step
 #      (out/gpu_profile/profile/, docs/profiling.md).
