@@ -376,16 +376,18 @@ def error_line(e: BaseException, when: str) -> str:
 #     --reduce_dtype, is the collective's input and must stay alive until it completes; `out` is this
 #     rank's summed shard, added into grad_shard then.
 #
-# The core, from `class Unit` to the optimizer (`optimizer_step`, the end of section 4), has no variation
-# in it: each plugs in at one point the core names, and lives in section 4b and offload.py. --offload_optimizer:
-# a Unit subclass and a ShardedModel subclass the set-up chooses (they override gather_input, add_grad,
-# grad_norm and update); --offload_activations: one line of run_block; the tests' faults: the `fault_hook` seam.
+# The core, from `class Unit` to the optimizer (`optimizer_step`, the end of section 4), holds the variations only
+# where they plug in. --offload_optimizer: a Unit subclass and a ShardedModel subclass the set-up chooses (they
+# override gather_input, add_grad, grad_norm and update; section 4b and offload.py); --offload_activations: one line
+# of run_block; --freeze: a unit's `trained` (no gradient hook, no optimizer state; backward ends in the first
+# trained stage); --lr_mult: a unit's lr_ranges, which the optimizer reads; --ac: the stage's policy in run_block;
+# --profile: the record_function ranges, which cost nothing unless a profiler runs; the tests' faults: `fault_hook`.
 
 class Slot(NamedTuple):
     """One parameter's place in its unit's flat buffer."""
     module: torch.nn.Module
     attr: str       # the attribute on `module`, e.g. "weight"
-    name: str       # its name in the model, e.g. "layers.3.attn.q_proj.weight"
+    name: str       # its name in the model, e.g. "layers.3.self_attn.q_proj.weight"
     shape: tuple
     offset: int     # first element in the flat buffer
 
@@ -1020,7 +1022,7 @@ def init_unit_random(unit: Unit, index: int, seed: int, std: float):
 
 def init_weights(cfg: TrainConfig, mcfg: M.ModelConfig, units: list[Unit], weights: dict | str | None):
     """Seeded random weights (`weights` None); this rank's shards of an --init_from Hugging Face folder
-    (`weights` {HF tensor name: file}: checkpoint.load_unit_from_hf reads only the rows that cover each
+    (`weights` {HF tensor name: file}: disk.load_unit_from_hf reads only the rows that cover each
     shard); or of one of our checkpoints (`weights` its folder: a new phase starts from its fp32 master
     weights, re-sharded for this world size, with a fresh optimizer)."""
     if weights is None:

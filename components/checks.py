@@ -223,7 +223,7 @@ def unknown_flag_message(unknown: list[str], known: list[str]) -> str:
 
 def check_export(mcfg: M.ModelConfig) -> list[str]:
     """--export_hf: what transformers builds from this model's config.json must be this model, found now
-    rather than after the training (checkpoint.check_export_tensors; export_hf checks again)."""
+    rather than after the training (disk.check_export_tensors; export_hf checks again)."""
     with torch.device("meta"):
         shapes = {M.hf_name(n): tuple(p.shape) for n, p in M.Llama(mcfg).named_parameters()}
     try:

@@ -576,7 +576,7 @@ def saved_tensors(unit) -> list:
     return [("master_shard", unit.master_shard)] + list(unit.optimizer_state.items())
 
 
-# --async_save: a rank's saved tensors are copied into one host buffer (disk.Staging), each tensor at a multiple of
+# --async_save: a rank's saved tensors are copied into one host buffer (disk.BackgroundSave), each tensor at a multiple of
 # this many bytes, so every view of it is aligned for any dtype. plan.staging_bytes_per_rank counts the same.
 STAGING_ALIGN_BYTES = 64
 

@@ -685,7 +685,7 @@ def ce_chunk_tokens(cfg) -> int:
 
 
 def logits_bytes(mcfg: M.ModelConfig, cfg) -> float:
-    """One cross-entropy chunk at its softmax's backward (model.head_loss): the fp32 log-softmax output
+    """One cross-entropy chunk at its softmax's backward (model.Llama.head_loss): the fp32 log-softmax output
     (saved), its gradient and the fp32 logits' gradient, 12 B per chunk x vocab element. The bf16 logits
     and their fp32 copy are gone by then (the log-softmax saves its output, not its input)."""
     return ce_chunk_tokens(cfg) * mcfg.vocab_size * (4 + 4 + 4)

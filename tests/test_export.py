@@ -172,7 +172,7 @@ def test_a_fork_with_a_parameter_llama_lacks_is_refused_before_any_work(tmp_path
 
 
 def paced_export(tmp_path, monkeypatch, rank: int, rank0_writes: bool = True, fail_file: str = ""):
-    """checkpoint.export_hf on `rank` of W=2 with its collectives and writes recorded, not run: three units of
+    """disk.export_hf on `rank` of W=2 with its collectives and writes recorded, not run: three units of
     one file each. rank0_writes: what rank 0's per-file broadcast says (for rank 1)."""
     from components import disk
     events = []
