@@ -270,7 +270,7 @@ def attention(q, k, v, layout: DocumentLayout | None = None):
     With a `layout` (document_layout), no token attends to another document."""
     B, T, H, D = q.shape
     if uses_flash(q.device, q.dtype):
-        # --deterministic (train.use_deterministic_kernels) turns torch's switch on: flash-attn's own follows it
+        # --deterministic (processes.use_deterministic_kernels) turns torch's switch on: flash-attn's own follows it
         # (its backward's dQ is otherwise summed with atomic adds; the forward is always deterministic).
         deterministic = torch.are_deterministic_algorithms_enabled()
         if layout is None:  # handles GQA itself, (B, T, H, D) layout

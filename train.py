@@ -1,17 +1,16 @@
 """Full-parameter Llama fine-tuning with a hand-written FSDP full shard (ZeRO-3).
 
-Read top to bottom; the sections follow the data:
-  1. config      one dataclass; the command line is generated from its fields
-  2. processes   torch.distributed set-up (NCCL on GPUs, gloo on CPU, also W=1 without torchrun)
-  3. shard       each sharding unit's parameters as one flat buffer, this rank's fp32 shard of it, and
+Read top to bottom; the sections follow the data (the flags and the process group are set up in components/config.py
+and components/processes.py, read when needed):
+  1. shard       each sharding unit's parameters as one flat buffer, this rank's fp32 shard of it, and
                  the trick that lets modules use a buffer that comes and goes (the comment above Unit)
-  4. step        the naive ZeRO-3 step first (train_step_naive, its helpers below it), then the real one
+  2. step        the naive ZeRO-3 step first (train_step_naive, its helpers below it), then the real one
                  from the top down: gather just before use, free right after (the head: after its
                  backward), re-gather in backward, reduce-scatter, AdamW on the shards. From `class Unit`
-                 to `optimizer_step` nothing else: the variations are only named where they plug in
-  4b. around     the sharded model's set-up, where --offload_optimizer and the tests' faults plug in,
+                 to `optimizer_step` the variations are only named where they plug in
+  2b. around     the sharded model's set-up, where --offload_optimizer and the tests' faults plug in,
                  evaluation
-  5. loop        weights (seeded, or sharded reads of a Hugging Face folder or a checkpoint),
+  3. loop        weights (seeded, or sharded reads of a Hugging Face folder or a checkpoint),
                  set-up, the training loop, saving and stopping
 
 What is not the story lives beside it: model.py, data.py (tokenize, pack, the window order), and in
@@ -23,7 +22,7 @@ in host memory, a variation a first reading skips), sample.py (--sample_prompts:
 evaluation, through the same gather/free units), plan.py (`--plan`: memory, speed and cost predicted without
 a GPU), faults.py (fault injection for the tests).
 
-Launch recipes (the flags are in TrainConfig below; `python train.py --help` lists them):
+Launch recipes (the flags are components/config.py's TrainConfig; `python train.py --help` lists them):
 
   one process, CPU or one GPU:
       python train.py --model tiny --steps 100
@@ -40,16 +39,13 @@ Launch recipes (the flags are in TrainConfig below; `python train.py --help` lis
 
 from __future__ import annotations  # annotations may name what is defined further down
 
-import argparse
-import datetime
 import gc
 import math
 import os
 import signal
 import sys
 import time
-import traceback
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, replace
 from functools import partial
 from typing import NamedTuple
 
@@ -66,194 +62,18 @@ from components import disk  # state on disk: the out_dir, checkpoints, resume, 
 from components import metrics
 from components import offload as O  # --offload_activations and --offload_optimizer
 from components import plan, sample  # plan: the planner, which runs this file's Unit and blocks (use_trainer)
-from components.checks import (check_run, config_warnings, flash_attn_unsaved_warning,  # every input
-                               param_group_warnings, unknown_flag_message)
+from components import config  # the flags: TrainConfig
+from components.checks import check_run, config_warnings, flash_attn_unsaved_warning, param_group_warnings  # inputs
+from components.config import TrainConfig
+from components.processes import compute_dtype, error_line, exit_code, fail, init_processes  # set-up; how a run stops
 
 
-# ================================================================================================
-# 1. Config
-# ================================================================================================
-
-def opt(default, help):
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass
-class TrainConfig:
-    model: str = opt("", f"preset: {', '.join(M.PRESETS)}; tiny when not given (ignored with --init_from a Hugging "
-                         f"Face folder; with --init_from a checkpoint of ours, it must be that checkpoint's model)")
-    init_from: str = opt("", "weights to start from: a Hugging Face Llama folder (config.json + *.safetensors), or one of "
-                             "our checkpoints (a step_* folder, or an --out_dir: its latest) for a new phase: its "
-                             "weights only, step 1, a fresh optimizer and data position, any world size")
-    data: str = opt("sample", "a folder from data.py prepare, a 1-D .npy token file, or several weighted, "
-                              "DIR[:WEIGHT][,DIR[:WEIGHT]...] (each global batch in those proportions); or 'sample' (the "
-                              "built-in English + French corpus and tokenizer, built once under OUT_DIR/sample: two sources)")
-    doc_mask: bool = opt(True, "packed documents do not attend to each other and RoPE restarts in each")
-    eval_data: str = opt("auto", "held-out data like --data (several sources: eval_loss/NAME each, eval_loss their "
-                                 "weighted mean); 'auto': the sample's held-out part with --data sample, else none")
-    eval_every: int = opt(50, "evaluate every N steps and at the end (0: never)")
-    eval_batches: int = opt(4, "global batches of --eval_data (of each of its sources) per evaluation (the same ones every time)")
-    sample_prompts: str = opt("", "a .jsonl of prompts ({\"text\": ...} or a chat {\"messages\": [...]}): each evaluation "
-                                  "also completes them greedily, prints them and appends them to OUT_DIR/samples.jsonl")
-    sample_tokens: int = opt(64, "--sample_prompts: new tokens per prompt at most (fewer when an end id comes)")
-    seq_len: int = opt(256, "tokens per training sequence")
-    batch_size: int = opt(16, "global batch in sequences = world size x micro_batch_size x accumulation")
-    micro_batch_size: int = opt(4, "sequences per rank per forward/backward")
-    steps: int = opt(200, "optimizer steps (0: no training, e.g. to convert --init_from to --export_hf)")
-    lr: float = opt(1e-3, "peak learning rate")
-    warmup_steps: int = opt(20, "linear warmup steps")
-    schedule: str = opt("cosine", "after warmup: 'cosine' (to 10%% of --lr at --steps) or 'constant'")
-    freeze: str = opt("", "a regex (re.search) over the Hugging Face parameter names (model.layers.0.mlp.up_proj.weight, "
-                          "lm_head.weight, as in --export_hf's folder): matching parameters are not trained, whole "
-                          "units only (the embedding, a block, the head); may change on resume (docs/operations.md)")
-    lr_mult: str = opt("", "'REGEX=FACTOR,...': the learning rate of parameters whose Hugging Face name matches REGEX is "
-                           "--lr x FACTOR (the first pattern that matches wins); may change on resume")
-    weight_decay: float = opt(0.1, "decoupled AdamW weight decay, on matrices only (not norms)")
-    grad_clip: float = opt(1.0, "clip the global gradient L2 norm to this; 0 disables")
-    adam_beta1: float = opt(0.9, "AdamW beta1 (decay of the gradient's running mean)")
-    adam_beta2: float = opt(0.95, "AdamW beta2 (decay of the squared gradient's running mean)")
-    adam_eps: float = opt(1e-8, "AdamW epsilon")
-    dtype: str = opt("auto", "compute dtype: 'bfloat16', 'float32', or 'auto' (bfloat16 on GPUs, float32 on CPUs, "
-                             "where bf16 matmuls are often emulated); master weights and optimizer state are fp32")
-    reduce_dtype: str = opt("float32", "dtype of the gradient reduce-scatter, 'float32' or 'bfloat16'")
-    ac: str = opt("selective", "activation checkpointing per block: 'none', 'full' or 'selective'")
-    ac_blocks: int = opt(-1, "partial checkpointing: only the first N blocks use --ac, the others --ac_rest "
-                             "(-1: every block uses --ac)")
-    ac_rest: str = opt("none", "with --ac_blocks: the policy of the blocks after the first N, 'none' or 'selective'")
-    offload_optimizer: bool = opt(False, "keep the fp32 master shards, the optimizer state and the fp32 gradient "
-                                         "accumulators in pinned host memory and run the optimizer on the CPU; the GPU "
-                                         "keeps a compute-dtype copy of its shards for the all-gathers")
-    offload_activations: bool = opt(False, "with --ac full: keep each block's input in pinned CPU memory until "
-                                           "backward, instead of on the GPU")
-    ce_chunk: int = opt(1024, "tokens per cross-entropy chunk: fp32 logits exist for this many tokens at a time")
-    prefetch: bool = opt(True, "all-gather the next unit while the current one computes")
-    seed: int = opt(0, "seed for the initial weights and the data order")
-    out_dir: str = opt("out", "folder for metrics.jsonl and checkpoints/")
-    ckpt_every: int = opt(0, "save a checkpoint every N steps (0: only at the end); always one at the end")
-    async_save: str = opt("auto", "'true': a save copies this rank's state to host memory and writes it in the background "
-                                  "while training goes on; 'false': every rank waits for its write; 'auto': true on GPUs "
-                                  "where the host memory fits, false on CPUs, whose cores would share training and writing")
-    keep_ckpts: int = opt(3, "keep the newest K checkpoints (at least 2)")
-    resume: str = opt("auto", "'auto': continue from the newest intact checkpoint in --out_dir; 'never'")
-    overwrite: bool = opt(False, "with --resume never: delete --out_dir's checkpoints and metrics first (once per run: "
-                                 "its restarts by torchrun or a SLURM requeue resume)")
-    from_ckpt: str = opt("", "a checkpoint folder (or an --out_dir: its latest) to load instead of training "
-                             "(use with --export_hf)")
-    max_skipped_steps: int = opt(0, "steps with a non-finite loss or gradient norm to skip before stopping")
-    timeout_min: float = opt(10.0, "a collective waiting longer than this (a dead or hung rank) ends the run")
-    ckpt_timeout_min: float = opt(60.0, "the same for the collectives around a checkpoint save or resume, which wait for "
-                                        "every rank's file (12 B per parameter / W, 53 GB per rank for 70B on 16 GPUs)")
-    gpu_hour_usd: float = opt(0.0, "price of one GPU-hour: the step line and metrics.jsonl add dollars")
-    tensorboard: bool = opt(False, "also log to OUT_DIR/tensorboard (needs the tensorboard package)")
-    plot: str = opt("", "only plot: write DIR/metrics.png from DIR/metrics.jsonl (needs matplotlib)")
-    export_hf: str = opt("", "at the end, write a Hugging Face folder here")
-    export_shard_gb: float = opt(5.0, "largest safetensors file of --export_hf, in GB")
-    log_every: int = opt(1, "print a line every N steps (metrics.jsonl gets every step)")
-    profile: int = opt(0, "write a torch.profiler trace of step N (its micro-batches, every unit's gather, free, forward, "
-                          "recompute, backward and reduce-scatter named) to OUT_DIR/profile/step_N_rank_R.json, for "
-                          "Perfetto or chrome://tracing (0: none)")
-    device: str = opt("auto", "'auto' (CUDA when available), 'cuda' or 'cpu'")
-    deterministic: bool = opt(False, "GPU kernels that give the same bits every run: torch's deterministic algorithms "
-                                     "(CUBLAS_WORKSPACE_CONFIG=:4096:8 when unset) and flash-attn's deterministic "
-                                     "backward; slower (docs/operations.md, 'What exact means where')")
-    # The planner (plan.py): memory, speed and cost per GPU predicted from the flags above, no GPU needed.
-    plan: bool = opt(False, "only predict memory by part, fit, step time, tokens/s/GPU, MFU, hours, cost")
-    nnodes: int = opt(1, "--plan: nodes")
-    nproc_per_node: int = opt(8, "--plan: GPUs per node")
-    gpu: str = opt("h100", "--plan: GPU type (see components/plan.py GPUS)")
-    nics_per_node: int = opt(0, "--plan: network adapters per node the collectives use (0: the --gpu's server, 8 on "
-                                "HGX H100/H200 and DGX A100); the trainer times the fabric at start-up")
-    nic_gbps: float = opt(0.0, "--plan: bus bandwidth of one such NIC in a collective, GB/s (0: the --gpu's, 45 for "
-                               "NDR 400 Gb/s, 22 for HDR 200 Gb/s)")
-    outside_gib: float = opt(1.25, "--plan: GPU memory outside PyTorch's allocator, GiB per GPU: the CUDA context "
-                                   "and NCCL's buffers (plan.ASSUMPTIONS outside_gib); the trainer measures it after "
-                                   "set-up and prints the largest")
-    train_tokens: float = opt(0.0, "--plan: tokens to train on, for hours and cost (0: one epoch of nothing)")
-    plan_json: str = opt("", "--plan: also write the prediction as JSON here")
-    fs_write_gbps: float = opt(0.45, "--plan: checkpoint bandwidth per rank of --out_dir's filesystem, every rank at "
-                                     "once, GB/s: a save's and a restart's load (the default: measured on a local "
-                                     "disk, BENCHMARKS.md; bench/checkpoint_io.py measures yours and prints this)")
-    # Llama 3 (Dubey et al. 2024, section 3.3.4): 419 unexpected interruptions in 54 days on 16,384 H100s, i.e.
-    # one per 54 x 24 x 16384 / 419 = 50,677 GPU-hours; for 16 GPUs 50,677 / 16 = 3,167 h. An assumption for
-    # your cluster: a smaller site's failures per GPU may well be more frequent; pass what you observe.
-    mtbf_hours: float = opt(3167.0, "--plan: mean time between failures of the whole job, hours, for the suggested "
-                                    "--ckpt_every; the default is Llama 3's interruption rate per GPU scaled to 16 GPUs")
-
+# The flags (components/config.py: TrainConfig, whose fields make the command line) and the processes
+# (components/processes.py: the process group; fail, exit_code and error_line: how a run stops) live beside this
+# file; the lesson starts here.
 
 def parse_args(argv=None) -> TrainConfig:
-    """The config from the command line (--steps 5 or --steps=5). A bad value or an unknown flag is a
-    ValueError of one line; an unknown flag names the nearest one (checks.py)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     usage="python train.py [--flag value ...]", exit_on_error=False)
-    for f in fields(TrainConfig):
-        shown = str(f.default).lower() if type(f.default) is bool else str(f.default) or "unset"
-        help_text = f"{f.metadata['help']} (default: {shown.replace('%', '%%')})"  # argparse formats help with %
-        if type(f.default) is bool:  # --prefetch false / --prefetch true / --plan (alone: true)
-            parser.add_argument(f"--{f.name}", type=true_or_false, nargs="?", const=True, default=f.default,
-                                help=help_text)
-        else:
-            parser.add_argument(f"--{f.name}", type=type(f.default), default=f.default, help=help_text)
-    try:
-        args, unknown = parser.parse_known_args(argv)
-    except argparse.ArgumentError as e:
-        raise ValueError(str(e)) from None
-    if unknown:
-        raise ValueError(unknown_flag_message(unknown, [f.name for f in fields(TrainConfig)]))
-    return TrainConfig(**vars(args))
-
-
-def true_or_false(text: str) -> bool:
-    value = {"true": True, "1": True, "false": False, "0": False}.get(text.lower())
-    if value is None:
-        raise argparse.ArgumentTypeError(f"expected true, false, 1 or 0, got {text!r}")
-    return value
-
-
-# ================================================================================================
-# 2. Processes
-# ================================================================================================
-
-def use_deterministic_kernels():
-    """--deterministic. On a GPU some kernels sum in an order that varies from run to run (atomic adds):
-    flash-attn's backward (its dQ), cuBLAS with several workspaces, SDPA's fused backwards. torch's
-    deterministic mode picks an order-fixed kernel where one exists and raises where none does (SDPA's
-    fused backwards take their deterministic path only in this strict mode, not with warn_only);
-    model.attention passes it on to flash-attn (deterministic=True). cuBLAS is deterministic only with a
-    fixed workspace, read from CUBLAS_WORKSPACE_CONFIG when cuBLAS first runs: set before any matmul
-    (PyTorch's "Reproducibility" notes). On CPU the kernels are deterministic already."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-
-
-def init_processes(cfg: TrainConfig):
-    """Returns (rank, world, device). Under torchrun RANK/WORLD_SIZE are set; plain `python train.py`
-    gets a one-process group, so the code below never special-cases W = 1."""
-    if cfg.deterministic:  # before the first matmul on a GPU, where cuBLAS reads its workspace setting
-        use_deterministic_kernels()
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    backend = "nccl" if use_cuda else "gloo"
-    # A rank that dies or hangs must not leave the others waiting forever: every collective times out
-    # after --timeout_min, and torch's default NCCL error handling (3: tear down without cleanup) turns that
-    # into an exit, not a stuck process. Forcing the older mode 1 would make that exit slower.
-    timeout = datetime.timedelta(minutes=cfg.timeout_min)
-    # device_id: NCCL connects here (eagerly), so a broken NCCL set-up fails at start, not at the first step.
-    bound = {"device_id": device} if use_cuda else {}
-    if not dist.is_initialized():  # else made by a caller that runs several trainings in one process (bench/)
-        if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timeout, **bound)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **bound)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def compute_dtype(flag: str, device: torch.device) -> torch.dtype:
-    if flag == "auto":  # a CPU without native bf16 matmuls runs them ~16x slower than fp32 (measured)
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, flag)
+    return config.parse_args(argv, __doc__)
 
 
 # torch 2.13 renames the two collectives ZeRO-3 is made of; accept both names.
@@ -261,70 +81,8 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def fail(message: str, exit_code: int = 2, together: bool = False):
-    """One line, on every rank, and the exit code: never a traceback wall or a hang. Exit code 2 (the default:
-    a line our own checks wrote, a bad flag) says a restart would meet the same error, so launch.sh, which gives
-    us ZERO3_FATAL_FILE, stops torchrun from restarting when the line appears there. Exit code 1 (exit_code(e)
-    of anything not shown to repeat) is left to torchrun's restarts and then to a requeue. `together`: every
-    rank fails here (a decision they all took): none exits before all have said it, since torchrun stops the
-    others at the first exit."""
-    sys.stderr.write(f"error: {message}\n")  # one write: ranks sharing a terminal or pipe do not interleave lines
-    sys.stderr.flush()
-    sys.stdout.flush()
-    if exit_code == 2 and os.environ.get("ZERO3_FATAL_FILE"):
-        with open(os.environ["ZERO3_FATAL_FILE"], "a") as f:
-            f.write(f"error: {message}\n")
-    if together:
-        dist.barrier()
-    os._exit(exit_code)  # no interpreter teardown (see the end of this file)
-
-
-# Exit code 2 stops the run for good (launch.sh stops torchrun's restarts, launch.sbatch does not requeue): only
-# for what a restart is shown to repeat. Everything else, an exception type nobody listed here included, exits 1:
-# a restart may fix it (torchrun restarts the workers, then the allocation is requeued, a bounded number of times).
-# That covers NCCL/gloo errors at set-up, CUDA out of memory because a previous attempt's process still holds
-# the GPU, an ECC error, a lock a crashed node left (disk.OutDirHeld), a checkpoint read failing with EIO/ESTALE.
-REPEATS_ON_RESTART = (
-    ValueError, KeyError,  # a bad flag or value; a config.json or weight file this code does not load
-    ImportError,           # a package a flag needs
-    D.DataError,           # bad or missing data
-    FileNotFoundError,     # a file a flag names is not there
-    disk.CheckpointError,  # checkpoints all damaged, a resume under other flags, an out_dir not shared by all ranks
-)                          # (but its subclass OutDirHeld, and its os_errno when it has one: below)
-
-
-def exit_code(e: BaseException) -> int:
-    """2 if `e` will happen again on a restart, else 1 (REPEATS_ON_RESTART). An OSError, or a CheckpointError
-    caused by one, repeats when the disk is full, over quota, read-only or forbidden (disk.LASTING_ERRNOS)."""
-    if isinstance(e, disk.OutDirHeld):
-        return 1
-    os_errno = e.os_errno if isinstance(e, disk.CheckpointError) else getattr(e, "errno", None)
-    if os_errno and isinstance(e, (OSError, disk.CheckpointError)) and not isinstance(e, FileNotFoundError):
-        return 2 if os_errno in disk.LASTING_ERRNOS else 1
-    return 2 if isinstance(e, REPEATS_ON_RESTART) else 1
-
-
-def error_line(e: BaseException, when: str) -> str:
-    """fail()'s line for `e`: our own errors' messages as they are; anything else with its type (and, for an
-    exception not from torch.distributed, which names its peer itself, the line of code that raised it), so
-    that no traceback is needed to find it."""
-    if isinstance(e, OSError) and e.filename and e.strerror:  # the system's words, and what usually fixes it
-        line = disk.write_error(e.filename, e)
-        return line if exit_code(e) == 2 else f"{type(e).__name__} {when}: {line}; a restart may succeed"
-    if exit_code(e) == 2 or isinstance(e, (disk.CheckpointError, disk.CheckpointUnreadable)):
-        return str(e).strip("'\"")
-    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "").rstrip(".")
-    place = ""
-    if not isinstance(e, dist.DistError) and e.__traceback__ is not None:  # the innermost frame of ours
-        frames = traceback.extract_tb(e.__traceback__)
-        ours = [f for f in frames if os.path.dirname(os.path.abspath(f.filename)) == os.path.dirname(os.path.abspath(__file__))]
-        frame = (ours or frames)[-1]
-        place = f" (at {os.path.basename(frame.filename)}:{frame.lineno})"
-    return f"{type(e).__name__} {when}: {text}{place}; a restart may succeed"
-
-
 # ================================================================================================
-# 3. Shard: one flat buffer per unit, split W ways
+# 1. Shard: one flat buffer per unit, split W ways
 # ================================================================================================
 
 # Where the design comes from: ZeRO stage 3 (Rajbhandari et al., 2019, arXiv:1910.02054) partitions
@@ -359,7 +117,7 @@ def error_line(e: BaseException, when: str) -> str:
 #     the block a recompute (activation checkpointing) runs again, read the refilled weights, and
 #     autograd does not report them as modified.
 #   - What must hold: (1) a unit is refilled, with the same values, before anything in its backward reads
-#     it: BackwardBoundary (section 4) gathers it as autograd enters its stage; (2) a stage's output is the
+#     it: BackwardBoundary (section 2) gathers it as autograd enters its stage; (2) a stage's output is the
 #     only path from one stage to the next, so autograd cannot reach a stage's backward except through
 #     that boundary; (3) the weights do not change between a forward and its backward (the optimizer runs
 #     after all micro-batches). Break (2), e.g. by passing a tensor from block 3 to block 7, and block 3's
@@ -376,9 +134,9 @@ def error_line(e: BaseException, when: str) -> str:
 #     --reduce_dtype, is the collective's input and must stay alive until it completes; `out` is this
 #     rank's summed shard, added into grad_shard then.
 #
-# The core, from `class Unit` to the optimizer (`optimizer_step`, the end of section 4), holds the variations only
+# The core, from `class Unit` to the optimizer (`optimizer_step`, the end of section 2), holds the variations only
 # where they plug in. --offload_optimizer: a Unit subclass and a ShardedModel subclass the set-up chooses (they
-# override gather_input, add_grad, grad_norm and update; section 4b and offload.py); --offload_activations: one line
+# override gather_input, add_grad, grad_norm and update; section 2b and offload.py); --offload_activations: one line
 # of run_block; --freeze: a unit's `trained` (no gradient hook, no optimizer state; backward ends in the first
 # trained stage); --lr_mult: a unit's lr_ranges, which the optimizer reads; --ac: the stage's policy in run_block;
 # --profile: the record_function ranges, which cost nothing unless a profiler runs; the tests' faults: `fault_hook`.
@@ -395,7 +153,7 @@ class Slot(NamedTuple):
 class Unit:
     """A sharding unit: its parameters' slots in a flat buffer, this rank's shards (fp32 master, gradient,
     optimizer state), and the gathered buffer whose views the modules use while the unit runs.
-    --offload_optimizer's extension point: a subclass (OffloadedUnit, section 4b) overrides gather_input
+    --offload_optimizer's extension point: a subclass (OffloadedUnit, section 2b) overrides gather_input
     (what the all-gather reads) and add_grad (where a reduce-scattered shard goes)."""
 
     def __init__(self, name, model, param_names, rank, world, device, compute_dtype, state_device=None, trained=True,
@@ -492,7 +250,7 @@ class Unit:
 
 
 # ================================================================================================
-# 4. Step: the naive ZeRO-3 step, then the real one from the top down
+# 2. Step: the naive ZeRO-3 step, then the real one from the top down
 # ================================================================================================
 #
 # The forward is a list of stages (embedding, each block, head + loss). Each stage's units are gathered
@@ -626,7 +384,7 @@ def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: i
     loss_sum = torch.zeros((), device=sharded.device)
     for batch in micro_batches(cfg, sharded, windows, position):
         loss = sharded.loss(batch)
-        loss = fault_hook("loss", step, sharded.rank, loss)  # the loss itself, but in the tests' faults (section 4b)
+        loss = fault_hook("loss", step, sharded.rank, loss)  # the loss itself, but in the tests' faults (section 2b)
         loss.backward()  # the reduce-scatters start inside, unit by unit (reduce_scatter_grad)
         for unit in sharded.stages[sharded.first_trained].backward_units:  # on_backward frees a stage as backward
             unit.free()  # leaves it, but backward ends in the first trained stage (after a frozen prefix: --freeze)
@@ -654,7 +412,7 @@ def micro_batches(cfg, sharded: ShardedModel, windows, position: int) -> list[di
 class ShardedModel:
     """The model (on meta: its weights are views the units set), its units in the order they run, the
     stages of the forward, and the queue of reduce-scatters in flight. --offload_optimizer's extension
-    point: a subclass (OffloadedModel, section 4b) sets `unit_class` and adds to grad_norm and update."""
+    point: a subclass (OffloadedModel, section 2b) sets `unit_class` and adds to grad_norm and update."""
     unit_class = Unit
 
     def __init__(self, cfg: TrainConfig, mcfg: M.ModelConfig, rank: int, world: int, device: torch.device):
@@ -845,7 +603,7 @@ optimizer_step = adamw_step
 
 
 # ================================================================================================
-# 4b. Around the step: the sharded model's set-up, the variations' plug-ins, evaluation
+# 2b. Around the step: the sharded model's set-up, the variations' plug-ins, evaluation
 # ================================================================================================
 #
 # ShardedModel's set-up: its units and its stages (what ShardedModel.loss runs), made once.
@@ -1005,7 +763,7 @@ def evaluate(cfg, sharded: ShardedModel, eval_windows) -> float:
 
 
 # ================================================================================================
-# 5. Loop: weights, set-up, training, saving and stopping
+# 3. Loop: weights, set-up, training, saving and stopping
 # ================================================================================================
 
 def init_unit_random(unit: Unit, index: int, seed: int, std: float):

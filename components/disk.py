@@ -71,7 +71,7 @@ def make_group(timeout_min: float):
 class CheckpointError(Exception):
     """A checkpoint or out_dir that must not be used; the message names the folder and the problem. `os_errno`:
     the errno of the OSError behind it, when there is one (a failed save's, on every rank: the ranks agree on it),
-    from which train.exit_code decides whether a restart may help."""
+    from which processes.exit_code decides whether a restart may help."""
 
     def __init__(self, message: str, os_errno: int | None = None):
         super().__init__(message)
@@ -95,7 +95,7 @@ class CheckpointUnreadable(OSError):
         return self.strerror
 
 
-# A write error a restart meets again (train.exit_code: exit 2): the disk is full of bytes or inodes, over quota,
+# A write error a restart meets again (processes.exit_code: exit 2): the disk is full of bytes or inodes, over quota,
 # read-only, forbidden, or the file over its size limit (write_error's hints). Any other (EIO, ESTALE) may pass.
 LASTING_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
 
@@ -621,7 +621,7 @@ def prepare_save(cfg, step: int, rank: int) -> tuple[str, str]:
     """Rank 0 checks the folder is still this run's and makes the temporary folder; the broadcast is also the
     barrier no rank writes before. A failure here is every rank's one line, not a traceback and a wait.
     [ready, the errno of what stopped it (0: none, or not an OSError)]: every rank raises with rank 0's errno,
-    so every rank exits with the same code (train.exit_code: a full disk stops for good, EIO is retried)."""
+    so every rank exits with the same code (processes.exit_code: a full disk stops for good, EIO is retried)."""
     root, tmp, final = save_paths(cfg, step)
     ready, my_error = torch.zeros(2, dtype=torch.int64), ""
     if rank == 0:

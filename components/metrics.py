@@ -196,7 +196,7 @@ class MetricsLog:
         self.file = self.tensorboard = None
         self.elapsed_before = 0.0  # time spent before a restart
         self.error = ""  # rank 0: why metrics.jsonl cannot be written (a full disk); train.py stops every rank on it
-        self.error_cause = None  # the OSError behind it: train.exit_code decides from it whether a restart may help
+        self.error_cause = None  # the OSError behind it: processes.exit_code decides from it whether a restart may help
         if rank == 0 and steps:
             try:
                 self.file, self.elapsed_before = open_metrics(cfg.out_dir, start_step)
@@ -205,7 +205,7 @@ class MetricsLog:
         if rank == 0 and cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # train.exit_code: a missing package repeats on a restart
+            except ImportError:  # processes.exit_code: a missing package repeats on a restart
                 raise ImportError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
             self.tensorboard = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
         self.start = time.perf_counter()

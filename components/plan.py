@@ -4,8 +4,8 @@
         --batch_size 64 --micro_batch_size 1 --ac full --offload_activations true --train_tokens 15e9 \\
         --gpu_hour_usd 2.00 [--plan_json plan.json]
 
-Everything printed is a prediction. The memory model follows this trainer's design (train.py sections 3
-and 5): which buffers exist at the moments memory peaks in a step, each block by its own
+Everything printed is a prediction. The memory model follows this trainer's design (train.py sections 1
+and 2): which buffers exist at the moments memory peaks in a step, each block by its own
 checkpointing policy (--ac, --ac_blocks, --ac_rest), and what --offload_optimizer and
 --offload_activations keep in pinned host memory instead. What a block keeps for backward, what the state
 takes per parameter and what the optimizer allocates are measured by running train.py's own code under
@@ -1511,7 +1511,7 @@ def async_save_drop_hint(mcfg: M.ModelConfig, cfg) -> str | None:
 
 def main(cfg, trainer=None) -> str | None:
     """`train.py --plan true`: check the flags, print the table, write --plan_json. Returns None, or the one
-    error line train.py ends with (train.fail, exit code 2): bad flags, or a configuration that does not fit
+    error line train.py ends with (processes.fail, exit code 2): bad flags, or a configuration that does not fit
     (GPU or host memory), naming the nearest that does. The planner never imports train.py (README "Files",
     the layers): `trainer` is train.py's module, handed over, whose code it runs (use_trainer)."""
     if trainer is not None:

@@ -8,7 +8,7 @@ all ranks agree on when to stop (a rank that stopped early would leave the other
 
 Generation through the sharded model: each pass over the model (the prompts' prefill, then one new
 token per prompt) gathers every unit once, just before it runs and freed right after, as training's
-forward does (train.py section 5), and runs all the prompts through it one after the other, each with its
+forward does (train.py section 2), and runs all the prompts through it one after the other, each with its
 own KV cache (KVCache, one per block and prompt). No padding and no mask, so each prompt computes
 exactly what it would alone; the gathers, which cost the most at scale (the whole model per pass,
 plan.sampling_time), are shared by all prompts. The caches live only inside generate(). None of this
@@ -197,7 +197,7 @@ class Sampler:
         self.stop_ids = end_ids(cfg, mcfg, self.tok)
         self.path = os.path.join(cfg.out_dir, "samples.jsonl")
         self.error = ""  # rank 0: why samples.jsonl cannot be written; train.py stops every rank on it
-        self.error_cause = None  # the OSError behind it, for train.exit_code
+        self.error_cause = None  # the OSError behind it, for processes.exit_code
         if rank == 0:
             try:
                 keep_rows_up_to(self.path, start_step)

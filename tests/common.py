@@ -69,7 +69,7 @@ def save_hf(ref, path: str):
 
 def run_train(args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 600, check=True):
     """Runs train.py under torchrun (gloo, CPU) and returns the CompletedProcess. One rank runs as plain
-    `python train.py` (a one-process group, as train.init_processes makes it): torchrun would add ~2 s of
+    `python train.py` (a one-process group, as processes.init_processes makes it): torchrun would add ~2 s of
     start-up and nothing a one-rank run tests; launch.sh and the W >= 2 tests cover torchrun."""
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
     cmd = [sys.executable, *launcher, os.path.join(ROOT, "train.py"), *args]

@@ -17,7 +17,7 @@ CODE = ["train.py", "model.py", "data.py", "launch.sh", "launch.sbatch"] + [
 # Our modules as the text names them, and where each lives
 MODULES = {"train": "train", "model": "model", "data": "data", "disk": "components.disk", "plan": "components.plan",
            "agree": "components.agree", "metrics": "components.metrics", "checks": "components.checks",
-           "offload": "components.offload", "sample": "components.sample", "faults": "components.faults",
+           "offload": "components.offload", "sample": "components.sample", "faults": "components.faults", "processes": "components.processes",
            "checkpoint": None}  # no module of that name: a reference to it is stale
 FILE = re.compile(r"(?<![\w./-])((?:components|bench|tests|docs|\.ci)/[\w./-]+\.(?:py|md|sh|json|cpp|png)|"
                   r"[\w-]+\.(?:py|sh|sbatch))(?![\w/])")
