@@ -51,9 +51,8 @@ GLOO_CONNECT_TIMEOUT_S = 120.0
 
 
 def make_group(timeout_min: float):
-    """gloo connects every pair of ranks when a group is made, waiting up to the group's timeout: behind a firewall
-    or on the wrong interface, an hour (--ckpt_timeout_min) of silence before the first step. So a group is first
-    made and dropped with a short timeout (GLOO_CONNECT_TIMEOUT_S), which turns that into one line."""
+    """gloo connects every pair of ranks when a group is made, waiting up to its timeout (an hour of silence behind
+    a firewall): a group made and dropped with GLOO_CONNECT_TIMEOUT_S first makes that one line."""
     global group
     if group is not None:
         return
@@ -69,9 +68,8 @@ def make_group(timeout_min: float):
 
 
 class CheckpointError(Exception):
-    """A checkpoint or out_dir that must not be used; the message names the folder and the problem. `os_errno`:
-    the errno of the OSError behind it, when there is one (a failed save's, on every rank: the ranks agree on it),
-    from which processes.exit_code decides whether a restart may help."""
+    """A checkpoint or out_dir that must not be used; the message names the folder and the problem. `os_errno`: the
+    errno of the OSError behind it, if any (agreed by every rank), for processes.exit_code."""
 
     def __init__(self, message: str, os_errno: int | None = None):
         super().__init__(message)
@@ -84,12 +82,8 @@ class OutDirHeld(CheckpointError):
 
 
 class CheckpointUnreadable(OSError):
-    """A checkpoint file that could not be read, after READ_WAITS_S's retries: EIO, ESTALE, anything but a missing
-    file (a disk or a network filesystem having a moment, as far as anyone can tell). An OSError, so that nothing
-    that takes a CheckpointError for damage takes this for damage: resume never rolls back past it."""
-
-    def __init__(self, os_errno: int, message: str):
-        super().__init__(os_errno, message)
+    """A checkpoint file that could not be read after READ_WAITS_S's retries (EIO, ESTALE: not a missing file).
+    An OSError, not a CheckpointError: nothing takes it for damage, so resume never rolls back past it."""
 
     def __str__(self):
         return self.strerror
@@ -104,12 +98,10 @@ LASTING_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.E
 # The out_dir
 # ================================================================================================
 
-# One run per --out_dir, in a folder every rank sees. Rank 0 holds an exclusive lock on OUT_DIR/.lock for
-# the whole run (the kernel drops it when the process dies, kill -9 included), and writes a random token
-# into it that every rank must read back: a node-local --out_dir fails here, not at the first save.
-# On some shared filesystems flock is node-local (Lustre mounted with localflock, NFS with local_lock=flock
-# or local_lock=all): a run on another node takes the same lock and writes its own token. So rank 0 reads
-# the token back before every save (check_out_dir_claim) and stops rather than write over the other run.
+# One run per --out_dir, in a folder every rank sees. Rank 0 holds an exclusive flock on OUT_DIR/.lock for the
+# whole run (the kernel drops it when the process dies, kill -9 included), and writes a random token into it that
+# every rank must read back: a node-local --out_dir fails here, not at the first save. Where flock is node-local,
+# a run on another node takes the lock too: rank 0 reads the token back before every save (check_out_dir_claim).
 out_dir_lock = None   # rank 0's open .lock file: closing it would release the lock
 out_dir_claim = None  # rank 0's (out_dir, token) while it holds the lock
 
@@ -131,54 +123,40 @@ def unwritable(path: str, e: OSError) -> str:
 
 
 def open_no_follow(path: str, flags: int):
-    """os.open of a file in a folder others may write to, never through a symbolic link planted under
-    its name (which would truncate or lock whatever the link points at): ELOOP instead."""
+    """os.open in a folder others may write to, never through a symbolic link planted under the name: ELOOP."""
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
 
 
 def create_file(path: str, mode: str = "w"):
-    """A new file at `path` for a temporary write (a leftover of a crash, or a link, is removed first, not
-    followed), opened with `mode`."""
-    try:
+    """A new file at `path` for a temporary write: a leftover of a crash, or a link, is removed first."""
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
     return os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), mode)
 
 
 def read_lock(path: str) -> tuple[str, str]:
-    """(token, holder) written in a .lock file: holder is lock_holder()'s "host H pid P since T[ job J restart R]"."""
+    """(token, holder) written in a .lock file: holder is take_lock's "host H pid P since T[ job J restart R]"."""
     with os.fdopen(open_no_follow(path, os.O_RDONLY)) as f:
         token, _, holder = f.read().strip().partition(" ")
     return token, holder
 
 
-def lock_holder(env=os.environ) -> str:
-    """Who holds the lock, as .lock records it after the token: "host H pid P since T", and under SLURM
-    " job J restart R" (SLURM_JOB_ID, SLURM_RESTART_COUNT): what held_lock_verdict judges a lock by."""
-    holder = f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
-    if env.get("SLURM_JOB_ID"):
-        holder += f" job {env['SLURM_JOB_ID']} restart {slurm_restarts(env)}"
-    return holder
-
-
-def slurm_restarts(env) -> int:
-    """SLURM_RESTART_COUNT: how many times SLURM has requeued this job (unset before the first requeue)."""
-    count = env.get("SLURM_RESTART_COUNT", "0")
+def env_count(env, name: str) -> int:
+    """A restart count in the environment (SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT): 0 if unset."""
+    count = env.get(name, "0")
     return int(count) if count.isdigit() else 0
 
 
 def take_lock(path: str, env=os.environ) -> tuple[int, str, int | None]:
     """Rank 0: the exclusive flock on `path`, holding a new random token. Returns (token, "", None), (0, "", None)
-    when another process holds the lock, or (-1, one line saying why the lock could not be taken, its errno)."""
+    when another process holds the lock, or (-1, why the lock could not be taken, its errno)."""
     global out_dir_lock
     try:
-        fd = open_no_follow(path, os.O_RDWR | os.O_CREAT)
+        f = os.fdopen(open_no_follow(path, os.O_RDWR | os.O_CREAT), "r+")
     except OSError as e:
         if e.errno == errno.ELOOP:
             return -1, f"--out_dir: {path} is a symbolic link; the lock is never taken through one: delete it", None
         return -1, f"--out_dir: cannot create the lock file {write_error(path, e)}", e.errno
-    f = os.fdopen(fd, "r+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -189,33 +167,30 @@ def take_lock(path: str, env=os.environ) -> tuple[int, str, int | None]:
         return -1, (f"--out_dir: cannot lock {path}: {e.strerror or e}: the filesystem of --out_dir does not support "
                     f"flock (Lustre mounted without the flock option, NFS mounted with nolock); mount it with '-o flock' "
                     f"(Lustre) or with the lock service running (NFS), or choose another --out_dir"), None
+    token = int.from_bytes(os.urandom(6), "little") + 1
+    holder = f"host {socket.gethostname()} pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    if env.get("SLURM_JOB_ID"):  # what held_lock_verdict judges a lock by
+        holder += f" job {env['SLURM_JOB_ID']} restart {env_count(env, 'SLURM_RESTART_COUNT')}"
     try:
-        value = int.from_bytes(os.urandom(6), "little") + 1
-        f.seek(0)
-        f.truncate()
-        f.write(f"{value} {lock_holder(env)}\n")
+        f.truncate(0)
+        f.write(f"{token} {holder}\n")
         f.flush()
         os.fsync(f.fileno())
     except OSError as e:
         f.close()
         return -1, f"--out_dir: cannot write the lock file {write_error(path, e)}", e.errno
     out_dir_lock = f
-    return value, "", None
+    return token, "", None
 
 
-def stale_lock_hint(holder: str, path: str) -> str:
-    """How to tell a live holder from a stale lock (an NFS server keeps a dead client's lock until its
-    lease expires), from "host H pid P since T"."""
-    words = holder.split()
-    if len(words) >= 4 and words[0] == "host" and words[2] == "pid":
-        return f"; if no process {words[3]} runs on {words[1]}, the lock is stale: delete {path}"
-    return f"; if that run is gone, the lock is stale: delete {path}"
+def holder_fields(holder: str) -> dict:
+    """{"host", "pid", "job", "restart"}: what a .lock's holder line records."""
+    return dict(re.findall(r"\b(host|pid|job|restart) (\S+)", holder))
 
 
-# A lock outlives its holder where the filesystem keeps a crashed node's flock: NFS until the client's lease
-# ends (~90 s for NFSv4; NFSv3 until that node reboots), Lustre until the client is evicted. A requeued job
-# would then find its own folder "in use". So a held lock is judged by what SLURM says of the job that holds
-# it, never by its age: a node cut off from the network but alive keeps its folder as long as its job runs.
+# A lock outlives its holder where the filesystem keeps a crashed node's flock (NFS until the client's lease
+# ends, Lustre until the client is evicted): a requeued job would find its own folder "in use". So a held lock is
+# judged by what SLURM says of its job, never by its age: a node cut off but alive keeps its folder while it runs.
 SLURM_ENDED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                "BOOT_FAIL", "DEADLINE")
 SLURM_ALIVE = ("RUNNING", "PENDING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
@@ -224,9 +199,8 @@ SLURM_ALIVE = ("RUNNING", "PENDING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "R
 
 
 def slurm_job_state(job: str) -> str | None:
-    """SLURM job `job`'s state as `scontrol show job` gives it (RUNNING, TIMEOUT, ...), "GONE" when SLURM no longer
-    knows the job (purged MinJobAge, 300 s by default, after it ended), None when scontrol cannot be asked or
-    its answer is unclear (no scontrol here, the controller unreachable)."""
+    """SLURM job `job`'s state (RUNNING, TIMEOUT, ...), "GONE" when SLURM no longer knows it (purged MinJobAge after
+    it ended), None when scontrol cannot be asked or its answer is unclear."""
     if not job.isdigit():
         return None
     try:
@@ -241,54 +215,55 @@ def slurm_job_state(job: str) -> str | None:
 
 
 def held_lock_verdict(holder: str, env=os.environ) -> tuple[str, str]:
-    """Whether the run that `holder` (a held lock's lock_holder line) names still runs: ("gone", why): SLURM says
-    its job ended, or it is this very job before a requeue (the same SLURM_JOB_ID, a lower SLURM_RESTART_COUNT);
-    ("alive", why): SLURM says its job runs or will run again, or it is a live process on this host; ("unclear",
-    why) for anything else (no SLURM job recorded, scontrol unavailable or unclear)."""
-    fields_ = dict(re.findall(r"\b(host|pid|job|restart) (\S+)", holder))
-    job, ours, pid = fields_.get("job"), env.get("SLURM_JOB_ID"), fields_.get("pid", "")
-    if fields_.get("host") == socket.gethostname() and pid.isdigit() and process_exists(int(pid)):
+    """Whether the run a held lock's `holder` names still runs, and why: "gone" (its SLURM job ended, or it is this
+    job before a requeue), "alive" (its job runs or will, or a live process of this host) or "unclear"."""
+    held = holder_fields(holder)
+    job, pid = held.get("job"), held.get("pid", "")
+    if held.get("host") == socket.gethostname() and pid.isdigit() and os.path.isdir(f"/proc/{pid}"):
         return "alive", f"process {pid} runs on this host"  # a lock of this host's dies with its holder
-    if job and job == ours:
-        held_restart, our_restart = fields_.get("restart", ""), slurm_restarts(env)
+    if job and job == env.get("SLURM_JOB_ID"):
+        held_restart, our_restart = held.get("restart", ""), env_count(env, "SLURM_RESTART_COUNT")
         if held_restart.isdigit() and our_restart > int(held_restart):
             return "gone", (f"it is this SLURM job {job} before its requeue (restart {held_restart}, now {our_restart}): "
                             f"SLURM ended that allocation")
         return "unclear", f"it is this allocation of SLURM job {job}, an earlier attempt of which may still be ending"
-    if job:
-        state = slurm_job_state(job)
-        if state == "GONE" or state in SLURM_ENDED:
-            return "gone", f"SLURM job {job} " + ("is no longer known to SLURM" if state == "GONE" else f"is {state}")
-        if state in SLURM_ALIVE:
-            return "alive", f"SLURM job {job} is {state}"
-        return "unclear", (f"scontrol show job {job} " + ("cannot be asked here" if state is None else f"says {state}"))
-    return "unclear", "it recorded no SLURM job to ask about"
+    if not job:
+        return "unclear", "it recorded no SLURM job to ask about"
+    state = slurm_job_state(job)
+    if state == "GONE" or state in SLURM_ENDED:
+        return "gone", f"SLURM job {job} " + ("is no longer known to SLURM" if state == "GONE" else f"is {state}")
+    if state in SLURM_ALIVE:
+        return "alive", f"SLURM job {job} is {state}"
+    return "unclear", f"scontrol show job {job} " + ("cannot be asked here" if state is None else f"says {state}")
 
 
-def process_exists(pid: int) -> bool:
+def claim_lock(path: str, env) -> tuple[int, str, int | None]:
+    """Rank 0: take_lock's (token, error, errno), a held lock judged (held_lock_verdict): 0 and why for a live
+    holder, -2 and why for one that may have ended (kept: a restart may find it free). A gone run's lock is taken
+    over: its file replaced (flock belongs to the old inode, which the dead holder keeps), if it still holds what
+    was judged; a holder alive after all sees another token at its next save and stops (check_out_dir_claim)."""
+    token, error, os_errno = take_lock(path, env)
+    if token != 0:
+        return token, error, os_errno
     try:
-        os.kill(pid, 0)  # signal 0: only whether it could be sent
-    except PermissionError:  # another user's process
-        return True
-    except (ProcessLookupError, OverflowError):
-        return False
-    return True
-
-
-def take_over_lock(path: str, seen: tuple[str, str], env=os.environ) -> tuple[int, str, int | None]:
-    """Rank 0: the lock a run that is gone still holds (held_lock_verdict), taken: the file is replaced by a new one
-    (flock belongs to the old file's inode, which the dead holder keeps). Only if .lock still holds what was judged:
-    another contender that took it first keeps it. A holder that was alive after all finds another token in .lock
-    at its next save and stops (check_out_dir_claim)."""
+        seen = read_lock(path)
+    except OSError:
+        seen = ("", "")
+    verdict, why = held_lock_verdict(seen[1], env)
+    if verdict != "gone":
+        return (0 if verdict == "alive" else -2), why, None
     try:
-        if read_lock(path) != seen:
-            return 0, "", None
+        if read_lock(path) != seen:  # another contender took it first: it keeps it
+            return -2, why, None
         os.unlink(path)
     except FileNotFoundError:
         pass
     except OSError as e:
         return -1, f"--out_dir: cannot replace the lock file {write_error(path, e)}", e.errno
-    return take_lock(path, env)
+    token, error, os_errno = take_lock(path, env)
+    if token > 0:
+        print(f"--out_dir: took over {path} from {seen[1]}: {why}", flush=True)
+    return (-2, why, None) if token == 0 else (token, error, os_errno)
 
 
 def claim_out_dir(out_dir: str, rank: int, world: int, device, env=os.environ):
@@ -297,28 +272,14 @@ def claim_out_dir(out_dir: str, rank: int, world: int, device, env=os.environ):
         out_dir_lock.close()
         out_dir_lock = out_dir_claim = None
     path = os.path.join(out_dir, ".lock")
-    # [0] > 0: this run's token; 0: a live run holds the lock; -1: rank 0 could not lock (its line says why, [1]
-    # its errno or 0); -2: a run that may have ended holds it (kept: a restart may find it free)
-    claim, error, verdict = torch.zeros(2, dtype=torch.int64, device=device), "", ""
+    claim, error = torch.zeros(2, dtype=torch.int64, device=device), ""  # claim_lock's token and errno (or 0)
     if rank == 0:
-        value, error, os_errno = take_lock(path, env)
-        if value == 0:
-            try:
-                seen = read_lock(path)
-            except OSError:
-                seen = ("", "")
-            verdict, why = held_lock_verdict(seen[1], env)
-            if verdict == "gone":
-                value, error, os_errno = take_over_lock(path, seen, env)
-                if value > 0:
-                    print(f"--out_dir: took over {path} from {seen[1]}: {why}", flush=True)
-            if value == 0:
-                error, value = why, -2 if verdict != "alive" else 0
-        claim[0], claim[1] = value, os_errno or 0
-        out_dir_claim = (out_dir, value) if value > 0 else None
+        token, error, os_errno = claim_lock(path, env)
+        claim[0], claim[1] = token, os_errno or 0
+        out_dir_claim = (out_dir, token) if token > 0 else None
     dist.broadcast(claim, src=0)
-    token = claim[0]
-    if token.item() == -1:
+    token = claim[0].item()
+    if token == -1:
         raise CheckpointError(error or f"--out_dir: rank 0 could not lock {path} (its error says why)",
                               os_errno=claim[1].item() or None)
     try:
@@ -326,85 +287,65 @@ def claim_out_dir(out_dir: str, rank: int, world: int, device, env=os.environ):
     except OSError:
         token_seen, holder = "", ""
     why = f": {error}" if error else ""  # rank 0's judgement (held_lock_verdict)
-    if token.item() == 0:
+    if token == 0:
         raise CheckpointError(f"--out_dir: {out_dir} is in use by another run ({holder}{why}); wait for it to end or "
                               f"choose another --out_dir")
-    if token.item() == -2:
+    if token == -2:  # how to tell a live holder from a stale lock
+        held = holder_fields(holder)
+        gone = "that run is gone"
+        if "host" in held and "pid" in held:
+            gone = f"no process {held['pid']} runs on {held['host']}"
         raise OutDirHeld(f"--out_dir: {out_dir} is locked by a run that may have ended ({holder}{why}); the lock is kept "
-                         f"and a restart may find it free{stale_lock_hint(holder, path)}")
+                         f"and a restart may find it free; if {gone}, the lock is stale: delete {path}")
     seen_by_rank = torch.zeros(world, dtype=torch.int64, device=device)
-    all_gather_flat(seen_by_rank, torch.tensor([int(token_seen == str(token.item()))], device=device))
+    all_gather_flat(seen_by_rank, torch.tensor([int(token_seen == str(token))], device=device))
     blind = [r for r, seen in enumerate(seen_by_rank.tolist()) if not seen]
     if blind:
-        raise CheckpointError(f"--out_dir: {out_dir} is not one folder for all ranks: rank(s) {', '.join(map(str, blind))} do not see "
-             f"the {path} that rank 0 wrote; use a folder on a filesystem every node mounts")
-    if rank == 0:  # the lock holder clears what crashed saves left behind
-        root = os.path.join(out_dir, "checkpoints")
-        for name in os.listdir(root) if os.path.isdir(root) else []:
-            if name.startswith(".tmp-step_"):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        raise CheckpointError(f"--out_dir: {out_dir} is not one folder for all ranks: rank(s) "
+                              f"{', '.join(map(str, blind))} do not see the {path} that rank 0 wrote; use a folder on "
+                              f"a filesystem every node mounts")
+    root = os.path.join(out_dir, "checkpoints")
+    for name in os.listdir(root) if rank == 0 and os.path.isdir(root) else []:  # the holder clears crashed saves
+        if name.startswith(".tmp-step_"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-# --resume never --overwrite true deletes the folder's checkpoints and metrics once per run. torchrun's
-# --max-restarts (launch.sh's restarts) and a SLURM requeue run the same command again: such a restart of
-# the run that did the overwrite resumes what it saved since, instead of deleting days of training. Rank 0
-# records who overwrote in OUT_DIR/.overwritten; a restart (a restart count > 0) of that same run (the
-# SLURM job, else torchrun's rendezvous) skips the overwrite. The same command started afresh by hand has
-# no restart count, and overwrites again.
+# --resume never --overwrite true deletes the folder's checkpoints and metrics once per run: a restart of that run
+# (torchrun's --max-restarts, a SLURM requeue) resumes what it saved since, instead of deleting days of training.
+# The same command started afresh by hand has no restart count: it overwrites again.
 OVERWRITE_MARKER = ".overwritten"
 
 
-def run_identity(env) -> str:
-    """What stays the same across this run's restarts: the SLURM job (a requeue keeps its id), else
-    torchrun's rendezvous id (launch.sh's RDZV_ID; a uuid per `torchrun --standalone`); "" for neither."""
-    if env.get("SLURM_JOB_ID"):
-        return f"SLURM job {env['SLURM_JOB_ID']}"
-    return f"torchrun rendezvous {env['TORCHELASTIC_RUN_ID']}" if env.get("TORCHELASTIC_RUN_ID") else ""
-
-
-def restart_count(env) -> int:
-    """How many times this run has been started again: by torchrun (--max-restarts) or by SLURM (requeue)."""
-    counts = [env.get(name, "0") for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")]
-    return max(int(c) if c.isdigit() else 0 for c in counts)
-
-
-def restart_after_overwrite(out_dir: str, env) -> str | None:
-    """Why this process must not overwrite (a line for the log), or None when it must: it is a restart of
-    the run whose overwrite OUT_DIR/.overwritten records."""
-    run, restarts = run_identity(env), restart_count(env)
-    if not (run and restarts):
-        return None
+def overwrite_once(out_dir: str, env=os.environ) -> str | None:
+    """Rank 0, --resume never --overwrite true: deletes OUT_DIR's checkpoints and metrics.jsonl and records this run
+    as the one that did; or, in a restart of that run, deletes nothing and returns the line that says so."""
+    run = ""  # what stays the same across this run's restarts: the SLURM job (a requeue keeps its id), else
+    if env.get("SLURM_JOB_ID"):  # torchrun's rendezvous id (launch.sh's RDZV_ID; a uuid per `torchrun --standalone`)
+        run = f"SLURM job {env['SLURM_JOB_ID']}"
+    elif env.get("TORCHELASTIC_RUN_ID"):
+        run = f"torchrun rendezvous {env['TORCHELASTIC_RUN_ID']}"
+    restarts = max(env_count(env, name) for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
     try:
         with open(os.path.join(out_dir, OVERWRITE_MARKER)) as f:
             marker = json.load(f)
     except (OSError, ValueError):
-        return None
-    if not isinstance(marker, dict) or marker.get("run") != run:
-        return None
-    return (f"--overwrite: nothing deleted: this is restart {restarts} of the run ({run}) that overwrote {out_dir} "
-            f"at {marker.get('time')}; it resumes from its own checkpoints")
-
-
-def overwrite_once(out_dir: str, env=os.environ) -> str | None:
-    """Rank 0, --resume never --overwrite true: deletes OUT_DIR's checkpoints and metrics.jsonl, then
-    records this run as the one that did, unless this is a restart of that run. Returns the line
-    restart_after_overwrite gives when nothing was deleted."""
-    kept = restart_after_overwrite(out_dir, env)
-    if kept:
-        return kept
+        marker = None
+    if run and restarts and isinstance(marker, dict) and marker.get("run") == run:
+        return (f"--overwrite: nothing deleted: this is restart {restarts} of the run ({run}) that overwrote {out_dir} "
+                f"at {marker.get('time')}; it resumes from its own checkpoints")
     shutil.rmtree(os.path.join(out_dir, "checkpoints"), ignore_errors=True)
-    if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+    with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(out_dir, "metrics.jsonl"))
     # Written after the deletion: a crash between the two overwrites again on the restart, never the reverse.
     write_atomic(os.path.join(out_dir, OVERWRITE_MARKER),
-                 json.dumps({"run": run_identity(env), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                 json.dumps({"run": run, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
                              "host": socket.gethostname(), "pid": os.getpid()}) + "\n")
     return None
 
 
 def check_out_dir_claim(out_dir: str, step: int):
-    """Rank 0, before each save: OUT_DIR/.lock still holds this run's token, or another run took the
-    folder (flock is node-local there) and this one stops before either writes over the other's saves."""
+    """Rank 0, before each save: OUT_DIR/.lock still holds this run's token, or another run took the folder (flock
+    is node-local there) and this one stops before either writes over the other's saves."""
     if out_dir_claim is None or out_dir_claim[0] != out_dir:  # no claim: a test or tool saving on its own
         return
     path = os.path.join(out_dir, ".lock")
@@ -423,16 +364,14 @@ def check_out_dir_claim(out_dir: str, step: int):
 # Own checkpoints: each rank writes its shards; rank 0 commits atomically; resume re-shards for any W
 # ================================================================================================
 #
-# 4 bytes per parameter per saved tensor / W per rank: 12 with AdamW (master, exp_avg, exp_avg_sq).
-# Only safetensors and JSON are read back: nothing is ever unpickled. The training step draws no random
-# numbers (no dropout; the data order is a function of seed and position), so there is no RNG state to
-# keep: the position (windows consumed so far) is the data loader's whole state.
+# 4 bytes per parameter per saved tensor / W per rank: 12 with AdamW (master, exp_avg, exp_avg_sq). Only
+# safetensors and JSON are read back: nothing is ever unpickled. The step draws no random numbers, so there is no
+# RNG state to keep: the data position (windows consumed so far) is the data loader's whole state.
 
 CKPT_FORMAT = "llama-zero3-checkpoint/1"
 
-# Resuming with other flags. The manifest keeps the run's TrainConfig ("train") and model ("model"); a
-# resume compares them with this run's, flag by flag (config_changes). Every TrainConfig field is in
-# exactly one of the three lists below (tests/test_checkpoint.py holds that: a new flag needs a decision).
+# Resuming with other flags: the manifest's TrainConfig ("train") and model ("model") are compared with this run's
+# (config_changes). Every TrainConfig field is in exactly one list below (a new flag needs a decision).
 RESUME_MUST_MATCH = {  # the saved state means something else under another value: an error, no fallback
     "init_from": "the weights this run started from (a resume reads the checkpoint's, not these)",
     "data": "the token stream the saved data position counts in",
@@ -459,8 +398,7 @@ PATH_FLAGS = ("init_from", "data", "eval_data")  # compared by what they name (f
 
 
 class ResumeMismatch(CheckpointError):
-    """An intact checkpoint saved under flags a resume must keep: an older one would be no better, so
-    resume stops here instead of falling back."""
+    """An intact checkpoint saved under flags a resume must keep: an older one would be no better."""
 
 
 def rank_file(rank: int, world: int) -> str:
@@ -471,10 +409,8 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float1
 
 
 def write_safetensors_streaming(path: str, tensors: list, metadata: dict | None = None) -> tuple[str, int]:
-    """Writes [(name, tensor)] in the safetensors format (u64 header length, JSON header, raw little-endian
-    data), each tensor in its own dtype and shape, one at a time, so host memory holds one tensor and not
-    the rank's whole state; hashes the bytes as they are written. Returns (sha256, size). Opened with
-    open(), so the file's mode follows the process's umask (safetensors' save_file makes 0600 files)."""
+    """Writes [(name, tensor)] as safetensors (u64 header length, JSON header, raw data), one tensor at a time, not
+    the rank's whole state in host memory, hashing the bytes as written: (sha256, size). Mode: the umask's."""
     header, offset = ({"__metadata__": metadata} if metadata else {}), 0
     for name, t in tensors:
         nbytes = t.numel() * t.element_size()
@@ -502,18 +438,16 @@ def write_safetensors_streaming(path: str, tensors: list, metadata: dict | None 
 # the file named and exit code 1: a restart may read it, and falling back would silently throw away the newest
 # steps. (A fault of a memory-mapped read is SIGBUS, not an OSError: safetensors reads happen after the hash.)
 READ_WAITS_S = (1.0, 3.0, 10.0)  # between the tries of a read that failed
-MISSING = (errno.ENOENT, errno.ENOTDIR)
 
 
 def read_retrying(read, path: str, *args):
-    """read(path, *args), tried again READ_WAITS_S apart after an OSError that may pass. A missing file
-    (FileNotFoundError: damage, for the caller to say) and an error that lasts (EACCES) are not retried. What
-    still fails is CheckpointUnreadable, naming the file."""
+    """read(path, *args), tried again READ_WAITS_S apart after an OSError that may pass, then CheckpointUnreadable.
+    A missing file (FileNotFoundError: damage) and an error that lasts (EACCES) are not retried."""
     for tries, wait_s in enumerate((*READ_WAITS_S, None), 1):
         try:
             return read(path, *args)
         except OSError as e:
-            if e.errno in MISSING:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR):
                 raise FileNotFoundError(e.errno, e.strerror, path) from None
             if wait_s is None or e.errno in LASTING_ERRNOS:
                 waited = f" (tried {tries} times over {sum(READ_WAITS_S[:tries - 1]):g} s)" if tries > 1 else ""
@@ -522,8 +456,7 @@ def read_retrying(read, path: str, *args):
 
 
 def file_size(path: str) -> int | None:
-    """The size of the file `path`, None when there is none (os.path.isfile would also say "none" for EIO or
-    ESTALE, and a passing fault would look like a missing file: damage)."""
+    """The size of the file `path`, None when there is none (os.path.isfile would say "none" for EIO too: damage)."""
     try:
         st = read_retrying(os.stat, path)
     except FileNotFoundError:
@@ -561,8 +494,7 @@ def write_atomic(path: str, text: str):
 
 
 def fsync_dir(path: str):
-    """A rename is durable only once its folder is on disk: without this, a power loss right after a
-    save can bring back the old name."""
+    """A rename is durable only once its folder is on disk: else a power loss can bring back the old name."""
     fd = os.open(path or ".", os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -571,13 +503,11 @@ def fsync_dir(path: str):
 
 
 def saved_tensors(unit) -> list:
-    """What a checkpoint holds of a unit: the fp32 master shard and each optimizer state shard, by name.
-    Gradients are zero at a step boundary and are not saved."""
+    """What a checkpoint holds of a unit, by name: the fp32 master shard and each optimizer state shard."""
     return [("master_shard", unit.master_shard)] + list(unit.optimizer_state.items())
 
 
-# --async_save: a rank's saved tensors are copied into one host buffer (disk.BackgroundSave), each tensor at a multiple of
-# this many bytes, so every view of it is aligned for any dtype. plan.staging_bytes_per_rank counts the same.
+# Each tensor's place in BackgroundSave's host buffer is a multiple of this: every view is aligned for any dtype.
 STAGING_ALIGN_BYTES = 64
 
 
@@ -587,9 +517,7 @@ def rank_file_tensors(units: list) -> list:
 
 
 def unit_records(units) -> dict:
-    """The manifest's "units", taken with the snapshot (a background save commits after later steps): each unit's
-    own optimizer state names (a fork's units need not all keep the same), whether it trains (--freeze) and its
-    own optimizer step count."""
+    """The manifest's "units", taken with the snapshot (a background save commits after later steps)."""
     return {u.name: {"numel": u.numel, "shard_numel": u.shard_numel, "optimizer_state": list(u.optimizer_state),
                      "trained": u.trained, "optimizer_steps": u.optimizer_steps} for u in units}
 
@@ -602,11 +530,10 @@ def checkpoint_manifest(cfg, mcfg, units: dict, step, world, data_state, files) 
 
 
 def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
-    """Every rank writes its file into a temporary folder; rank 0 checks that every rank succeeded and
-    every file has its size, writes the manifest, renames the folder to its final name and points
-    `latest` at it. A failure anywhere leaves `latest` and the older checkpoints untouched. Three parts,
-    which --async_save (BackgroundSave, below) runs apart: prepare, write, commit."""
-    tmp, final = prepare_save(cfg, step, rank)
+    """Every rank writes its file into a temporary folder; rank 0 checks every file, writes the manifest, renames
+    the folder and points `latest` at it. A failure anywhere leaves `latest` and the older checkpoints untouched.
+    Three parts, which --async_save (BackgroundSave) runs apart: prepare, write, commit."""
+    tmp = prepare_save(cfg, step, rank)
     report, my_error = write_rank_file(tmp, rank_file_tensors(units), step, rank, world)
     return commit_save(cfg, mcfg, unit_records(units), step, rank, world, data_state, report, my_error)
 
@@ -617,13 +544,20 @@ def save_paths(cfg, step: int) -> tuple[str, str, str]:
     return root, os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
 
 
-def prepare_save(cfg, step: int, rank: int) -> tuple[str, str]:
-    """Rank 0 checks the folder is still this run's and makes the temporary folder; the broadcast is also the
-    barrier no rank writes before. A failure here is every rank's one line, not a traceback and a wait.
-    [ready, the errno of what stopped it (0: none, or not an OSError)]: every rank raises with rank 0's errno,
-    so every rank exits with the same code (processes.exit_code: a full disk stops for good, EIO is retried)."""
+def raise_unless_done(done: torch.Tensor, message: str, kept_in: str = ""):
+    """Rank 0's [done, errno of what stopped it], broadcast: unless done, every rank raises `message` with that errno,
+    so all exit with the same code (processes.exit_code). `kept_in`: checkpoints/, whose untouched `latest` to name."""
+    dist.broadcast(done, src=0, group=group)
+    if not done[0]:
+        raise CheckpointError(message + (kept_note(kept_in) if kept_in else ""), os_errno=done[1].item() or None)
+
+
+def prepare_save(cfg, step: int, rank: int) -> str:
+    """Rank 0 checks the folder is still this run's and makes the temporary folder, which it returns; the broadcast
+    is the barrier no rank writes before."""
     root, tmp, final = save_paths(cfg, step)
-    ready, my_error = torch.zeros(2, dtype=torch.int64), ""
+    ready = torch.zeros(2, dtype=torch.int64)
+    error = f"checkpoint {final} was not saved: rank 0 could not prepare it (its error says why)"
     if rank == 0:
         try:
             check_out_dir_claim(cfg.out_dir, step)
@@ -631,21 +565,17 @@ def prepare_save(cfg, step: int, rank: int) -> tuple[str, str]:
             os.makedirs(tmp)
             ready[0] = 1
         except CheckpointError as e:
-            my_error = str(e)
+            error = str(e)
         except OSError as e:
-            my_error = f"checkpoint {final} was not saved: rank 0 could not create {write_error(tmp, e)}{kept_note(root)}"
+            error = f"checkpoint {final} was not saved: rank 0 could not create {write_error(tmp, e)}{kept_note(root)}"
             ready[1] = e.errno or errno.EIO
-    dist.broadcast(ready, src=0, group=group)
-    if not ready[0]:
-        raise CheckpointError(my_error or f"checkpoint {final} was not saved: rank 0 could not prepare it (its error says why)",
-                              os_errno=ready[1].item() or None)
-    return tmp, final
+    raise_unless_done(ready, error)
+    return tmp
 
 
 def write_rank_file(tmp: str, tensors: list, step: int, rank: int, world: int) -> tuple[torch.Tensor, str]:
-    """This rank's file, and what it tells rank 0, as numbers (nothing crosses the wire pickled): written or
-    not, the file's size, its SHA-256 as 32 byte values, the errno of a failed write. An error's text stays
-    with the rank that met it. No collective: --async_save runs this in a background thread."""
+    """This rank's file, and what it tells rank 0 as numbers (nothing is pickled): written or not, the size, the
+    SHA-256 as 32 bytes, a failed write's errno; the error's text stays here. No collective: a thread may run it."""
     report, my_error = torch.zeros(35, dtype=torch.int64), ""
     path = os.path.join(tmp, rank_file(rank, world))
     try:
@@ -662,21 +592,19 @@ def write_rank_file(tmp: str, tensors: list, step: int, rank: int, world: int) -
 
 def commit_save(cfg, mcfg, units: dict, step, rank, world, data_state, report: torch.Tensor, my_error: str) -> str:
     """Rank 0 gathers every rank's report and, when all wrote, commits: each file's size checked, the manifest,
-    the rename to step_N, `latest`, retention. Returns the checkpoint's path on every rank, or raises
-    CheckpointError on every rank with the errno of the first failed write."""
+    the rename to step_N, `latest`, retention. Returns the checkpoint's path on every rank."""
     root, tmp, final = save_paths(cfg, step)
-    name = os.path.basename(final)
     reports = torch.zeros(world, 35, dtype=torch.int64)
     all_gather_flat(reports.view(-1), report, group=group)
     unwritten = [r for r in range(world) if not reports[r, 0]]
-    saved = torch.zeros(2, dtype=torch.int64)  # [saved, the errno of what stopped it], as prepare_save's `ready`
+    saved = torch.zeros(2, dtype=torch.int64)  # [saved, the errno of what stopped it], as raise_unless_done's
     if unwritten:
         saved[1] = next((reports[r, 34] for r in unwritten if reports[r, 34]), 0)
-    if rank == 0 and not unwritten:
-        renamed = False
+        my_error = my_error or f"rank(s) {', '.join(map(str, unwritten))} could not write their files"
+    elif rank == 0:
+        files = {rank_file(r, world): {"sha256": bytes(reports[r, 2:34].tolist()).hex(), "bytes": int(reports[r, 1])}
+                 for r in range(world)}
         try:
-            files = {rank_file(r, world): {"sha256": bytes(reports[r, 2:34].tolist()).hex(), "bytes": int(reports[r, 1])}
-                     for r in range(world)}
             for fname, expect in files.items():
                 if os.path.getsize(os.path.join(tmp, fname)) != expect["bytes"]:
                     raise OSError(errno.EIO, f"{fname} has the wrong size on disk")
@@ -684,48 +612,41 @@ def commit_save(cfg, mcfg, units: dict, step, rank, world, data_state, report: t
             write_atomic(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1))
             shutil.rmtree(final, ignore_errors=True)  # a re-save of a step (after a fallback)
             os.replace(tmp, final)
-            renamed = True
-            fsync_dir(root)
-            write_atomic(os.path.join(root, "latest"), name + "\n")
+            try:
+                fsync_dir(root)
+                write_atomic(os.path.join(root, "latest"), os.path.basename(final) + "\n")
+            except OSError:
+                if latest_name(root) != os.path.basename(final):  # complete, but `latest` does not name it: not saved
+                    with contextlib.suppress(OSError):
+                        os.replace(final, tmp)  # removed below with the rest of a failed save
+                raise
             saved[0] = 1
         except OSError as e:
             my_error = f"rank 0 could not commit it: {write_error(tmp, e)}"
             saved[1] = e.errno or errno.EIO
-            if renamed and latest_name(root) != name:  # complete, but `latest` does not name it: not saved
-                with contextlib.suppress(OSError):
-                    os.replace(final, tmp)  # removed below with the rest of a failed save
     if rank == 0 and saved[0]:
         remove_old_checkpoints(root, cfg.keep_ckpts, final)
     elif rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    dist.broadcast(saved, src=0, group=group)
-    if not saved[0]:
-        why = my_error or (f"rank(s) {', '.join(map(str, unwritten))} could not write their files" if unwritten
-                           else "rank 0 could not commit it")
-        raise CheckpointError(f"checkpoint {final} was not saved: {why}{kept_note(root)}", os_errno=saved[1].item() or None)
+    raise_unless_done(saved, f"checkpoint {final} was not saved: {my_error or 'rank 0 could not commit it'}", root)
     return final
 
 
 class BackgroundSave:
-    """--async_save: a checkpoint that stalls training only for a copy to host memory (torchtitan's async_save
-    with torch.distributed.checkpoint, Megatron's asynchronous save and DeepSpeed's FastPersist do the same).
-    At a save step every rank copies what its file holds into `staging`, one host buffer sized at start-up
-    (page-locked on CUDA: a full-speed copy from the GPU), and a thread writes, hashes and fsyncs the file from
-    it while training goes on. The commit (rank 0's manifest, rename and `latest`: commit_save) is collective,
-    so it runs in the training thread, at the first step boundary where train.py's per-step all-reduce says
-    every rank's write is done. At most one save is in flight: the next one waits for it. Until the commit,
-    the save is a .tmp-step_* folder, which nothing loads: a crash leaves `latest` where it was."""
+    """--async_save: a checkpoint that stalls training only for a copy into `staging`, one host buffer (page-locked
+    on CUDA), from which a thread writes the file while training goes on. The commit (commit_save) is collective:
+    the training thread runs it at the first step boundary where train.py's per-step all-reduce says every rank's
+    write is done. One save in flight at most; until its commit it is a .tmp-step_* folder, which nothing loads."""
 
     def __init__(self, units: list, device: torch.device):
-        # The staging buffer is zeroed (its memory taken, so the first copy pays no page faults) and page-locked in a
-        # thread of its own, while the first steps train: tens of GB at ~1 GB/s is a minute off the path to step 1,
-        # on every restart. The first save waits for it (prepared). plan.staging_bytes_per_rank counts these bytes.
+        # Zeroed (no page faults in the first copy) and page-locked in a thread while the first steps train: tens of
+        # GB at ~1 GB/s is a minute off the path to step 1. plan.staging_bytes_per_rank counts these bytes.
         self.staging = self.staged = self.prepare_error = None
         self.preparing = threading.Thread(target=self.prepare, args=(rank_file_tensors(units), device),
                                           name="staging-buffer", daemon=True)
         self.preparing.start()
         self.device, self.saves = device, 0
-        self.pending = None   # the save in flight: its step, data position, when it was taken
+        self.pending = None   # the save in flight: its step, data position and unit records
         self.writer = None    # the thread writing it
         self.written = None   # what the writer left: (report, error text, seconds it took)
 
@@ -755,7 +676,7 @@ class BackgroundSave:
         if failed.item():  # the same on a restart (host memory, the locked-memory limit): exit 2, on every rank
             raise CheckpointError(f"--async_save: {failed.item()} rank(s) could not make the staging buffer"
                                   + (f": {self.prepare_error}" if self.prepare_error else ""))
-        tmp, _ = prepare_save(cfg, step, rank)
+        tmp = prepare_save(cfg, step, rank)
         self.saves += 1
         for (_, staged), (_, t) in zip(self.staged, rank_file_tensors(units)):
             staged.copy_(t, non_blocking=True)
@@ -783,9 +704,8 @@ class BackgroundSave:
         return self.written is not None and not self.written[0][0]
 
     def finish(self, cfg, mcfg, rank: int, world: int) -> tuple[str, float, float]:
-        """Waits for this rank's write and commits the save in flight (a collective: every rank calls it at the
-        same step boundary). Returns (its path, seconds training waited here, seconds this rank's write took);
-        CheckpointError as a synchronous save's."""
+        """Waits for this rank's write and commits the save in flight (collective). Returns (its path, seconds
+        training waited here, seconds this rank's write took)."""
         t0 = time.perf_counter()
         self.writer.join()
         (report, error, write_s), pending = self.written, self.pending
@@ -817,9 +737,8 @@ def list_checkpoints(root: str) -> list[str]:
 
 
 def resume_candidates(root: str) -> list[str]:
-    """The checkpoints resume tries, newest first, starting at the one `latest` names: editing `latest`
-    to an older step_* rolls the run back to it (newer folders are then ignored, and overwritten as the
-    run passes their steps again)."""
+    """The checkpoints resume tries, newest first, from the one `latest` names: editing `latest` to an older step_*
+    rolls the run back to it (newer folders are overwritten as the run passes their steps again)."""
     paths = list_checkpoints(root)
     if not os.path.isfile(os.path.join(root, "latest")):
         return paths
@@ -832,10 +751,8 @@ def resume_candidates(root: str) -> list[str]:
 
 
 def finished_run(cfg) -> tuple[str, str] | None:
-    """(the checkpoint, what to say) when the checkpoint a resume would start from is already at --steps:
-    re-running a finished run's command (launch.sh again, a requeued job) trains and saves nothing, and
-    exports only when --export_hf is not made yet (train.main). Only manifests are read: no process group,
-    no weights. None when there is something to train."""
+    """(the checkpoint, what to say) when the one a resume would start from is already at --steps: a finished run's
+    command run again (a requeued job) trains and saves nothing (train.main). Only manifests are read."""
     if cfg.resume != "auto" or cfg.from_ckpt or cfg.steps == 0:  # --steps 0 exports the newest checkpoint
         return None
     try:
@@ -857,15 +774,13 @@ def finished_run(cfg) -> tuple[str, str] | None:
 
 
 def export_made(folder: str) -> bool:
-    """Whether an --export_hf folder is there: export_hf writes FOLDER.partial and renames it, so FOLDER
-    exists and is not empty only when complete. A FOLDER.partial left by a crash does not count (the next
-    export replaces it), nor does an empty FOLDER (the next export takes its place)."""
+    """Whether an --export_hf folder is there (export_hf renames FOLDER.partial once complete; an empty one is not)."""
     return os.path.isdir(folder) and bool(os.listdir(folder))
 
 
 def is_complete(path: str) -> bool:
-    """A readable manifest of this format. An unreadable one (CheckpointUnreadable) counts as not complete: retention
-    neither counts nor deletes what it cannot read, and never raises in the middle of a save."""
+    """A readable manifest of this format. An unreadable one counts as not complete: retention neither counts nor
+    deletes what it cannot read, and never raises in the middle of a save."""
     try:
         check_manifest(path, None, None, None)
         return True
@@ -874,10 +789,9 @@ def is_complete(path: str) -> bool:
 
 
 def remove_old_checkpoints(root: str, keep: int, just_saved: str):
-    """Retention: keeps the checkpoint just saved and the newest complete ones, `keep` in all, and deletes
-    older complete ones. Folders without a complete manifest (a damaged or foreign step_* folder) are
-    neither counted nor deleted, so they can never push out the save just made. A failure here (an NFS
-    .nfsXXXX file still open elsewhere) is a warning: the checkpoint itself is saved."""
+    """Retention: keeps the checkpoint just saved and the newest complete ones, `keep` in all, and deletes older
+    complete ones. Folders without a complete manifest are neither counted nor deleted, so they never push out the
+    save just made. A failure here (an NFS .nfsXXXX file open elsewhere) is a warning: the checkpoint is saved."""
     complete = [p for p in list_checkpoints(root) if p != just_saved and is_complete(p)]
     for old in complete[keep - 1:]:
         try:
@@ -890,6 +804,11 @@ def saved_model(manifest: dict) -> dict:
     """The manifest's model as a ModelConfig's fields: one saved before a field existed has its default."""
     known = {f.name for f in fields(M.ModelConfig)}
     return asdict(M.ModelConfig(**{k: v for k, v in (manifest.get("model") or {}).items() if k in known}))
+
+
+# A mismatch is the operator's to resolve; nothing here suggests a command that deletes checkpoints.
+WAY_FORWARD = ("Restore those flags to continue this run, or start a new phase from this checkpoint's weights "
+               "(step 1, a fresh optimizer and data position) in another folder: --init_from {path} --out_dir NEW_DIR")
 
 
 def check_manifest(path: str, cfg, mcfg, windows) -> dict:
@@ -918,16 +837,9 @@ def check_manifest(path: str, cfg, mcfg, windows) -> dict:
     return manifest
 
 
-# A mismatch is the operator's to resolve; nothing here suggests a command that deletes checkpoints.
-WAY_FORWARD = ("Restore those flags to continue this run, or start a new phase from this checkpoint's weights "
-               "(step 1, a fresh optimizer and data position) in another folder: --init_from {path} --out_dir NEW_DIR")
-
-
 def flag_meaning(key: str, value):
-    """What a path flag names, whatever its spelling: --init_from's real path; a --data or --eval_data mix's
-    [real path, normalised weight] per source, in order (data.resolved_mix). The manifest keeps it
-    ("resolved"), so a resume from another folder, by an absolute path or a link, compares the files the run
-    read. A value that names no path ("", "sample", "auto") means itself; a mix that does not parse here, None."""
+    """What a path flag names, whatever its spelling (the manifest's "resolved"): --init_from's real path; a mix's
+    [real path, normalised weight] per source (data.resolved_mix); None for a mix that does not parse here."""
     if not isinstance(value, str) or value in ("", "sample", "auto"):
         return value
     if key == "init_from":
@@ -939,9 +851,8 @@ def flag_meaning(key: str, value):
 
 
 def same_value(key: str, saved, current, saved_meaning=None) -> bool:
-    """Whether a flag saved as `saved` and now `current` mean the same. A path flag is compared by what it
-    names: `saved_meaning` is what the saving run resolved (a manifest's "resolved"); a manifest from before
-    that has None, and its relative paths are read from this run's folder, as they were then."""
+    """Whether a flag saved as `saved` and now `current` mean the same; a path flag by what it names. `saved_meaning`:
+    what the saving run resolved (None before "resolved": relative paths are read from this run's folder)."""
     if saved == current:
         return True
     if key not in PATH_FLAGS or not isinstance(saved, str) or not isinstance(current, str):
@@ -960,18 +871,15 @@ def same_value(key: str, saved, current, saved_meaning=None) -> bool:
 
 def same_path(saved: str, current: str) -> bool:
     """One file or folder: the same real path, or the same inode under another mount (a bind mount)."""
-    if saved == current:
-        return True
     try:
-        return os.path.samefile(saved, current)
+        return saved == current or os.path.samefile(saved, current)
     except OSError:
         return False
 
 
 def config_changes(manifest: dict, cfg, mcfg) -> tuple[list[str], list[str]]:
-    """What differs between the checkpoint's manifest and this run's flags (`cfg`, a TrainConfig) and model
-    (`mcfg`): (what a resume must keep, each "--flag was A, now B (why)"; what may change, each "--flag
-    A -> B"). A field a manifest lacks (saved before the field existed) counts as its default."""
+    """What differs between the manifest and this run's flags and model: (what a resume must keep, each "--flag was
+    A, now B (why)"; what may change, each "--flag A -> B"). A field the manifest lacks counts as its default."""
     saved = {f.name: f.default for f in fields(cfg)} | (manifest.get("train") or {})
     resolved = manifest.get("resolved") or {}
     must, may = [], []
@@ -989,8 +897,8 @@ def config_changes(manifest: dict, cfg, mcfg) -> tuple[list[str], list[str]]:
 
 
 def check_manifest_numbers(path: str, manifest: dict):
-    """The numbers a load computes with, checked before any is used: a manifest is a file that may have been
-    copied, edited or damaged (a shard_numel of 0 divided by zero; a wrong one read the wrong elements)."""
+    """The numbers a load computes with, checked before use: a manifest may be edited or damaged (a shard_numel of 0
+    divides by zero; a wrong one reads the wrong elements)."""
     def refuse(field, value, expected):
         raise CheckpointError(f"checkpoint {path}: manifest.json: {field} is {value!r}, expected {expected} "
                               f"(a damaged or edited manifest)")
@@ -1030,45 +938,50 @@ def trained_when_saved(manifest: dict, name: str) -> bool:
 
 
 def freeze_changes(manifest: dict, units: list) -> tuple[list[str], list[str]]:
-    """--freeze changed on resume: (the units that start training, with fresh optimizer state; the units frozen
-    now, whose saved state is dropped)."""
+    """--freeze changed on resume: (the units that start training; the units frozen now)."""
     started = [u.name for u in units if u.trained and not trained_when_saved(manifest, u.name)]
     stopped = [u.name for u in units if not u.trained and trained_when_saved(manifest, u.name)]
     return started, stopped
 
 
+def check_file_size(path: str, fname: str, expect: dict | None):
+    """The rank file `fname` of the checkpoint `path` is there with the size the manifest records (`expect`)."""
+    size = file_size(os.path.join(path, fname))
+    if expect is None or size is None:
+        raise CheckpointError(f"checkpoint {path}: {fname} is missing")
+    if size != expect["bytes"]:
+        raise CheckpointError(f"checkpoint {path}: {fname} has {size} bytes, the manifest says {expect['bytes']} "
+                              f"(truncated?)")
+
+
 def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = False):
-    """Fills this rank's shards from the checkpoint, whatever world size saved it: the flat layout of a
-    unit does not depend on W, so a new shard [a, b) is read from the old rank files that cover it.
-    Each file read is checked against the manifest's size and SHA-256 first. `master_only`: the fp32
-    master shards alone (a new phase starts with a fresh optimizer, whichever one saved the checkpoint)."""
+    """Fills this rank's shards from the checkpoint, whatever world size saved it: a unit's flat layout does not
+    depend on W, so a new shard [a, b) is read from the old rank files that cover it, each checked against the
+    manifest's size and SHA-256 first. `master_only`: the fp32 master shards alone (a new phase)."""
     from safetensors import safe_open
     check_manifest_numbers(path, manifest)
     old_world = manifest["world_size"]
-    # The units whose optimizer state is read: those that train now and trained then. Since the save --freeze may
-    # have changed: a unit that starts training starts from zero state and its own first step (as a parameter new
-    # to a torch optimizer); a unit frozen now leaves its saved state unread.
+    # Optimizer state is read for the units that train now and trained then (--freeze may have changed): a unit
+    # that starts training starts from zero state and its own first step, as a parameter new to a torch optimizer.
     with_state = set()
     for unit in units:
         saved = manifest["units"].get(unit.name)
         if saved is None or saved["numel"] != unit.numel:
             raise CheckpointError(f"checkpoint {path}: unit {unit.name} is missing or has another size")
         if master_only or not (unit.trained and trained_when_saved(manifest, unit.name)):
+            unit.optimizer_steps = 0
+            for tensor in unit.optimizer_state.values():
+                tensor.zero_()  # what a fall-back from a checkpoint that had it read goes too
             continue
-        with_state.add(unit.name)
-        # Per unit (a manifest saved before 2026-12-05 names one list for all units, at its top level).
+        # Per unit (a manifest saved before 2026-12-05 names one list for all units, at its top level, and no step
+        # count: every unit took every step).
         saved_state = saved.get("optimizer_state", manifest.get("optimizer_state", ["exp_avg", "exp_avg_sq"]))
         if saved_state != list(unit.optimizer_state):
             raise CheckpointError(f"checkpoint {path}: unit {unit.name} was saved with optimizer state "
                                   f"{', '.join(saved_state) or 'none'}, this run's optimizer keeps "
                                   f"{', '.join(unit.optimizer_state) or 'none'} for it")
-    for unit in units:
-        if unit.name in with_state:  # a manifest saved before 2026-12-05 has no count: every unit took every step
-            unit.optimizer_steps = manifest["units"][unit.name].get("optimizer_steps", manifest["step"])
-        else:
-            unit.optimizer_steps = 0
-            for tensor in unit.optimizer_state.values():
-                tensor.zero_()  # what a fall-back from a checkpoint that had it read goes too
+        with_state.add(unit.name)
+        unit.optimizer_steps = saved.get("optimizer_steps", manifest["step"])
     verified = set()
     for unit in units:
         old_shard = manifest["units"][unit.name]["shard_numel"]
@@ -1077,13 +990,8 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
             fname = rank_file(old_rank, old_world)
             fpath = os.path.join(path, fname)
             if fname not in verified:
-                expect, size = manifest["files"].get(fname), file_size(fpath)
-                if expect is None or size is None:
-                    raise CheckpointError(f"checkpoint {path}: {fname} is missing")
-                if size != expect["bytes"]:
-                    raise CheckpointError(f"checkpoint {path}: {fname} has {size} bytes, "
-                                          f"the manifest says {expect['bytes']} (truncated?)")
-                if read_retrying(sha256_file, fpath) != expect["sha256"]:
+                check_file_size(path, fname, manifest["files"].get(fname))
+                if read_retrying(sha256_file, fpath) != manifest["files"][fname]["sha256"]:
                     raise CheckpointError(f"checkpoint {path}: {fname} does not match its SHA-256 (damaged)")
                 verified.add(fname)
             a, b = max(lo, old_rank * old_shard), min(hi, (old_rank + 1) * old_shard)
@@ -1118,28 +1026,30 @@ def read_checkpoint(path: str, cfg, mcfg, windows, units, master_only: bool = Fa
         return f"checkpoint {path}: cannot read it: {e.strerror or e}", UNREADABLE, e.errno or errno.EIO, {}
 
 
-def agreed_by_rank(code: int, os_errno: int) -> torch.Tensor:
-    """Every rank's [code, errno] of reading one checkpoint (read_checkpoint's), through one all-gather: a damaged
-    file seen by one rank rejects the checkpoint for all (reading 53 GB can outlast --timeout_min: the checkpoint
-    group)."""
+def read_agreed(path: str, cfg, mcfg, windows, units, master_only: bool = False) -> tuple[dict, str, list[int]]:
+    """read_checkpoint, every rank's [code, errno] gathered: (the manifest, this rank's error, the ranks that cannot
+    use it): one rank's damaged file rejects it for all. Other flags, or a read error on any rank, raise on every
+    rank: never a fallback to an older checkpoint."""
+    error, code, os_errno, manifest = read_checkpoint(path, cfg, mcfg, windows, units, master_only)
     by_rank = torch.zeros(dist.get_world_size(), 2, dtype=torch.int64)
     all_gather_flat(by_rank.view(-1), torch.tensor([code, os_errno]), group=group)
-    return by_rank
-
-
-def unreadable_on_some_rank(path: str, error: str, by_rank: torch.Tensor) -> CheckpointUnreadable:
-    """What every rank raises when a rank could not read `path` (by_rank: each rank's [code, errno]): never a
-    fallback to an older checkpoint, whatever the other ranks found."""
-    ranks = [r for r, (code, _) in enumerate(by_rank.tolist()) if code == UNREADABLE]
-    line = error or f"checkpoint {path}: rank(s) {', '.join(map(str, ranks))} could not read it (their line names the file)"
-    return CheckpointUnreadable(int(by_rank[ranks[0], 1]), f"{line}; the older checkpoints were not used: a read error "
-                                                            f"is not damage")
+    codes = by_rank[:, 0].tolist()
+    failed = [r for r, found in enumerate(codes) if found != USABLE]
+    if MISMATCHED in codes:
+        raise CheckpointError(error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} cannot use it")
+    if UNREADABLE in codes:
+        ranks = [r for r in failed if codes[r] == UNREADABLE]
+        if code != UNREADABLE:
+            error = (f"checkpoint {path}: rank(s) {', '.join(map(str, ranks))} could not read it (their line names "
+                     f"the file)")
+        raise CheckpointUnreadable(int(by_rank[ranks[0], 1]), f"{error}; the older checkpoints were not used: a read "
+                                                              f"error is not damage")
+    return manifest, error, failed
 
 
 def check_same_manifest(path: str, manifest: dict):
-    """After a load, every rank read the same manifest: its step and SHA-256 (data position and file hashes
-    included) gathered. Ranks that read other bytes under one name (a folder written again while a node still
-    caches the old one) stop here, before a step trains on a mix of two checkpoints; a restart reads again."""
+    """After a load, every rank read the same manifest (step and SHA-256 gathered): ranks that read other bytes
+    under one name (a node caching an older folder) stop before a step trains on a mix of two checkpoints."""
     digest = int(hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:15], 16)
     by_rank = torch.zeros(dist.get_world_size(), 2, dtype=torch.int64)
     all_gather_flat(by_rank.view(-1), torch.tensor([manifest["step"], digest]), group=group)
@@ -1152,36 +1062,26 @@ def check_same_manifest(path: str, manifest: dict):
 
 
 def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: bool) -> tuple[int, int]:
-    """Loads the newest intact checkpoint among `candidates`; returns its step and data position. All ranks agree on each
-    candidate (a damaged file seen by one rank rejects it for all), and with `fallback` a damaged
-    checkpoint is reported and the previous one tried, while one saved under flags a resume must keep
-    stops the resume (config_changes); flags that may change are a warning on rank 0."""
+    """Loads the newest intact checkpoint among `candidates`, agreed by every rank (read_agreed): (its step, data
+    position). With `fallback` a damaged one is reported and the previous one tried."""
     for path in candidates:
-        error, code, os_errno, manifest = read_checkpoint(path, cfg if fallback else None, mcfg, windows, units)
-        by_rank = agreed_by_rank(code, os_errno)  # every rank must agree
-        codes = by_rank[:, 0].tolist()
-        failed = [r for r, bad in enumerate(codes) if bad]
+        manifest, error, failed = read_agreed(path, cfg if fallback else None, mcfg, windows, units)
         if not failed:
-            if rank == 0 and fallback:
-                changed = config_changes(manifest, cfg, mcfg)[1]
+            if rank == 0 and fallback:  # what goes on differently from here: a warning each
+                step, changed = manifest["step"] + 1, config_changes(manifest, cfg, mcfg)[1]
+                started, stopped = freeze_changes(manifest, units)
                 if changed:
                     print(f"warning: resuming from {path} with changed flags: {', '.join(changed)}; the run continues "
-                          f"under the new values from step {manifest['step'] + 1}", file=sys.stderr, flush=True)
-                started, stopped = freeze_changes(manifest, units)
+                          f"under the new values from step {step}", file=sys.stderr, flush=True)
                 if started:
-                    print(f"warning: --freeze: unit(s) {', '.join(started)} start training at step {manifest['step'] + 1} "
-                          f"with a fresh optimizer state (zero moments, their own step count from 1)", file=sys.stderr,
-                          flush=True)
+                    print(f"warning: --freeze: unit(s) {', '.join(started)} start training at step {step} with a fresh "
+                          f"optimizer state (zero moments, their own step count from 1)", file=sys.stderr, flush=True)
                 if stopped:
-                    print(f"warning: --freeze: unit(s) {', '.join(stopped)} are frozen from step {manifest['step'] + 1}; "
-                          f"their saved optimizer state is dropped", file=sys.stderr, flush=True)
+                    print(f"warning: --freeze: unit(s) {', '.join(stopped)} are frozen from step {step}; their saved "
+                          f"optimizer state is dropped", file=sys.stderr, flush=True)
             check_same_manifest(path, manifest)
             data = manifest["data"] or {"position": 0}  # a conversion run (--steps 0) saved no data state
             return manifest["step"], data["position"]
-        if MISMATCHED in codes:
-            raise CheckpointError(error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} cannot use it")
-        if UNREADABLE in codes:
-            raise unreadable_on_some_rank(path, error if code == UNREADABLE else "", by_rank)
         if not fallback:
             raise CheckpointError(error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} cannot use it")
         if error:
@@ -1198,9 +1098,8 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: boo
 # ================================================================================================
 
 def find_checkpoint(path: str) -> str | None:
-    """The step_* folder `path` means when it is one of ours: a checkpoint folder (it holds manifest.json),
-    or an --out_dir, meaning the checkpoint its checkpoints/latest names (without `latest`, its newest
-    complete one). None when it is neither."""
+    """The step_* folder `path` means: itself (it holds manifest.json), or for an --out_dir the one its `latest`
+    names (else its newest complete one). None when it is neither."""
     if os.path.isfile(os.path.join(path, "manifest.json")):
         return path
     root = os.path.join(path, "checkpoints")
@@ -1211,19 +1110,13 @@ def find_checkpoint(path: str) -> str | None:
 
 
 def check_checkpoint_files(path: str, flag: str) -> dict:
-    """What can be checked of a checkpoint cheaply on every rank before any work: a readable manifest of
-    this format, and every rank file there with the size the manifest records. Their SHA-256 is checked
-    as they are read (load_weights), as on resume. Returns the manifest."""
+    """What is cheap to check of a checkpoint before any work: its manifest and every rank file's size (their
+    SHA-256 as they are read: load_weights)."""
     try:
         manifest = check_manifest(path, None, None, None)
         check_manifest_numbers(path, manifest)  # before a file name of its is joined to a path
         for fname, expect in manifest["files"].items():
-            fpath = os.path.join(path, fname)
-            if not os.path.isfile(fpath):
-                raise CheckpointError(f"checkpoint {path}: {fname} is missing")
-            if os.path.getsize(fpath) != expect["bytes"]:
-                raise CheckpointError(f"checkpoint {path}: {fname} has {os.path.getsize(fpath)} bytes, the manifest "
-                                      f"says {expect['bytes']} (truncated?)")
+            check_file_size(path, fname, expect)
     except (KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{flag}: checkpoint {path}: manifest.json lacks {e}") from None
     except CheckpointError as e:
@@ -1232,16 +1125,12 @@ def check_checkpoint_files(path: str, flag: str) -> dict:
 
 
 def load_weights(path: str, units: list, flag: str) -> int:
-    """The fp32 master shards of the checkpoint `path`, re-sharded for this run's world size, and no
-    optimizer state: --init_from (a new phase: step 1, a fresh optimizer and data position) and
-    --from_ckpt. Each rank verifies the files it reads (size, SHA-256) and all agree before any step.
-    Returns the checkpoint's step."""
-    error, code, os_errno, manifest = read_checkpoint(path, None, None, None, units, master_only=True)
-    by_rank = agreed_by_rank(code, os_errno)
-    failed = [r for r, bad in enumerate(by_rank[:, 0].tolist()) if bad]
-    if UNREADABLE in by_rank[:, 0].tolist():
-        e = unreadable_on_some_rank(path, error if code == UNREADABLE else "", by_rank)
-        raise CheckpointUnreadable(e.errno, f"{flag}: {e.strerror}")
+    """The fp32 master shards of the checkpoint `path`, re-sharded for this world size, no optimizer state
+    (--init_from: a new phase; --from_ckpt), agreed by every rank (read_agreed). Returns the checkpoint's step."""
+    try:
+        manifest, error, failed = read_agreed(path, None, None, None, units, master_only=True)
+    except CheckpointUnreadable as e:
+        raise CheckpointUnreadable(e.errno, f"{flag}: {e.strerror}") from None
     if failed:
         raise CheckpointError(f"{flag}: " + (error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} "
                                                       f"cannot use it"))
@@ -1251,8 +1140,7 @@ def load_weights(path: str, units: list, flag: str) -> int:
 # The model a run builds, from the files its flags name (components/checks.py and the planner both ask).
 
 def checkpoint_source(cfg) -> str | None:
-    """The checkpoint folder --from_ckpt means, or --init_from when it is not a Hugging Face folder: a
-    step_* folder, or an --out_dir meaning its checkpoints/latest (find_checkpoint)."""
+    """The checkpoint folder --from_ckpt means, or --init_from when not a Hugging Face folder (find_checkpoint)."""
     flag, path = ("--from_ckpt", cfg.from_ckpt) if cfg.from_ckpt else ("--init_from", cfg.init_from)
     if not path or (flag == "--init_from" and os.path.isfile(os.path.join(path, "config.json"))):
         return None
@@ -1265,7 +1153,7 @@ def checkpoint_source(cfg) -> str | None:
     if found is None:
         neither = "a Hugging Face folder (no config.json) nor " if flag == "--init_from" else ""
         raise CheckpointError(f"{flag}: {path} is neither {neither}one of our checkpoints (no manifest.json, and no "
-                           f"checkpoints/step_* folder in it)")
+                              f"checkpoints/step_* folder in it)")
     return found
 
 
@@ -1275,14 +1163,13 @@ DATA_DECIDES = ("vocab_size", "bos_id", "eos_id")
 
 
 def model_config(cfg) -> M.ModelConfig:
-    """The model: a checkpoint's (manifest.json's "model", for --from_ckpt and --init_from one of ours: a
-    --model given beside it must describe the same model), an --init_from folder's config.json, or a preset."""
+    """The model: a checkpoint's manifest's (a --model beside --init_from must be the same), an --init_from folder's
+    config.json, or a preset."""
     checkpoint = checkpoint_source(cfg)
     if checkpoint:
         flag = "--from_ckpt" if cfg.from_ckpt else "--init_from"
         try:
-            with open(os.path.join(checkpoint, "manifest.json")) as f:
-                mcfg = M.ModelConfig(**json.load(f)["model"])
+            mcfg = M.ModelConfig(**load_json(os.path.join(checkpoint, "manifest.json"))["model"])
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{flag}: checkpoint {checkpoint}: manifest.json has no readable model ({e})") from None
         if cfg.model and not cfg.from_ckpt:
@@ -1294,8 +1181,7 @@ def model_config(cfg) -> M.ModelConfig:
                                       f"leave out --model")
         return mcfg
     if cfg.init_from:
-        with open(os.path.join(cfg.init_from, "config.json")) as f:
-            return config_from_hf(json.load(f))
+        return config_from_hf(load_json(os.path.join(cfg.init_from, "config.json")))
     return M.PRESETS[cfg.model or "tiny"]()
 
 
@@ -1313,9 +1199,8 @@ def hf_rope(hf: dict) -> tuple[dict, str]:
 
 
 def check_hf_config(hf: dict) -> list[str]:
-    """What in a Hugging Face config.json says it is not a model this code builds (model.FAMILIES), one line
-    each. Qwen2 (q/k/v biases), Gemma (GELU, 1 + w norms) and Mistral name their tensors as Llama does: their
-    weights would load, and train as another model, without a word."""
+    """What in a config.json says it is not a model this code builds (model.FAMILIES), one line each: Qwen2, Gemma
+    and Mistral name their tensors as Llama does, and would load, and train as another model, without a word."""
     model_type, architectures = hf.get("model_type"), hf.get("architectures") or []
     family = M.FAMILIES.get(model_type)
     if family is None or architectures not in ([], [family["hf_class"]]):
@@ -1339,8 +1224,8 @@ def check_hf_config(hf: dict) -> list[str]:
 
 
 def config_from_hf(hf: dict) -> M.ModelConfig:
-    """Published Llama 3.x and Qwen3 form (`rope_theta` + `rope_scaling`) or the newer `rope_parameters` form.
-    Anything but a family of model.FAMILIES, as it is published, is refused (check_hf_config), never approximated."""
+    """Either form of config.json; anything but a family of model.FAMILIES, as it is published, is refused
+    (check_hf_config), never approximated."""
     problems = check_hf_config(hf)
     if problems:
         raise ValueError("config.json: " + "; ".join(problems))
@@ -1367,21 +1252,17 @@ HF_RESPELLED = ("rope_parameters", "rope_scaling", "rope_theta", "dtype", "torch
 
 
 def config_to_hf(cfg: M.ModelConfig, dtype: torch.dtype, source: dict | None = None, eos_ids: list | None = None) -> dict:
-    """The published form of cfg's family (Llama 3.x, Qwen3), which every transformers version that has the
-    family reads. `source`: the config.json the
-    weights came from (an --init_from folder): its other fields are kept, and its list of end ids too when
-    it starts with cfg.eos_id (Llama 3.1 Instruct lists <|end_of_text|>, <|eom_id|>, <|eot_id|>; training
-    needs only the first). `eos_ids`: the tokenizer's end ids, for a model without a source."""
-    rope_scaling = None
-    if cfg.rope_scaling:
-        rope_scaling = dict(cfg.rope_scaling, rope_type="llama3")
+    """The published form of cfg's family. `source`: the --init_from config.json, whose other fields are kept, and
+    its end-id list when it starts with cfg.eos_id (Llama 3.1 Instruct's three; training needs only the first).
+    `eos_ids`: the tokenizer's end ids, for a model without a source."""
     family = M.FAMILIES[cfg.family]
     ours = {
         "architectures": [family["hf_class"]], "model_type": cfg.family,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
         "intermediate_size": cfg.ffn_dim, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-        "rope_scaling": rope_scaling, "max_position_embeddings": cfg.max_seq_len,
+        "rope_scaling": dict(cfg.rope_scaling, rope_type="llama3") if cfg.rope_scaling else None,
+        "max_position_embeddings": cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
         "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
         "initializer_range": cfg.init_std, "use_cache": True, "torch_dtype": str(dtype).removeprefix("torch."),
@@ -1400,15 +1281,14 @@ def config_to_hf(cfg: M.ModelConfig, dtype: torch.dtype, source: dict | None = N
 
 
 def hf_file_of_tensors(folder: str) -> dict:
-    """{HF tensor name: safetensors file}, from the headers of the files themselves (only the headers are
-    read): the index only says which files there are, so a file that lacks what the index promises shows
-    as a missing tensor, and a damaged file is found here, before any process group exists."""
+    """{HF tensor name: safetensors file}, from the files' own headers (the index only says which files there are):
+    a file lacking what the index promises shows as a missing tensor, a damaged one is found before any training."""
+    from safetensors import SafetensorError, safe_open
     index = os.path.join(folder, "model.safetensors.index.json")
     single = os.path.join(folder, "model.safetensors")
     if os.path.isfile(index):
         try:
-            with open(index) as f:
-                tensor_files = list(json.load(f)["weight_map"].items())  # (tensor name, file name)
+            tensor_files = list(load_json(index)["weight_map"].items())  # (tensor name, file name)
         except (ValueError, KeyError, AttributeError, TypeError) as e:
             raise ValueError(f"--init_from: {index} is not a safetensors index ({e!r}); download it again") from None
         for name, fname in tensor_files:  # a file of this folder (links are fine: the Hub's cache is made of them)
@@ -1424,25 +1304,18 @@ def hf_file_of_tensors(folder: str) -> dict:
     for path in paths:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--init_from: {path} is named in {index} but does not exist")
-        files.update({name: path for name in hf_tensor_names(path)})
+        try:  # safe_open checks the header covers the file: a truncated download or an HTML page fails here
+            with safe_open(path, framework="pt") as f:
+                files.update({name: path for name in f.keys()})
+        except SafetensorError as e:
+            raise ValueError(f"--init_from: {path} is not a readable safetensors file ({e}); download it "
+                             f"again") from None
     return files
 
 
-def hf_tensor_names(path: str) -> list[str]:
-    """The names in one safetensors file's header. safe_open checks that the header covers the whole
-    file, so a truncated download, or an HTML error page saved under the name, fails here as one line."""
-    from safetensors import SafetensorError, safe_open
-    try:
-        with safe_open(path, framework="pt") as f:
-            return list(f.keys())
-    except SafetensorError as e:
-        raise ValueError(f"--init_from: {path} is not a readable safetensors file ({e}); download it again") from None
-
-
 def check_hf_tensors(files: dict, mcfg: M.ModelConfig, folder: str):
-    """The files must hold exactly the parameters of the model that config.json describes. A tensor the
-    model lacks (a Qwen2 q_proj.bias, an old conversion's rotary inv_freq, an lm_head.weight beside tied
-    embeddings) is refused, never dropped: each is a sign the weights are not that model's."""
+    """The files hold exactly the parameters of config.json's model: an extra tensor (a Qwen2 q_proj.bias, a rotary
+    inv_freq, lm_head.weight beside tied embeddings) is refused, never dropped: the weights are another model's."""
     with torch.device("meta"):  # names only: allocates nothing
         expected = {M.hf_name(name) for name, _ in M.Llama(mcfg).named_parameters()}
     missing, unexpected = sorted(expected - files.keys()), sorted(files.keys() - expected)
@@ -1463,8 +1336,7 @@ def more(names: list) -> str:
 
 
 def load_unit_from_hf(unit, files: dict, open_files: dict):
-    """Reads only this rank's shard of each parameter (safetensors reads shards without loading the
-    tensor): at most one extra row on each side of the shard is read, then cut away."""
+    """Reads only this rank's shard of each parameter: at most one extra row on each side, then cut away."""
     from safetensors import safe_open
     lo_shard, hi_shard = unit.shard_start, unit.shard_start + unit.shard_numel
     for slot in unit.slots:
@@ -1496,10 +1368,8 @@ def gather_full_unit(unit) -> torch.Tensor:
 
 
 def check_export_tensors(config: dict, shapes: dict):
-    """What transformers' class for the family (model.FAMILIES: LlamaForCausalLM, Qwen3ForCausalLM) builds from
-    `config` (on the meta device: no memory) must have exactly the tensors `shapes` ({HF name: shape}) names:
-    from_pretrained drops a tensor it does not know with only a warning, so a fork's extra parameter would be
-    served as another model."""
+    """What transformers builds from `config` (on the meta device) has exactly the tensors `shapes` names:
+    from_pretrained drops a tensor it does not know with a warning, serving a fork's model as another."""
     import transformers
     family = M.FAMILIES[config["model_type"]]
     with torch.device("meta"):
@@ -1520,17 +1390,13 @@ def check_export_tensors(config: dict, shapes: dict):
 
 
 def export_origin(train: dict, depth: int = 0) -> dict:
-    """Where an export's files other than the weights come from, for the run whose TrainConfig is `train`
-    (asdict, or a manifest's "train"): {"hf_folder": the Hugging Face folder its first weights came from
-    (its config.json, generation_config.json and tokenizer files go with the model) or None, "tokenizer":
-    run_tokenizer's}. A run started from one of our checkpoints (a phase) has the origin of the run that
-    saved it, followed back through the manifests; so has --from_ckpt (a conversion)."""
+    """Where an export's other files come from, for the run whose TrainConfig is `train`: {"hf_folder": the Hugging
+    Face folder its first weights came from or None, "tokenizer": run_tokenizer's}. A run from one of our
+    checkpoints (a phase, --from_ckpt) has the origin of the run that saved it, through the manifests."""
     init = train.get("from_ckpt") or train.get("init_from") or ""
     if init and not os.path.isfile(os.path.join(init, "config.json")) and depth < 100:
         try:
-            checkpoint = find_checkpoint(init)
-            with open(os.path.join(checkpoint, "manifest.json")) as f:
-                return export_origin(json.load(f)["train"], depth + 1)
+            return export_origin(load_json(os.path.join(find_checkpoint(init), "manifest.json"))["train"], depth + 1)
         except (CheckpointError, OSError, ValueError, KeyError, TypeError):
             pass  # that run's folder is gone: what this run's own --data says
     hf_folder = init if init and os.path.isfile(os.path.join(init, "config.json")) else None
@@ -1538,21 +1404,18 @@ def export_origin(train: dict, depth: int = 0) -> dict:
 
 
 def run_tokenizer(train: dict) -> dict | None:
-    """The tokenizer a run's --data was prepared with, as its meta.json records it ({path, kind, sha256}),
-    or None (a token .npy names none). The one place the export reads --data."""
+    """The tokenizer that prepared a run's --data, as its meta.json records it ({path, kind, sha256}), or None."""
     folder = D.first_prepared_folder(train.get("data") or "", train.get("out_dir") or "")  # a mix shares one tokenizer
     try:
-        with open(os.path.join(folder, "meta.json")) as f:
-            tokenizer = json.load(f)["tokenizer"]
+        tokenizer = load_json(os.path.join(folder, "meta.json"))["tokenizer"]
         return {k: tokenizer[k] for k in ("path", "kind", "sha256")}
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
 def export_tokenizer(origin: dict, folder: str) -> tuple[list | None, str]:
-    """Writes the tokenizer's files into `folder`: an --init_from folder's are copied; else the tokenizer
-    that prepared --data is written (data.write_hf_tokenizer). Returns (its end ids or None, what was
-    written, for the log). Without one, the export holds none and a warning says so."""
+    """The tokenizer's files into `folder`: an --init_from folder's copied, else --data's written
+    (data.write_hf_tokenizer), else none and a warning. Returns (its end ids or None, what was written)."""
     source = origin.get("hf_folder")
     if source and any(os.path.isfile(os.path.join(source, n)) for n in ("tokenizer.json", "tokenizer.model")):
         return None, f"tokenizer files copied from {source}: {', '.join(D.copy_hf_tokenizer_files(source, folder))}"
@@ -1569,26 +1432,21 @@ def export_tokenizer(origin: dict, folder: str) -> tuple[list | None, str]:
     return None, "no tokenizer"
 
 
-def read_json(path: str):
-    """The JSON in `path`, or None when there is no such file."""
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+def source_json(source: str | None, name: str):
+    """The JSON file `name` of the --init_from folder `source`, or None when there is none."""
+    path = os.path.join(source or "", name)
+    return load_json(path) if source and os.path.isfile(path) else None
 
 
 def finish_export(folder: str, mcfg: M.ModelConfig, dtype: torch.dtype, origin: dict, shapes: dict) -> str:
-    """Everything of an export but the weights: the tokenizer, config.json (the --init_from folder's, with
-    what this model defines written over it; its end-id list kept), generation_config.json (the folder's,
-    sampling defaults included; else the tokenizer's BOS and end ids), and the check that transformers
-    builds exactly the exported tensors from that config.json. Returns what export_tokenizer wrote."""
+    """Everything of an export but the weights: the tokenizer, config.json, generation_config.json (the --init_from
+    folder's, sampling defaults included; else the BOS and end ids) and check_export_tensors. Returns the note."""
     end_ids, tokenizer_note = export_tokenizer(origin, folder)
     source = origin.get("hf_folder")
-    source_config = read_json(os.path.join(source, "config.json")) if source else None
-    config = config_to_hf(mcfg, dtype, source=source_config, eos_ids=end_ids)
+    config = config_to_hf(mcfg, dtype, source=source_json(source, "config.json"), eos_ids=end_ids)
     check_export_tensors(config, shapes)
-    generation = read_json(os.path.join(source, "generation_config.json")) if source else None
-    generation = generation or {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    generation = source_json(source, "generation_config.json") or {"bos_token_id": config["bos_token_id"],
+                                                                   "eos_token_id": config["eos_token_id"]}
     for name, content in (("config.json", config), ("generation_config.json", generation)):
         with open(os.path.join(folder, name), "w") as f:
             json.dump(content, f, indent=2)
@@ -1597,30 +1455,27 @@ def finish_export(folder: str, mcfg: M.ModelConfig, dtype: torch.dtype, origin: 
 
 def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, shard_gb: float, rank: int,
               origin: dict) -> str:
-    """A folder that from_pretrained and AutoTokenizer load as is: model*.safetensors (+ index when
-    sharded), config.json, generation_config.json and the tokenizer (finish_export). Written to
-    OUT.partial and renamed: the folder appears complete or not at all. Units are grouped into files of at
-    most `shard_gb`; rank 0 holds at most one file's tensors at a time. Returns (on rank 0) a note on the
-    tokenizer; an export that cannot be made raises CheckpointError on every rank, leaving no folder.
-    (checks.check_export has refused a model transformers would build differently before the training.)"""
+    """A folder that from_pretrained and AutoTokenizer load as is: model*.safetensors (+ index), and finish_export's
+    files. Written to OUT.partial and renamed: it appears complete or not at all. Rank 0 holds one file's tensors
+    at a time. Returns (rank 0) the tokenizer note; a failure raises CheckpointError on every rank, leaving none."""
     shapes = {M.hf_name(slot.name): slot.shape for unit in units for slot in unit.slots}
-    max_bytes = int(shard_gb * 1e9)
-    bytes_per = torch.tensor([], dtype=dtype).element_size()
-    files, size = [[]], 0
-    for unit in units:  # plan the files first so each can be named "-0000i-of-0000n"
-        if files[-1] and size + unit.numel * bytes_per > max_bytes:
+    files, size, bytes_per = [[]], 0, torch.tensor([], dtype=dtype).element_size()
+    for unit in units:  # files of at most shard_gb, planned first so each can be named "-0000i-of-0000n"
+        if files[-1] and size + unit.numel * bytes_per > shard_gb * 1e9:
             files.append([])
             size = 0
         files[-1].append(unit)
         size += unit.numel * bytes_per
     tmp = out.rstrip("/") + ".partial"
-    error, error_errno = "", 0  # rank 0's first write error: it stops writing but gathers on, so no rank waits for it
+    # [written, errno]: rank 0's first write error stops its writing, not its gathering, so no rank waits for it
+    written, error = torch.tensor([1, 0]), ""
     if rank == 0:  # a fresh folder: a crashed export's model.safetensors must not sit beside a new index
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         except OSError as e:
-            error, error_errno = f"--export_hf: cannot create {write_error(tmp, e)}", e.errno or errno.EIO
+            written[:] = torch.tensor([0, e.errno or errno.EIO])
+            error = f"--export_hf: cannot create {write_error(tmp, e)}"
     weight_map, total_bytes = {}, 0
     for i, file_units in enumerate(files):
         fname = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
@@ -1632,23 +1487,21 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
                     piece = full[slot.offset:slot.offset + math.prod(slot.shape)].view(slot.shape)
                     tensors.append((M.hf_name(slot.name), piece.to(dtype).cpu().clone()))
             del full
-        if rank == 0 and not error:
+        if rank == 0 and written[0]:
             try:
                 write_safetensors_streaming(os.path.join(tmp, fname), tensors, metadata={"format": "pt"})
                 weight_map.update({name: fname for name, _ in tensors})
                 total_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
             except OSError as e:
-                error, error_errno = f"--export_hf: cannot write {write_error(os.path.join(tmp, fname), e)}", e.errno or errno.EIO
+                written[:] = torch.tensor([0, e.errno or errno.EIO])
+                error = f"--export_hf: cannot write {write_error(os.path.join(tmp, fname), e)}"
+        if rank == 0 and not written[0]:
+            shutil.rmtree(tmp, ignore_errors=True)
         # Paced per file: the other ranks wait here, on the CPU (gloo, --ckpt_timeout_min), while rank 0 writes,
         # and queue the next file's all-gathers only then. Queued all at once, the last ones would wait on the
         # GPU for rank 0's whole ~140 GB (70B) and NCCL's watchdog would end them after --timeout_min.
-        written = torch.tensor([int(not error), error_errno])  # every rank raises with rank 0's errno (save_checkpoint)
-        dist.broadcast(written, src=0, group=group)
-        if not written[0]:
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(error or f"--export_hf: rank 0 could not write {fname} of {out} (its error says why)",
-                                  os_errno=written[1].item() or None)
+        others = f"--export_hf: rank 0 could not write {fname} of {out} (its error says why)"
+        raise_unless_done(written, error or others)
     done, note = torch.zeros(2, dtype=torch.int64), ""
     if rank == 0:
         try:
@@ -1665,8 +1518,5 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
             error = str(e) if isinstance(e, ValueError) else f"--export_hf: cannot write {write_error(tmp, e)}"
             done[1] = (e.errno or errno.EIO) if isinstance(e, OSError) else 0
             shutil.rmtree(tmp, ignore_errors=True)
-    dist.broadcast(done, src=0, group=group)
-    if not done[0]:
-        raise CheckpointError(error or f"--export_hf: rank 0 could not write {out} (its error says why)",
-                              os_errno=done[1].item() or None)
+    raise_unless_done(done, error or f"--export_hf: rank 0 could not write {out} (its error says why)")
     return note
