@@ -1,32 +1,14 @@
 """Training data: tokenize and pack corpora, read them back in a resumable order, and a built-in sample.
 
-Commands:
-
     python data.py train-tokenizer --input a.txt b.jsonl --vocab_size 32000 --out tok.model
     python data.py prepare --input corpus/*.jsonl --tokenizer /models/Llama-3-70B-Instruct --out data/ --workers 16
-    python data.py sample --out out/sample        # the built-in English + French corpus, tokenizer, shards:
-                                                  # sources messages (catalogs, en + fr) and docstrings (en)
+    python data.py sample --out out/sample      # the built-in English + French corpus, tokenizer and shards
 
-Inputs: `.txt` (one document per file), `.jsonl` with `{"text": ...}` (one document per line), or chat
-`.jsonl` with `{"messages": [{"role": ..., "content": ...}, ...]}`. A chat is rendered with the
-tokenizer's chat template when it has one, else in the Llama 3 header format
-`<|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|>`; only the assistant's content and its
-`<|eot_id|>` are trained on. Every document is stored as BOS + tokens + EOS (the tokenizer's own ids).
-
-A prepared folder: `tokens-00000.npy` ... (1-D uint16 when the vocabulary fits, else uint32; read with
-`np.load(mmap_mode="r")`), `mask-00000.npy` beside them for chat data (1 = this token is a training
-target), and `meta.json`, written last: a folder without it is an unfinished prepare and is refused.
-meta.json records each shard's largest id. A `.npy` file of token ids (documents separated by the
-model's EOS) also trains. Before the first step every id is checked against the model's vocabulary.
-
-Order: windows of `seq_len + 1` tokens starting every `seq_len` tokens, across document and shard
-boundaries; a seeded permutation of all windows, drawn anew each epoch. Global batch k is the B windows
-at stream positions P .. P + B - 1 (P = k * B when B never changed) whatever the world size W and the
-micro-batch size m: rank r reads, in accumulation step j, only the m windows at P + (j*W + r)*m. The
-loader's whole state is P, which each checkpoint stores.
-
-Mixes: `--data fr:0.6,en:0.4` interleaves the sources' windows by weight, position by position
-(MixedWindows); each source keeps its own order and epochs, and P still decides everything.
+Inputs: `.txt` (a document per file), `.jsonl` of `{"text": ...}` or of chats `{"messages": [{"role": ...,
+"content": ...}, ...]}` (a document per line). Output: shards of BOS + tokens + EOS per document, a loss mask for
+chats, and meta.json, written last. Training reads windows of `seq_len + 1` tokens in a seeded order whose whole
+state is one position P, the same for any world size; mixes interleave sources by weight (MixedWindows). The
+formats, the order and the mixes in full: docs/data.md.
 """
 
 import argparse
@@ -57,18 +39,18 @@ import numpy as np
 META_FORMAT = "llama-zero3-tokens/1"
 CHAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 CONTENT_PLACEHOLDER = "\x00content\x00"  # rendered in a message's place to find where its content goes
-# The Llama 3 header format a chat is rendered in without a template of the tokenizer's (Tokenizer.chat_segments),
-# as a chat template: an export of a sentencepiece tokenizer carries it, so a server renders chats as trained.
-HEADER_FORMAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-                          "{{ m['content'] }}<|eot_id|>{% endfor %}"
+# The Llama 3 header format (Tokenizer.chat_segments) as a chat template, for the export of a sentencepiece
+# tokenizer: a server then renders chats as they were trained.
+HEADER_FORMAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+                          "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
                           "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 # A Hugging Face tokenizer's files: what an export copies from an --init_from folder, when there.
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                       "chat_template.jinja", "chat_template.json", "added_tokens.json")
-# English, French, the chat markup, digits, whitespace runs, symbols, emoji, CJK and a control character:
-# an exported tokenizer must encode this exactly as the one that prepared the data (write_hf_tokenizer).
-ENCODING_PROBE = ("The lessee shall pay 1,250.00 EUR on the 1st. Le bailleur a résilié le contrat à défaut de paiement ; "
-                  "« Où est-il ? » <|start_header_id|>user<|end_header_id|>\n\nBonjour\t  !<|eot_id|> "
+# English, French, chat markup, digits, whitespace runs, symbols, emoji, CJK and a control character: an
+# exported tokenizer must encode this exactly as the one that prepared the data (write_hf_tokenizer).
+ENCODING_PROBE = ("The lessee shall pay 1,250.00 EUR on the 1st. Le bailleur a résilié le contrat à défaut de "
+                  "paiement ; « Où est-il ? » <|start_header_id|>user<|end_header_id|>\n\nBonjour\t  !<|eot_id|> "
                   "x<|eot_id|>y  ☃ ℃ ½ 😀 中文 \x00 \r\n end")
 
 
@@ -76,12 +58,10 @@ class DataError(ValueError):
     """Bad data: the message names the flag or file (and line) and what is wrong."""
 
 
-# ----------------------------------------------------------------------------------------------
-# Tokenizers: a sentencepiece .model, or a Hugging Face folder / tokenizer.json (Llama 3)
-# ----------------------------------------------------------------------------------------------
+# -- tokenizers: a sentencepiece .model, or a Hugging Face folder / tokenizer.json (Llama 3) ---------------
 
 class Tokenizer:
-    """The few things prepare needs from either kind of tokenizer."""
+    """The few things prepare and sampling need from either kind of tokenizer."""
 
     def __init__(self, path: str):
         self.path, self.jinja2_checked = path, False
@@ -89,32 +69,28 @@ class Tokenizer:
             import sentencepiece as spm
             self.kind, self.sp = "sentencepiece", spm.SentencePieceProcessor(model_file=path)
             self.vocab_size, self.bos_id, self.eos_id = self.sp.get_piece_size(), self.sp.bos_id(), self.sp.eos_id()
-            self.chat_template, self.id_files = None, [path]
+            self.chat_template, self.id_file = None, path
             self.markup = sentencepiece_markup(self.sp)
         else:
             folder = path if os.path.isdir(path) else os.path.dirname(path)
-            if not (os.path.isfile(os.path.join(folder, "tokenizer.json")) and
-                    (os.path.isdir(path) or path.endswith("tokenizer.json"))):
+            self.id_file = os.path.join(folder, "tokenizer.json")  # the ids; the chat template aside
+            if not (os.path.isfile(self.id_file) and (os.path.isdir(path) or path.endswith("tokenizer.json"))):
                 raise DataError(f"--tokenizer: {path} is not a sentencepiece .model, a tokenizer.json, "
                                 f"or a folder holding one")
             from transformers import AutoTokenizer
             self.kind, self.hf = "huggingface", AutoTokenizer.from_pretrained(folder)
             self.vocab_size, self.bos_id, self.eos_id = len(self.hf), self.hf.bos_token_id, self.hf.eos_token_id
-            # Documents end with end-of-text. Llama 3 Instruct's tokenizer names <|eot_id|> its eos_token,
-            # but that closes a chat turn; a document (and a whole chat) ends with <|end_of_text|>.
-            end_of_text = self.hf.get_vocab().get("<|end_of_text|>")
-            if end_of_text is not None:
-                self.eos_id = end_of_text
+            # Llama 3 Instruct's eos_token, <|eot_id|>, closes a chat turn: a document ends with <|end_of_text|>.
+            self.eos_id = self.hf.get_vocab().get("<|end_of_text|>", self.eos_id)
             self.chat_template = getattr(self.hf, "chat_template", None)
-            self.id_files = [os.path.join(folder, "tokenizer.json")]  # the ids; the chat template aside
         if self.bos_id is None or self.eos_id is None or self.bos_id < 0 or self.eos_id < 0:
             raise DataError(f"--tokenizer: {path} defines no BOS or EOS token")
-        with open(self.id_files[0], "rb") as f:  # the tokenizer's identity, recorded in meta.json
+        with open(self.id_file, "rb") as f:  # the tokenizer's identity, recorded in meta.json
             self.sha256 = hashlib.sha256(f.read()).hexdigest()
 
     def encode(self, texts: list, specials: bool) -> list:
-        """Token ids of each text, no BOS/EOS. `specials=False` reads a literal "<|eot_id|>" in a document
-        as text, so a document can never forge a control token; chat markup is encoded with True."""
+        """Token ids of each text, no BOS/EOS. `specials=False` reads a literal "<|eot_id|>" as text, so a
+        document can never forge a control token; only chat markup is encoded with True."""
         if self.kind == "sentencepiece":
             ids = self.sp.encode(texts, num_threads=1)
             if specials or not self.markup:
@@ -123,8 +99,8 @@ class Tokenizer:
         return self.hf(texts, add_special_tokens=False, split_special_tokens=not specials)["input_ids"]
 
     def spell_markup(self, text: str) -> list:
-        """Sentencepiece matches its user-defined pieces (<|eot_id|>) in any text: a marker written in a
-        document is encoded here one character at a time instead, which decodes to the same text."""
+        """Sentencepiece matches its user-defined pieces (<|eot_id|>) in any text: a marker in a document is
+        encoded one character at a time instead, which decodes to the same text."""
         ids = []
         for part in self.markup.split(text):  # the markers are kept, at odd indices
             is_marker = self.markup.fullmatch(part) is not None
@@ -147,9 +123,8 @@ class Tokenizer:
         return self.sp.decode(list(ids)) if self.kind == "sentencepiece" else self.hf.decode(list(ids))
 
     def chat_segments(self, messages: list) -> list:
-        """(text, is_target, is_markup) pieces of one conversation, in order. Only markup (the template's
-        own text) is encoded with special tokens; roles and contents are text, so a message cannot forge
-        a control token."""
+        """(text, is_target, is_markup) pieces of one conversation, in order: only markup (the template's own
+        text) is encoded with special tokens, so a message cannot forge a control token."""
         if not self.chat_template:  # the Llama 3 header format
             out = []
             for m in messages:
@@ -182,23 +157,21 @@ class Tokenizer:
         return out
 
     def prompt_ids(self, record: dict) -> list:
-        """A prompt to sample from, as the model is asked: a text as the start of a prepared document (BOS +
-        its ids); a chat rendered for a reply, by the chat template with add_generation_prompt, as
-        transformers' apply_chat_template(tokenize=True) encodes it, or else in the Llama 3 header format
-        as prepare writes it, BOS first and the assistant's header last."""
+        """A prompt to sample from: a text as a prepared document starts; a chat rendered for a reply (as
+        apply_chat_template(add_generation_prompt=True) encodes it, else in the header format prepare writes)."""
         if "text" in record:
             return [self.bos_id] + self.encode([record["text"]], specials=False)[0]
         if self.chat_template:
             text = self.render_chat(record["messages"], add_generation_prompt=True)
             return self.encode([text], specials=True)[0]
         segments = self.chat_segments(record["messages"])
-        segments += [("<|start_header_id|>", False, True), ("assistant", False, False), ("<|end_header_id|>\n\n", False, True)]
+        segments += [("<|start_header_id|>", False, True), ("assistant", False, False),
+                     ("<|end_header_id|>\n\n", False, True)]
         return [self.bos_id] + [i for text, _, markup in segments for i in self.encode([text], markup)[0]]
 
     def render_chat(self, messages: list, add_generation_prompt: bool = False) -> str:
-        """The chat template's text for `messages`. The template is code that comes with the tokenizer,
-        which transformers runs in jinja2's sandbox: whatever it raises (its own raise_exception, a syntax
-        error, an attribute the sandbox refuses) is this chat's error, one line."""
+        """The chat template's text: code that comes with the tokenizer, run in jinja2's sandbox, so whatever
+        it raises is this chat's error, one line."""
         if not self.jinja2_checked:
             check_jinja2(importlib.metadata.version("jinja2"))
             self.jinja2_checked = True
@@ -209,9 +182,8 @@ class Tokenizer:
             raise DataError(f"the chat template of {self.path} failed on this chat ({why})") from None
 
     def content_span(self, messages: list, i: int, before: str, piece: str):
-        """(start, end) of message i's content in its rendered piece, found by rendering a placeholder in
-        its place: searching for the content would also match it inside the markup. None if the
-        template changes the content beyond trimming it."""
+        """(start, end) of message i's content in its rendered piece, found by rendering a placeholder in its
+        place (the content itself may also occur in the markup); None if the template changes it beyond trimming."""
         probe = self.render_chat(messages[:i] + [dict(messages[i], content=CONTENT_PLACEHOLDER)])
         if not probe.startswith(before) or probe.count(CONTENT_PLACEHOLDER) != 1:
             return None
@@ -228,17 +200,15 @@ def version_tuple(version: str) -> tuple:
 
 
 def check_jinja2(version: str):
-    """Chat templates come with tokenizers and are rendered in jinja2's sandbox; releases before 3.1.6
-    let a template escape it (CVE-2024-56326, CVE-2025-27516). requirements.txt asks for 3.1.6; an older
-    jinja2 already installed is refused before the first template is rendered rather than trusted."""
+    """Releases of jinja2 before 3.1.6 let a chat template escape the sandbox (CVE-2024-56326, CVE-2025-27516):
+    an older one already installed is refused before the first template is rendered rather than trusted."""
     if version_tuple(version) < (3, 1, 6):
         raise DataError(f"chat templates need jinja2 >= 3.1.6 (this is {version}, whose sandbox a "
                         f"template can escape); pip install 'jinja2>=3.1.6'")
 
 
 def copy_hf_tokenizer_files(folder: str, out: str) -> list:
-    """Copies a Hugging Face tokenizer's files (those of HF_TOKENIZER_FILES it has) into `out`: contents only,
-    so each new file's mode follows the umask. Returns their names."""
+    """Copies the HF_TOKENIZER_FILES `folder` has into `out` (contents only: modes follow the umask)."""
     names = [n for n in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
     for name in names:
         shutil.copyfile(os.path.join(folder, name), os.path.join(out, name))
@@ -246,10 +216,8 @@ def copy_hf_tokenizer_files(folder: str, out: str) -> list:
 
 
 def write_hf_tokenizer(path: str, sha256: str, out: str) -> list:
-    """Writes into `out` the files transformers' AutoTokenizer loads for the tokenizer that prepared the data
-    (`path` and `sha256` as meta.json records them): a Hugging Face tokenizer's files are copied; a
-    sentencepiece model is converted. Returns the tokenizer's end ids. DataError when the tokenizer is no
-    longer there as it was, or its conversion would not encode as it does."""
+    """Writes into `out` what transformers' AutoTokenizer loads for the tokenizer meta.json records (`path`,
+    `sha256`): a Hugging Face tokenizer's files are copied, a sentencepiece model converted. Returns its end ids."""
     if not os.path.exists(path):
         raise DataError(f"the tokenizer that prepared --data, {path}, is not there")
     tok = Tokenizer(path)
@@ -263,13 +231,10 @@ def write_hf_tokenizer(path: str, sha256: str, out: str) -> list:
 
 
 def sentencepiece_to_hf(tok: Tokenizer, out: str):
-    """tokenizer.json and tokenizer_config.json for a sentencepiece model: transformers converts it (its
-    SpmConverter follows the model's own normalization, byte fallback and user-defined pieces; it reads
-    the .model with protobuf), BOS is added as data.py adds it, and the chat template is the header format
-    chats were rendered in. The conversion is then held to sentencepiece on ENCODING_PROBE: a transformers
-    that converts differently gives no tokenizer, never a wrong one. A literal "<s>" or "</s>" in text is
-    the one difference left: transformers reads it as the control token (as Llama 3's reads
-    "<|begin_of_text|>"), sentencepiece as text."""
+    """tokenizer.json and tokenizer_config.json for a sentencepiece model, converted by transformers (it needs
+    protobuf), with BOS added as prepare adds it and the header format's chat template. A conversion that
+    does not encode ENCODING_PROBE as sentencepiece does gives no tokenizer, never a wrong one. The one
+    difference left: a literal "<s>" in text is the control token to transformers, text to sentencepiece."""
     from transformers import AutoTokenizer
     sp = tok.sp
     config = {"tokenizer_class": "TokenizersBackend", "bos_token": sp.id_to_piece(sp.bos_id()),
@@ -286,16 +251,15 @@ def sentencepiece_to_hf(tok: Tokenizer, out: str):
         except Exception as e:  # noqa: BLE001 (what fails depends on the transformers version: name it, go on)
             raise DataError(f"transformers could not convert {tok.path} ({type(e).__name__}: {e}; it needs the "
                             f"protobuf package)") from None
-    expected = [sp.bos_id()] + tok.encode([ENCODING_PROBE], True)[0]
-    if hf(ENCODING_PROBE)["input_ids"] != expected:
+    if hf(ENCODING_PROBE)["input_ids"] != [sp.bos_id()] + tok.encode([ENCODING_PROBE], True)[0]:
         raise DataError(f"transformers' conversion of {tok.path} encodes differently from sentencepiece")
     hf.save_pretrained(out)
 
 
 def sentencepiece_markup(sp):
-    """A pattern matching the markup pieces (<|eot_id|>, <start_of_turn>, ...) of a sentencepiece model,
-    or None. Its Python API does not say which pieces are user-defined (matched in any text); the ones
-    that matter look like markup, so every normal piece of the form <...> is treated as one."""
+    """A pattern matching the markup pieces (<|eot_id|>, <start_of_turn>, ...) of a sentencepiece model, or
+    None. Its Python API does not say which pieces are user-defined (matched in any text): every normal
+    piece of the form <...> is taken for one."""
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())
               if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or sp.is_unused(i))]
     markup = sorted((p for p in pieces if len(p) > 2 and p.startswith("<") and p.endswith(">")), key=len, reverse=True)
@@ -303,9 +267,8 @@ def sentencepiece_markup(sp):
 
 
 def train_tokenizer(inputs: list, vocab_size: int, out: str):
-    """A sentencepiece BPE model. Byte fallback: any UTF-8 (accents, symbols) encodes without <unk>;
-    identity normalization and no dummy prefix: decode(encode(text)) == text, also piece by piece;
-    the Llama 3 chat markers are single pieces."""
+    """A sentencepiece BPE model. Byte fallback: any UTF-8 encodes without <unk>; identity normalization and
+    no dummy prefix: decode(encode(text)) == text, also piece by piece; the chat markers are single pieces."""
     import sentencepiece as spm
     if not out.endswith(".model"):
         raise DataError(f"--out: {out} must end in .model")
@@ -313,8 +276,7 @@ def train_tokenizer(inputs: list, vocab_size: int, out: str):
         raise DataError(f"--vocab_size: must be >= 1, got {vocab_size}")
     def lines():  # sentencepiece drops "sentences" over 4 KB: feed it lines, not whole documents
         for _, doc in parse_records(read_records(inputs, collections.Counter()), False, collections.Counter()):
-            texts = [doc["text"]] if "text" in doc else [m["content"] for m in doc["messages"]]
-            for text in texts:
+            for text in [doc["text"]] if "text" in doc else [m["content"] for m in doc["messages"]]:
                 yield from (line for line in text.split("\n") if line.strip())
     prefix = out[:-len(".model")] + ".tmp"  # the model records its prefix: no pid, so re-runs are identical
     try:
@@ -323,14 +285,14 @@ def train_tokenizer(inputs: list, vocab_size: int, out: str):
             byte_fallback=True, character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
             user_defined_symbols=list(CHAT_TOKENS), normalization_rule_name="identity",
             remove_extra_whitespaces=False, add_dummy_prefix=False, split_digits=True, num_threads=1, minloglevel=2)
-    except RuntimeError as e:  # a failed check in sentencepiece's C++: its source line, then the reason
+    except RuntimeError as e:  # a failed check in sentencepiece's C++
         raise DataError(sentencepiece_error(str(e), vocab_size)) from None
     os.replace(prefix + ".model", out)
     os.remove(prefix + ".vocab")
 
 
 def sentencepiece_error(message: str, vocab_size: int) -> str:
-    """sentencepiece's training error as one line naming the flag, with the size it says would work."""
+    """sentencepiece's training error (its C++ source line, then the reason) as one line naming the flag."""
     reason = message.rsplit("] ", 1)[-1].strip()
     too_many = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", reason)
     if too_many:
@@ -343,13 +305,11 @@ def sentencepiece_error(message: str, vocab_size: int) -> str:
     return f"--input: sentencepiece could not train a tokenizer: {reason or message}"
 
 
-# ----------------------------------------------------------------------------------------------
-# Reading inputs: documents in input order, one at a time, bad ones named by file and line
-# ----------------------------------------------------------------------------------------------
+# -- reading inputs: documents in input order, one at a time, bad ones named by file and line -------------
 
 def parse_record(raw: bytes, where: str, is_txt: bool, trains: bool = True) -> dict:
-    """{"text": str} or {"messages": [...]} from one .jsonl line (or a whole .txt file). `trains=False`:
-    a prompt to sample from (train.py --sample_prompts), which need not hold an assistant reply."""
+    """{"text": str} or {"messages": [...]} from a .jsonl line or a .txt file. `trains=False`: a prompt to
+    sample from (--sample_prompts), which need not hold an assistant reply."""
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -369,17 +329,15 @@ def parse_record(raw: bytes, where: str, is_txt: bool, trains: bool = True) -> d
     if not (isinstance(messages, list) and messages and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages)):
-        raise DataError(f"{where}: expected {{\"text\": str}} or {{\"messages\": [{{\"role\": str, \"content\": str}}, ...]}}")
+        raise DataError(f'{where}: expected {{"text": str}} or {{"messages": [{{"role": str, "content": str}}, ...]}}')
     if trains and not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
         raise DataError(f"{where}: a chat with no assistant content trains nothing")
     return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
 
 
 def read_records(inputs: list, counts: collections.Counter, max_document_mb: float = 64):
-    """(path, line number, raw bytes) of every document in input order: a .jsonl line, or a whole .txt
-    file (line 0). Streams, and does not parse: the workers do, so the reader is never the bottleneck.
-    A document over `max_document_mb` is refused before it is read whole (a file without newlines
-    would otherwise be one line the size of the file, in every worker's memory)."""
+    """(path, line number, raw bytes) of every document in input order (a .txt file is line 0), unparsed: the
+    workers parse. A document over `max_document_mb` is refused before it is read whole."""
     max_bytes = int(max_document_mb * (1 << 20))
     def too_large(where: str):
         return DataError(f"{where}: a document over --max_document_mb {max_document_mb:g} MB; split it into "
@@ -418,9 +376,7 @@ def parse_records(records, skip_bad: bool, counts: collections.Counter):
             counts["skipped_bad"] += 1
 
 
-# ----------------------------------------------------------------------------------------------
-# prepare: tokenize in worker processes, write shards in input order
-# ----------------------------------------------------------------------------------------------
+# -- prepare: tokenize in worker processes, write shards in input order -----------------------------------
 
 _worker_tokenizer = None
 
@@ -431,59 +387,47 @@ def _init_worker(tokenizer_path: str):
 
 
 def encode_batch(records: list, with_mask: bool, skip_bad: bool, tok: Tokenizer | None = None):
-    """Parse and tokenize a batch of raw records (a worker's job): BOS + ids + EOS per document,
-    concatenated, and the mask (uint8) when with_mask. A plain-text document's tokens are all targets
-    (as without a mask); a chat's are its assistant pieces. Returns (tokens, mask or None, kept, skipped)."""
+    """Parse and tokenize a batch of raw records (a worker's job). Returns the documents' tokens, each BOS + ids +
+    EOS, their mask when with_mask (a text's tokens are all targets, a chat's its assistant pieces), and the
+    counts of documents kept and skipped."""
     tok = tok or _worker_tokenizer
     counts = collections.Counter()
-    wheres, docs = zip(*parse_records(records, skip_bad, counts)) if records else ((), ())
-    pieces = []  # (document index, text, is_target, is markup: parse special tokens)
-    for i, doc in enumerate(docs):
+    docs = list(parse_records(records, skip_bad, counts))
+    pieces, ids = [], []  # (document index, text, is_target, is_markup: encoded with special tokens), their ids
+    for i, (where, doc) in enumerate(docs):
         if "text" in doc:
-            pieces.append((i, doc["text"], True, False))
+            segments = [(doc["text"], True, False)]
         elif not with_mask:
-            raise DataError(f"{wheres[i]}: a chat, but the first record of every input is plain text, so no "
+            raise DataError(f"{where}: a chat, but the first record of every input is plain text, so no "
                             f"loss mask is being written; give chats their own .jsonl file")
         else:
             try:
                 segments = tok.chat_segments(doc["messages"])
             except DataError as e:
-                raise DataError(f"{wheres[i]}: {e}") from None
-            pieces += [(i, text, target, markup) for text, target, markup in segments]
-    ids = [None] * len(pieces)
+                raise DataError(f"{where}: {e}") from None
+        is_text = "text" in doc
+        pieces += [(i, "", is_text, True)] + [(i, *segment) for segment in segments] + [(i, "", is_text, True)]
+        ids += [[tok.bos_id]] + [None] * len(segments) + [[tok.eos_id]]
     for specials in (False, True):  # one batched encode call per kind
-        chosen = [k for k, p in enumerate(pieces) if p[3] == specials]
-        if chosen:
-            for k, piece_ids in zip(chosen, tok.encode([pieces[k][1] for k in chosen], specials)):
-                ids[k] = piece_ids
-    # Vectorized from here: one flat array of every piece's ids, then BOS before and EOS after each document.
-    lengths = np.array([len(x) for x in ids], dtype=np.int64)
-    body = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.uint32, count=int(lengths.sum()))
-    piece_doc = np.array([p[0] for p in pieces], dtype=np.int64)
-    piece_target = np.repeat(np.array([p[2] for p in pieces], dtype=np.uint8), lengths)
-    body_doc = np.repeat(piece_doc, lengths)  # the document each token belongs to
-    outside = np.flatnonzero(body >= tok.vocab_size)  # an id the model will not have: never write it
+        chosen = [k for k, piece in enumerate(pieces) if ids[k] is None and piece[3] == specials]
+        for k, piece_ids in zip(chosen, tok.encode([pieces[k][1] for k in chosen], specials) if chosen else []):
+            ids[k] = piece_ids
+    # Vectorized from here: one flat array of every piece's ids, and the document each token belongs to.
+    lengths = [len(piece_ids) for piece_ids in ids]
+    tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.uint32, count=sum(lengths))
+    token_doc = np.repeat(np.array([piece[0] for piece in pieces], dtype=np.int64), lengths)
+    outside = np.flatnonzero(tokens >= tok.vocab_size)  # an id the model will not have: never write it
     if len(outside):
-        raise DataError(f"{wheres[body_doc[outside[0]]]}: --tokenizer {tok.path} encodes it to id "
-                        f"{body[outside[0]]}, outside its own vocabulary [0, {tok.vocab_size})")
-    bad = np.unique(body_doc[(body == tok.eos_id) | (body == tok.bos_id)])  # would cut a document in two
+        raise DataError(f"{docs[token_doc[outside[0]]][0]}: --tokenizer {tok.path} encodes it to id "
+                        f"{tokens[outside[0]]}, outside its own vocabulary [0, {tok.vocab_size})")
+    # A document holds its own BOS and EOS; one more would cut it in two.
+    ends = np.bincount(token_doc[(tokens == tok.bos_id) | (tokens == tok.eos_id)], minlength=len(docs))
+    bad = np.flatnonzero(ends > 2)
     if len(bad) and not skip_bad:
-        raise DataError(f"{wheres[bad[0]]}: the document encodes to the tokenizer's BOS or EOS id")
-    keep = ~np.isin(body_doc, bad)
-    body, body_doc, piece_target = body[keep], body_doc[keep], piece_target[keep]
-    kept_docs = np.setdiff1d(np.arange(len(docs)), bad)
-    doc_len = np.bincount(body_doc, minlength=len(docs))[kept_docs] + 2
-    ends = np.cumsum(doc_len)
-    tokens = np.empty(int(ends[-1]) if len(ends) else 0, dtype=np.uint32)
-    inner = np.ones(len(tokens), dtype=bool)
-    inner[ends - doc_len], inner[ends - 1] = False, False
-    tokens[ends - doc_len], tokens[ends - 1], tokens[inner] = tok.bos_id, tok.eos_id, body
-    mask = None
-    if with_mask:
-        is_text = np.array(["text" in docs[i] for i in kept_docs], dtype=np.uint8)
-        mask = np.empty(len(tokens), dtype=np.uint8)
-        mask[ends - doc_len], mask[ends - 1], mask[inner] = is_text, is_text, piece_target
-    return tokens, mask, len(kept_docs), len(bad) + counts["skipped_bad"]
+        raise DataError(f"{docs[bad[0]][0]}: the document encodes to the tokenizer's BOS or EOS id")
+    keep = ~np.isin(token_doc, bad)
+    mask = np.repeat(np.array([piece[2] for piece in pieces], dtype=np.uint8), lengths)[keep] if with_mask else None
+    return tokens[keep], mask, len(docs) - len(bad), len(bad) + counts["skipped_bad"]
 
 
 def is_chat_input(path: str) -> bool:
@@ -491,14 +435,12 @@ def is_chat_input(path: str) -> bool:
     if not path.endswith(".jsonl"):
         return False
     with open(path, "rb") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except (ValueError, UnicodeDecodeError):
-                    return False  # the workers report it with its line number
-                return isinstance(record, dict) and "messages" in record
-    return False
+        first = next((line for line in f if line.strip()), b"{}")
+    try:
+        record = json.loads(first)
+    except (ValueError, UnicodeDecodeError):
+        return False  # the workers report it with its line number
+    return isinstance(record, dict) and "messages" in record
 
 
 def batches_of(records, max_records: int = 256, max_bytes: int = 1 << 20):
@@ -514,14 +456,13 @@ def batches_of(records, max_records: int = 256, max_bytes: int = 1 << 20):
         yield batch
 
 
-def save_npy_atomic(path: str, array: np.ndarray):
-    """A shard appears under its name only once complete (write elsewhere, fsync, rename)."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        np.save(f, array)
+def write_atomic(path: str, write):
+    """A file appears under its name only once complete: `write(f)` elsewhere, fsync, rename."""
+    with open(path + ".tmp", "wb") as f:
+        write(f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    os.replace(path + ".tmp", path)
 
 
 class ShardWriter:
@@ -543,13 +484,12 @@ class ShardWriter:
 
     def write(self, n: int):
         tokens = np.concatenate(self.tokens)
-        mask = np.concatenate(self.masks) if self.with_mask else None
         name = f"tokens-{len(self.shards):05d}.npy"
-        save_npy_atomic(os.path.join(self.out, name), tokens[:n])
+        write_atomic(os.path.join(self.out, name), lambda f: np.save(f, tokens[:n]))
         record = dict(tokens=name, mask=None, n_tokens=int(n), max_token_id=int(tokens[:n].max()))
         if self.with_mask:
-            record["mask"] = name.replace("tokens-", "mask-")
-            save_npy_atomic(os.path.join(self.out, record["mask"]), mask[:n])
+            mask, record["mask"] = np.concatenate(self.masks), name.replace("tokens-", "mask-")
+            write_atomic(os.path.join(self.out, record["mask"]), lambda f: np.save(f, mask[:n]))
             self.masks = [mask[n:]]
         self.tokens, self.n_buffered = [tokens[n:]], len(tokens) - n
         self.shards.append(record)
@@ -561,23 +501,20 @@ class ShardWriter:
 
 def show_progress(counts, total_bytes: int, t0: float, state: dict, final: bool = False):
     """One status line on stderr: redrawn in place on a terminal, every 10 s in a log file."""
-    now = time.perf_counter()
-    every = 0.5 if sys.stderr.isatty() else 10.0
-    if not final and now - state.get("last", t0) < every:
+    now, tty = time.perf_counter(), sys.stderr.isatty()
+    if not final and now - state.get("last", t0) < (0.5 if tty else 10.0):
         return
     state["last"] = now
-    pct = 100 * counts["bytes_read"] / max(total_bytes, 1)
     line = (f"prepare: {counts['documents']:,} documents | {counts['tokens']:,} tokens | "
-            f"{counts['tokens'] / max(now - t0, 1e-9):,.0f} tokens/s | {pct:.0f}% of input read")
-    end = "\n" if final or not sys.stderr.isatty() else ""
-    print(("\r" if sys.stderr.isatty() else "") + line, end=end, file=sys.stderr, flush=True)
+            f"{counts['tokens'] / max(now - t0, 1e-9):,.0f} tokens/s | "
+            f"{100 * counts['bytes_read'] / max(total_bytes, 1):.0f}% of input read")
+    print(("\r" if tty else "") + line, end="\n" if final or not tty else "", file=sys.stderr, flush=True)
 
 
 def prepare(inputs: list, tokenizer: str, out: str, workers: int = 1, skip_bad: bool = False,
             overwrite: bool = False, shard_tokens: int = 100_000_000, quiet: bool = False,
             max_document_mb: float = 64) -> dict:
-    """Tokenizes `inputs` into shards under `out`; returns meta.json's content. The result depends only
-    on the inputs and the tokenizer: results are written in input order whatever `workers` is."""
+    """Tokenizes `inputs` into shards under `out`, in input order whatever `workers` is; returns meta.json's content."""
     tok = Tokenizer(tokenizer)
     for path in inputs:
         if not os.path.isfile(path):
@@ -627,20 +564,15 @@ def prepare(inputs: list, tokenizer: str, out: str, workers: int = 1, skip_bad: 
                 convention="each document is BOS + tokens + EOS; a new document starts after each EOS",
                 tokenizer=dict(path=tokenizer, kind=tok.kind, sha256=tok.sha256),
                 inputs=list(inputs), shards=writer.shards)
-    tmp = os.path.join(out, "meta.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(out, "meta.json"))  # last: its presence means the folder is complete
+    # last: its presence means the folder is complete
+    write_atomic(os.path.join(out, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
     if not quiet:
         show_progress(counts, total_bytes, t0, state, final=True)
     return meta
 
 
 def ordered_results(pool, batches, with_mask: bool, skip_bad: bool, max_in_flight: int):
-    """Results in submission order, with at most `max_in_flight` batches queued: Pool.imap would read
-    the whole corpus ahead into its task queue."""
+    """Results in submission order, at most `max_in_flight` batches queued (Pool.imap would queue the corpus)."""
     in_flight = collections.deque()
     for batch in batches:
         in_flight.append((batch, pool.submit(encode_batch, batch, with_mask, skip_bad)))
@@ -661,32 +593,27 @@ def batch_result(batch: list, future):
                         f"with fewer --workers if memory is short") from None
 
 
-# ----------------------------------------------------------------------------------------------
-# Reading for training: a prepared folder or one .npy file, as one long token sequence
-# ----------------------------------------------------------------------------------------------
+# -- reading for training: a prepared folder or one .npy file, as one long token sequence -----------------
 
 class TokenData:
     """Token shards (and loss masks) read as one sequence; memory-mapped, so only what is sliced is read."""
 
     def __init__(self, path: str, flag: str = "--data"):
-        self.path, self.meta = path, None
-        if os.path.isdir(path):
-            self.meta = read_meta(path, flag)
-            self.shards, self.shard_paths = [], []
-            for record in self.meta["shards"]:
-                tokens_path = os.path.join(path, record["tokens"])
+        self.path, self.flag = path, flag
+        self.meta = read_meta(path, flag) if os.path.isdir(path) else None
+        self.eos_id = self.meta["eos_id"] if self.meta else None
+        if not self.meta:
+            self.shards, self.shard_paths = [(self._open(path, flag), None)], [path]
+        else:
+            self.shards, self.shard_paths = [], [os.path.join(path, r["tokens"]) for r in self.meta["shards"]]
+            for record, tokens_path in zip(self.meta["shards"], self.shard_paths):
                 tokens = self._open(tokens_path, flag)
                 mask = self._open(os.path.join(path, record["mask"]), flag) if record["mask"] else None
                 if len(tokens) != record["n_tokens"] or (mask is not None and len(mask) != len(tokens)):
                     raise DataError(f"{flag}: {tokens_path} has {len(tokens)} tokens, "
                                     f"meta.json says {record['n_tokens']}")
                 self.shards.append((tokens, mask))
-                self.shard_paths.append(tokens_path)
-        else:
-            self.shards, self.shard_paths = [(self._open(path, flag), None)], [path]
-        self.has_mask = self.shards[0][1] is not None
         self.starts = np.cumsum([0] + [len(t) for t, _ in self.shards])
-        self.eos_id = self.meta["eos_id"] if self.meta else None
 
     @staticmethod
     def _open(path: str, flag: str) -> np.ndarray:
@@ -717,50 +644,43 @@ class TokenData:
         return np.concatenate(tokens), (np.concatenate(masks) if masks else None)
 
     def check_vocab(self, vocab_size: int, flag: str = "--data"):
-        """A token id outside [0, vocab_size) would index past the embedding mid-step: refuse before
-        training. One pass over every shard (about a second per GB from the page cache), which also checks
-        each shard against the largest id meta.json records for it: a shard changed after prepare shows."""
+        """An id outside [0, vocab_size) would index past the embedding mid-step: refuse it before training, in
+        one pass over every shard (about a second per GB from the page cache), which also holds each shard to
+        the largest id meta.json records for it: a shard changed after prepare shows."""
         if self.meta and self.meta["vocab_size"] != vocab_size:
             raise DataError(f"{flag}: {self.path} was tokenized with a {self.meta['vocab_size']:,}-token "
                             f"vocabulary; the model's has {vocab_size:,}")
-        for k, (tokens, _) in enumerate(self.shards):
-            check_dtype_holds_vocab(tokens.dtype, vocab_size, self.shard_paths[k], flag)
-            largest = check_ids(tokens, vocab_size, self.shard_paths[k], flag)
+        for k, ((tokens, _), path) in enumerate(zip(self.shards, self.shard_paths)):
+            most = np.iinfo(tokens.dtype).max
+            if vocab_size - 1 > most:  # Llama 3's ids saved as uint16: the larger ones wrapped, the rest look valid
+                raise DataError(f"{flag}: {path} holds {tokens.dtype.name} ids (at most {most:,}) but the model's "
+                                f"vocabulary has {vocab_size:,} tokens: larger ids wrapped when it was saved; save "
+                                f"the ids as uint32, or tokenize with data.py prepare")
+            largest = check_ids(tokens, vocab_size, path, flag)
             recorded = self.meta["shards"][k]["max_token_id"] if self.meta else largest
             if largest != recorded:
-                raise DataError(f"{flag}: {self.shard_paths[k]} holds ids up to {largest}, but meta.json records "
+                raise DataError(f"{flag}: {path} holds ids up to {largest}, but meta.json records "
                                 f"{recorded}: the shard changed after prepare (run data.py prepare again)")
 
 
-def check_dtype_holds_vocab(dtype, vocab_size: int, path: str, flag: str):
-    """A uint16 file cannot hold Llama 3's ids (128,256): the larger ones wrapped when it was saved, and
-    what is left looks like valid ids. Refuse the file rather than train on the wrapped ones."""
-    if vocab_size - 1 > np.iinfo(dtype).max:
-        raise DataError(f"{flag}: {path} holds {np.dtype(dtype).name} ids (at most {np.iinfo(dtype).max:,}) but the "
-                        f"model's vocabulary has {vocab_size:,} tokens: larger ids wrapped when it was saved; "
-                        f"save the ids as uint32, or tokenize with data.py prepare")
-
-
 def check_ids(tokens: np.ndarray, vocab_size: int, path: str, flag: str, chunk: int = 1 << 24) -> int:
-    """The largest id in `tokens`, after checking every id is in [0, vocab_size); read in chunks, so a
-    memory-mapped shard is never loaded whole."""
+    """The largest id, once every id is in [0, vocab_size); in chunks, so a memory-mapped shard is never loaded."""
     largest = -1
     for start in range(0, len(tokens), chunk):
         part = tokens[start:start + chunk]
-        lo = int(part.min()) if np.issubdtype(part.dtype, np.signedinteger) else 0  # uint: never < 0
-        hi = int(part.max())
+        lo, hi = int(part.min()), int(part.max())
         if lo < 0 or hi >= vocab_size:
             bad = hi if hi >= vocab_size else lo
-            pos = start + int(np.argmax(part == bad))
-            raise DataError(f"{flag}: {path} has token id {bad} at position {pos}, outside the model's "
-                            f"vocabulary [0, {vocab_size}); tokenize with the model's tokenizer (data.py prepare)")
+            raise DataError(f"{flag}: {path} has token id {bad} at position {start + int(np.argmax(part == bad))}, "
+                            f"outside the model's vocabulary [0, {vocab_size}); tokenize with the model's "
+                            f"tokenizer (data.py prepare)")
         largest = max(largest, hi)
     return largest
 
 
 def read_meta(folder: str, flag: str) -> dict:
-    """meta.json of a prepared folder, checked for what training reads from it: a torn or hand-edited
-    file is named with its problem, never a KeyError or an IndexError mid-setup."""
+    """meta.json of a prepared folder, checked for what training reads: a torn or hand-edited file is named with
+    its problem, never a KeyError mid-setup. Its shards must be in the folder (prepare never writes a link)."""
     meta_path = os.path.join(folder, "meta.json")
     if not os.path.isfile(meta_path):
         raise DataError(f"{flag}: {folder} has no meta.json: not a prepared folder, or its prepare "
@@ -775,7 +695,7 @@ def read_meta(folder: str, flag: str) -> dict:
     if not isinstance(meta, dict):
         raise bad("is not a JSON object")
     if meta.get("format") != META_FORMAT:
-        raise DataError(f"{flag}: {meta_path} has format {meta.get('format')!r}, not {META_FORMAT}")
+        raise bad(f"has format {meta.get('format')!r}, not {META_FORMAT}")
     for key in ("vocab_size", "bos_id", "eos_id"):
         if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool):
             raise bad(f"has no integer {key!r}")
@@ -791,34 +711,24 @@ def read_meta(folder: str, flag: str) -> dict:
                 and all(isinstance(record.get(k), int) for k in ("n_tokens", "max_token_id"))):
             raise bad(f"shard {i} needs 'tokens' (a file name), 'mask' (a file name or null), "
                       f"'n_tokens' and 'max_token_id' (integers)")
-        for key in ("tokens", "mask"):
-            name = record[key]
-            if name is None:
-                continue
-            if not is_plain_name(name):
+        for key, name in (("tokens", record["tokens"]), ("mask", record["mask"])):
+            if name is not None and not is_plain_name(name):
                 raise bad(f"shard {i} names {name!r} as its {key} file, which is not a file name in {folder} "
                           f"(a '/' or '..')")
-            path = os.path.join(folder, name)
-            if os.path.islink(path) and not is_inside(os.path.realpath(path), folder):
-                raise DataError(f"{flag}: {path} is a link to {os.path.realpath(path)}, outside {folder}: a "
-                                f"prepared folder's shards must be in it (copy the file in)")
+            path, real_folder = os.path.join(folder, name or ""), os.path.realpath(folder)
+            real_path = os.path.realpath(path)
+            if name and os.path.islink(path) and os.path.commonpath([real_path, real_folder]) != real_folder:
+                raise DataError(f"{flag}: {path} is a link to {real_path}, outside {folder}: a prepared folder's "
+                                f"shards must be in it (copy the file in)")
     if len({record["mask"] is None for record in shards}) > 1:
         raise bad("has shards with a mask and shards without")
     return meta
 
 
-# A file name read from a folder's own JSON (meta.json's shards here, a safetensors index's weight_map in
-# disk.py) names a file in that folder: such folders are downloaded and copied, so a name must not
-# lead anywhere else. A prepared folder's shards must also really be in it (prepare never writes a link);
-# a Hugging Face folder's files may be links, because the Hub's cache is made of them.
 def is_plain_name(name) -> bool:
-    """One path component: no '/', not '.' or '..', not absolute, no NUL."""
+    """A file name from a folder's own JSON (meta.json's shards, a safetensors index's weight_map in disk.py) names
+    a file in that folder, which is downloaded and copied: one path component, not '.' or '..', no NUL."""
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
-
-
-def is_inside(real_path: str, folder: str) -> bool:
-    folder = os.path.realpath(folder)
-    return os.path.commonpath([real_path, folder]) == folder
 
 
 def inputs_and_targets(rows: list):
@@ -855,13 +765,12 @@ class TokenWindows:
         return self.data.read(self._window_start(position), self.seq_len + 1)
 
     def micro_batch(self, position: int, accum_index: int, rank: int, world: int, micro: int):
-        """(inputs, targets) int64 arrays (micro, seq_len) for the global batch that starts at stream
-        position `position`. Targets the mask excludes (prompts of a chat) are -100."""
+        """(inputs, targets) int64 (micro, seq_len): this rank's rows of the global batch at `position`."""
         first = position + (accum_index * world + rank) * micro
         return inputs_and_targets([self.window(first + i) for i in range(micro)])
 
     def state(self, position: int) -> dict:
-        """The loader's state after `position` windows: what a checkpoint stores."""
+        """What a checkpoint stores after `position` windows."""
         return dict(position=position, n_windows=self.n_windows, seq_len=self.seq_len, seed=self.seed,
                     tokens=len(self.data))
 
@@ -874,17 +783,12 @@ class TokenWindows:
         return state["position"]
 
 
-# ----------------------------------------------------------------------------------------------
-# Mixing sources: --data fr:0.6,en:0.4
-# ----------------------------------------------------------------------------------------------
+# -- mixing sources: --data fr:0.6,en:0.4 ------------------------------------------------------------------
 #
-# The mix is a fixed schedule over the mixed stream's positions, not a random draw: the first n positions hold
-# counts(n)[k] windows of source k, where the rounding of n x weight is done source by source (source 0
-# takes round(n * w0), source 1 round(rest * w1 / (w1 + w2 + ...)), ..., the last the rest). Each count
-# grows by 0 or 1 from n to n + 1, so position n is the window counts(n)[k] of the one source k whose count
-# grows. It is a function of n alone: the same windows for any W and micro-batch size, no collective, no
-# state beyond the position, and every global batch holds each source's share within a window or two.
-# Each source keeps its own seeded order and epochs (TokenWindows at position counts(n)[k]).
+# A fixed schedule, not a random draw: the first n positions hold counts(n)[k] windows of source k, rounded
+# source by source (round(n * w0), then round(rest * w1 / (w1 + w2 + ...)), ..., the last the rest). From n to
+# n + 1 one count grows: position n is that source's window counts(n)[k], in its own order. A function of n
+# alone: the same windows for any W and micro-batch size, and every batch holds each share within a window or two.
 
 SAMPLE_SOURCES = (("messages", 0.6), ("docstrings", 0.4))  # the built-in sample's two sources and weights
 
@@ -898,9 +802,8 @@ def split_source(item: str) -> tuple[str, str]:
 
 
 def parse_sources(spec: str, flag: str) -> list[tuple[str, str, fractions.Fraction]]:
-    """[(name, path, weight)] of `PATH[:WEIGHT][,PATH[:WEIGHT]...]` (no weight: 1). The name is the folder's
-    name, or the file's without its extension; a repeated name gets -2, -3, ... DataError for an empty
-    source, a weight that is not a positive number, or a path that does not exist."""
+    """[(name, path, weight)] of `PATH[:WEIGHT][,...]` (no weight: 1), named by the folder or the file without
+    its extension; a repeated name gets -2, -3, ..."""
     sources, names = [], set()
     for item in spec.split(","):
         path, weight_text = split_source(item)
@@ -935,19 +838,14 @@ def first_prepared_folder(spec: str, out_dir: str) -> str | None:
     """The first source of --data that is a prepared folder (its meta.json names the tokenizer), or None."""
     if spec == "sample":
         return sample_sources(out_dir, "train")[0][1]
-    for item in spec.split(","):
-        path, _ = split_source(item)
-        if os.path.isfile(os.path.join(path, "meta.json")):
-            return path
-    return None
+    paths = [split_source(item)[0] for item in spec.split(",")]
+    return next((path for path in paths if os.path.isfile(os.path.join(path, "meta.json"))), None)
 
 
 def resolved_mix(spec: str, flag: str) -> list[list[str]]:
-    """What a mix means, however it is written: [real path, normalised weight as an exact fraction] per
-    source, in order. `fr:3,en:2` and `./fr/:0.6,/abs/en:0.4` resolve alike; `en:0.4,fr:0.6` does not: the
-    schedule rounds source by source in order (MixedWindows.counts), so another order is another stream.
-    Weights stay exact fractions (parse_sources reads '0.6' as 3/5), so equal means the same schedule; a float
-    tolerance would accept a weight the integer shares tell apart. DataError as parse_sources."""
+    """What a mix means, however it is written: [real path, normalised weight] per source, in order, so
+    `fr:3,en:2` and `./fr/:0.6,/abs/en:0.4` are alike, but not `en:0.4,fr:0.6` (MixedWindows.counts rounds
+    in order). Weights stay exact fractions: a float tolerance would pass a weight the schedule tells apart."""
     sources = parse_sources(spec, flag)
     total = sum(weight for _, _, weight in sources)
     return [[os.path.realpath(path), str(weight / total)] for _, path, weight in sources]
@@ -979,8 +877,7 @@ def mix_mismatch(state: dict, names: list, weights: list, flag: str = "--data") 
 
 
 class MixedWindows:
-    """The windows of one or more sources (TokenWindows), interleaved by weight (see the comment above).
-    One source is that source's windows, position for position."""
+    """The windows of one or more sources (TokenWindows), interleaved by weight (the comment above)."""
 
     def __init__(self, names: list, sources: list, weights: list, flag: str = "--data"):
         self.names, self.sources, self.flag = names, sources, flag
@@ -1004,32 +901,24 @@ class MixedWindows:
 
     def source_of(self, position: int) -> tuple[int, int]:
         """(source index, that source's own position) of the window at mix position `position`."""
-        before, after = position, position + 1
-        for k, (share, total) in enumerate(zip(self.shares[:-1], self.rest[:-1])):
-            count, count_after = (before * share + total // 2) // total, (after * share + total // 2) // total
-            if count_after > count:
-                return k, count
-            before, after = before - count, after - count_after
-        return len(self.sources) - 1, before
+        before, after = self.counts(position), self.counts(position + 1)
+        k = next(k for k in range(len(self.sources)) if after[k] > before[k])  # the one count that grows
+        return k, before[k]
 
     def micro_batch(self, position: int, accum_index: int, rank: int, world: int, micro: int):
         """As TokenWindows.micro_batch, over the mix: rank r reads the m windows at P + (j*W + r)*m."""
         first = position + (accum_index * world + rank) * micro
-        rows = []
-        for i in range(first, first + micro):
-            k, own_position = self.source_of(i)
-            rows.append(self.sources[k].window(own_position))
-        return inputs_and_targets(rows)
+        at = [self.source_of(i) for i in range(first, first + micro)]  # (source, its own position) of each row
+        return inputs_and_targets([self.sources[k].window(own_position) for k, own_position in at])
 
     def progress(self, position: int) -> dict:
-        """What the metrics show after `position` windows: windows drawn and epochs, per source name."""
+        """Windows drawn and epochs per source after `position` windows, for the metrics."""
         counts = self.counts(position)
         return dict(windows_by_source=dict(zip(self.names, counts)),
                     epochs_by_source={n: c / s.n_windows for n, c, s in zip(self.names, counts, self.sources)})
 
     def losses(self, evaluate) -> dict:
-        """{"eval_loss": the weighted mean, "eval_loss/NAME": each source's (more than one source)}, where
-        evaluate(TokenWindows) is one source's mean loss."""
+        """{"eval_loss": the weighted mean, "eval_loss/NAME": each source's}, evaluate(source) its mean loss."""
         by_source = [evaluate(source) for source in self.sources]
         if len(by_source) == 1:
             return {"eval_loss": by_source[0]}
@@ -1037,15 +926,13 @@ class MixedWindows:
         return {"eval_loss": mean, **{f"eval_loss/{n}": loss for n, loss in zip(self.names, by_source)}}
 
     def state(self, position: int) -> dict:
-        """The loader's state after `position` windows: what a checkpoint stores (each source's own
-        position too, for reading; the mix position decides them)."""
+        """What a checkpoint stores after `position` windows (each source's own position too, for reading)."""
         return dict(position=position, sources=[
             dict(name=name, weight=str(weight), **source.state(count))
             for name, weight, source, count in zip(self.names, self.weights, self.sources, self.counts(position))])
 
     def check_state(self, state: dict) -> int:
-        """The position to continue from, if `state` was saved by a loader over the same mix and windows.
-        A state from before mixing (one source, no "sources") continues a one-source run."""
+        """The position to continue from, if `state` was saved over the same mix and windows (or one source)."""
         saved = saved_sources(state)
         mismatch = mix_mismatch(state, self.names, self.weights, self.flag)
         if mismatch:
@@ -1060,10 +947,9 @@ class MixedWindows:
 
 
 def open_data(cfg, mcfg):
-    """The training windows and the held-out ones (or None), each a MixedWindows over the sources of --data
-    and --eval_data. A preset takes its vocabulary and BOS/EOS ids from the prepared data's tokenizer; a
-    model from --init_from must match it. Every source is checked against the model's vocabulary."""
-    eval_spec = None if cfg.eval_data in ("auto", "") else cfg.eval_data
+    """(the model config, the training windows, the held-out ones or None): MixedWindows over --data and
+    --eval_data. A preset takes its vocabulary and BOS/EOS ids from the prepared data's tokenizer; a model from
+    --init_from must match it."""
     if cfg.data == "sample":
         folder = os.path.join(cfg.out_dir, "sample")
         if not sample_is_built(folder) and os.environ.get("RANK", "0") == "0":
@@ -1073,31 +959,25 @@ def open_data(cfg, mcfg):
         eval_sources = sample_sources(cfg.out_dir, "eval") if cfg.eval_data in ("auto", "sample") else None
     else:
         sources = parse_sources(cfg.data, "--data")
-        eval_sources = parse_sources(eval_spec, "--eval_data") if eval_spec else None
+        eval_sources = parse_sources(cfg.eval_data, "--eval_data") if cfg.eval_data not in ("auto", "") else None
     train_data = [(name, TokenData(path, "--data"), weight) for name, path, weight in sources]
-    prepared = [(path, data) for (_, path, _), (_, data, _) in zip(sources, train_data) if data.meta]
-    if prepared and not cfg.init_from:
-        meta = prepared[0][1].meta
+    held_out = (eval_sources or []) if cfg.eval_every else []
+    eval_data = [(name, TokenData(path, "--eval_data"), weight) for name, path, weight in held_out]
+    first = next((data for _, data, _ in train_data if data.meta), None)  # it names the tokenizer
+    if first and not cfg.init_from:
+        meta = first.meta
         mcfg = dataclasses.replace(mcfg, vocab_size=meta["vocab_size"], bos_id=meta["bos_id"], eos_id=meta["eos_id"])
-    for path, data in prepared[1:]:  # one tokenizer for the whole mix
-        if data.meta["tokenizer"]["sha256"] != prepared[0][1].meta["tokenizer"]["sha256"]:
-            raise DataError(f"--data: {path} was tokenized with {data.meta['tokenizer']['path']}, {prepared[0][0]} "
-                            f"with {prepared[0][1].meta['tokenizer']['path']}: a mix needs one tokenizer")
-    for data_path, data in prepared:
-        if cfg.init_from and data.meta["tokenizer"]["kind"] == "huggingface":
-            model_tokenizer = os.path.join(cfg.init_from, "tokenizer.json")
-            if os.path.isfile(model_tokenizer) and Tokenizer(cfg.init_from).sha256 != data.meta["tokenizer"]["sha256"]:
-                raise DataError(f"--data: {data_path} was tokenized with {data.meta['tokenizer']['path']}, whose "
-                                f"tokenizer.json differs from {model_tokenizer}")
+    for _, data, _ in train_data + eval_data:  # one tokenizer for the whole run
+        if first and data.meta and data.meta["tokenizer"]["sha256"] != first.meta["tokenizer"]["sha256"]:
+            raise DataError(f"{data.flag}: {data.path} was tokenized with {data.meta['tokenizer']['path']}, --data "
+                            f"{first.path} with {first.meta['tokenizer']['path']}: a run needs one tokenizer")
+    if first and cfg.init_from and first.meta["tokenizer"]["kind"] == "huggingface":
+        model_tokenizer = os.path.join(cfg.init_from, "tokenizer.json")
+        if os.path.isfile(model_tokenizer) and Tokenizer(cfg.init_from).sha256 != first.meta["tokenizer"]["sha256"]:
+            raise DataError(f"--data: {first.path} was tokenized with {first.meta['tokenizer']['path']}, whose "
+                            f"tokenizer.json differs from {model_tokenizer}")
     windows = mixed_windows(train_data, cfg, mcfg, "--data")
-    eval_windows = None
-    if eval_sources and cfg.eval_every:
-        eval_data = [(name, TokenData(path, "--eval_data"), weight) for name, path, weight in eval_sources]
-        for (_, path, _), (_, data, _) in zip(eval_sources, eval_data):
-            if prepared and data.meta and data.meta["tokenizer"]["sha256"] != prepared[0][1].meta["tokenizer"]["sha256"]:
-                raise DataError(f"--eval_data: {path} was tokenized with another tokenizer than --data {prepared[0][0]}")
-        eval_windows = mixed_windows(eval_data, cfg, mcfg, "--eval_data")
-    return mcfg, windows, eval_windows
+    return mcfg, windows, mixed_windows(eval_data, cfg, mcfg, "--eval_data") if eval_data else None
 
 
 def mixed_windows(sources: list, cfg, mcfg, flag: str) -> MixedWindows:
@@ -1109,13 +989,10 @@ def mixed_windows(sources: list, cfg, mcfg, flag: str) -> MixedWindows:
                         [weight for _, _, weight in sources], flag)
 
 
-# ----------------------------------------------------------------------------------------------
-# The built-in sample: English and French text already on the machine, no network
-# ----------------------------------------------------------------------------------------------
+# -- the built-in sample: English and French text already on the machine, no network ------------------------
 
 def message_catalogs(locale_dir: str = "/usr/share/locale/fr/LC_MESSAGES"):
-    """(English, French) message pairs from the system's French gettext catalogs (coreutils, grep, apt,
-    ...: help texts and error messages), in a fixed order."""
+    """(English, French) messages of the system's French gettext catalogs (coreutils, grep, apt, ...)."""
     for path in sorted(glob.glob(os.path.join(locale_dir, "*.mo"))):
         try:
             with open(path, "rb") as f:
@@ -1149,10 +1026,15 @@ def python_docstrings(max_chars: int = 2_000_000):
                             return
 
 
+def write_jsonl(path: str, records: list):
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+
+
 def write_sample_corpus(folder: str, doc_chars: int = 2000):
-    """text.jsonl (English and French documents), chat.jsonl (translation requests answered in French),
-    and the held-out eval_text.jsonl (every 50th document); the same documents by source as
-    messages.jsonl (the catalogs' English and French) and docstrings.jsonl (English), with their eval_*.jsonl."""
+    """Per source of SAMPLE_SOURCES, NAME.jsonl and the held-out eval_NAME.jsonl (every 50th document); text.jsonl
+    and eval_text.jsonl, both sources (what the tokenizer is trained on); chat.jsonl, translation requests
+    answered in French."""
     os.makedirs(folder, exist_ok=True)
     pairs = list(message_catalogs())
     if not pairs:
@@ -1163,33 +1045,24 @@ def write_sample_corpus(folder: str, doc_chars: int = 2000):
         en.append(english)
         fr.append(french)
         if sum(map(len, fr)) >= doc_chars:
-            docs += ["\n\n".join(en), "\n\n".join(fr)]
+            docs += [("messages", "\n\n".join(en)), ("messages", "\n\n".join(fr))]
             en, fr = [], []
-    n_messages = len(docs)
-    docs += list(python_docstrings())
-    files = {name: (open(os.path.join(folder, f"{name}.jsonl"), "w"), open(os.path.join(folder, f"eval_{name}.jsonl"), "w"))
-             for name in ("text",) + tuple(name for name, _ in SAMPLE_SOURCES)}
-    for i, doc in enumerate(docs):
-        line = json.dumps({"text": doc}, ensure_ascii=False) + "\n"
-        source = SAMPLE_SOURCES[0 if i < n_messages else 1][0]  # messages, then docstrings
-        for name in ("text", source):  # text.jsonl: both sources, what the tokenizer is trained on
-            files[name][1 if i % 50 == 49 else 0].write(line)
-    for pair in files.values():
-        for f in pair:
-            f.close()
-    with open(os.path.join(folder, "chat.jsonl"), "w") as f:
-        for english, french in pairs[::20]:
-            if 40 <= len(english) <= 400:
-                messages = [{"role": "system", "content": "You translate software messages into French."},
-                            {"role": "user", "content": f"Translate into French:\n\n{english}"},
-                            {"role": "assistant", "content": french}]
-                f.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
+    docs += [("docstrings", doc) for doc in python_docstrings()]
+    for name in ["text"] + [name for name, _ in SAMPLE_SOURCES]:
+        for prefix, held_out in (("", False), ("eval_", True)):
+            write_jsonl(os.path.join(folder, f"{prefix}{name}.jsonl"), [
+                {"text": doc} for i, (source, doc) in enumerate(docs)
+                if name in ("text", source) and (i % 50 == 49) == held_out])
+    write_jsonl(os.path.join(folder, "chat.jsonl"), [
+        {"messages": [{"role": "system", "content": "You translate software messages into French."},
+                      {"role": "user", "content": f"Translate into French:\n\n{english}"},
+                      {"role": "assistant", "content": french}]}
+        for english, french in pairs[::20] if 40 <= len(english) <= 400])
 
 
 def build_sample(folder: str, vocab_size: int = 4096, quiet: bool = True) -> str:
-    """The sample corpus, its tokenizer (trained on both sources) and each source's prepared folders
-    train/NAME and eval/NAME under `folder` (SAMPLE_SOURCES), built once: every later run (and every
-    other rank, which waits on the lock) finds them there."""
+    """The corpus, its tokenizer and each source's prepared train/NAME and eval/NAME under `folder`, built once:
+    later runs and the other ranks (waiting on the lock) find them there."""
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -1199,8 +1072,8 @@ def build_sample(folder: str, vocab_size: int = 4096, quiet: bool = True) -> str
             train_tokenizer([text], vocab_size, tokenizer)
             for name, _ in SAMPLE_SOURCES:
                 for part, prefix in (("train", ""), ("eval", "eval_")):
-                    prepare([os.path.join(folder, f"{prefix}{name}.jsonl")], tokenizer, os.path.join(folder, part, name),
-                            overwrite=True, quiet=quiet)
+                    prepare([os.path.join(folder, f"{prefix}{name}.jsonl")], tokenizer,
+                            os.path.join(folder, part, name), overwrite=True, quiet=quiet)
     return folder
 
 
@@ -1209,16 +1082,14 @@ def sample_is_built(folder: str) -> bool:
                for name, _ in SAMPLE_SOURCES for part in ("train", "eval"))
 
 
-# ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
+# -- command line ----------------------------------------------------------------------------------------------
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train-tokenizer", help="train a sentencepiece BPE tokenizer (byte fallback)")
     p.add_argument("--input", nargs="+", required=True)
-    p.add_argument("--vocab_size", type=int, required=True, help="pieces (a small corpus yields few: the error says how many)")
+    p.add_argument("--vocab_size", type=int, required=True, help="pieces (the error says how many a corpus yields)")
     p.add_argument("--out", required=True, help="PATH.model")
     p = sub.add_parser("prepare", help="tokenize and pack into .npy shards + meta.json")
     p.add_argument("--input", nargs="+", required=True)
