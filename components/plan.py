@@ -4,22 +4,14 @@
         --batch_size 64 --micro_batch_size 1 --ac full --offload_activations true --train_tokens 15e9 \\
         --gpu_hour_usd 2.00 [--plan_json plan.json]
 
-Everything printed is a prediction. The memory model follows this trainer's design (train.py sections 1
-and 2): which buffers exist at the moments memory peaks in a step, each block by its own
-checkpointing policy (--ac, --ac_blocks, --ac_rest), and what --offload_optimizer and
---offload_activations keep in pinned host memory instead. What a block keeps for backward, what the state
-takes per parameter and what the optimizer allocates are measured by running train.py's own code under
-fake tensors (the section "Reading the code"), not counted beside it. The time model is FLOPs / (peak x an efficiency
-derived from published runs), against the bytes the collectives move, plus, with --offload_optimizer, the
-PCIe copies and the CPU update. `partial_checkpointing` finds the fewest --ac blocks that fit. Every
-constant is in GPUS or ASSUMPTIONS, with where it comes from; `plan()` returns them all.
-
-It also predicts a checkpoint save and a restart's load from the bytes each rank writes and --fs_write_gbps,
-and from them how long before a time limit a stop request must arrive (launch.sbatch's --signal;
-`stop_lead_time`); the final --export_hf is predicted beside it, outside it; and what the saves at
---ckpt_every cost, synchronous and with --async_save (whose staging buffer counts in host memory,
-`staging_bytes_per_rank`), with a suggested interval for --mtbf_hours (`checkpoint_interval`). A configuration that does
-not fit ends --plan with an error naming the nearest one that does (`nearest_fit`).
+Everything printed is a prediction. Memory: the buffers alive at the moments a step peaks (train.py sections 1
+and 2), each block by its --ac policy, and what --offload_optimizer and --offload_activations pin on the host;
+what a block keeps, the state and the optimizer's temporaries are measured by running train.py's code under
+fake tensors ("Reading the code"). Time: FLOPs / (peak x an efficiency from published runs) against the
+collectives' bytes, plus --offload_optimizer's PCIe copies and CPU update. Also a checkpoint's save and load,
+the stop's lead before a time limit (`stop_lead_time`), the saves' cost and interval (`checkpoint_interval`),
+the fewest --ac blocks that fit (`partial_checkpointing`) and the nearest configuration that fits
+(`nearest_fit`). Every constant is in GPUS or ASSUMPTIONS with its source; `plan()` returns them all.
 """
 
 import contextlib
@@ -45,20 +37,16 @@ GIB = 2**30
 COMPUTE_BYTES = 2                                 # bf16: gathered weights, their gradients, activations
 REDUCE_BYTES = {"bfloat16": 2, "float32": 4}      # by --reduce_dtype
 
-
-
 # bench/host_adamw.py on the development machine (BENCHMARKS.md, "CPU: host AdamW and gradient accumulation"),
 # 1 thread, 256M elements, 2026-12-03.
 HOST_ADAMW_PER_CORE = 7.43e8       # 20.8 GB/s of state touched
 HOST_ACCUMULATE_PER_CORE = 2.25e8  # accumulator.add_(bf16 shard); staged via an fp32 buffer: 8.83e8
 ADAMW_HOST_BYTES = 28       # torch._fused_adamw_: read param, grad, exp_avg, exp_avg_sq; write three of them
 
-
-# Dense BF16 peak FLOP/s by device name (no sparsity). Checked in order; metrics.peak_flops: None
-# for a device not listed (a CPU).
+# Dense BF16 peak FLOP/s by device name (no sparsity), checked in order; metrics.peak_flops: None for one
+# not listed (a CPU).
 PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
                    ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 125e12)]
-
 
 # Bandwidths are achievable per-GPU bus bandwidths for large messages, below the nominal link rate.
 GPUS = {
@@ -81,219 +69,194 @@ GPUS = {
 
 ASSUMPTIONS = {
     "memory_mib": "total memory as nvidia-smi reports it (H100 SXM 81,559 MiB, H200 143,771 MiB); check yours",
-    "nvlink_gbps": "NVLink: H100/H200 SXM 450 GB/s per direction nominal, ~360 achievable (nccl-tests busbw); "
-                   "A100 300 nominal, ~230; H100 PCIe has no NVLink switch: PCIe Gen5, ~40",
-    "nics_per_node": "compute NICs per node (--nics_per_node overrides): HGX/DGX H100 and H200 one ConnectX-7 "
-                     "(NDR 400 Gb/s) per GPU, 8; DGX A100 one HDR 200 Gb/s per GPU, 8; h100-pcie 4, an assumption "
-                     "for a PCIe server (one per two GPUs)",
+    "nvlink_gbps": "NVLink: H100/H200 SXM 450 GB/s per direction nominal, ~360 achievable (nccl-tests busbw); A100 "
+        "300 nominal, ~230; H100 PCIe has no NVLink switch: PCIe Gen5, ~40",
+    "nics_per_node": "compute NICs per node (--nics_per_node overrides): HGX/DGX H100 and H200 one ConnectX-7 (NDR "
+        "400 Gb/s) per GPU, 8; DGX A100 one HDR 200 Gb/s per GPU, 8; h100-pcie 4, an assumption for a PCIe server "
+        "(one per two GPUs)",
     "nic_gbps": "bus bandwidth one NIC carries in a collective (--nic_gbps overrides): NDR 400 Gb/s = 50 GB/s "
-                "nominal, 45 assumed (NCCL's maintainers expect 46-48 per NDR NIC in nccl-tests, NVIDIA/nccl-tests "
-                "issue 290); HDR 200 Gb/s = 25 nominal, 22 assumed",
+        "nominal, 45 assumed (NCCL's maintainers expect 46-48 per NDR NIC in nccl-tests, NVIDIA/nccl-tests issue "
+        "290); HDR 200 Gb/s = 25 nominal, 22 assumed",
     "network": "collectives spanning nodes (plan.bus_gbps): NCCL builds one ring (or tree) per NIC, each GPU's "
-               "traffic leaving the node on its own rail, all at once (rail-aligned, PXN), so the bus bandwidth "
-               "is the NICs' sum, min(nics_per_node, nproc_per_node) x nic_gbps, capped by NVLink, which every "
-               "ring also crosses inside the node. Users report 200-340 GB/s all-gather bus bandwidth on up to "
-               "32 such H100 nodes (NVIDIA/nccl issue 1218). Not modelled: congestion of a shared fabric, "
-               "SHARP. The trainer times an all-gather at start-up and warns below half of this figure",
+        "traffic leaving the node on its own rail, all at once (rail-aligned, PXN), so the bus bandwidth is the NICs' "
+        "sum, min(nics_per_node, nproc_per_node) x nic_gbps, capped by NVLink, which every ring also crosses inside "
+        "the node. Users report 200-340 GB/s all-gather bus bandwidth on up to 32 such H100 nodes (NVIDIA/nccl issue "
+        "1218). Not modelled: congestion of a shared fabric, SHARP. The trainer times an all-gather at start-up and "
+        "warns below half of this figure",
     "pcie_gbps": "pinned host<->GPU copies (--offload_activations, --offload_optimizer): Gen5 x16 ~40 GB/s per "
-                 "direction, Gen4 ~20 (assumption). Full duplex: the gradients going down in backward do not "
-                 "contend with the offloaded activations coming back up. If two GPUs share a PCIe switch's "
-                 "uplink to the CPU, halve it",
+        "direction, Gen4 ~20 (assumption). Full duplex: the gradients going down in backward do not contend with the "
+        "offloaded activations coming back up. If two GPUs share a PCIe switch's uplink to the CPU, halve it",
     "host_memory_gib_per_node": "system memory of the GPU's server, per node: DGX H100 and DGX H200 2 TB of DDR5 "
-                                "(NVIDIA DGX BasePOD reference architecture, core components), taken as 2048 GiB; "
-                                "DGX A100 640GB 2 TB, DGX A100 320GB 1 TB (DGX A100 datasheet); h100-pcie 1 TB, an "
-                                "assumption for a typical PCIe server. Other servers differ: check yours (free -g)",
-    "host_usable_fraction": (0.9, "assumption: the OS, the data loader workers, CUDA/NCCL host allocations and "
-                                  "the page cache keep ~10% of host memory; host_fits compares against the rest"),
-    "pinning": "pinned host memory as allocated: pin_memory=True goes through PyTorch's caching host allocator, "
-               "which rounds each allocation up to a power of two (a 408 MiB shard takes 512 MiB); the "
-               "--offload_optimizer state is one exact buffer registered with cudaHostRegister instead "
-               "(offload.HostState). PREDICTION, not measured: registering ~130 GiB per rank (70B, W=8) takes "
-               "~1-2 minutes at start-up, at the ~1-2 GB/s page-locking rate reported in openvm-org/stark-"
-               "backend PR #384, after zeroing it (first touch); 8 ranks registering at once may be slower "
-               "(vllm-project/vllm issue #42632)",
-    "host_cores_per_node": "physical CPU cores of the server: DGX H100/H200 2 x Xeon Platinum 8480C, 112 cores "
-                           "total (same source); DGX A100 2 x EPYC 7742 (64 each) = 128; h100-pcie 64 (assumption)",
-    "host_memory_gbps_per_node": "nominal DRAM bandwidth of the server: 2 sockets x 8 channels x DDR5-4800 x 8 B "
-                                 "= 614 GB/s (Sapphire Rapids; with 2 DIMMs per channel the DIMMs may run slower); "
-                                 "2 x 8 x DDR4-3200 x 8 B = 410 (EPYC 7742). Assumption, not measured",
+        "(NVIDIA DGX BasePOD reference architecture, core components), taken as 2048 GiB; DGX A100 640GB 2 TB, DGX "
+        "A100 320GB 1 TB (DGX A100 datasheet); h100-pcie 1 TB, an assumption for a typical PCIe server. Other servers "
+        "differ: check yours (free -g)",
+    "host_usable_fraction": (0.9, "assumption: the OS, the data loader workers, CUDA/NCCL host allocations and the "
+        "page cache keep ~10% of host memory; host_fits compares against the rest"),
+    "pinning": "pinned host memory as allocated: pin_memory=True goes through PyTorch's caching host allocator, which "
+        "rounds each allocation up to a power of two (a 408 MiB shard takes 512 MiB); the --offload_optimizer state "
+        "is one exact buffer registered with cudaHostRegister instead (offload.HostState). PREDICTION, not measured: "
+        "registering ~130 GiB per rank (70B, W=8) takes ~1-2 minutes at start-up, at the ~1-2 GB/s page-locking rate "
+        "reported in openvm-org/stark-backend PR #384, after zeroing it (first touch); 8 ranks registering at once "
+        "may be slower (vllm-project/vllm issue #42632)",
+    "host_cores_per_node": "physical CPU cores of the server: DGX H100/H200 2 x Xeon Platinum 8480C, 112 cores total "
+        "(same source); DGX A100 2 x EPYC 7742 (64 each) = 128; h100-pcie 64 (assumption)",
+    "host_memory_gbps_per_node": "nominal DRAM bandwidth of the server: 2 sockets x 8 channels x DDR5-4800 x 8 B = "
+        "614 GB/s (Sapphire Rapids; with 2 DIMMs per channel the DIMMs may run slower); 2 x 8 x DDR4-3200 x 8 B = 410 "
+        "(EPYC 7742). Assumption, not measured",
     "host_memory_efficiency": (0.7, "assumption: streaming kernels (STREAM-like) reach ~70% of nominal DRAM "
-                                    "bandwidth on a two-socket server; the node's processes share it equally"),
+        "bandwidth on a two-socket server; the node's processes share it equally"),
     "host_adamw_per_core": (HOST_ADAMW_PER_CORE, "elements/s of torch._fused_adamw_ on fp32 CPU tensors, 1 thread, "
-                                                 "256M elements: MEASURED on the 2-core development machine (AMD "
-                                                 "EPYC, torch 2.13.0) by bench/host_adamw.py, see BENCHMARKS.md"),
+        "256M elements: MEASURED on the 2-core development machine (AMD EPYC, torch 2.13.0) by bench/host_adamw.py, "
+        "see BENCHMARKS.md"),
     "host_accumulate_per_core": (HOST_ACCUMULATE_PER_CORE, "elements/s of fp32 accumulator.add_(bf16 shard) on CPU, "
-                                                           "1 thread, 256M elements: MEASURED as above. PyTorch's "
-                                                           "mixed-dtype add is slow on CPU; casting into a "
-                                                           "preallocated fp32 buffer first measured 3.9x faster "
-                                                           "(8.83e8): the planner assumes the plain add_"),
+        "1 thread, 256M elements: MEASURED as above. PyTorch's mixed-dtype add is slow on CPU; casting into a "
+        "preallocated fp32 buffer first measured 3.9x faster (8.83e8): the planner assumes the plain add_"),
     "host_cpu_efficiency": (0.5, "assumption: the cores a GPU's process gets (host_cores_per_node / "
-                                 "--nproc_per_node) run the update at half the per-core rate measured alone "
-                                 "(shared caches, NUMA, the data loader and the Python thread take their part). "
-                                 "EXTRAPOLATED, not measured on such a server"),
-    "host_update_extra_bytes": (18, "host bytes per element besides AdamW's: the global gradient norm (read "
-                                    "4 B), clipping (read + write 4 B), the bf16 cast for the copy back (read "
-                                    "4 B, write 2 B), at the host memory bandwidth"),
+        "--nproc_per_node) run the update at half the per-core rate measured alone (shared caches, NUMA, the data "
+        "loader and the Python thread take their part). EXTRAPOLATED, not measured on such a server"),
+    "host_update_extra_bytes": (18, "host bytes per element besides AdamW's: the global gradient norm (read 4 B), "
+        "clipping (read + write 4 B), the bf16 cast for the copy back (read 4 B, write 2 B), at the host memory "
+        "bandwidth"),
     "offload_optimizer": "--offload_optimizer: per micro-batch each unit's reduce-scattered shard goes GPU->host "
-                         "(--reduce_dtype bytes per element) on a copy stream as its reduce-scatter completes and "
-                         "is added into the fp32 accumulator on the CPU (read 4 B + the shard, write 4 B) by the "
-                         "rank's worker thread (offload.HostState), not the thread that queues backward; "
-                         "offload.optimizer_threads = the node's cores / ranks. Both overlap backward; what exceeds "
-                         "the backward compute (= compute less one plain forward, by FLOPs) is exposed, and, "
-                         "after the last micro-batch only, the last unit's (the embedding's) copy down and add, "
-                         "which nothing overlaps. Then norm, clip and AdamW on the CPU (exposed), and each unit "
-                         "cast to bf16 on the host and sent up (2 B per element) on the copy stream while the "
-                         "host casts the next: only the PCIe time beyond the cast is exposed (the next step's "
-                         "gathers wait for each unit's copy on the GPU, not the host). CPU throughput per GPU = "
-                         "min(per-core rate x cores per GPU x host_cpu_efficiency, host memory bandwidth per GPU / "
-                         "bytes per element)",
-    "attention": "memory: flash-attn (flash_attn_varlen_func for --doc_mask) or, where it does not import, "
-                 "SDPA, whose memory-efficient kernel takes --doc_mask's T x T mask (per micro-batch, all of a "
-                 "step's alive at once) and K/V repeated to the query's heads (model.sdpa_arguments). --plan "
-                 "cannot see the GPU machines and the trainer falls back to SDPA silently: each moment is "
-                 "the larger of the two, all its parts from that one (plan.memory_by_phase). Checked against train_step on fake CUDA "
-                 "(tests/test_fake_cuda.py, bench/fake_memory.py)",
+        "(--reduce_dtype bytes per element) on a copy stream as its reduce-scatter completes and is added into the "
+        "fp32 accumulator on the CPU (read 4 B + the shard, write 4 B) by the rank's worker thread "
+        "(offload.HostState), not the thread that queues backward; offload.optimizer_threads = the node's cores / "
+        "ranks. Both overlap backward; what exceeds the backward compute (= compute less one plain forward, by FLOPs) "
+        "is exposed, and, after the last micro-batch only, the last unit's (the embedding's) copy down and add, which "
+        "nothing overlaps. Then norm, clip and AdamW on the CPU (exposed), and each unit cast to bf16 on the host and "
+        "sent up (2 B per element) on the copy stream while the host casts the next: only the PCIe time beyond the "
+        "cast is exposed (the next step's gathers wait for each unit's copy on the GPU, not the host). CPU throughput "
+        "per GPU = min(per-core rate x cores per GPU x host_cpu_efficiency, host memory bandwidth per GPU / bytes per "
+        "element)",
+    "attention": "memory: flash-attn (flash_attn_varlen_func for --doc_mask) or, where it does not import, SDPA, "
+        "whose memory-efficient kernel takes --doc_mask's T x T mask (per micro-batch, all of a step's alive at once) "
+        "and K/V repeated to the query's heads (model.sdpa_arguments). --plan cannot see the GPU machines and the "
+        "trainer falls back to SDPA silently: each moment is the larger of the two, all its parts from that one "
+        "(plan.memory_by_phase). Checked against train_step on fake CUDA (tests/test_fake_cuda.py, "
+        "bench/fake_memory.py)",
     "hbm_gbps": "HBM bandwidth (datasheet)",
-    "outside_gib": "GPU memory outside PyTorch's allocator (--outside_gib, default 1.25): the CUDA context, ~0.4 "
-                   "GiB with lazy module loading (pytorch/pytorch issue 109888), and NCCL's buffers, 544-688 MB per "
-                   "communicator on 4 A100 (NVIDIA/nccl issue 964): 1.09, rounded up for the kernels loaded later. "
-                   "NVLS, which takes more, is off (agree.launch_settings). A sourced assumption, not measured here: "
-                   "the trainer prints the largest figure of its ranks after set-up and refuses a run whose planned "
-                   "peak does not fit beside it",
+    "outside_gib": "GPU memory outside PyTorch's allocator (--outside_gib, default 1.25): the CUDA context, ~0.4 GiB "
+        "with lazy module loading (pytorch/pytorch issue 109888), and NCCL's buffers, 544-688 MB per communicator on "
+        "4 A100 (NVIDIA/nccl issue 964): 1.09, rounded up for the kernels loaded later. NVLS, which takes more, is "
+        "off (agree.launch_settings). A sourced assumption, not measured here: the trainer prints the largest figure "
+        "of its ranks after set-up and refuses a run whose planned peak does not fit beside it",
     "fragmentation": (0.10, "assumption: allocator slack of 10% on everything but the persistent state"),
-    "gradient_accumulation": "a unit's backward peaks at the larger of two moments: split's backward (2 unit-"
-                             "sized compute-dtype gradients, its parameters' and their concatenation, see "
-                             "grad_peak_numel) while the previous unit's reduce-scatter is in flight, or the "
-                             "hook's cast to --reduce_dtype (see reduce_hook_bytes), after that one finished",
+    "gradient_accumulation": "a unit's backward peaks at the larger of two moments: split's backward (2 unit-sized "
+        "compute-dtype gradients, its parameters' and their concatenation, see grad_peak_numel) while the previous "
+        "unit's reduce-scatter is in flight, or the hook's cast to --reduce_dtype (see reduce_hook_bytes), after that "
+        "one finished",
     "selective_recompute_time": (0.03, "selective AC recomputes only elementwise ops: +3% step time (assumption)"),
-    "attention_efficiency": ({"h100": 0.35, "a100": 0.50}, "FlashAttention-2 forward+backward: ~35% of peak on "
-                             "H100 (FlashAttention-3 paper), 50-73% on A100 (FlashAttention-2 paper)"),
-    "overlap": "--prefetch true: a micro-batch takes max(compute, collectives, offload copies) plus the "
-               "embedding's all-gather and reduce-scatter, which nothing overlaps; --prefetch false: "
-               "max(compute + collectives, offload copies)",
+    "attention_efficiency": ({"h100": 0.35, "a100": 0.50}, "FlashAttention-2 forward+backward: ~35% of peak on H100 "
+        "(FlashAttention-3 paper), 50-73% on A100 (FlashAttention-2 paper)"),
+    "overlap": "--prefetch true: a micro-batch takes max(compute, collectives, offload copies) plus the embedding's "
+        "all-gather and reduce-scatter, which nothing overlaps; --prefetch false: max(compute + collectives, offload "
+        "copies)",
     "offload_overlap": "--offload_activations: the copies to and from pinned host memory run on a side stream "
-                       "(offload.OffloadedCheckpoint), each block's backward prefetching the previous block's "
-                       "input, so they overlap the compute (and the collectives, over PCIe, not NVLink/IB); "
-                       "only the last block's copy back, which its own backward waits for, is exposed",
-    "adamw": "on the GPU: memory-bound: 32 B per parameter of the shard (read + write fp32 master, m, v, "
-             "gradient) at 80% of HBM",
-    "sample_chars_per_token": (4, "--sample_prompts: the planner has no tokenizer; a prompt's tokens are taken as its "
-                                  "characters / 4 (Llama 3's tokenizer on English prose, an assumption), chat markup "
-                                  "not counted"),
+        "(offload.OffloadedCheckpoint), each block's backward prefetching the previous block's input, so they overlap "
+        "the compute (and the collectives, over PCIe, not NVLink/IB); only the last block's copy back, which its own "
+        "backward waits for, is exposed",
+    "adamw": "on the GPU: memory-bound: 32 B per parameter of the shard (read + write fp32 master, m, v, gradient) at "
+        "80% of HBM",
+    "sample_chars_per_token": (4, "--sample_prompts: the planner has no tokenizer; a prompt's tokens are taken as "
+        "its characters / 4 (Llama 3's tokenizer on English prose, an assumption), chat markup not counted"),
     "sampling": "--sample_prompts, per evaluation (sample.py): at most --sample_tokens passes over the model (the "
-                "prompts' prefill gives the first new token), each all-gathering every unit once, as training's "
-                "forward does. Each pass runs the prompts one after another through each gathered unit: the "
-                "prefill's matmuls at the training matmul efficiency, then per new token every prompt reads every "
-                "gathered weight from HBM once (at 80% of HBM bandwidth); with --prefetch the gathers overlap that",
+        "prompts' prefill gives the first new token), each all-gathering every unit once, as training's forward does. "
+        "Each pass runs the prompts one after another through each gathered unit: the prefill's matmuls at the "
+        "training matmul efficiency, then per new token every prompt reads every gathered weight from HBM once (at "
+        "80% of HBM bandwidth); with --prefetch the gathers overlap that",
     "fs_write_gbps": "--fs_write_gbps, checkpoint bandwidth per rank, every rank writing (or reading) at once: the "
-                     "stop's save and a restart's load are both timed at it. Default 0.45 GB/s, the slower of the "
-                     "CPU measurements on a local disk (BENCHMARKS.md, 'CPU: checkpoint throughput'). A shared "
-                     "filesystem under 16 writers may be slower or faster: run bench/checkpoint_io.py --out_dir on "
-                     "it with training's ranks per node and pass the --fs_write_gbps it prints (the lower of its "
-                     "save and load rates)",
+        "stop's save and a restart's load are both timed at it. Default 0.45 GB/s, the slower of the CPU measurements "
+        "on a local disk (BENCHMARKS.md, 'CPU: checkpoint throughput'). A shared filesystem under 16 writers may be "
+        "slower or faster: run bench/checkpoint_io.py --out_dir on it with training's ranks per node and pass the "
+        "--fs_write_gbps it prints (the lower of its save and load rates)",
     "checkpoint_header_bytes_per_tensor": (128, "checkpoint.write_safetensors_streaming's JSON header: one entry per "
-                                                "tensor (name, dtype, shape, offsets), under 128 B each"),
+        "tensor (name, dtype, shape, offsets), under 128 B each"),
     "stop_margin": (1.25, "assumption: the lead time a stop request needs is the predicted worst case x 1.25, for "
-                          "the error in the step time and the filesystem's bandwidth"),
+        "the error in the step time and the filesystem's bandwidth"),
     "stop_worst_case": "what may stand between SLURM's stop request (SIGUSR1 at --signal's lead) and the time limit "
-                       "(plan.stop_lead_time): first, before the next step can start, the longer of (a) a periodic "
-                       "save (--ckpt_every) that began just after a step's stop check, or (b) a restart (torchrun "
-                       "replacing a failed worker) that began just before the request: its set-up and its load of the "
-                       "checkpoint, during which no rank can act on the request; then the step (train.py checks for "
-                       "a stop only after a step), its evaluation (--eval_every; each of --eval_batches counted as a "
-                       "training step, an upper bound for a forward, plus --sample_prompts' sampling) and one write. "
-                       "Synchronous (--async_save off), (a) is the whole save and the write is the stop's own save. "
-                       "Asynchronous, (a) is only the save's stall (the copy to host memory, plus any wait for the "
-                       "write before it), and at the stop a write in flight is finished and the stop's save skipped "
-                       "(its snapshot is recent: its write was still running), while with none in flight the stop "
-                       "saves synchronously: after the request one write either way, never two. (a) and (b) exclude "
-                       "each other: a restart ends the save in progress. Not covered, and left to launch.sbatch's "
-                       "requeue: a second failure after the request, a hang that lasts until --timeout_min. The final "
-                       "--export_hf is not in the lead: it runs after the last step (see 'export')",
+        "(plan.stop_lead_time): first, before the next step can start, the longer of (a) a periodic save "
+        "(--ckpt_every) that began just after a step's stop check, or (b) a restart (torchrun replacing a failed "
+        "worker) that began just before the request: its set-up and its load of the checkpoint, during which no rank "
+        "can act on the request; then the step (train.py checks for a stop only after a step), its evaluation "
+        "(--eval_every; each of --eval_batches counted as a training step, an upper bound for a forward, plus "
+        "--sample_prompts' sampling) and one write. Synchronous (--async_save off), (a) is the whole save and the "
+        "write is the stop's own save. Asynchronous, (a) is only the save's stall (the copy to host memory, plus any "
+        "wait for the write before it), and at the stop a write in flight is finished and the stop's save skipped "
+        "(its snapshot is recent: its write was still running), while with none in flight the stop saves "
+        "synchronously: after the request one write either way, never two. (a) and (b) exclude each other: a restart "
+        "ends the save in progress. Not covered, and left to launch.sbatch's requeue: a second failure after the "
+        "request, a hang that lasts until --timeout_min. The final --export_hf is not in the lead: it runs after the "
+        "last step (see 'export')",
     "checkpoint_interval": "plan.checkpoint_interval: a synchronous save stalls every GPU for the whole save "
-                           "(--fs_write_gbps); an asynchronous one for the copy to host memory (async_save_copy), "
-                           "plus, when the write outlasts --ckpt_every steps, the wait for it (at most one save in "
-                           "flight). The run's steps are --train_tokens / (--batch_size x --seq_len), or --steps; "
-                           "failures arrive every --mtbf_hours on average (the job's, not one GPU's), each losing "
-                           "half an interval of work plus a restart's set-up and load, and, asynchronous, the "
-                           "write's time too (the newest snapshot is durable only once its write ends); suggested "
-                           "--ckpt_every = sqrt(2 x stall x MTBF) / step time (Young 1974; Daly 2006) with the "
-                           "stall of the mode the run uses, and, asynchronous, never fewer steps than the write "
-                           "takes",
+        "(--fs_write_gbps); an asynchronous one for the copy to host memory (async_save_copy), plus, when the write "
+        "outlasts --ckpt_every steps, the wait for it (at most one save in flight). The run's steps are "
+        "--train_tokens / (--batch_size x --seq_len), or --steps; failures arrive every --mtbf_hours on average (the "
+        "job's, not one GPU's), each losing half an interval of work plus a restart's set-up and load, and, "
+        "asynchronous, the write's time too (the newest snapshot is durable only once its write ends); suggested "
+        "--ckpt_every = sqrt(2 x stall x MTBF) / step time (Young 1974; Daly 2006) with the stall of the mode the run "
+        "uses, and, asynchronous, never fewer steps than the write takes",
     "restart_setup_s": (120, "assumption, not measured at 70B: a restart's set-up before its load: torchrun stopping "
-                             "the failed attempt's workers (SIGKILL after 30 s at most, launch.sh), the rendezvous, "
-                             "a fresh interpreter importing torch and train.py (~5 s measured on the 2-core "
-                             "development machine), the process groups, data and the sharded state allocated; "
-                             "plus what is page-locked before step 1 at host_page_locking_gbps: --offload_optimizer's "
-                             "host state (--async_save's staging buffer is made in a thread beside the first steps, "
-                             "disk.BackgroundSave, and a stop's save after a restart is synchronous: it needs none)"),
+        "the failed attempt's workers (SIGKILL after 30 s at most, launch.sh), the rendezvous, a fresh interpreter "
+        "importing torch and train.py (~5 s measured on the 2-core development machine), the process groups, data "
+        "and the sharded state allocated; plus what is page-locked before step 1 at host_page_locking_gbps: "
+        "--offload_optimizer's host state (--async_save's staging buffer is made in a thread beside the first steps, "
+        "disk.BackgroundSave, and a stop's save after a restart is synchronous: it needs none)"),
     "host_page_locking_gbps": (1.0, "--offload_optimizer's host state zeroed and registered once per attempt, before "
-                                    "step 1: the slower end of the ~1-2 GB/s in 'pinning' (a prediction, not measured; "
-                                    "the trainer prints each node's rate before step 1)"),
+        "step 1: the slower end of the ~1-2 GB/s in 'pinning' (a prediction, not measured; the trainer prints each "
+        "node's rate before step 1)"),
     "async_save": "--async_save: each rank copies what its checkpoint file holds (disk.saved_tensors: every unit's "
-                  "fp32 master and optimizer state shards) into one exact host buffer, page-locked on CUDA "
-                  "(offload.page_lock, no power-of-two rounding), each tensor at a multiple of "
-                  "disk.STAGING_ALIGN_BYTES (plan.staging_bytes_per_rank), and writes it in the background while "
-                  "training goes on. With --offload_optimizer the state is already in host memory, but the "
-                  "optimizer updates it in place while the write runs, so the copy is needed: both count. The "
-                  "planner plans GPU runs: 'auto' is on where the node's host memory fits the staging buffer "
-                  "beside what is offloaded (host_usable_fraction), 'true' on, 'false' off",
+        "fp32 master and optimizer state shards) into one exact host buffer, page-locked on CUDA (offload.page_lock, "
+        "no power-of-two rounding), each tensor at a multiple of disk.STAGING_ALIGN_BYTES "
+        "(plan.staging_bytes_per_rank), and writes it in the background while training goes on. With "
+        "--offload_optimizer the state is already in host memory, but the optimizer updates it in place while the "
+        "write runs, so the copy is needed: both count. The planner plans GPU runs: 'auto' is on where the node's "
+        "host memory fits the staging buffer beside what is offloaded (host_usable_fraction), 'true' on, 'false' off",
     "async_write_slowdown": (1.05, "the steps that run beside a background write are this much slower: a PREDICTION "
-                                   "for a GPU node, where the write's hashing and filesystem client take one of 14 "
-                                   "cores per GPU and ~1% of its host memory bandwidth; MEASURED 1.51 on the 2-core "
-                                   "development machine, where writing and training share the cores (BENCHMARKS.md, "
-                                   "'CPU: a save's stall'). bench/gpu.sh measures it on a GPU. Counted in the "
-                                   "asynchronous save's stall: (slowdown - 1) x the steps' time the write overlaps"),
-    "async_save_copy": "the stall of an asynchronous save: the copy into the staging buffer, device to host over "
-                       "PCIe at min(pcie_gbps, the GPU's share of host memory bandwidth) without --offload_optimizer; "
-                       "host to host with it (read + write: 2 B of host memory traffic per byte at the GPU's share "
-                       "of host_memory_gbps_per_node x host_memory_efficiency). The background write's own use of "
-                       "a core (hashing) and of host memory bandwidth is not counted in the step (an assumption: "
-                       "0.45 GB/s per rank is ~1% of a GPU's share of a DGX H100's host bandwidth)",
-    "export": "--export_hf after the last step: rank 0 writes the bf16 weights (2 B per parameter, 141 GB for "
-              "70B) alone, predicted at --fs_write_gbps (one writer may be faster). It is no part of the stop's lead: "
-              "a stop request that lands in the last step saves it and stops without exporting, and the same "
-              "command run again (launch.sbatch requeues it) exports from that checkpoint; when the time limit "
-              "could cut the export itself, leave --export_hf out and run `python train.py --from_ckpt OUT_DIR "
-              "--export_hf DIR` (OUT_DIR's latest checkpoint) as a job of its own (docs/operations.md)",
-    "mfu_convention": "MFU = tokens/s x model.flops_per_token (6(N-emb) + 12 L H Dh T) / peak; recompute, the "
-                      "tied head's matmul and the chunked cross-entropy's recomputed logits are executed FLOPs "
-                      "that cost time but are not counted in MFU. Attention is counted over the whole window, "
-                      "causal, also with --doc_mask, whose attention stays within each packed document and does "
-                      "fewer FLOPs (torchtitan counts the same way): the compute time uses the same count, an "
-                      "upper bound for packed short documents",
+        "for a GPU node, where the write's hashing and filesystem client take one of 14 cores per GPU and ~1% of its "
+        "host memory bandwidth; MEASURED 1.51 on the 2-core development machine, where writing and training share "
+        "the cores (BENCHMARKS.md, 'CPU: a save's stall'). bench/gpu.sh measures it on a GPU. Counted in the "
+        "asynchronous save's stall: (slowdown - 1) x the steps' time the write overlaps"),
+    "async_save_copy": "the stall of an asynchronous save: the copy into the staging buffer, device to host over PCIe "
+        "at min(pcie_gbps, the GPU's share of host memory bandwidth) without --offload_optimizer; host to host with "
+        "it (read + write: 2 B of host memory traffic per byte at the GPU's share of host_memory_gbps_per_node x "
+        "host_memory_efficiency). The background write's own use of a core (hashing) and of host memory bandwidth is "
+        "not counted in the step (an assumption: 0.45 GB/s per rank is ~1% of a GPU's share of a DGX H100's host "
+        "bandwidth)",
+    "export": "--export_hf after the last step: rank 0 writes the bf16 weights (2 B per parameter, 141 GB for 70B) "
+        "alone, predicted at --fs_write_gbps (one writer may be faster). It is no part of the stop's lead: a stop "
+        "request that lands in the last step saves it and stops without exporting, and the same command run again "
+        "(launch.sbatch requeues it) exports from that checkpoint; when the time limit could cut the export itself, "
+        "leave --export_hf out and run `python train.py --from_ckpt OUT_DIR --export_hf DIR` (OUT_DIR's latest "
+        "checkpoint) as a job of its own (docs/operations.md)",
+    "mfu_convention": "MFU = tokens/s x model.flops_per_token (6(N-emb) + 12 L H Dh T) / peak; recompute, the tied "
+        "head's matmul and the chunked cross-entropy's recomputed logits are executed FLOPs that cost time but are "
+        "not counted in MFU. Attention is counted over the whole window, causal, also with --doc_mask, whose "
+        "attention stays within each packed document and does fewer FLOPs (torchtitan counts the same way): the "
+        "compute time uses the same count, an upper bound for packed short documents",
 }
 
 # ----------------------------------------------------------------------------------------------
 # Reading the code: what a block keeps for backward, what its backward brings back, what the optimizer keeps
 # ----------------------------------------------------------------------------------------------
 #
-# The planner does not count a block's saved tensors or the optimizer's state by hand: it runs the code the
-# trainer runs -- model.py's Block through train.run_block under each --ac policy, train.Unit, and
-# train.optimizer_step -- under FakeTensorMode (torch._subclasses.fake_tensor), where every op computes its
-# output's shape, dtype and autograd node from its meta function and allocates nothing, so a 70B block at
-# seq 8192 costs milliseconds. It counts what stays alive: each storage an op creates (LiveStorages), from
-# then until the last reference to it dies. After a block's forward what is alive, its output aside, is what
-# autograd keeps for backward, whoever keeps it: an op's saved tensors, checkpoint's copy of its input and
-# selective checkpointing's cache, offload.OffloadedCheckpoint's host copy. Storages that existed before (the
-# weights, of which an op saves views, the input, RoPE's tables, the document mask) are not counted. A fork
-# that saves one more tensor, swaps the optimizer or its state, or freezes units is read the same way, with
-# no edit here. train.py hands its module over (use_trainer): components never import it.
+# The trainer's own code (train.run_block, train.Unit, train.optimizer_step) runs under FakeTensorMode, where
+# ops make shapes and autograd nodes and allocate nothing, and each storage an op creates is counted until it
+# dies (LiveStorages): after a block's forward, what is alive besides its output is what autograd keeps for
+# backward, whoever keeps it. A fork is read the same way (docs/planning.md, "What is measured").
 
 TRAINER = None  # train.py's module: run_block, Unit, optimizer_step. Set by use_trainer
 
 
 def use_trainer(module) -> int:
-    """train.py hands itself to the planner (plan.main, train.setup): the code the planner runs. Returns a
-    trained unit's persistent bytes per parameter (state_bytes_per_param), what the start-up checks print."""
+    """train.py hands itself over (plan.main, train.setup); returns what the start-up checks print, a trained
+    unit's persistent bytes per parameter."""
     global TRAINER
     TRAINER = module
     return round(state_bytes_per_param())
 
 
 def trainer():
-    """The trainer's code, as handed (use_trainer: train.main and train.setup, the tests' conftest.py,
-    tests/fake_cuda.py, bench/gpu.py)."""
+    """The trainer's code, as handed over (use_trainer): components never import train.py."""
     if TRAINER is None:
         raise RuntimeError("plan.py measures train.py's code (run_block, Unit, optimizer_step): hand it with "
                            "plan.use_trainer(train)")
@@ -301,15 +264,16 @@ def trainer():
 
 
 class LiveStorages(TorchDispatchMode):
-    """Bytes of the storages the ops under it create, alive now and at their peak; `known`: ids of storages
-    made before, which are not counted (the weights, whose views ops save, and the inputs)."""
+    """Bytes of the storages the ops under it create, alive now and at their peak (`at_peak`: [weakref, bytes]
+    each, compared by identity: an id may be reused once its storage dies); those in `known` (the weights, whose
+    views ops save, and the inputs) are not counted."""
 
     def __init__(self, known: list):
         super().__init__()
         self.known = {id(s) for s in known}
         self.live = {}  # id(storage) -> [weakref, bytes]
         self.current_bytes = self.peak_bytes = 0
-        self.at_peak = {}  # id -> bytes, what was alive at the peak
+        self.at_peak = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -320,8 +284,7 @@ class LiveStorages(TorchDispatchMode):
                     self.live[key] = [weakref.ref(storage, lambda _, key=key: self.drop(key)), storage.nbytes()]
                     self.current_bytes += storage.nbytes()
                     if self.current_bytes > self.peak_bytes:
-                        self.peak_bytes = self.current_bytes
-                        self.at_peak = {k: v[1] for k, v in self.live.items()}
+                        self.restart_peak()
         return out
 
     def drop(self, key):
@@ -330,16 +293,13 @@ class LiveStorages(TorchDispatchMode):
             self.current_bytes -= entry[1]
 
     def restart_peak(self):
-        self.peak_bytes, self.at_peak = self.current_bytes, {k: v[1] for k, v in self.live.items()}
+        self.peak_bytes, self.at_peak = self.current_bytes, [list(v) for v in self.live.values()]
 
 
 @contextlib.contextmanager
 def attention_kernel(kernel: str):
-    """model.attention as it runs on the GPU machines, for the kernel whose saved tensors the planner counts
-    (ASSUMPTIONS attention). "flash": FlashAttention-2 (flash_attn_func, flash_attn_varlen_func) and SDPA's
-    flash kernel save q, k, v, the output and the fp32 log-sum-exp, what model.attention on the CPU runs too
-    (SDPA's flash kernel for CPU), unmasked: a packed document's varlen call saves the same per token.
-    "efficient": --doc_mask without flash-attn, SDPA's memory-efficient kernel with the mask and K/V repeated
+    """model.attention as the GPU machines run it (ASSUMPTIONS attention). "flash": flash-attn or SDPA's flash
+    kernel, as on the CPU. "efficient": SDPA's memory-efficient kernel with --doc_mask's mask and K/V repeated
     to the query's heads (model.sdpa_arguments on CUDA), its aten op called as CUDA's SDPA calls it."""
     if kernel == "flash":
         yield
@@ -356,28 +316,14 @@ def attention_kernel(kernel: str):
         M.attention = real
 
 
-def fake_block(mcfg: M.ModelConfig, trained: bool) -> torch.nn.Module:
-    """One block with bf16 fake weights (call under FakeTensorMode): made on the meta device, each parameter
-    replaced, as train.Unit points them at its gathered buffer."""
-    with torch.device("meta"):
-        block = M.Block(mcfg)
-    for name, p in list(block.named_parameters()):
-        module, _, attr = name.rpartition(".")
-        weight = torch.nn.Parameter(torch.empty(p.shape, dtype=torch.bfloat16), requires_grad=trained)
-        setattr(block.get_submodule(module), attr, weight)
-    return block
-
-
 READINGS = {}  # what the planner measured, by what it ran: the arguments and the code
 
 
 def read_block(mcfg: M.ModelConfig, policy: str, micro_batch: int, seq_len: int, kernel: str = "flash",
                offload: bool = False, trained: bool = True, input_grad: bool = True) -> dict:
-    """One block's forward and backward as the trainer runs them (train.run_block), under fake tensors, at the
-    run's micro-batch: bytes kept for backward (`kept`), and, over the block's backward, what it adds at its
-    peak: its weights' gradients (`gradients`, each alive until the unit's last) and the rest (`backward`:
-    what recompute brings back, activation gradients). `trained`: its weights take gradients (a frozen unit's
-    do not); `input_grad`: its input needs one (False for a frozen prefix: autograd then keeps nothing)."""
+    """One block's forward and backward as train.run_block runs them: bytes kept for backward (`kept`), and at
+    its backward's peak its weights' gradients (`gradients`) and the rest (`backward`). `trained`: its weights
+    take gradients; `input_grad`: its input needs one (False in a frozen prefix)."""
     code = (trainer().run_block, M.attention, M.Block.forward, M.Attention.forward, M.MLP.forward,
             M.RMSNorm.forward)  # what a test or a fork swaps in one process gets a reading of its own
     key = (repr(mcfg), policy, micro_batch, seq_len, kernel, offload, trained, input_grad, code)
@@ -392,10 +338,14 @@ def read_block(mcfg: M.ModelConfig, policy: str, micro_batch: int, seq_len: int,
 
 
 def measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, input_grad) -> dict:
-    """read_block's measurement, uncached. The gradient of the block's output (the next stage's input
-    gradient, which memory_by_phase counts itself) is made before backward and so not in `backward`."""
+    """read_block's measurement, uncached. The output's gradient (memory_by_phase counts it) is not in `backward`."""
+    with torch.device("meta"):
+        block = M.Block(mcfg)
     with FakeTensorMode(allow_non_fake_inputs=True), attention_kernel(kernel):
-        block = fake_block(mcfg, trained)
+        for name, p in list(block.named_parameters()):  # bf16 fake weights, as train.Unit points them at its buffer
+            module, _, attr = name.rpartition(".")
+            weight = torch.nn.Parameter(torch.empty(p.shape, dtype=torch.bfloat16), requires_grad=trained)
+            setattr(block.get_submodule(module), attr, weight)
         x_in = torch.empty(micro_batch, seq_len, mcfg.dim, dtype=torch.bfloat16, requires_grad=input_grad)
         if kernel == "flash":
             layout = None
@@ -418,28 +368,27 @@ def measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, 
             before = live.current_bytes
             if out.requires_grad:
                 out.backward(grad_out)
-        weight_grads = {id(p.grad.untyped_storage()) for p in block.parameters() if p.grad is not None}
-        gradients = sum(b for k, b in live.at_peak.items() if k in weight_grads)
+        weight_grads = [p.grad.untyped_storage() for p in block.parameters() if p.grad is not None]
+        gradients = sum(b for ref, b in live.at_peak if any(ref() is g for g in weight_grads))
     return dict(kept=kept, gradients=gradients, backward=live.peak_bytes - before - gradients)
 
 
 def state_bytes_per_param(frozen: bool = False) -> float:
-    """Persistent bytes per parameter of a unit's shard, read from a train.Unit (Unit.persistent_bytes): its fp32
-    master shard, its gradient and each optimizer state tensor, 16 B with AdamW; a frozen one's (--freeze), its
-    master shard alone. On the meta device, no fake tensors: the start-up checks read it too (train.setup)."""
+    """Persistent bytes per parameter of a unit's shard, read from a train.Unit: 16 B with AdamW (fp32 master,
+    gradient, optimizer state), a frozen unit's master alone."""
     unit = meta_unit(frozen)
     return unit.persistent_bytes() / unit.shard_numel
 
 
 def saved_bytes_per_element(frozen: bool = False) -> list[int]:
-    """Bytes per element of each tensor a unit's checkpoint file holds (disk.rank_file_tensors: the master shard
-    and each optimizer state tensor), read from a train.Unit: [4, 4, 4] with AdamW, [4] for a frozen unit."""
+    """Bytes per element of each tensor in a unit's checkpoint file (master, optimizer state): [4, 4, 4] with
+    AdamW, [4] for a frozen unit."""
     unit = meta_unit(frozen)
     return [t.element_size() for t in (unit.master_shard, *unit.optimizer_state.values())]
 
 
 def meta_unit(frozen: bool):
-    """A tiny model's head as a train.Unit on the meta device, trained or frozen: what a Unit keeps, read."""
+    """A tiny model's head as a train.Unit on the meta device, trained or frozen."""
     key = ("unit", trainer().Unit, trainer().Unit.__init__, M.OPTIMIZER_STATE, frozen)
     if key not in READINGS:
         READINGS[key] = fake_units(M.tiny(), 1, torch.device("meta"), trained=not frozen)[-1]
@@ -447,8 +396,7 @@ def meta_unit(frozen: bool):
 
 
 def fake_units(mcfg: M.ModelConfig, world: int, device=torch.device("cpu"), trained: bool = True) -> list:
-    """train.Unit's embedding, one block and head of `mcfg`, as rank 0 of `world` (on the CPU: call under
-    FakeTensorMode)."""
+    """train.Unit's embedding, one block and head of `mcfg`, as rank 0 of `world` (on the CPU: under FakeTensorMode)."""
     with torch.device("meta"):
         model = M.Llama(dataclasses.replace(mcfg, n_layers=1))
     return [trainer().Unit(name, model, names, 0, world, device, torch.bfloat16, trained=trained)
@@ -456,9 +404,8 @@ def fake_units(mcfg: M.ModelConfig, world: int, device=torch.device("cpu"), trai
 
 
 def optimizer_temporary_bytes(mcfg: M.ModelConfig, cfg, world: int) -> int:
-    """What train.optimizer_step allocates beside the state at its peak (AdamW's fused kernel: next to
-    nothing; an optimizer that makes a full-unit copy, as Muon's orthogonalisation does: that copy), run on
-    the embedding's, one block's and the head's shards of rank 0 of `world` under fake tensors."""
+    """What train.optimizer_step allocates beside the state at its peak, on rank 0's shards of the embedding, a
+    block and the head (fused AdamW: next to nothing)."""
     key = ("optimizer", repr(mcfg), world, trainer().optimizer_step, trainer().Unit.__init__, M.OPTIMIZER_STATE)
     if key not in READINGS:
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -484,32 +431,37 @@ def unit_numels(mcfg: M.ModelConfig) -> list[int]:
     return [embedding] + [block] * mcfg.n_layers + [head]
 
 
+def unit_names(mcfg: M.ModelConfig) -> list[str]:
+    """The units' names in unit_numels' order (model.sharding_units')."""
+    return ["embed"] + [f"layers.{i}" for i in range(mcfg.n_layers)] + ["head"]
+
+
 def padded(numel: int, world: int) -> int:
     return -(-numel // world) * world
 
 
 def grad_peak_numel(unit_numel: int, last_param_numel: int) -> int:
-    """Most compute-dtype gradient elements alive during one unit's backward. The parameters are the
-    pieces of one torch.split of `gathered` (Unit.set_views): their gradients (1 unit together) are
-    concatenated once by split's backward (1 more), which becomes gathered.grad: 2 units."""
+    """Most compute-dtype gradient elements alive in one unit's backward: its parameters' (split views of
+    `gathered`, Unit.set_views), and split's backward concatenating them."""
     return 2 * unit_numel
 
 
 def reduce_hook_bytes(unit_numel: int, compute_bytes: int, reduce_bytes: int) -> int:
-    """Full-unit gradient bytes alive in train.reduce_scatter_grad as it casts the unit's gradient
-    for the reduce-scatter: gathered.grad in the compute dtype and its copy in the reduce dtype (no copy
-    when both are the same dtype). The previous unit's reduce-scatter was finished first: its gradient is gone."""
+    """Full-unit gradient bytes alive as train.reduce_scatter_grad casts a unit's gradient: gathered.grad and its
+    copy in the reduce dtype (none if the same). The previous unit's reduce-scatter finished first."""
     copy = reduce_bytes if reduce_bytes != compute_bytes else 0
     return (compute_bytes + copy) * unit_numel
 
 
+def in_flight_reduce_bytes(unit_numel: int, reduce_bytes: int, world: int) -> float:
+    """A reduce-scatter in flight: its input, the unit's whole gradient, and its output, this rank's shard."""
+    return reduce_bytes * unit_numel * (1 + 1 / world)
+
+
 def unit_gradient_bytes(unit_numel: int, last_param_numel: int, in_flight_numel: int, reduce_bytes: int,
                         world: int) -> dict:
-    """Gradient bytes of one unit's backward at the larger of its two moments, by part: split's backward
-    concatenating the parameters' gradients while the previous unit's reduce-scatter (in_flight_numel
-    elements, see in_flight_reduce_bytes) is in flight, or the hook's cast and the output shard it
-    allocates for its own reduce-scatter. fp32 reduce: the cast wins for a unit reduced first (the head:
-    6 B per parameter against 4); otherwise the concatenation does."""
+    """Gradient bytes of one unit's backward by part, at the larger of its two moments (ASSUMPTIONS
+    gradient_accumulation)."""
     concat = dict(gradients=COMPUTE_BYTES * grad_peak_numel(unit_numel, last_param_numel),
                   reduce_buffers=in_flight_reduce_bytes(in_flight_numel, reduce_bytes, world))
     cast_total = reduce_hook_bytes(unit_numel, COMPUTE_BYTES, reduce_bytes)
@@ -518,26 +470,13 @@ def unit_gradient_bytes(unit_numel: int, last_param_numel: int, in_flight_numel:
     return max(concat, cast, key=lambda parts: sum(parts.values()))
 
 
-def in_flight_reduce_bytes(unit_numel: int, reduce_bytes: int, world: int) -> float:
-    """A reduce-scatter in flight (train.reduce_scatter_grad): the unit's whole gradient in
-    --reduce_dtype, its input, and this rank's shard of the sum, its output, both alive until it completes."""
-    return reduce_bytes * unit_numel * (1 + 1 / world)
-
-
-def kernel_for(cfg, flash_attn: bool) -> str:
-    """The attention kernel whose saved tensors a block keeps (attention_kernel): SDPA's memory-efficient one
-    for --doc_mask without flash-attn, a flash kernel otherwise."""
-    return "efficient" if cfg.doc_mask and not flash_attn else "flash"
-
-
 def block_policies(mcfg: M.ModelConfig, cfg) -> list[str]:
     """Each block's policy, the trainer's own rule (model.block_policies: --ac for the first --ac_blocks)."""
     return M.block_policies(mcfg.n_layers, cfg.ac, cfg.ac_blocks, cfg.ac_rest)
 
 
 def offloaded_blocks(mcfg: M.ModelConfig, cfg) -> int:
-    """Blocks whose input --offload_activations keeps in pinned host memory: those running --ac (the first
-    --ac_blocks; the trainer offloads them when --ac is full, which checks.check_config requires)."""
+    """Blocks whose input --offload_activations keeps in pinned host memory: those running --ac (full)."""
     if not cfg.offload_activations:
         return 0
     return mcfg.n_layers if cfg.ac_blocks < 0 else min(cfg.ac_blocks, mcfg.n_layers)
@@ -553,8 +492,7 @@ def frozen_unit_names(mcfg: M.ModelConfig, cfg) -> list[str]:
 
 
 def block_training(mcfg: M.ModelConfig, cfg) -> list[tuple[bool, bool]]:
-    """(trained, its input needs a gradient) of each block: a frozen block's weights take no gradient, and
-    before the first trained unit (a frozen prefix) no input needs one, so autograd keeps nothing for them."""
+    """(trained, its input needs a gradient) of each block: none does before the first trained unit."""
     frozen = frozen_unit_names(mcfg, cfg)
     trained_before = "embed" not in frozen
     training = []
@@ -566,8 +504,7 @@ def block_training(mcfg: M.ModelConfig, cfg) -> list[tuple[bool, bool]]:
 
 
 def block_readings(mcfg: M.ModelConfig, cfg, kernel: str = "flash") -> list[tuple[dict, bool]]:
-    """(read_block's bytes, offloaded?) of each block, in forward order, each by its policy (--ac, --ac_blocks,
-    --ac_rest), offload and training."""
+    """(read_block's bytes, offloaded?) of each block in forward order, by its policy, offload and training."""
     n_offloaded = offloaded_blocks(mcfg, cfg)
     blocks = [(policy, i < n_offloaded, trained, input_grad)
               for i, (policy, (trained, input_grad)) in enumerate(zip(block_policies(mcfg, cfg),
@@ -582,18 +519,15 @@ def block_kept_bytes(mcfg: M.ModelConfig, cfg, kernel: str = "flash") -> list[tu
 
 
 def saved_activation_bytes(mcfg: M.ModelConfig, cfg, blocks: int, kernel: str = "flash") -> float:
-    """What the first `blocks` blocks keep for backward on the GPU, each by its policy (--ac, --ac_blocks,
-    --ac_rest); of the offloaded ones only ~2 blocks' are in transit."""
+    """What the first `blocks` blocks keep for backward on the GPU; of the offloaded ones ~2 are in transit."""
     kept = block_kept_bytes(mcfg, cfg, kernel)[:blocks]
     offloaded = [b for b, off in kept if off and b]
     return sum(b for b, off in kept if not off) + sum(offloaded[:2])
 
 
 def recompute_peak_bytes(mcfg: M.ModelConfig, cfg, kernel: str = "flash") -> dict:
-    """A block's backward at its peak, the worst block's: what blocks 0..i keep (backward runs the blocks last
-    to first: the later ones are done) and, measured (read_block), what block i's backward adds: what its
-    recompute brings back and the activation gradients (`activations`), its weights' gradients so far
-    (`gradients`). Blocks of a frozen prefix run no backward."""
+    """The worst block's backward at its peak: what blocks 0..i keep (backward runs last to first) and what
+    block i's backward adds (read_block)."""
     worst, on_gpu, offloaded = dict(activations=0, gradients=0), 0, []
     for r, off in block_readings(mcfg, cfg, kernel):  # saved_activation_bytes(i + 1), incrementally
         if off:
@@ -607,28 +541,18 @@ def recompute_peak_bytes(mcfg: M.ModelConfig, cfg, kernel: str = "flash") -> dic
 
 
 def host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int, async_save: bool | None = None) -> dict:
-    """Pinned host memory per GPU by part, as allocated: the offloaded state (--offload_optimizer: one
-    registered buffer, offload.HostState: fp32 master, gradient accumulator and each optimizer state tensor,
-    16 B x padded N / W, and the staging slots for the gradients on their way down), the offloaded block
-    inputs (--offload_activations: every offloaded block's input of one micro-batch, each rounded up to a
-    power of two by PyTorch's caching host allocator) and --async_save's staging buffer
-    (staging_bytes_per_rank). `async_save`: whether the run saves asynchronously; None: as the planner
-    resolves --async_save (async_save_planned). checks.py passes the value it resolved on the machine."""
-    parts = offloaded_host_bytes_per_gpu(mcfg, cfg, world)
-    if async_save is None:
-        async_save = async_save_planned(mcfg, cfg)
-    return dict(parts, staging=staging_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg)) if async_save else 0)
-
-
-def offloaded_host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int) -> dict:
-    """host_bytes_per_gpu without the staging buffer: what --offload_optimizer and --offload_activations pin."""
+    """Pinned host memory per GPU by part, as allocated (ASSUMPTIONS pinning): --offload_optimizer's state,
+    --offload_activations' block inputs, --async_save's staging buffer. `async_save`: None, as planned."""
     state = 0
     if cfg.offload_optimizer:
         shards = [padded(n, world) // world for n in unit_numels(mcfg)]
         state = 4 * O.host_buffer_numel(shards, [int(b) // 4 for b in unit_state_bytes_per_param(mcfg, cfg)])
     activations = (sum(pinned_allocation_bytes(b) for b, off in block_kept_bytes(mcfg, cfg) if off)
                    if cfg.offload_activations else 0)
-    return dict(state=state, activations=activations)
+    if async_save is None:
+        async_save = async_save_planned(mcfg, cfg)
+    staging = staging_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg)) if async_save else 0
+    return dict(state=state, activations=activations, staging=staging)
 
 
 def unit_state_bytes_per_param(mcfg: M.ModelConfig, cfg) -> list[float]:
@@ -639,28 +563,18 @@ def unit_state_bytes_per_param(mcfg: M.ModelConfig, cfg) -> list[float]:
 
 
 def staging_bytes_per_rank(mcfg: M.ModelConfig, world: int, frozen: list | tuple = ()) -> int:
-    """--async_save's host staging buffer on each rank, exactly: a copy of every tensor the rank's checkpoint
-    file holds (disk.rank_file_tensors: each unit's fp32 master shard and optimizer state shards, a `frozen`
-    unit's master alone), each placed at a multiple of disk.STAGING_ALIGN_BYTES (ASSUMPTIONS async_save)."""
+    """--async_save's staging buffer on each rank, exactly (ASSUMPTIONS async_save)."""
     align = disk.STAGING_ALIGN_BYTES
     return sum(-(-size * (padded(n, world) // world) // align) * align
-               for name, n in zip(unit_names(mcfg), unit_numels(mcfg)) for size in saved_bytes_per_element(name in frozen))
-
-
-def unit_names(mcfg: M.ModelConfig) -> list[str]:
-    """The units' names in unit_numels' order (model.sharding_units')."""
-    return ["embed"] + [f"layers.{i}" for i in range(mcfg.n_layers)] + ["head"]
+               for name, n in zip(unit_names(mcfg), unit_numels(mcfg))
+               for size in saved_bytes_per_element(name in frozen))
 
 
 def async_save_planned(mcfg: M.ModelConfig, cfg) -> bool:
-    """--async_save for the GPU run planned: 'true' on, 'false' off, 'auto' on where the node's usable host
-    memory fits its ranks' staging buffers beside what they offload (ASSUMPTIONS async_save)."""
+    """--async_save for the GPU run planned: 'auto' is on where the node's host memory fits it."""
     if cfg.async_save != "auto":
         return cfg.async_save == "true"
-    world = cfg.nnodes * cfg.nproc_per_node
-    needed = (sum(offloaded_host_bytes_per_gpu(mcfg, cfg, world).values())
-              + staging_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg)))
-    return needed / GIB * cfg.nproc_per_node <= host_usable_gib_per_node(cfg)
+    return host_fits(mcfg, cfg, async_save=True)
 
 
 def pinned_allocation_bytes(nbytes: float) -> int:
@@ -672,11 +586,11 @@ def host_usable_gib_per_node(cfg) -> float:
     return GPUS[cfg.gpu]["host_memory_gib_per_node"] * ASSUMPTIONS["host_usable_fraction"][0]
 
 
-def host_fits(mcfg: M.ModelConfig, cfg) -> bool:
-    """What a node's GPUs pin together (offloaded state and activations, the save's staging buffer) fits in
-    its usable host memory."""
+def host_fits(mcfg: M.ModelConfig, cfg, async_save: bool | None = None) -> bool:
+    """What a node's GPUs pin together (host_bytes_per_gpu) fits in its usable host memory."""
     world = cfg.nnodes * cfg.nproc_per_node
-    return sum(host_bytes_per_gpu(mcfg, cfg, world).values()) / GIB * cfg.nproc_per_node <= host_usable_gib_per_node(cfg)
+    pinned_gib = sum(host_bytes_per_gpu(mcfg, cfg, world, async_save).values()) / GIB
+    return pinned_gib * cfg.nproc_per_node <= host_usable_gib_per_node(cfg)
 
 
 def ce_chunk_tokens(cfg) -> int:
@@ -685,23 +599,15 @@ def ce_chunk_tokens(cfg) -> int:
 
 
 def logits_bytes(mcfg: M.ModelConfig, cfg) -> float:
-    """One cross-entropy chunk at its softmax's backward (model.Llama.head_loss): the fp32 log-softmax output
-    (saved), its gradient and the fp32 logits' gradient, 12 B per chunk x vocab element. The bf16 logits
-    and their fp32 copy are gone by then (the log-softmax saves its output, not its input)."""
+    """One cross-entropy chunk at its softmax's backward (model.Llama.head_loss): the fp32 log-softmax output,
+    its gradient and the logits' fp32 gradient."""
     return ce_chunk_tokens(cfg) * mcfg.vocab_size * (4 + 4 + 4)
 
 
 def head_backward_bytes(mcfg: M.ModelConfig, cfg, head: int, emb: int, world: int) -> dict:
-    """The head's backward (gradients, reduce buffers, logits) at the worst of its three moments:
-      - a chunk's softmax backward: logits_bytes, and the head weight's gradient summed over the chunks
-        before it (compute dtype, vocab x dim; none for the first chunk);
-      - the chunk's weight-gradient matmul: its bf16 logits gradient (2 B per chunk x vocab), and two weight
-        gradients, the sum so far and this chunk's, which autograd then adds in place;
-      - the hook, the logits gone: split's concatenation or the cast to --reduce_dtype (unit_gradient_bytes;
-        the head is reduced first, nothing is in flight). Tied, the head is the final norm alone and its
-        matmul's gradient goes to the embedding unit, split's concatenation included, where it waits.
-    Untied, the weight is lm_head (in the head unit); tied, it is the embedding's. A frozen unit (--freeze)
-    takes no gradient: none of its parts."""
+    """The head's backward at the worst of its moments: a chunk's softmax backward (beside the weight gradient
+    of the chunks before it), its weight-gradient matmul (two weight gradients, then added), and the hook
+    (unit_gradient_bytes; tied, the matmul's gradient waits in the embedding unit). A frozen unit has none."""
     cbytes, rbytes = COMPUTE_BYTES, REDUCE_BYTES[cfg.reduce_dtype]
     frozen = frozen_unit_names(mcfg, cfg)
     emb_trained, head_trained = "embed" not in frozen, "head" not in frozen
@@ -716,25 +622,9 @@ def head_backward_bytes(mcfg: M.ModelConfig, cfg, head: int, emb: int, world: in
     return max(softmax, matmul, dict(hook, logits=0), key=lambda parts: sum(parts.values()))
 
 
-def document_mask_bytes(mcfg: M.ModelConfig, cfg, world: int) -> float:
-    """SDPA's block-diagonal mask (--doc_mask without flash-attn): micro_batch x T x T in the compute
-    dtype (rows padded to a multiple of 8, model.document_mask) per micro-batch; train.micro_batches
-    builds every micro-batch of the step before the first runs, so all of them are alive."""
-    micro_steps = max(1, cfg.batch_size // (world * cfg.micro_batch_size))
-    return micro_steps * cfg.micro_batch_size * cfg.seq_len * (-(-cfg.seq_len // 8) * 8) * COMPUTE_BYTES
-
-
 def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | None = None) -> dict:
-    """Bytes per GPU by part at the moments memory peaks in a step: the head's backward (logits, every
-    block's saved activations; head_backward_bytes), a block's backward at its peak (the worst block's,
-    measured: recompute_peak_bytes), the last block's at its end, when its gradient is summed (the
-    recomputed tensors are gone by then), and the optimizer step (its temporaries beside the state,
-    optimizer_temporary_bytes). `flash_attn`: whether flash-attn imports on the GPU machines; without it --doc_mask runs
-    SDPA's memory-efficient kernel, with K/V expanded to all heads and a T x T mask. None (what --plan
-    uses): each moment the larger of the two, parts and all (a part by part maximum would mix two
-    measured moments: the peak of a block's backward is where recompute and gradients add up most), since
-    the trainer falls back to SDPA without a word
-    (ASSUMPTIONS attention)."""
+    """Bytes per GPU by part at the moments memory peaks in a step. `flash_attn`: whether flash-attn imports on
+    the GPUs; None, for --plan: each moment the larger of the two, all its parts from one (ASSUMPTIONS attention)."""
     if flash_attn is None:
         both = [memory_by_phase(mcfg, cfg, world, flash) for flash in (True, False)]
         return {p: max((b[p] for b in both), key=lambda parts: sum(parts.values())) for p in both[0]}
@@ -742,8 +632,11 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
     emb, block, head = (padded(n, world) for n in (numels[0], numels[1], numels[-1]))
     cbytes, rbytes = COMPUTE_BYTES, REDUCE_BYTES[cfg.reduce_dtype]
     tied, layers, tokens = mcfg.tie_embeddings, mcfg.n_layers, cfg.micro_batch_size * cfg.seq_len
-    kernel = kernel_for(cfg, flash_attn)
-    mask = document_mask_bytes(mcfg, cfg, world) if kernel == "efficient" else 0
+    kernel = "efficient" if cfg.doc_mask and not flash_attn else "flash"  # attention_kernel
+    # SDPA's mask, micro_batch x T x T (rows padded to 8), for each micro-batch of the step (train.micro_batches)
+    micro_steps = max(1, cfg.batch_size // (world * cfg.micro_batch_size))
+    mask_bytes = micro_steps * cfg.micro_batch_size * cfg.seq_len * (-(-cfg.seq_len // 8) * 8) * cbytes
+    mask = mask_bytes * (kernel == "efficient")
     prefetched = block if cfg.prefetch else 0  # the previous unit's all-gather, started as this one runs
     # ... and its input, this rank's shard cast to the compute dtype (train.Unit.gather_input), alive until it
     # completes; --offload_optimizer gathers from the compute-dtype copy the state keeps, no cast
@@ -758,8 +651,7 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
     def phase(gathered, gradients, reduce, activations, logits=0.0, optimizer=0.0):
         dynamic = dict(gathered_weights=cbytes * gathered, gradients=gradients, reduce_buffers=reduce,
                        activations=activations, logits=logits, optimizer_temporaries=optimizer)
-        return dict(state=state,
-                    context_and_nccl=cfg.outside_gib * GIB, **dynamic,
+        return dict(state=state, context_and_nccl=cfg.outside_gib * GIB, **dynamic,
                     fragmentation=ASSUMPTIONS["fragmentation"][0] * sum(dynamic.values()))
 
     head_parts = head_backward_bytes(mcfg, cfg, head, emb, world)
@@ -779,7 +671,7 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
                                     block_grads["reduce_buffers"],
                                     # its own saved tensors are gone; its input's gradient is not
                                     saved_activation_bytes(mcfg, cfg, layers - 1, kernel) + input_gradient + mask),
-        # after the last micro-batch: every unit free, the optimizer's own temporaries (optimizer_temporary_bytes)
+        # after the last micro-batch: every unit free, the optimizer's own temporaries
         "optimizer step": phase(0, 0, 0, 0, optimizer=0 if cfg.offload_optimizer else
                                 optimizer_temporary_bytes(mcfg, cfg, world)),
     }
@@ -790,8 +682,8 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
 # ----------------------------------------------------------------------------------------------
 
 def executed_flops(mcfg: M.ModelConfig, seq_len: int, ac, chunked_ce: bool) -> tuple[float, float]:
-    """(matmul, attention) FLOPs per token actually computed: the MFU count plus recompute. `ac`: one
-    policy for every block, or each block's (block_policies)."""
+    """(matmul, attention) FLOPs per token computed: the MFU count plus recompute. `ac`: one policy for every
+    block, or each block's (block_policies)."""
     counts = M.count_params(mcfg)
     block_numel = unit_numels(mcfg)[1]
     attention = 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
@@ -835,8 +727,8 @@ def published_anchors() -> list:
 
 
 def matmul_efficiency(family: str, dim: int) -> float:
-    """Fraction of peak the matmuls reach: solved from each anchor (its attention at attention_efficiency,
-    the rest is matmul), then linear in the model dim between the two anchors, constant outside them."""
+    """Fraction of peak the matmuls reach: solved from each anchor (its attention at attention_efficiency, the
+    rest matmul), linear in the model dim between the two anchors, constant outside them."""
     attn_eff = ASSUMPTIONS["attention_efficiency"][0][family]
     points = []
     for fam, d, tok_s, mm, attn, factor, _ in published_anchors():
@@ -849,8 +741,7 @@ def matmul_efficiency(family: str, dim: int) -> float:
 
 
 def bus_gbps(gpu: dict, cfg) -> float:
-    """The bus bandwidth of a collective over the run's GPUs, GB/s per GPU (ASSUMPTIONS network): NVLink inside
-    one node; across nodes every NIC at once, capped by NVLink."""
+    """A collective's bus bandwidth over the run's GPUs, GB/s per GPU (ASSUMPTIONS network)."""
     if cfg.nnodes == 1:
         return gpu["nvlink_gbps"]
     nics = min(cfg.nics_per_node or gpu["nics_per_node"], cfg.nproc_per_node)
@@ -868,8 +759,7 @@ def collective_bytes_per_micro_step(mcfg: M.ModelConfig, cfg, world: int) -> tup
 
 
 def host_elements_per_s(gpu: dict, nproc_per_node: int, per_core: float, bytes_per_element: int) -> float:
-    """Elements/s one GPU's share of the host CPU processes: the measured per-core rate x its cores x
-    host_cpu_efficiency, capped by its share of the host memory bandwidth (ASSUMPTIONS offload_optimizer)."""
+    """Elements/s one GPU's share of the host processes (ASSUMPTIONS offload_optimizer)."""
     cores = gpu["host_cores_per_node"] / nproc_per_node
     compute = per_core * cores * ASSUMPTIONS["host_cpu_efficiency"][0]
     bandwidth = host_gbps_per_gpu(gpu, nproc_per_node) * 1e9 / bytes_per_element
@@ -881,19 +771,17 @@ def host_gbps_per_gpu(gpu: dict, nproc_per_node: int) -> float:
 
 
 def offload_optimizer_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
-    """--offload_optimizer, per step per GPU: PCIe bytes and seconds both ways, the host's gradient
-    accumulation and update. Per micro-batch the shards come down (D2H) and are accumulated while backward
-    runs; after the last one the CPU update adds to the step, the copy back up (H2D) only where it is slower
-    than the host's cast it overlaps (ASSUMPTIONS offload_optimizer)."""
+    """--offload_optimizer per step per GPU (ASSUMPTIONS offload_optimizer): the PCIe copies both ways, the
+    host's gradient accumulation and its update."""
     slice_numel = sum(padded(n, world) for n in unit_numels(mcfg)) / world
     rbytes = REDUCE_BYTES[cfg.reduce_dtype]
     micro_steps = cfg.batch_size // (world * cfg.micro_batch_size)
-    pcie = 1e9 * min(gpu["pcie_gbps"], host_gbps_per_gpu(gpu, cfg.nproc_per_node))
+    host_gbps = host_gbps_per_gpu(gpu, cfg.nproc_per_node)
+    pcie = 1e9 * min(gpu["pcie_gbps"], host_gbps)
     d2h_bytes, h2d_bytes = rbytes * slice_numel, COMPUTE_BYTES * slice_numel  # per micro-batch / per step
     accumulate = host_elements_per_s(gpu, cfg.nproc_per_node, ASSUMPTIONS["host_accumulate_per_core"][0],
                                      4 + rbytes + 4)
     adamw = host_elements_per_s(gpu, cfg.nproc_per_node, ASSUMPTIONS["host_adamw_per_core"][0], ADAMW_HOST_BYTES)
-    host_gbps = host_gbps_per_gpu(gpu, cfg.nproc_per_node)
     extra_s = ASSUMPTIONS["host_update_extra_bytes"][0] * slice_numel / (1e9 * host_gbps)
     cast_s = (4 + COMPUTE_BYTES) * slice_numel / (1e9 * host_gbps)  # part of extra_s: the copies up overlap it
     last_numel = padded(unit_numels(mcfg)[0], world) / world  # the embedding: backward's last unit
@@ -907,9 +795,8 @@ def offload_optimizer_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> d
 
 
 def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
-    """Seconds per optimizer step: per micro-batch, compute against the collectives, overlapped with
-    --prefetch true, one after the other without; the offload copies overlap both either way; then AdamW
-    (on the GPU, or with --offload_optimizer on the CPU plus the exposed PCIe copies)."""
+    """Seconds per optimizer step: per micro-batch, compute against the collectives and the offload copies
+    (ASSUMPTIONS overlap, offload_overlap); then AdamW, on the GPU or on the CPU with the exposed PCIe copies."""
     peak = peak_flops(gpu)
     tokens = cfg.micro_batch_size * cfg.seq_len
     policies = block_policies(mcfg, cfg)
@@ -925,9 +812,8 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
     n_offloaded = offloaded_blocks(mcfg, cfg)
     block_input_bytes = max(b for b, _ in block_kept_bytes(mcfg, cfg)[:n_offloaded]) if n_offloaded else 0
     offload_s = 2 * n_offloaded * block_input_bytes / (1e9 * gpu["pcie_gbps"]) if n_offloaded else 0.0
-    # Nothing computes while the last block's offloaded input comes back (ASSUMPTIONS offload_overlap), nor,
-    # with --prefetch, during the embedding's first all-gather or after its reduce-scatter (without, the
-    # collectives are all in the sum already).
+    # Exposed: the last block's offloaded input coming back, and, with --prefetch, the embedding's first
+    # all-gather and last reduce-scatter (without, the collectives are all in the sum already).
     embedding_bytes = padded(unit_numels(mcfg)[0], world) * (COMPUTE_BYTES + REDUCE_BYTES[cfg.reduce_dtype])
     exposed_s = block_input_bytes / (1e9 * gpu["pcie_gbps"]) if n_offloaded else 0.0
     if cfg.prefetch:
@@ -950,37 +836,38 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
                     host_accumulate_s=micro_steps * o["accumulate_s_per_micro"], host_optimizer_s=optimizer_s,
                     host_adamw_elements_per_s_per_gpu=o["host_adamw_elements_per_s_per_gpu"],
                     host_accumulate_elements_per_s_per_gpu=o["host_accumulate_elements_per_s_per_gpu"])
-    else:  # the update reads and writes every fp32 shard once (the gradient is zeroed after it)
+    else:  # the update reads and writes every fp32 shard once (ASSUMPTIONS adamw)
         state_bytes = sum(b * padded(n, world) for b, n in zip(unit_state_bytes_per_param(mcfg, cfg),
                                                                 unit_numels(mcfg))) / world
         optimizer_s = 2 * state_bytes / (0.8e9 * gpu["hbm_gbps"])
     # What bounds a micro-batch: the longest of what runs at once (with --prefetch), else compute + collectives
     parts = dict(compute=compute_s, collectives=comm_s, offload=offload_s) if cfg.prefetch else \
         {"compute + collectives": compute_s + comm_s, "offload": offload_s}
-    return dict(step_time_s=micro_steps * micro_s + optimizer_s + host["pcie_exposed_s"], bound=max(parts, key=parts.get),
-                compute_s=micro_steps * compute_s,
+    return dict(step_time_s=micro_steps * micro_s + optimizer_s + host["pcie_exposed_s"],
+                bound=max(parts, key=parts.get), compute_s=micro_steps * compute_s,
                 comm_s=micro_steps * comm_s, offload_s=micro_steps * offload_s,
                 exposed_s=micro_steps * exposed_s, optimizer_s=optimizer_s,
                 micro_steps=micro_steps, bandwidth_gbps=bandwidth / 1e9, **host)
 
 
 def sampling_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int, n_prompts: int, prompt_tokens: int) -> dict:
-    """Seconds --sample_prompts adds to each evaluation (ASSUMPTIONS sampling), and what it moves and holds:
-    the bytes all-gathered per GPU buffer, and the KV cache each rank holds (every rank runs every prompt)."""
+    """Seconds --sample_prompts adds to each evaluation (ASSUMPTIONS sampling), the bytes it all-gathers per GPU
+    and the KV cache each rank holds (every rank runs every prompt)."""
     numels = [padded(n, world) for n in unit_numels(mcfg)]
-    gathered_bytes = COMPUTE_BYTES * (sum(numels) + (numels[0] if mcfg.tie_embeddings else 0))  # a tied head: embedding again
+    gathered_bytes = COMPUTE_BYTES * (sum(numels) + (numels[0] if mcfg.tie_embeddings else 0))  # tied: the head
     bandwidth = 1e9 * bus_gbps(gpu, cfg)
     gather_s = (world - 1) / world * gathered_bytes / bandwidth
     prefill_flops = 2 * M.count_params(mcfg)["total"] * n_prompts * prompt_tokens
     prefill_s = prefill_flops / (peak_flops(gpu) * matmul_efficiency(gpu["family"], mcfg.dim))
     decode_s = n_prompts * gathered_bytes / (0.8e9 * gpu["hbm_gbps"])
-    def one_pass(compute_s):
-        return max(gather_s, compute_s) if cfg.prefetch else gather_s + compute_s
-    kv_bytes = 2 * mcfg.n_layers * mcfg.n_kv_heads * mcfg.head_dim * COMPUTE_BYTES * n_prompts * (prompt_tokens + cfg.sample_tokens)
-    return dict(sampling_s=one_pass(prefill_s) + (cfg.sample_tokens - 1) * one_pass(decode_s),
+    pass_s = [max(gather_s, s) if cfg.prefetch else gather_s + s for s in (prefill_s, decode_s)]
+    kv_per_token = 2 * mcfg.n_layers * mcfg.n_kv_heads * mcfg.head_dim * COMPUTE_BYTES
+    kv_bytes = kv_per_token * n_prompts * (prompt_tokens + cfg.sample_tokens)
+    return dict(sampling_s=pass_s[0] + (cfg.sample_tokens - 1) * pass_s[1],
                 sampling_passes=cfg.sample_tokens, sampling_gathered_gb=cfg.sample_tokens * gathered_bytes / 1e9,
-                sampling_gather_s_per_pass=gather_s, sampling_prefill_s=prefill_s, sampling_decode_s_per_pass=decode_s,
-                sampling_kv_cache_gib=kv_bytes / GIB, sampling_prompts=n_prompts, sampling_prompt_tokens=prompt_tokens)
+                sampling_gather_s_per_pass=gather_s, sampling_prefill_s=prefill_s,
+                sampling_decode_s_per_pass=decode_s, sampling_kv_cache_gib=kv_bytes / GIB,
+                sampling_prompts=n_prompts, sampling_prompt_tokens=prompt_tokens)
 
 
 def prompt_sizes(cfg) -> tuple[int, int]:
@@ -995,30 +882,17 @@ def prompt_sizes(cfg) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------------
 
 def checkpoint_bytes_per_rank(mcfg: M.ModelConfig, world: int, frozen: list | tuple = ()) -> int:
-    """The file disk.save_checkpoint writes on each rank: every unit's fp32 master shard and optimizer
-    state shards (a `frozen` unit's master alone; 4 B each per padded parameter / W with AdamW; gradients are
-    not saved), and the safetensors header (at most checkpoint_header_bytes_per_tensor each, a bound)."""
+    """The file disk.save_checkpoint writes on each rank: every unit's saved shards (saved_bytes_per_element;
+    gradients are not saved) and the safetensors header (checkpoint_header_bytes_per_tensor each, a bound)."""
     sizes = [(n, saved_bytes_per_element(name in frozen)) for name, n in zip(unit_names(mcfg), unit_numels(mcfg))]
     data = sum(sum(per_element) * padded(n, world) // world for n, per_element in sizes)
     tensors = sum(len(per_element) for _, per_element in sizes)
     return 8 + ASSUMPTIONS["checkpoint_header_bytes_per_tensor"][0] * tensors + data
 
 
-def save_copy_s(mcfg: M.ModelConfig, cfg) -> float:
-    """An asynchronous save's copy into the staging buffer, per rank (ASSUMPTIONS async_save_copy): device to
-    host over PCIe, or, with --offload_optimizer, host to host (each byte read and written)."""
-    gpu, world = GPUS[cfg.gpu], cfg.nnodes * cfg.nproc_per_node
-    staging = staging_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg))
-    host_gbps = host_gbps_per_gpu(gpu, cfg.nproc_per_node)
-    if cfg.offload_optimizer:
-        return 2 * staging / (1e9 * host_gbps)
-    return staging / (1e9 * min(gpu["pcie_gbps"], host_gbps))
-
-
 def save_stall_s(asynchronous: bool, every: int, step_time_s: float, save_s: float, copy_s: float) -> float:
-    """What one periodic save every `every` steps costs the run: synchronous, the whole write; asynchronous,
-    the copy to host memory, the steps the write overlaps made slower (async_write_slowdown), and, when the
-    write outlasts the steps between, the wait for it."""
+    """What one periodic save every `every` steps stalls the run: synchronous, the whole write; asynchronous, the
+    copy to host memory, the steps beside the write made slower and any wait for the write before it."""
     if not asynchronous:
         return save_s
     slower_s = (ASSUMPTIONS["async_write_slowdown"][0] - 1) * min(save_s, every * step_time_s)
@@ -1027,23 +901,23 @@ def save_stall_s(asynchronous: bool, every: int, step_time_s: float, save_s: flo
 
 def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: float = 0.0) -> dict:
     """How long before a time limit a stop request must arrive for the run to reach a step boundary and save
-    (ASSUMPTIONS stop_worst_case): the longer of a periodic save's stall (synchronous: the whole save;
-    --async_save: the copy to host memory, and any wait for the write before it) and a late restart's set-up
-    + load, then the step, its evaluation and one write (synchronous: the stop's save; asynchronous: the write
-    in flight, finished, or the stop's save where none is), x stop_margin; rounded up to a whole minute for
-    launch.sbatch's --signal=USR1@N. Saves and loads at --fs_write_gbps per rank (every rank at once).
-    `sampling_s`: what --sample_prompts adds to each evaluation. Also the final export's prediction, which
-    the lead does not include."""
-    world = cfg.nnodes * cfg.nproc_per_node
+    (ASSUMPTIONS stop_worst_case, stop_margin), rounded up to a minute for launch.sbatch's --signal=USR1@N.
+    `sampling_s`: what --sample_prompts adds to each evaluation. Also the final export, outside the lead."""
+    gpu, world = GPUS[cfg.gpu], cfg.nnodes * cfg.nproc_per_node
     asynchronous = async_save_planned(mcfg, cfg)
     ckpt_bytes = checkpoint_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg))
     save_s = ckpt_bytes / (1e9 * cfg.fs_write_gbps)
     load_s = save_s  # a restart reads back what a save wrote, at the same rate per rank
-    copy_s = save_copy_s(mcfg, cfg)
+    # An asynchronous save's copy into the staging buffer (ASSUMPTIONS async_save_copy): host to host with
+    # --offload_optimizer (each byte read and written), else over PCIe
+    staging = staging_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg))
+    host_gbps = host_gbps_per_gpu(gpu, cfg.nproc_per_node)
+    copy_s = (2 * staging / (1e9 * host_gbps) if cfg.offload_optimizer
+              else staging / (1e9 * min(gpu["pcie_gbps"], host_gbps)))
     periodic_save_s = (save_stall_s(asynchronous, cfg.ckpt_every, step_time_s, save_s, copy_s)
                        if cfg.ckpt_every else 0.0)
-    host = host_bytes_per_gpu(mcfg, cfg, world, asynchronous)
-    page_locking_s = host["state"] / 1e9 / ASSUMPTIONS["host_page_locking_gbps"][0]  # the staging buffer: beside step 1
+    state_bytes = host_bytes_per_gpu(mcfg, cfg, world, asynchronous)["state"]  # the staging buffer: beside step 1
+    page_locking_s = state_bytes / 1e9 / ASSUMPTIONS["host_page_locking_gbps"][0]
     restart_setup_s = ASSUMPTIONS["restart_setup_s"][0] + page_locking_s
     restart_s = restart_setup_s + load_s
     before_step_s = max(periodic_save_s, restart_s)  # one or the other: a restart ends the save in progress
@@ -1060,53 +934,46 @@ def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: flo
 
 def checkpoint_interval(cfg, step_time_s: float, save_s: float, restart_s: float, copy_s: float,
                         asynchronous: bool) -> dict:
-    """What the saves at --ckpt_every cost, synchronous and asynchronous, and the interval that balances them
-    against the work a failure loses (ASSUMPTIONS checkpoint_interval), for the mode the run uses
-    (`asynchronous`: --async_save as planned). A synchronous save stalls every GPU for the whole write; an
-    asynchronous one for the copy to host memory (save_stall_s), except the run's last, whose write the run
-    waits for. A failure loses half an interval and a restart, and, asynchronous, the write's time too: the
-    newest snapshot is recoverable only once its write has ended."""
+    """What the saves at --ckpt_every cost, synchronous and asynchronous (save_stall_s; the run's last write is
+    waited for), and the interval that balances them against the work a failure loses, for the mode the run
+    uses (ASSUMPTIONS checkpoint_interval)."""
     steps = math.ceil(cfg.train_tokens / (cfg.batch_size * cfg.seq_len)) if cfg.train_tokens else cfg.steps
     train_s = steps * step_time_s
     mtbf_s = 3600 * cfg.mtbf_hours
+    every = cfg.ckpt_every or max(steps, 1)  # --ckpt_every 0: one save, at the end
     # Young (1974), "A first order approximation to the optimum checkpoint interval": the work between saves
     # that minimises saving + lost work is sqrt(2 x save x MTBF); Daly (2006), "A higher order estimate of the
     # optimum checkpoint interval for restart dumps", refines it for saves not small against the MTBF. The
-    # write's time a failure also loses, asynchronous, is the same at every interval: it does not move the
-    # optimum. At most one save in flight: an interval shorter than the write would wait for it at each save.
-    slower_s = (ASSUMPTIONS["async_write_slowdown"][0] - 1) * save_s  # the steps beside a write (async_write_slowdown)
+    # write a failure also loses, asynchronous, is the same at every interval: it does not move the optimum.
+    slower_s = (ASSUMPTIONS["async_write_slowdown"][0] - 1) * save_s  # the steps beside a write
     young_daly_steps = math.sqrt(2 * (copy_s + slower_s if asynchronous else save_s) * mtbf_s) / step_time_s
-    write_steps = math.ceil(save_s / step_time_s) if asynchronous else 1
+    write_steps = math.ceil(save_s / step_time_s) if asynchronous else 1  # at most one save in flight
     suggested_ckpt_every = max(1, write_steps, round(young_daly_steps))
 
-    def saving_s(every: int, mode: bool) -> tuple[int, float]:  # (saves, seconds stalled), the last step's included
-        saves = math.ceil(steps / every) if steps else 0
-        if not mode or not saves:
-            return saves, saves * save_s
-        return saves, (saves - 1) * save_stall_s(True, every, step_time_s, save_s, copy_s) + save_s
+    def saves(interval: int) -> int:
+        return math.ceil(steps / interval) if steps else 0
 
-    def cost(every: int) -> dict:  # the saves + failures x (half an interval [+ the write] + restart)
-        saves, stalled_s = saving_s(every, asynchronous)
-        lost_per_failure_s = every * step_time_s / 2 + (save_s if asynchronous else 0.0) + restart_s
-        overhead_s = stalled_s + train_s / mtbf_s * lost_per_failure_s
-        return dict(saves=saves, lost_per_failure_s=lost_per_failure_s, overhead_s=overhead_s,
-                    overhead_fraction=overhead_s / train_s if train_s else 0.0)
+    def stalled_s(interval: int, mode: bool) -> float:  # the last save's write waited for
+        if not mode or not saves(interval):
+            return saves(interval) * save_s
+        return (saves(interval) - 1) * save_stall_s(True, interval, step_time_s, save_s, copy_s) + save_s
 
-    def fraction(stalled_s: float) -> float:
-        return stalled_s / (train_s + stalled_s) if train_s else 0.0
+    def fraction(mode: bool) -> float:  # of the run spent saving
+        return stalled_s(every, mode) / (train_s + stalled_s(every, mode)) if train_s else 0.0
 
-    every = cfg.ckpt_every or max(steps, 1)  # --ckpt_every 0: one save, at the end
+    def cost(interval: int) -> dict:  # the saves + failures x (half an interval [+ the write] + restart)
+        lost_per_failure_s = interval * step_time_s / 2 + (save_s if asynchronous else 0.0) + restart_s
+        overhead_s = stalled_s(interval, asynchronous) + train_s / mtbf_s * lost_per_failure_s
+        return dict(lost_per_failure_s=lost_per_failure_s, overhead_fraction=overhead_s / train_s if train_s else 0.0)
+
     now, best = cost(every), cost(suggested_ckpt_every)
-    sync_stall_s = save_stall_s(False, every, step_time_s, save_s, copy_s)
     async_stall_s = save_stall_s(True, every, step_time_s, save_s, copy_s)
-    sync_fraction, async_fraction = (fraction(saving_s(every, mode)[1]) for mode in (False, True))
-    return dict(save_stall_s=async_stall_s if asynchronous else sync_stall_s, sync_save_stall_s=sync_stall_s,
+    return dict(save_stall_s=async_stall_s if asynchronous else save_s, sync_save_stall_s=save_s,
                 async_write_wait_s=max(0.0, save_s - every * step_time_s),
                 async_slower_s=(ASSUMPTIONS["async_write_slowdown"][0] - 1) * min(save_s, every * step_time_s),
-                async_save_stall_s=async_stall_s, run_steps=steps, saves=now["saves"],
-                save_fraction=async_fraction if asynchronous else sync_fraction,
-                sync_save_fraction=sync_fraction, async_save_fraction=async_fraction,
-                young_daly_ckpt_every=young_daly_steps, write_steps=write_steps,
+                async_save_stall_s=async_stall_s, run_steps=steps, saves=saves(every),
+                save_fraction=fraction(asynchronous), sync_save_fraction=fraction(False),
+                async_save_fraction=fraction(True), young_daly_ckpt_every=young_daly_steps, write_steps=write_steps,
                 suggested_ckpt_every=suggested_ckpt_every, lost_per_failure_s=now["lost_per_failure_s"],
                 overhead_fraction=now["overhead_fraction"], suggested_lost_per_failure_s=best["lost_per_failure_s"],
                 suggested_overhead_fraction=best["overhead_fraction"])
@@ -1117,7 +984,7 @@ def checkpoint_interval(cfg, step_time_s: float, save_s: float, restart_s: float
 # ----------------------------------------------------------------------------------------------
 
 def fit_and_speed(mcfg: M.ModelConfig, cfg) -> dict:
-    """Peak GPU memory, fit and speed of one configuration: what plan() and the partial-checkpointing search share."""
+    """Peak GPU memory, fit and speed of one configuration: what plan() and the searches below share."""
     gpu, world = GPUS[cfg.gpu], cfg.nnodes * cfg.nproc_per_node
     phases = memory_by_phase(mcfg, cfg, world)
     peak_phase = max(phases, key=lambda p: sum(phases[p].values()))
@@ -1131,8 +998,8 @@ def fit_and_speed(mcfg: M.ModelConfig, cfg) -> dict:
 
 
 def as_launched(cfg, world: int, local_world: int, device_name: str):
-    """cfg as the planner sees the run launched (W ranks, local_world per node, the GPU CUDA names), or None for a
-    GPU the planner does not know."""
+    """cfg as the planner sees the run launched (W ranks, local_world per node, the GPU's CUDA name), or None for
+    a GPU the planner does not know."""
     gpu = next((key for key, g in GPUS.items() if g["device_name"] == device_name), None)
     if gpu is None:
         return None
@@ -1140,10 +1007,8 @@ def as_launched(cfg, world: int, local_world: int, device_name: str):
 
 
 def run_memory_gib(mcfg: M.ModelConfig, cfg, world: int, local_world: int, device_name: str) -> dict | None:
-    """The planner's figures for a run as launched, for the lines that print the measured ones beside them: the
-    persistent state, the peak (and its phase, each phase's total), the part of both that is the CUDA context and
-    NCCL's buffers (outside PyTorch's allocator: --outside_gib), the collectives' bus bandwidth. None for a GPU
-    the planner does not know."""
+    """The planner's figures for a run as launched, printed beside the measured ones: the state, the peak, its
+    phase and each phase's total, the part outside PyTorch's allocator (--outside_gib), the bus bandwidth."""
     run = as_launched(cfg, world, local_world, device_name)
     if run is None:
         return None
@@ -1154,9 +1019,8 @@ def run_memory_gib(mcfg: M.ModelConfig, cfg, world: int, local_world: int, devic
 
 
 def partial_checkpointing(mcfg: M.ModelConfig, cfg) -> dict | None:
-    """The largest partial checkpointing that fits for these flags (in GPU and host memory): the smallest
-    --ac_blocks k (the most blocks running --ac_rest instead of --ac), scanning k = 0, 1, ..., n_layers; None
-    when --ac and --ac_rest are the same policy or nothing fits even with every block on --ac."""
+    """The smallest --ac_blocks that fits in GPU and host memory (the most blocks on --ac_rest); None when --ac
+    and --ac_rest are the same policy or nothing fits even with every block on --ac."""
     if cfg.ac == cfg.ac_rest:
         return None
     for k in range(mcfg.n_layers + 1):
@@ -1174,31 +1038,28 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
     dollars only for a configuration that fits, in GPU and in host memory (None otherwise)."""
     gpu, world = GPUS[cfg.gpu], cfg.nnodes * cfg.nproc_per_node
     r = fit_and_speed(mcfg, cfg)
-    phases, peak_phase, peak_gib, time = r["phases"], r["peak_phase"], r["peak_gib"], r["time"]
-    tokens_per_sec_per_gpu = r["tokens_per_sec_per_gpu"]
+    phases, peak_phase, time = r["phases"], r["peak_phase"], r["time"]
     fits_host = host_fits(mcfg, cfg)
-    hours = cfg.train_tokens / (tokens_per_sec_per_gpu * world) / 3600 if r["fits"] and fits_host else None
-    family = gpu["family"]
+    hours = cfg.train_tokens / (r["tokens_per_sec_per_gpu"] * world) / 3600 if r["fits"] and fits_host else None
     host = host_bytes_per_gpu(mcfg, cfg, world)
     host_gib_per_gpu = sum(host.values()) / GIB
-    host_usable_gib = host_usable_gib_per_node(cfg)
     sampling = sampling_time(mcfg, cfg, gpu, world, *prompt_sizes(cfg)) if cfg.sample_prompts else {}
     stop = stop_lead_time(mcfg, cfg, time["step_time_s"], sampling.get("sampling_s", 0.0))
     assumptions = dict(ASSUMPTIONS, gpu=dict(gpu, peak_bf16_flops=peak_flops(gpu)),
-                       matmul_efficiency=(matmul_efficiency(family, mcfg.dim),
+                       matmul_efficiency=(matmul_efficiency(gpu["family"], mcfg.dim),
                                           "solved from these anchors, linear in the model dim between them"),
-                       anchors=[a[-1] for a in published_anchors() if a[0] == family])
+                       anchors=[a[-1] for a in published_anchors() if a[0] == gpu["family"]])
     return dict(
         model=cfg.init_from or cfg.model or "tiny", params=M.count_params(mcfg)["total"], world=world, gpu=cfg.gpu,
-        state_gib_per_gpu=phases[peak_phase]["state"] / GIB, peak_gib_per_gpu=peak_gib, peak_phase=peak_phase,
+        state_gib_per_gpu=phases[peak_phase]["state"] / GIB, peak_gib_per_gpu=r["peak_gib"], peak_phase=peak_phase,
         usable_gib=r["usable_gib"], fits=r["fits"],
         memory_gib={k: v / GIB for k, v in phases[peak_phase].items()},
         memory_by_phase_gib={p: {k: v / GIB for k, v in parts.items()} for p, parts in phases.items()},
-        **time, tokens_per_sec_per_gpu=tokens_per_sec_per_gpu, mfu=r["mfu"],
+        **time, tokens_per_sec_per_gpu=r["tokens_per_sec_per_gpu"], mfu=r["mfu"],
         hours=hours, cost_usd=None if hours is None else hours * world * cfg.gpu_hour_usd,
         block_policies=block_policies(mcfg, cfg), offload_optimizer=cfg.offload_optimizer,
         host_gib_per_gpu=host_gib_per_gpu, host_gib_by_part_per_gpu={k: v / GIB for k, v in host.items()},
-        host_gib_per_node=host_gib_per_gpu * cfg.nproc_per_node, host_usable_gib_per_node=host_usable_gib,
+        host_gib_per_node=host_gib_per_gpu * cfg.nproc_per_node, host_usable_gib_per_node=host_usable_gib_per_node(cfg),
         host_fits=fits_host, async_save_drop=async_save_drop_hint(mcfg, cfg), **sampling, **stop,
         **checkpoint_interval(cfg, time["step_time_s"], stop["save_s"], stop["restart_s"], stop["save_copy_s"],
                               stop["async_save"]),
@@ -1210,10 +1071,9 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 def memory_savers(cfg) -> list[list[dict]]:
-    """The flag changes that lower memory, each a list of alternatives: a smaller micro-batch (each size
-    that divides the batch, nearest first), every block recomputed (--ac full), the block inputs in host
-    memory (with --ac full), a bf16 reduce-scatter, the optimizer state in host memory; and, for host memory,
-    --async_save auto instead of true."""
+    """The flag changes that lower memory, each a list of alternatives: a smaller micro-batch (each size that
+    divides the batch, nearest first), --ac full on every block, --offload_activations, a bf16 reduce-scatter,
+    --offload_optimizer; and, for host memory, --async_save auto instead of true."""
     world = cfg.nnodes * cfg.nproc_per_node
     savers = [[dict(micro_batch_size=m) for m in range(cfg.micro_batch_size - 1, 0, -1)
                if cfg.batch_size % (world * m) == 0]]
@@ -1230,18 +1090,9 @@ def memory_savers(cfg) -> list[list[dict]]:
     return [alternatives for alternatives in savers if alternatives]
 
 
-def fewest_recomputed_blocks(mcfg: M.ModelConfig, cfg):
-    """cfg with partial checkpointing where every block running --ac leaves memory to spare."""
-    if cfg.ac_blocks == -1:
-        best = partial_checkpointing(mcfg, cfg)
-        if best and best["ac_blocks"] < mcfg.n_layers:
-            return dataclasses.replace(cfg, ac_blocks=best["ac_blocks"])
-    return cfg
-
-
 def nearest_fit(mcfg: M.ModelConfig, cfg):
-    """The configuration nearest to cfg that fits in GPU and in host memory: the fewest memory_savers (of
-    those, the most tokens/s/GPU), then partial checkpointing where it leaves room; on cfg's nodes, else
+    """The configuration nearest to cfg that fits in GPU and host memory: the fewest memory_savers (of those, the
+    most tokens/s/GPU), with partial checkpointing where every block on --ac leaves room; on cfg's nodes, else
     on 2, 4 or 8 times as many. None when nothing tried fits."""
     for nnodes in (cfg.nnodes, 2 * cfg.nnodes, 4 * cfg.nnodes, 8 * cfg.nnodes):
         base = dataclasses.replace(cfg, nnodes=nnodes)
@@ -1253,8 +1104,12 @@ def nearest_fit(mcfg: M.ModelConfig, cfg):
                     trial = dataclasses.replace(base, **{k: v for change in changes for k, v in change.items()})
                     if check(trial) or (trial.offload_activations and trial.ac != "full"):
                         continue  # not a configuration the trainer accepts
-                    if fit_and_speed(mcfg, trial)["fits"] and host_fits(mcfg, trial):
-                        fitting.append(fewest_recomputed_blocks(mcfg, trial))
+                    if not (fit_and_speed(mcfg, trial)["fits"] and host_fits(mcfg, trial)):
+                        continue
+                    best = partial_checkpointing(mcfg, trial) if trial.ac_blocks == -1 else None
+                    if best and best["ac_blocks"] < mcfg.n_layers:
+                        trial = dataclasses.replace(trial, ac_blocks=best["ac_blocks"])
+                    fitting.append(trial)
             if fitting:
                 return max(fitting, key=lambda c: fit_and_speed(mcfg, c)["tokens_per_sec_per_gpu"])
     return None
@@ -1289,6 +1144,27 @@ def not_fitting_message(mcfg: M.ModelConfig, cfg, p: dict, nearest) -> str:
                       f"GiB, {q['tokens_per_sec_per_gpu']:,.0f} tokens/s/GPU{cost}, predicted)")
 
 
+def async_save_drop_hint(mcfg: M.ModelConfig, cfg) -> str | None:
+    """--async_save true whose staging buffer does not fit the node's host memory beside what is offloaded:
+    which flag to drop, --async_save or --offload_optimizer, by which of the two then fits; None otherwise."""
+    if cfg.async_save != "true" or host_fits(mcfg, cfg):
+        return None
+    world = cfg.nnodes * cfg.nproc_per_node
+    staging_gib = staging_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg)) * cfg.nproc_per_node / GIB
+    candidates = [("--async_save true", dataclasses.replace(cfg, async_save="false"))]
+    if cfg.offload_optimizer:
+        candidates.append(("--offload_optimizer", dataclasses.replace(cfg, offload_optimizer=False)))
+    drop = [flag for flag, other in candidates if host_fits(mcfg, other) and fit_and_speed(mcfg, other)["fits"]]
+    beside = " beside --offload_optimizer's state" if cfg.offload_optimizer else ""
+    if not drop:
+        return (f"--async_save true: its staging buffer ({staging_gib:,.0f} GiB per node) does not fit{beside}, and "
+                f"dropping --async_save true {'or --offload_optimizer ' if cfg.offload_optimizer else ''}alone does "
+                f"not make this configuration fit")
+    return (f"--async_save true: its staging buffer ({staging_gib:,.0f} GiB per node) does not fit{beside}: drop "
+            f"{' or '.join(drop)} (--async_save auto turns it off where it does not fit; saves then stall for "
+            f"the whole write)")
+
+
 def check(cfg) -> list[str]:
     """The flags the planner reads, one message each."""
     errors = []
@@ -1313,10 +1189,9 @@ def check(cfg) -> list[str]:
     for name in ("nics_per_node", "nic_gbps", "outside_gib"):
         if getattr(cfg, name) < 0:
             errors.append(f"--{name}: must be >= 0, got {getattr(cfg, name)}")
-    if cfg.fs_write_gbps <= 0:
-        errors.append(f"--fs_write_gbps: must be > 0 (GB/s per rank), got {cfg.fs_write_gbps}")
-    if cfg.mtbf_hours <= 0:
-        errors.append(f"--mtbf_hours: must be > 0 (hours between failures of the job), got {cfg.mtbf_hours}")
+    for name, unit in (("fs_write_gbps", "GB/s per rank"), ("mtbf_hours", "hours between failures of the job")):
+        if getattr(cfg, name) <= 0:
+            errors.append(f"--{name}: must be > 0 ({unit}), got {getattr(cfg, name)}")
     for name in ("train_tokens", "gpu_hour_usd", "ce_chunk"):
         if getattr(cfg, name) < 0:
             errors.append(f"--{name}: must be >= 0, got {getattr(cfg, name)}")
@@ -1332,19 +1207,23 @@ def check(cfg) -> list[str]:
     return errors
 
 
+def seconds(s: float) -> str:
+    """A duration for the table: whole seconds, with a decimal under 10 s (an asynchronous save's copy)."""
+    return f"{s:.1f}" if s < 10 else f"{s:.0f}"
+
+
 def table(p: dict, cfg) -> str:
-    """The plan as the lines --plan prints."""
-    phases = p["memory_by_phase_gib"]
+    """The plan as the lines --plan prints: memory, speed, then checkpoint_lines and what to change."""
+    phases, gpu, n_blocks = p["memory_by_phase_gib"], GPUS[cfg.gpu], len(p["block_policies"])
     names = list(phases)
-    policies = p["block_policies"]
-    offload = " + offload" if cfg.offload_activations else ""
-    n_ac = len(policies) if cfg.ac_blocks < 0 else min(cfg.ac_blocks, len(policies))
-    ac = (f"ac {cfg.ac}{offload}" if n_ac == len(policies) else
-          f"ac {cfg.ac}{offload} x {n_ac} blocks, {cfg.ac_rest} x {len(policies) - n_ac}")
+    n_ac = n_blocks if cfg.ac_blocks < 0 else min(cfg.ac_blocks, n_blocks)
+    ac = f"ac {cfg.ac}" + (" + offload" if cfg.offload_activations else "")
+    if n_ac < n_blocks:
+        ac += f" x {n_ac} blocks, {cfg.ac_rest} x {n_blocks - n_ac}"
     lines = [f"{p['model']}: {p['params'] / 1e9:.2f}B params | {cfg.nnodes} x {cfg.nproc_per_node} {cfg.gpu} "
              f"(W={p['world']}) | seq {cfg.seq_len} x micro {cfg.micro_batch_size}, batch {cfg.batch_size} "
-             f"({p['micro_steps']} accumulation) | {ac} | "
-             f"reduce {cfg.reduce_dtype} | prefetch {'on' if cfg.prefetch else 'off'} | ce_chunk {cfg.ce_chunk}"
+             f"({p['micro_steps']} accumulation) | {ac} | reduce {cfg.reduce_dtype} | prefetch "
+             f"{'on' if cfg.prefetch else 'off'} | ce_chunk {cfg.ce_chunk}"
              + (" | optimizer offloaded to the CPU" if cfg.offload_optimizer else ""),
              "", f"{'memory per GPU, GiB (predicted)':34}" + "".join(f"{n:>19}" for n in names)]
     for part in phases[names[0]]:
@@ -1352,115 +1231,58 @@ def table(p: dict, cfg) -> str:
         lines.append(f"  {label:32}" + "".join(f"{phases[n][part]:19.2f}" for n in names))
     lines.append(f"  {'total':32}" + "".join(f"{sum(phases[n].values()):19.2f}" for n in names))
     verdict = "fits" if p["fits"] else "DOES NOT FIT"
-    lines += [f"peak {p['peak_gib_per_gpu']:.2f} GiB ({p['peak_phase']}) of {p['usable_gib']:.2f} GiB: {verdict}"]
+    lines.append(f"peak {p['peak_gib_per_gpu']:.2f} GiB ({p['peak_phase']}) of {p['usable_gib']:.2f} GiB: {verdict}")
     if p["host_gib_per_node"]:
         parts = p["host_gib_by_part_per_gpu"]
-        host_verdict = "fits" if p["host_fits"] else "DOES NOT FIT in host memory"
         lines.append(f"host memory per node (pinned, predicted): {p['host_gib_per_node']:,.1f} GiB = "
                      f"{cfg.nproc_per_node} x {p['host_gib_per_gpu']:.1f} GiB per GPU (optimizer state "
                      f"{parts['state']:.1f}, offloaded activations {parts['activations']:.1f}, --async_save staging "
-                     f"{parts['staging']:.1f}) of "
-                     f"{p['host_usable_gib_per_node']:,.0f} GiB usable "
-                     f"({100 * ASSUMPTIONS['host_usable_fraction'][0]:.0f}% of "
-                     f"{GPUS[cfg.gpu]['host_memory_gib_per_node']:,} GiB assumed per node): {host_verdict}")
-    optimizer = "AdamW on the CPU" if cfg.offload_optimizer else "AdamW"
-    gpu = GPUS[cfg.gpu]
+                     f"{parts['staging']:.1f}) of {p['host_usable_gib_per_node']:,.0f} GiB usable "
+                     f"({100 * ASSUMPTIONS['host_usable_fraction'][0]:.0f}% of {gpu['host_memory_gib_per_node']:,} "
+                     f"GiB assumed per node): " + ("fits" if p["host_fits"] else "DOES NOT FIT in host memory"))
     network = (f"{min(cfg.nics_per_node or gpu['nics_per_node'], cfg.nproc_per_node)} NICs x "
                f"{cfg.nic_gbps or gpu['nic_gbps']:g} GB/s per node, capped by NVLink {gpu['nvlink_gbps']}"
                if cfg.nnodes > 1 else "NVLink")
+    optimizer = (f"AdamW on the CPU {p['optimizer_s']:.2f} s, PCIe exposed {p['pcie_exposed_s']:.2f} s"
+                 if cfg.offload_optimizer else f"AdamW {p['optimizer_s']:.2f} s")
     lines += ["",
               f"step (predicted): compute {p['compute_s']:.2f} s, collectives {p['comm_s']:.2f} s at "
-              f"{p['bandwidth_gbps']:.0f} GB/s (bus bandwidth, {network}), offload copies {p['offload_s']:.2f} s, exposed {p['exposed_s']:.2f} s, "
-              f"{optimizer} {p['optimizer_s']:.2f} s"
-              + (f", PCIe exposed {p['pcie_exposed_s']:.2f} s" if cfg.offload_optimizer else "")
-              + f" -> {p['step_time_s']:.2f} s per step, bound by {p['bound']}",
+              f"{p['bandwidth_gbps']:.0f} GB/s (bus bandwidth, {network}), offload copies {p['offload_s']:.2f} s, "
+              f"exposed {p['exposed_s']:.2f} s, {optimizer} -> {p['step_time_s']:.2f} s per step, bound by "
+              f"{p['bound']}",
               f"tokens/s/GPU {p['tokens_per_sec_per_gpu']:,.0f} | MFU {100 * p['mfu']:.1f}% | matmul efficiency "
               f"{p['assumptions']['matmul_efficiency'][0]:.3f} (from published runs, see --plan_json assumptions)"]
     if cfg.offload_optimizer:
-        lines += [f"optimizer offload per step per GPU (predicted): PCIe down {p['pcie_d2h_gb']:.1f} GB "
-                  f"({p['pcie_d2h_s']:.2f} s) and host accumulation {p['host_accumulate_s']:.2f} s, both during "
-                  f"backward (worker thread); PCIe up {p['pcie_h2d_gb']:.1f} GB ({p['pcie_h2d_s']:.2f} s, during the "
-                  f"host's bf16 cast); exposed PCIe and host adds {p['pcie_exposed_s']:.2f} s; CPU update "
-                  f"{p['optimizer_s']:.2f} s at {p['host_adamw_elements_per_s_per_gpu'] / 1e9:.2f}G elements/s per "
-                  f"GPU (extrapolated from a per-core rate measured on a 2-core machine, see ASSUMPTIONS)"]
+        lines.append(f"optimizer offload per step per GPU (predicted): PCIe down {p['pcie_d2h_gb']:.1f} GB "
+                     f"({p['pcie_d2h_s']:.2f} s) and host accumulation {p['host_accumulate_s']:.2f} s, both during "
+                     f"backward (worker thread); PCIe up {p['pcie_h2d_gb']:.1f} GB ({p['pcie_h2d_s']:.2f} s, during "
+                     f"the host's bf16 cast); exposed PCIe and host adds {p['pcie_exposed_s']:.2f} s; CPU update "
+                     f"{p['optimizer_s']:.2f} s at {p['host_adamw_elements_per_s_per_gpu'] / 1e9:.2f}G elements/s "
+                     f"per GPU (extrapolated from a per-core rate measured on a 2-core machine, see ASSUMPTIONS)")
     if cfg.offload_activations:
         lines.append("offload copies: assumed to overlap the compute on a side stream, each block's backward "
                      "prefetching the previous block's input; the last block's copy back is exposed")
     if cfg.sample_prompts:
+        share = (f", {100 * p['sampling_s'] / (cfg.eval_every * p['step_time_s']):.1f}% of the {cfg.eval_every} "
+                 f"steps between evaluations" if cfg.eval_every else "")
         lines.append(f"--sample_prompts per evaluation (predicted): {p['sampling_prompts']} prompts of ~"
                      f"{p['sampling_prompt_tokens']} tokens, {cfg.sample_tokens} passes over the model, each "
                      f"all-gathering {p['sampling_gathered_gb'] / cfg.sample_tokens:,.1f} GB ("
                      f"{p['sampling_gather_s_per_pass']:.2f} s) against {p['sampling_decode_s_per_pass']:.2f} s of "
-                     f"weight reads per new token (prefill {p['sampling_prefill_s']:.2f} s) -> "
-                     f"{p['sampling_s']:,.1f} s"
-                     + (f", {100 * p['sampling_s'] / (cfg.eval_every * p['step_time_s']):.1f}% of the "
-                        f"{cfg.eval_every} steps between evaluations" if cfg.eval_every else "")
-                     + f"; KV cache {p['sampling_kv_cache_gib']:.2f} GiB per GPU")
-    restart = (f"a late restart's set-up + load ({p['restart_setup_s']:.0f} + {p['load_s']:.0f} s"
-               + (f", the set-up page-locking {p['page_locking_s']:.0f} s of host memory" if p["page_locking_s"] else "")
-               + ")")
-    periodic = (f"a periodic save's stall ({seconds(p['periodic_save_s'])} s: the copy to host memory, the steps "
-                f"beside its write"
-                + (", and the wait for the write before it" if p["async_write_wait_s"] else "") + ")"
-                if p["async_save"] else f"a periodic save in progress ({p['periodic_save_s']:.0f} s)")
-    before = f"the longer of {periodic} and {restart}" if cfg.ckpt_every else restart
-    write = (f"one write {p['save_s']:.0f} s (the one in flight finished, or the stop's own save)" if p["async_save"]
-             else f"the stop's save {p['save_s']:.0f} s")
-    lines.append(f"checkpoint (predicted): {p['checkpoint_gb_per_rank']:.1f} GB per rank, {p['save_s']:.0f} s to save "
-                 f"or load at {cfg.fs_write_gbps:g} GB/s per rank (--fs_write_gbps; bench/checkpoint_io.py --out_dir "
-                 f"measures yours) | a stop request needs {p['stop_lead_s']:.0f} s before a time limit ({before}, "
-                 f"the step {p['step_time_s']:.0f} s, "
-                 + (f"its evaluation {p['eval_s']:.0f} s, " if cfg.eval_every else "")
-                 + f"{write}, x {ASSUMPTIONS['stop_margin'][0]}): "
-                 f"#SBATCH --signal=USR1@{p['signal_lead_s']}")
-    every = f"--ckpt_every {cfg.ckpt_every}" if cfg.ckpt_every else "--ckpt_every 0 (a save at the end only)"
-    mode = "asynchronous" if p["async_save"] else "synchronous"
-    wait = (f", {p['async_slower_s']:.1f} s of steps slower beside the write (x {ASSUMPTIONS['async_write_slowdown'][0]},"
-            f" async_write_slowdown)"
-            + (f" and {p['async_write_wait_s']:.0f} s waiting for the write before it" if p["async_write_wait_s"] else ""))
-    lines += [f"save stall per save (predicted): synchronous {p['sync_save_stall_s']:.0f} s (every GPU waiting for the "
-              f"write), asynchronous {seconds(p['async_save_stall_s'])} s (the copy of "
-              f"{p['checkpoint_gb_per_rank']:.1f} GB to host memory{wait}; the write goes on in the background); this "
-              f"run's saves are {mode} (--async_save {cfg.async_save}) | {every}: {p['saves']:,} saves in "
-              f"{p['run_steps']:,} steps = {100 * p['save_fraction']:.2f}% of the run spent saving at "
-              f"{cfg.fs_write_gbps:g} GB/s per rank (synchronous {100 * p['sync_save_fraction']:.2f}%, asynchronous "
-              f"{100 * p['async_save_fraction']:.2f}%, the last save's write waited for)",
-              f"suggested --ckpt_every {p['suggested_ckpt_every']} (Young/Daly: sqrt(2 x "
-              f"{seconds(p['async_save_stall_s'] if p['async_save'] else p['save_stall_s'])} s {mode} stall x "
-              f"{cfg.mtbf_hours:g} h MTBF) / {p['step_time_s']:.1f} s per step"
-              + (f", raised to the {p['write_steps']} steps a write takes: at most one save in flight"
-                 if p["suggested_ckpt_every"] > round(p["young_daly_ckpt_every"]) else "")
-              + "; --mtbf_hours: the default is Llama 3's interruption rate scaled to 16 GPUs, an assumption for "
-                "your cluster)",
-              f"work lost per failure (predicted): {p['lost_per_failure_s'] / 3600:.2f} h at {every}, "
-              f"{p['suggested_lost_per_failure_s'] / 3600:.2f} h at --ckpt_every {p['suggested_ckpt_every']} "
-              f"(half an interval + "
-              + (f"the write's {p['save_s']:.0f} s (a snapshot counts once written) + " if p["async_save"] else "")
-              + f"a restart's {p['restart_s']:.0f} s) | expected overhead, saves + lost work: "
-              f"{100 * p['overhead_fraction']:.2f}% of the training time now, "
-              f"{100 * p['suggested_overhead_fraction']:.2f}% at the suggested interval"]
-    if cfg.export_hf:  # after the last step's save: with the lead's time left at the least, unless stopped in that step
-        enough = p["export_s"] <= p["signal_lead_s"]
-        then = ("A stop request during the last step saves it without exporting; the same command run again "
-                "(launch.sbatch requeues it) exports" if enough else
-                f"Leave --export_hf out of the training and run python train.py --from_ckpt {cfg.out_dir} "
-                f"--export_hf {cfg.export_hf} after it")
-        lines.append(f"final export (predicted): {p['export_gb']:.1f} GB of bf16 weights written by rank 0, "
-                     f"{p['export_s']:.0f} s at {cfg.fs_write_gbps:g} GB/s; not in the stop's lead: it runs after the "
-                     f"last step's save, which, ending before the stop request, leaves {p['signal_lead_s']} s "
-                     f"({'enough' if enough else 'NOT enough: export in a job of its own'}). {then} "
-                     f"(docs/operations.md)")
+                     f"weight reads per new token (prefill {p['sampling_prefill_s']:.2f} s) -> {p['sampling_s']:,.1f} s"
+                     f"{share}; KV cache {p['sampling_kv_cache_gib']:.2f} GiB per GPU")
+    lines += checkpoint_lines(p, cfg)
     if p["hours"] is not None and cfg.train_tokens:
         lines.append(f"{cfg.train_tokens:,.0f} tokens: {p['hours']:,.0f} h ({p['hours'] / 24:.1f} days) on "
                      f"{p['world']} GPUs = ${p['cost_usd']:,.0f} at ${cfg.gpu_hour_usd:.2f}/GPU-hour")
     best = p["partial_checkpointing"]
-    if best and best["ac_blocks"] < len(policies):
+    if best and best["ac_blocks"] < n_blocks:
         hours = cfg.train_tokens / (best["tokens_per_sec_per_gpu"] * p["world"]) / 3600
         cost = f", {hours:,.0f} h = ${hours * p['world'] * cfg.gpu_hour_usd:,.0f}" if cfg.train_tokens else ""
         change = p["step_time_s"] / best["step_time_s"] - 1
         lines.append(f"recommended partial checkpointing (predicted): --ac_blocks {best['ac_blocks']} --ac_rest "
                      f"{best['ac_rest']} ({best['ac_blocks']} blocks --ac {best['ac']}, "
-                     f"{len(policies) - best['ac_blocks']} --ac_rest {best['ac_rest']}), the fewest --ac blocks "
+                     f"{n_blocks - best['ac_blocks']} --ac_rest {best['ac_rest']}), the fewest --ac blocks "
                      f"that fit: peak {best['peak_gib_per_gpu']:.2f} GiB, {best['step_time_s']:.2f} s per step, "
                      f"tokens/s/GPU {best['tokens_per_sec_per_gpu']:,.0f}, MFU {100 * best['mfu']:.1f}%{cost}; "
                      + ("the setting given" if best["ac_blocks"] == n_ac else
@@ -1474,46 +1296,73 @@ def table(p: dict, cfg) -> str:
         pinned = " and ".join(name for name, on in (("optimizer state", cfg.offload_optimizer),
                                                      ("activations", cfg.offload_activations),
                                                      ("the save's staging buffer", p["async_save"])) if on)
-        drop = p["async_save_drop"]
+        drop = p["async_save_drop"] or "more nodes divide it; see ASSUMPTIONS host_memory_gib_per_node"
         lines.append(f"host memory: {p['host_gib_per_node']:,.1f} GiB per node needed, "
-                     f"{p['host_usable_gib_per_node']:,.0f} usable: what is pinned ({pinned}) "
-                     f"DOES NOT FIT in host memory "
-                     + (f"({drop})" if drop else "(more nodes divide it; see ASSUMPTIONS host_memory_gib_per_node)"))
+                     f"{p['host_usable_gib_per_node']:,.0f} usable: what is pinned ({pinned}) DOES NOT FIT in host "
+                     f"memory ({drop})")
     return "\n".join(lines)
 
 
-def seconds(s: float) -> str:
-    """A duration for the table: whole seconds, with a decimal under 10 s (an asynchronous save's copy)."""
-    return f"{s:.1f}" if s < 10 else f"{s:.0f}"
-
-
-def async_save_drop_hint(mcfg: M.ModelConfig, cfg) -> str | None:
-    """--async_save true whose staging buffer does not fit the node's host memory beside what is offloaded:
-    which flag to drop, --async_save or --offload_optimizer, by which of the two then fits; None otherwise."""
-    if cfg.async_save != "true" or host_fits(mcfg, cfg):
-        return None
-    world = cfg.nnodes * cfg.nproc_per_node
-    staging_gib = staging_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg)) * cfg.nproc_per_node / GIB
-    without_async = dataclasses.replace(cfg, async_save="false")
-    without_offload = dataclasses.replace(cfg, offload_optimizer=False)
-    candidates = [("--async_save true", without_async)] + ([("--offload_optimizer", without_offload)]
-                                                           if cfg.offload_optimizer else [])
-    drop = [flag for flag, other in candidates if host_fits(mcfg, other) and fit_and_speed(mcfg, other)["fits"]]
-    beside = " beside --offload_optimizer's state" if cfg.offload_optimizer else ""
-    if not drop:
-        return (f"--async_save true: its staging buffer ({staging_gib:,.0f} GiB per node) does not fit{beside}, and "
-                f"dropping --async_save true {'or --offload_optimizer ' if cfg.offload_optimizer else ''}alone does "
-                f"not make this configuration fit")
-    return (f"--async_save true: its staging buffer ({staging_gib:,.0f} GiB per node) does not fit{beside}: drop "
-            f"{' or '.join(drop)} (--async_save auto turns it off where it does not fit; saves then stall for "
-            f"the whole write)")
+def checkpoint_lines(p: dict, cfg) -> list[str]:
+    """The table's lines on saves: the stop's lead, the save stall, the suggested interval, the final export."""
+    locking = f", the set-up page-locking {p['page_locking_s']:.0f} s of host memory" if p["page_locking_s"] else ""
+    restart = f"a late restart's set-up + load ({p['restart_setup_s']:.0f} + {p['load_s']:.0f} s{locking})"
+    waits = p["async_write_wait_s"]
+    if p["async_save"]:
+        periodic = (f"a periodic save's stall ({seconds(p['periodic_save_s'])} s: the copy to host memory, the steps "
+                    f"beside its write{', and the wait for the write before it' if waits else ''})")
+        write = f"one write {p['save_s']:.0f} s (the one in flight finished, or the stop's own save)"
+    else:
+        periodic = f"a periodic save in progress ({p['periodic_save_s']:.0f} s)"
+        write = f"the stop's save {p['save_s']:.0f} s"
+    before = f"the longer of {periodic} and {restart}" if cfg.ckpt_every else restart
+    evaluation = f"its evaluation {p['eval_s']:.0f} s, " if cfg.eval_every else ""
+    every = f"--ckpt_every {cfg.ckpt_every}" if cfg.ckpt_every else "--ckpt_every 0 (a save at the end only)"
+    mode = "asynchronous" if p["async_save"] else "synchronous"
+    wait = (f", {p['async_slower_s']:.1f} s of steps slower beside the write (x "
+            f"{ASSUMPTIONS['async_write_slowdown'][0]}, async_write_slowdown)"
+            + (f" and {waits:.0f} s waiting for the write before it" if waits else ""))
+    raised = (f", raised to the {p['write_steps']} steps a write takes: at most one save in flight"
+              if p["suggested_ckpt_every"] > round(p["young_daly_ckpt_every"]) else "")
+    write_lost = f"the write's {p['save_s']:.0f} s (a snapshot counts once written) + " if p["async_save"] else ""
+    lines = [f"checkpoint (predicted): {p['checkpoint_gb_per_rank']:.1f} GB per rank, {p['save_s']:.0f} s to save or "
+             f"load at {cfg.fs_write_gbps:g} GB/s per rank (--fs_write_gbps; bench/checkpoint_io.py --out_dir measures "
+             f"yours) | a stop request needs {p['stop_lead_s']:.0f} s before a time limit ({before}, the step "
+             f"{p['step_time_s']:.0f} s, {evaluation}{write}, x {ASSUMPTIONS['stop_margin'][0]}): "
+             f"#SBATCH --signal=USR1@{p['signal_lead_s']}",
+             f"save stall per save (predicted): synchronous {p['sync_save_stall_s']:.0f} s (every GPU waiting for the "
+             f"write), asynchronous {seconds(p['async_save_stall_s'])} s (the copy of "
+             f"{p['checkpoint_gb_per_rank']:.1f} GB to host memory{wait}; the write goes on in the background); this "
+             f"run's saves are {mode} (--async_save {cfg.async_save}) | {every}: {p['saves']:,} saves in "
+             f"{p['run_steps']:,} steps = {100 * p['save_fraction']:.2f}% of the run spent saving at "
+             f"{cfg.fs_write_gbps:g} GB/s per rank (synchronous {100 * p['sync_save_fraction']:.2f}%, asynchronous "
+             f"{100 * p['async_save_fraction']:.2f}%, the last save's write waited for)",
+             f"suggested --ckpt_every {p['suggested_ckpt_every']} (Young/Daly: sqrt(2 x {seconds(p['save_stall_s'])} "
+             f"s {mode} stall x {cfg.mtbf_hours:g} h MTBF) / {p['step_time_s']:.1f} s per step{raised}; --mtbf_hours: "
+             f"the default is Llama 3's interruption rate scaled to 16 GPUs, an assumption for your cluster)",
+             f"work lost per failure (predicted): {p['lost_per_failure_s'] / 3600:.2f} h at {every}, "
+             f"{p['suggested_lost_per_failure_s'] / 3600:.2f} h at --ckpt_every {p['suggested_ckpt_every']} (half an "
+             f"interval + {write_lost}a restart's {p['restart_s']:.0f} s) | expected overhead, saves + lost work: "
+             f"{100 * p['overhead_fraction']:.2f}% of the training time now, "
+             f"{100 * p['suggested_overhead_fraction']:.2f}% at the suggested interval"]
+    if cfg.export_hf:  # after the last step's save: the lead's time left at the least, unless stopped in that step
+        enough = p["export_s"] <= p["signal_lead_s"]
+        then = ("A stop request during the last step saves it without exporting; the same command run again "
+                "(launch.sbatch requeues it) exports" if enough else
+                f"Leave --export_hf out of the training and run python train.py --from_ckpt {cfg.out_dir} "
+                f"--export_hf {cfg.export_hf} after it")
+        lines.append(f"final export (predicted): {p['export_gb']:.1f} GB of bf16 weights written by rank 0, "
+                     f"{p['export_s']:.0f} s at {cfg.fs_write_gbps:g} GB/s; not in the stop's lead: it runs after the "
+                     f"last step's save, which, ending before the stop request, leaves {p['signal_lead_s']} s "
+                     f"({'enough' if enough else 'NOT enough: export in a job of its own'}). {then} "
+                     f"(docs/operations.md)")
+    return lines
 
 
 def main(cfg, trainer=None) -> str | None:
     """`train.py --plan true`: check the flags, print the table, write --plan_json. Returns None, or the one
-    error line train.py ends with (processes.fail, exit code 2): bad flags, or a configuration that does not fit
-    (GPU or host memory), naming the nearest that does. The planner never imports train.py (README "Files",
-    the layers): `trainer` is train.py's module, handed over, whose code it runs (use_trainer)."""
+    error line train.py ends with (exit code 2): bad flags, or a configuration that does not fit (GPU or host
+    memory), naming the nearest that does. `trainer`: train.py's module, handed over (use_trainer)."""
     if trainer is not None:
         use_trainer(trainer)
     errors = check(cfg)
