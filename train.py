@@ -52,6 +52,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.optim.adamw import adamw  # torch.optim.AdamW's functional form: the fast step's kernel
 from torch.profiler import record_function  # named ranges for --profile; ~11 us each without a profiler (BENCHMARKS.md)
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -92,7 +93,7 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 # and one reduce-scatter each. What it gives up against FSDP2 (a DTensor shard per parameter): one dtype
 # per unit (no fp32 norms beside bf16 matrices), and freezing single parameters (--freeze freezes whole
 # units: every element of a trained unit gets a gradient shard and optimizer state); in return the
-# collectives need no copy-in/copy-out. Learning rates are per element (--lr_mult: Unit.lr_ranges).
+# collectives need no copy-in/copy-out. Learning rates are per element (--lr_mult: Unit.ranges).
 #
 # Sharding units: the embedding, each decoder block, and the head (final norm + lm_head). A block is
 # the natural unit: it is the piece of compute a gathered buffer is alive for, and all blocks have
@@ -138,7 +139,7 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 # where they plug in. --offload_optimizer: a Unit subclass and a ShardedModel subclass the set-up chooses (they
 # override gather_input, add_grad, grad_norm and update; section 2b and offload.py); --offload_activations: one line
 # of run_block; --freeze: a unit's `trained` (no gradient hook, no optimizer state; backward ends in the first
-# trained stage); --lr_mult: a unit's lr_ranges, which the optimizer reads; --ac: the stage's policy in run_block;
+# trained stage); --lr_mult: a unit's ranges, which the optimizer reads; --ac: the stage's policy in run_block;
 # --profile: the record_function ranges, which cost nothing unless a profiler runs; the tests' faults: `fault_hook`.
 
 class Slot(NamedTuple):
@@ -181,7 +182,7 @@ class Unit:
         self.master_shard = torch.zeros(self.shard_numel, **f32)
         self.grad_shard = torch.zeros(self.shard_numel if trained else 0, **f32)
         self.optimizer_state = {name: torch.zeros(self.shard_numel, **f32) for name in M.OPTIMIZER_STATE} if trained else {}
-        self.lr_ranges, self.decay_ranges = shard_ranges(self, lr_factors or {}) if trained else ([], [])
+        self.ranges = shard_ranges(self, lr_factors or {}) if trained else []  # what the optimizer steps over
 
         # The gathered buffer: full padded size, compute dtype, storage allocated only while gathered.
         self.gathered = torch.empty(self.padded_numel, dtype=compute_dtype, device=device, requires_grad=trained)
@@ -323,12 +324,13 @@ def adamw_step_reference(units: list[Unit], cfg: TrainConfig, lr: float, step: i
         u.optimizer_steps += 1
         bias_correction1, bias_correction2 = 1 - beta1 ** u.optimizer_steps, 1 - beta2 ** u.optimizer_steps
         exp_avg, exp_avg_sq = u.optimizer_state["exp_avg"], u.optimizer_state["exp_avg_sq"]
-        for lo, hi, factor in u.decay_ranges:  # decoupled decay, at the group's lr, before the Adam update, as torch
-            u.master_shard[lo:hi].mul_(1 - lr * factor * cfg.weight_decay)
+        for lo, hi, factor, decays in u.ranges:  # decoupled decay (matrices only), at the group's lr, first, as torch
+            if decays:
+                u.master_shard[lo:hi].mul_(1 - lr * factor * cfg.weight_decay)
         exp_avg.lerp_(u.grad_shard, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(u.grad_shard, u.grad_shard, value=1 - beta2)
         denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(cfg.adam_eps)
-        for lo, hi, factor in u.lr_ranges:
+        for lo, hi, factor, _ in u.ranges:
             u.master_shard[lo:hi].addcdiv_(exp_avg[lo:hi], denom[lo:hi], value=-lr * factor / bias_correction1)
 
 
@@ -578,21 +580,21 @@ def finish_reduces(reduces_in_flight: list, keep: int = 0):
 
 
 def adamw_step(units: list[Unit], cfg: TrainConfig, lr: float, step: int):
-    """adamw_step_reference in one pass over the four shards: the fused kernel torch.optim.AdamW(fused=True) runs, not
-    seven passes and two temporaries; one call per --lr_mult factor. Decay stays outside: it is for matrices only."""
-    pieces = {}  # lr factor -> [[master, grad, exp_avg, exp_avg_sq, step] of one piece of a unit's shards]
+    """adamw_step_reference through torch's own AdamW (its functional form, fused=True: the kernel
+    torch.optim.AdamW(fused=True) runs), one pass over the four shards instead of eight and two temporaries,
+    decay included. One call per group of ranges: the same --lr_mult factor, and decayed (matrices) or not (norms)."""
+    groups = {}  # (lr factor, decays) -> [[master, grad, exp_avg, exp_avg_sq, steps so far] of one range of a shard]
     for u in units:
-        u.optimizer_steps += 1
-        for lo, hi, factor in u.decay_ranges:
-            u.master_shard[lo:hi].mul_(1 - lr * factor * cfg.weight_decay)
-        step_count = torch.full((), float(u.optimizer_steps), device=u.master_shard.device)  # the bias corrections'
-        for lo, hi, factor in u.lr_ranges:
+        for lo, hi, factor, decays in u.ranges:  # a step count per range: torch adds 1 to each tensor it is given
+            steps_so_far = torch.full((), float(u.optimizer_steps), device=u.master_shard.device)
             shards = (u.master_shard, u.grad_shard, u.optimizer_state["exp_avg"], u.optimizer_state["exp_avg_sq"])
-            pieces.setdefault(factor, []).append([t[lo:hi] for t in shards] + [step_count])
-    for factor, group in pieces.items():
+            groups.setdefault((factor, decays), []).append([t[lo:hi] for t in shards] + [steps_so_far])
+        u.optimizer_steps += 1
+    for (factor, decays), group in groups.items():
         master, grad, exp_avg, exp_avg_sq, steps = map(list, zip(*group))
-        torch._fused_adamw_(master, grad, exp_avg, exp_avg_sq, [], steps, lr=lr * factor, beta1=cfg.adam_beta1,
-                            beta2=cfg.adam_beta2, weight_decay=0.0, eps=cfg.adam_eps, amsgrad=False, maximize=False)
+        adamw(master, grad, exp_avg, exp_avg_sq, [], steps, fused=True, amsgrad=False,
+              lr=lr * factor, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2, eps=cfg.adam_eps,
+              weight_decay=cfg.weight_decay if decays else 0.0, maximize=False)
 
 
 # The optimizer: a fork swaps it here and in M.OPTIMIZER_STATE, the names of the fp32 tensors each unit keeps
@@ -634,24 +636,21 @@ def make_stages(model: M.Llama, units: list[Unit], ac: str, offload: bool = Fals
     return [stage._replace(backward_units=[]) for stage in stages[:first]] + stages[first:]
 
 
-def shard_ranges(unit: Unit, lr_factors: dict) -> tuple[list, list]:
-    """Unit's lr_ranges and decay_ranges: (lo, hi, learning-rate factor) pieces of this rank's shard. The
-    optimizer's: one per run of parameters with the same --lr_mult factor (without it: one, the whole shard but
-    its padding); weight decay's: one per matrix (norm weights are 1-D, not decayed)."""
-    lr_ranges, decay_ranges = [], []
+def shard_ranges(unit: Unit, lr_factors: dict) -> list[tuple]:
+    """Unit's ranges: (lo, hi, learning-rate factor, decays) pieces of this rank's shard, one per run of parameters
+    with the same --lr_mult factor (1 without it) and the same weight decay (matrices decay; norm weights, 1-D, not)."""
+    ranges = []
     for slot in unit.slots:
         lo = max(slot.offset, unit.shard_start) - unit.shard_start
         hi = min(slot.offset + math.prod(slot.shape), unit.shard_start + unit.shard_numel) - unit.shard_start
-        factor = lr_factors.get(slot.name, 1.0)
+        factor, decays = lr_factors.get(slot.name, 1.0), len(slot.shape) >= 2
         if lo >= hi:
             continue
-        if lr_ranges and lr_ranges[-1][1:] == (lo, factor):  # contiguous, the same factor: one piece
-            lr_ranges[-1] = (lr_ranges[-1][0], hi, factor)
+        if ranges and ranges[-1][1:] == (lo, factor, decays):  # contiguous, the same group: one piece
+            ranges[-1] = (ranges[-1][0], hi, factor, decays)
         else:
-            lr_ranges.append((lo, hi, factor))
-        if len(slot.shape) >= 2:
-            decay_ranges.append((lo, hi, factor))
-    return lr_ranges, decay_ranges
+            ranges.append((lo, hi, factor, decays))
+    return ranges
 
 
 def first_trained_stage(stages: list[Stage]) -> int:

@@ -169,7 +169,7 @@ ASSUMPTIONS = {
         "on a local disk (BENCHMARKS.md, 'CPU: checkpoint throughput'). A shared filesystem under 16 writers may be "
         "slower or faster: run bench/checkpoint_io.py --out_dir on it with training's ranks per node and pass the "
         "--fs_write_gbps it prints (the lower of its save and load rates)",
-    "checkpoint_header_bytes_per_tensor": (128, "checkpoint.write_safetensors_streaming's JSON header: one entry per "
+    "checkpoint_header_bytes_per_tensor": (128, "disk.write_safetensors_streaming's JSON header: one entry per "
         "tensor (name, dtype, shape, offsets), under 128 B each"),
     "stop_margin": (1.25, "assumption: the lead time a stop request needs is the predicted worst case x 1.25, for "
         "the error in the step time and the filesystem's bandwidth"),
