@@ -1,25 +1,21 @@
-"""Training data: tokenize and pack corpora, read them back in a resumable order, and a built-in sample.
+"""Training data: tokenize and pack corpora, read them back in a resumable order, mix sources by weight.
 
     python data.py train-tokenizer --input a.txt b.jsonl --vocab_size 32000 --out tok.model
     python data.py prepare --input corpus/*.jsonl --tokenizer /models/Llama-3-70B-Instruct --out data/ --workers 16
-    python data.py sample --out out/sample      # the built-in English + French corpus, tokenizer and shards
 
 Inputs: `.txt` (a document per file), `.jsonl` of `{"text": ...}` or of chats `{"messages": [{"role": ...,
 "content": ...}, ...]}` (a document per line). Output: shards of BOS + tokens + EOS per document, a loss mask for
 chats, and meta.json, written last. Training reads windows of `seq_len + 1` tokens in a seeded order whose whole
 state is one position P, the same for any world size; mixes interleave sources by weight (MixedWindows). The
-formats, the order and the mixes in full: docs/data.md.
+formats, the order and the mixes in full: docs/data.md. Around this data path, in components/: the built-in
+sample (sample_corpus.py) and an export's tokenizer (tokenizer_export.py).
 """
 
 import argparse
-import ast
 import collections
 import concurrent.futures
 import dataclasses
-import fcntl
 import fractions
-import gettext
-import glob
 import hashlib
 import importlib.metadata
 import itertools
@@ -28,10 +24,7 @@ import math
 import multiprocessing
 import os
 import re
-import shutil
 import sys
-import sysconfig
-import tempfile
 import time
 
 import numpy as np
@@ -39,19 +32,6 @@ import numpy as np
 META_FORMAT = "llama-zero3-tokens/1"
 CHAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 CONTENT_PLACEHOLDER = "\x00content\x00"  # rendered in a message's place to find where its content goes
-# The Llama 3 header format (Tokenizer.chat_segments) as a chat template, for the export of a sentencepiece
-# tokenizer: a server then renders chats as they were trained.
-HEADER_FORMAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
-                          "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
-                          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
-# A Hugging Face tokenizer's files: what an export copies from an --init_from folder, when there.
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                      "chat_template.jinja", "chat_template.json", "added_tokens.json")
-# English, French, chat markup, digits, whitespace runs, symbols, emoji, CJK and a control character: an
-# exported tokenizer must encode this exactly as the one that prepared the data (write_hf_tokenizer).
-ENCODING_PROBE = ("The lessee shall pay 1,250.00 EUR on the 1st. Le bailleur a résilié le contrat à défaut de "
-                  "paiement ; « Où est-il ? » <|start_header_id|>user<|end_header_id|>\n\nBonjour\t  !<|eot_id|> "
-                  "x<|eot_id|>y  ☃ ℃ ½ 😀 中文 \x00 \r\n end")
 
 
 class DataError(ValueError):
@@ -205,55 +185,6 @@ def check_jinja2(version: str):
     if version_tuple(version) < (3, 1, 6):
         raise DataError(f"chat templates need jinja2 >= 3.1.6 (this is {version}, whose sandbox a "
                         f"template can escape); pip install 'jinja2>=3.1.6'")
-
-
-def copy_hf_tokenizer_files(folder: str, out: str) -> list:
-    """Copies the HF_TOKENIZER_FILES `folder` has into `out` (contents only: modes follow the umask)."""
-    names = [n for n in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
-    for name in names:
-        shutil.copyfile(os.path.join(folder, name), os.path.join(out, name))
-    return names
-
-
-def write_hf_tokenizer(path: str, sha256: str, out: str) -> list:
-    """Writes into `out` what transformers' AutoTokenizer loads for the tokenizer meta.json records (`path`,
-    `sha256`): a Hugging Face tokenizer's files are copied, a sentencepiece model converted. Returns its end ids."""
-    if not os.path.exists(path):
-        raise DataError(f"the tokenizer that prepared --data, {path}, is not there")
-    tok = Tokenizer(path)
-    if tok.sha256 != sha256:
-        raise DataError(f"{path} has changed since it prepared --data (another SHA-256)")
-    if tok.kind == "huggingface":
-        copy_hf_tokenizer_files(path if os.path.isdir(path) else os.path.dirname(path), out)
-    else:
-        sentencepiece_to_hf(tok, out)
-    return tok.end_ids()
-
-
-def sentencepiece_to_hf(tok: Tokenizer, out: str):
-    """tokenizer.json and tokenizer_config.json for a sentencepiece model, converted by transformers (it needs
-    protobuf), with BOS added as prepare adds it and the header format's chat template. A conversion that
-    does not encode ENCODING_PROBE as sentencepiece does gives no tokenizer, never a wrong one. The one
-    difference left: a literal "<s>" in text is the control token to transformers, text to sentencepiece."""
-    from transformers import AutoTokenizer
-    sp = tok.sp
-    config = {"tokenizer_class": "TokenizersBackend", "bos_token": sp.id_to_piece(sp.bos_id()),
-              "eos_token": sp.id_to_piece(sp.eos_id()), "unk_token": sp.id_to_piece(sp.unk_id()),
-              "add_bos_token": True, "add_eos_token": False}
-    if all(tok.piece_id(t) is not None for t in CHAT_TOKENS):
-        config["chat_template"] = HEADER_FORMAT_TEMPLATE
-    with tempfile.TemporaryDirectory() as tmp:
-        shutil.copyfile(tok.path, os.path.join(tmp, "tokenizer.model"))
-        with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
-            json.dump(config, f)
-        try:
-            hf = AutoTokenizer.from_pretrained(tmp)
-        except Exception as e:  # noqa: BLE001 (what fails depends on the transformers version: name it, go on)
-            raise DataError(f"transformers could not convert {tok.path} ({type(e).__name__}: {e}; it needs the "
-                            f"protobuf package)") from None
-    if hf(ENCODING_PROBE)["input_ids"] != [sp.bos_id()] + tok.encode([ENCODING_PROBE], True)[0]:
-        raise DataError(f"transformers' conversion of {tok.path} encodes differently from sentencepiece")
-    hf.save_pretrained(out)
 
 
 def sentencepiece_markup(sp):
@@ -950,11 +881,7 @@ def open_data(cfg, mcfg):
     """(the model config, the training windows, the held-out ones or None): MixedWindows over --data and
     --eval_data. A preset takes its vocabulary and BOS/EOS ids from the prepared data's tokenizer; a model from
     --init_from must match it."""
-    if cfg.data == "sample":
-        folder = os.path.join(cfg.out_dir, "sample")
-        if not sample_is_built(folder) and os.environ.get("RANK", "0") == "0":
-            print(f"building the built-in sample (corpus, tokenizer, shards) in {folder}", flush=True)
-        build_sample(folder)
+    if cfg.data == "sample":  # built by then (sample_corpus.build_if_used)
         sources = sample_sources(cfg.out_dir, "train")
         eval_sources = sample_sources(cfg.out_dir, "eval") if cfg.eval_data in ("auto", "sample") else None
     else:
@@ -989,99 +916,6 @@ def mixed_windows(sources: list, cfg, mcfg, flag: str) -> MixedWindows:
                         [weight for _, _, weight in sources], flag)
 
 
-# -- the built-in sample: English and French text already on the machine, no network ------------------------
-
-def message_catalogs(locale_dir: str = "/usr/share/locale/fr/LC_MESSAGES"):
-    """(English, French) messages of the system's French gettext catalogs (coreutils, grep, apt, ...)."""
-    for path in sorted(glob.glob(os.path.join(locale_dir, "*.mo"))):
-        try:
-            with open(path, "rb") as f:
-                catalog = gettext.GNUTranslations(f)._catalog
-        except (OSError, ValueError, UnicodeDecodeError):  # unreadable or not a catalog: skip it
-            continue
-        for msgid in sorted(catalog, key=str):
-            english, french = (msgid[0] if isinstance(msgid, tuple) else msgid), catalog[msgid]
-            if english.strip() and french.strip() and english != french:
-                yield english.strip(), french.strip()
-
-
-def python_docstrings(max_chars: int = 2_000_000):
-    """English: docstrings of the Python standard library, read with `ast` (nothing is imported)."""
-    stdlib, total = sysconfig.get_paths()["stdlib"], 0
-    for dirpath, dirnames, filenames in os.walk(stdlib):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "site-packages", "idlelib"))
-        for fname in sorted(f for f in filenames if f.endswith(".py")):
-            try:
-                with open(os.path.join(dirpath, fname), encoding="utf-8") as f:
-                    tree = ast.parse(f.read())
-            except (SyntaxError, UnicodeDecodeError, ValueError):
-                continue
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    doc = ast.get_docstring(node)
-                    if doc and len(doc) > 200:
-                        yield doc
-                        total += len(doc)
-                        if total >= max_chars:
-                            return
-
-
-def write_jsonl(path: str, records: list):
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
-
-
-def write_sample_corpus(folder: str, doc_chars: int = 2000):
-    """Per source of SAMPLE_SOURCES, NAME.jsonl and the held-out eval_NAME.jsonl (every 50th document); text.jsonl
-    and eval_text.jsonl, both sources (what the tokenizer is trained on); chat.jsonl, translation requests
-    answered in French."""
-    os.makedirs(folder, exist_ok=True)
-    pairs = list(message_catalogs())
-    if not pairs:
-        print("warning: no French message catalogs under /usr/share/locale/fr; the sample is English only",
-              file=sys.stderr)
-    docs, en, fr = [], [], []
-    for english, french in pairs:  # consecutive messages of one catalog make a document
-        en.append(english)
-        fr.append(french)
-        if sum(map(len, fr)) >= doc_chars:
-            docs += [("messages", "\n\n".join(en)), ("messages", "\n\n".join(fr))]
-            en, fr = [], []
-    docs += [("docstrings", doc) for doc in python_docstrings()]
-    for name in ["text"] + [name for name, _ in SAMPLE_SOURCES]:
-        for prefix, held_out in (("", False), ("eval_", True)):
-            write_jsonl(os.path.join(folder, f"{prefix}{name}.jsonl"), [
-                {"text": doc} for i, (source, doc) in enumerate(docs)
-                if name in ("text", source) and (i % 50 == 49) == held_out])
-    write_jsonl(os.path.join(folder, "chat.jsonl"), [
-        {"messages": [{"role": "system", "content": "You translate software messages into French."},
-                      {"role": "user", "content": f"Translate into French:\n\n{english}"},
-                      {"role": "assistant", "content": french}]}
-        for english, french in pairs[::20] if 40 <= len(english) <= 400])
-
-
-def build_sample(folder: str, vocab_size: int = 4096, quiet: bool = True) -> str:
-    """The corpus, its tokenizer and each source's prepared train/NAME and eval/NAME under `folder`, built once:
-    later runs and the other ranks (waiting on the lock) find them there."""
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not sample_is_built(folder):
-            write_sample_corpus(folder)
-            text, tokenizer = os.path.join(folder, "text.jsonl"), os.path.join(folder, "tokenizer.model")
-            train_tokenizer([text], vocab_size, tokenizer)
-            for name, _ in SAMPLE_SOURCES:
-                for part, prefix in (("train", ""), ("eval", "eval_")):
-                    prepare([os.path.join(folder, f"{prefix}{name}.jsonl")], tokenizer,
-                            os.path.join(folder, part, name), overwrite=True, quiet=quiet)
-    return folder
-
-
-def sample_is_built(folder: str) -> bool:
-    return all(os.path.isfile(os.path.join(folder, part, name, "meta.json"))
-               for name, _ in SAMPLE_SOURCES for part in ("train", "eval"))
-
-
 # -- command line ----------------------------------------------------------------------------------------------
 
 def main(argv=None):
@@ -1100,21 +934,16 @@ def main(argv=None):
     p.add_argument("--overwrite", action="store_true", help="replace the prepared folder at --out")
     p.add_argument("--shard_tokens", type=int, default=100_000_000)
     p.add_argument("--max_document_mb", type=float, default=64, help="refuse a document larger than this")
-    p = sub.add_parser("sample", help="build the built-in English + French sample (corpus, tokenizer, shards)")
-    p.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     try:
         if args.command == "train-tokenizer":
             train_tokenizer(args.input, args.vocab_size, args.out)
             print(f"wrote {args.out} ({args.vocab_size:,} pieces)", file=sys.stderr)
-        elif args.command == "prepare":
+        else:
             meta = prepare(args.input, args.tokenizer, args.out, args.workers, args.skip_bad, args.overwrite,
                            args.shard_tokens, max_document_mb=args.max_document_mb)
             print(f"wrote {len(meta['shards'])} shard(s) to {args.out}: {meta['documents']:,} documents, "
                   f"{meta['tokens']:,} tokens, {meta['skipped_bad']:,} bad documents skipped", file=sys.stderr)
-        else:
-            build_sample(args.out, quiet=False)
-            print(f"built the sample in {args.out}", file=sys.stderr)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

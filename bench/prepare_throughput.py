@@ -16,6 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data as D  # noqa: E402
+from components import sample_corpus  # noqa: E402
 
 
 def encode_loop(path, tokenizer_path):
@@ -35,7 +36,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "prepare_bench"))
     args = parser.parse_args()
-    sample = D.build_sample(os.path.join(args.dir, "sample"))
+    sample = sample_corpus.build_sample(os.path.join(args.dir, "sample"))
     corpus, tokenizer = os.path.join(args.dir, "corpus.jsonl"), os.path.join(sample, "tokenizer.model")
     if not os.path.isfile(corpus) or os.path.getsize(corpus) < args.mb * 1e6:
         text = open(os.path.join(sample, "text.jsonl"), encoding="utf-8").read()

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import data as D
 import model as M
 from components import offload as O  # page_lock: the staging buffer of --async_save
+from components import tokenizer_export  # export_tokenizer: the tokenizer's files
 
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as in train.py
 
@@ -1415,15 +1416,16 @@ def run_tokenizer(train: dict) -> dict | None:
 
 def export_tokenizer(origin: dict, folder: str) -> tuple[list | None, str]:
     """The tokenizer's files into `folder`: an --init_from folder's copied, else --data's written
-    (data.write_hf_tokenizer), else none and a warning. Returns (its end ids or None, what was written)."""
+    (tokenizer_export.write_hf_tokenizer), else none and a warning. Returns (its end ids or None, what was written)."""
     source = origin.get("hf_folder")
     if source and any(os.path.isfile(os.path.join(source, n)) for n in ("tokenizer.json", "tokenizer.model")):
-        return None, f"tokenizer files copied from {source}: {', '.join(D.copy_hf_tokenizer_files(source, folder))}"
+        copied = tokenizer_export.copy_hf_tokenizer_files(source, folder)
+        return None, f"tokenizer files copied from {source}: {', '.join(copied)}"
     tokenizer = origin.get("tokenizer")
     why = "--data is a token .npy, which names no tokenizer"
     if tokenizer:
         try:
-            end_ids = D.write_hf_tokenizer(tokenizer["path"], tokenizer["sha256"], folder)
+            end_ids = tokenizer_export.write_hf_tokenizer(tokenizer["path"], tokenizer["sha256"], folder)
             return end_ids, f"tokenizer from {tokenizer['path']}"
         except D.DataError as e:
             why = str(e)

@@ -17,6 +17,7 @@ import data as D  # noqa: E402
 import model as M  # noqa: E402
 from components import checks  # noqa: E402
 from components import offload as O  # noqa: E402
+from components import sample_corpus  # noqa: E402
 import train as T  # noqa: E402
 
 
@@ -60,6 +61,7 @@ def config_and_data(flags: list[str]):
     cfg = T.parse_args(flags)
     mcfg, weights, errors = checks.check_run(cfg, 1)
     assert not errors, errors
+    sample_corpus.build_if_used(cfg)
     mcfg, windows, _ = D.open_data(cfg, mcfg)
     return cfg, mcfg, weights, windows
 

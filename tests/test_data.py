@@ -12,6 +12,7 @@ from common import ROOT, hf_model, ours_from_hf, read_metrics, run_train, small_
 
 import data as D
 import model as M
+from components import sample_corpus
 
 TEXTS = ["Le contrat est résilié de plein droit à défaut de paiement.",
          "The lessee shall pay the rent on the first day of each month.",
@@ -342,7 +343,7 @@ def test_a_model_with_another_vocabulary_is_refused(corpus, tmp_path):
 
 
 def test_the_builtin_sample_is_english_and_french_in_two_sources(tmp_path):
-    folder = D.build_sample(str(tmp_path / "sample"))
+    folder = sample_corpus.build_sample(str(tmp_path / "sample"))
     metas = {name: json.load(open(os.path.join(folder, "train", name, "meta.json"))) for name in ("messages", "docstrings")}
     assert sum(m["documents"] for m in metas.values()) > 1000 and sum(m["tokens"] for m in metas.values()) > 1_000_000
     assert all(m["tokens"] > 200_000 for m in metas.values())
@@ -354,7 +355,7 @@ def test_the_builtin_sample_is_english_and_french_in_two_sources(tmp_path):
     assert not any(" le " in d and ("é" in d or "è" in d) for d in docstrings)  # the English source
     assert all(os.path.isfile(os.path.join(folder, "eval", name, "meta.json")) for name in ("messages", "docstrings"))
     mtime = os.path.getmtime(os.path.join(folder, "train", "messages", "meta.json"))
-    D.build_sample(folder)  # cached: not rebuilt
+    sample_corpus.build_sample(folder)  # cached: not rebuilt
     assert os.path.getmtime(os.path.join(folder, "train", "messages", "meta.json")) == mtime
 
 

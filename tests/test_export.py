@@ -17,6 +17,7 @@ from common import ROOT, hf_model, ours_from_hf, save_hf, small_config
 from test_data import CHATS, TEXTS, hf_tokenizer
 
 import data as D
+from components import tokenizer_export
 
 # Each kind of text the ids must agree on: French, English, chat markup, digits and whitespace runs,
 # symbols, emoji, CJK (byte fallback: not in a 400-piece vocabulary) and control characters.
@@ -49,7 +50,7 @@ def test_a_sentencepiece_tokenizer_exports_to_the_same_ids(tmp_path):
     tok = D.Tokenizer(model)
     out = tmp_path / "hf"
     out.mkdir()
-    end_ids = D.write_hf_tokenizer(model, tok.sha256, str(out))
+    end_ids = tokenizer_export.write_hf_tokenizer(model, tok.sha256, str(out))
     hf = AutoTokenizer.from_pretrained(str(out))
     for text in SAMPLES:
         ids = tok.encode([text], True)[0]
@@ -69,9 +70,9 @@ def test_a_changed_tokenizer_is_not_exported(tmp_path):
     corpus.write_text("\n".join(TEXTS * 20), encoding="utf-8")
     D.train_tokenizer([str(corpus)], 300, str(model))
     with pytest.raises(D.DataError, match="has changed since it prepared --data"):
-        D.write_hf_tokenizer(str(model), "0" * 64, str(tmp_path))
+        tokenizer_export.write_hf_tokenizer(str(model), "0" * 64, str(tmp_path))
     with pytest.raises(D.DataError, match="is not there"):
-        D.write_hf_tokenizer(str(tmp_path / "gone.model"), "0" * 64, str(tmp_path))
+        tokenizer_export.write_hf_tokenizer(str(tmp_path / "gone.model"), "0" * 64, str(tmp_path))
 
 
 def test_without_a_tokenizer_the_export_says_so_in_one_line(tmp_path, capsys):
