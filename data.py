@@ -7,14 +7,13 @@ Inputs: `.txt` (a document per file), `.jsonl` of `{"text": ...}` or of chats `{
 "content": ...}, ...]}` (a document per line). Output: shards of BOS + tokens + EOS per document, a loss mask for
 chats, and meta.json, written last. Training reads windows of `seq_len + 1` tokens in a seeded order whose whole
 state is one position P, the same for any world size; mixes interleave sources by weight (MixedWindows). The
-formats, the order and the mixes in full: docs/data.md. Around this data path, in components/: the built-in
-sample (sample_corpus.py) and an export's tokenizer (tokenizer_export.py).
+formats, the order and the mixes in full: docs/data.md. Around this data path, in components/: a run's data
+from its flags (run_data.py), the built-in sample (sample_corpus.py), an export's tokenizer (tokenizer_export.py).
 """
 
 import argparse
 import collections
 import concurrent.futures
-import dataclasses
 import fractions
 import hashlib
 import importlib.metadata
@@ -721,9 +720,6 @@ class TokenWindows:
 # n + 1 one count grows: position n is that source's window counts(n)[k], in its own order. A function of n
 # alone: the same windows for any W and micro-batch size, and every batch holds each share within a window or two.
 
-SAMPLE_SOURCES = (("messages", 0.6), ("docstrings", 0.4))  # the built-in sample's two sources and weights
-
-
 def split_source(item: str) -> tuple[str, str]:
     """(path, weight text) of one `PATH[:WEIGHT]`: a path that exists as written keeps its colons."""
     if ":" in item and not os.path.exists(item):
@@ -757,29 +753,6 @@ def parse_sources(spec: str, flag: str) -> list[tuple[str, str, fractions.Fracti
         names.add(unique)
         sources.append((unique, path, weight))
     return sources
-
-
-def sample_sources(out_dir: str, part: str) -> list[tuple[str, str, fractions.Fraction]]:
-    """The built-in sample's sources: OUT_DIR/sample/{train,eval}/NAME with SAMPLE_SOURCES' weights."""
-    return [(name, os.path.join(out_dir, "sample", part, name), fractions.Fraction(str(weight)))
-            for name, weight in SAMPLE_SOURCES]
-
-
-def first_prepared_folder(spec: str, out_dir: str) -> str | None:
-    """The first source of --data that is a prepared folder (its meta.json names the tokenizer), or None."""
-    if spec == "sample":
-        return sample_sources(out_dir, "train")[0][1]
-    paths = [split_source(item)[0] for item in spec.split(",")]
-    return next((path for path in paths if os.path.isfile(os.path.join(path, "meta.json"))), None)
-
-
-def resolved_mix(spec: str, flag: str) -> list[list[str]]:
-    """What a mix means, however it is written: [real path, normalised weight] per source, in order, so
-    `fr:3,en:2` and `./fr/:0.6,/abs/en:0.4` are alike, but not `en:0.4,fr:0.6` (MixedWindows.counts rounds
-    in order). Weights stay exact fractions: a float tolerance would pass a weight the schedule tells apart."""
-    sources = parse_sources(spec, flag)
-    total = sum(weight for _, _, weight in sources)
-    return [[os.path.realpath(path), str(weight / total)] for _, path, weight in sources]
 
 
 def describe_mix(names: list, weights: list) -> str:
@@ -875,45 +848,6 @@ class MixedWindows:
             except DataError as e:
                 raise DataError(f"{e} (source {name}: {source.data.path})" if len(saved) > 1 else str(e)) from None
         return position
-
-
-def open_data(cfg, mcfg):
-    """(the model config, the training windows, the held-out ones or None): MixedWindows over --data and
-    --eval_data. A preset takes its vocabulary and BOS/EOS ids from the prepared data's tokenizer; a model from
-    --init_from must match it."""
-    if cfg.data == "sample":  # built by then (sample_corpus.build_if_used)
-        sources = sample_sources(cfg.out_dir, "train")
-        eval_sources = sample_sources(cfg.out_dir, "eval") if cfg.eval_data in ("auto", "sample") else None
-    else:
-        sources = parse_sources(cfg.data, "--data")
-        eval_sources = parse_sources(cfg.eval_data, "--eval_data") if cfg.eval_data not in ("auto", "") else None
-    train_data = [(name, TokenData(path, "--data"), weight) for name, path, weight in sources]
-    held_out = (eval_sources or []) if cfg.eval_every else []
-    eval_data = [(name, TokenData(path, "--eval_data"), weight) for name, path, weight in held_out]
-    first = next((data for _, data, _ in train_data if data.meta), None)  # it names the tokenizer
-    if first and not cfg.init_from:
-        meta = first.meta
-        mcfg = dataclasses.replace(mcfg, vocab_size=meta["vocab_size"], bos_id=meta["bos_id"], eos_id=meta["eos_id"])
-    for _, data, _ in train_data + eval_data:  # one tokenizer for the whole run
-        if first and data.meta and data.meta["tokenizer"]["sha256"] != first.meta["tokenizer"]["sha256"]:
-            raise DataError(f"{data.flag}: {data.path} was tokenized with {data.meta['tokenizer']['path']}, --data "
-                            f"{first.path} with {first.meta['tokenizer']['path']}: a run needs one tokenizer")
-    if first and cfg.init_from and first.meta["tokenizer"]["kind"] == "huggingface":
-        model_tokenizer = os.path.join(cfg.init_from, "tokenizer.json")
-        if os.path.isfile(model_tokenizer) and Tokenizer(cfg.init_from).sha256 != first.meta["tokenizer"]["sha256"]:
-            raise DataError(f"--data: {first.path} was tokenized with {first.meta['tokenizer']['path']}, whose "
-                            f"tokenizer.json differs from {model_tokenizer}")
-    windows = mixed_windows(train_data, cfg, mcfg, "--data")
-    return mcfg, windows, mixed_windows(eval_data, cfg, mcfg, "--eval_data") if eval_data else None
-
-
-def mixed_windows(sources: list, cfg, mcfg, flag: str) -> MixedWindows:
-    """The MixedWindows of [(name, TokenData, weight)], each source's ids checked against the vocabulary."""
-    for _, data, _ in sources:
-        data.check_vocab(mcfg.vocab_size, flag)
-    return MixedWindows([name for name, _, _ in sources],
-                        [TokenWindows(data, cfg.seq_len, cfg.seed, flag=flag) for _, data, _ in sources],
-                        [weight for _, _, weight in sources], flag)
 
 
 # -- command line ----------------------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ FAMILIES = {
 
 def tiny() -> ModelConfig:
     """~3.4M parameters: trains on a laptop CPU in minutes. With prepared data (the built-in sample
-    included) the vocabulary and BOS/EOS ids are the data tokenizer's (train.py, data.open_data)."""
+    included) the vocabulary and BOS/EOS ids are the data tokenizer's (train.py, run_data.open_data)."""
     return ModelConfig(vocab_size=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768,
                        rope_theta=10000.0, max_seq_len=1024, bos_id=256, eos_id=257)
 

@@ -63,7 +63,7 @@ from components import disk  # state on disk: the out_dir, checkpoints, resume, 
 from components import metrics
 from components import offload as O  # --offload_activations and --offload_optimizer
 from components import plan, sample  # plan: the planner, which runs this file's Unit and blocks (use_trainer)
-from components import sample_corpus  # --data sample: the built-in sample, built before the data is read
+from components import run_data  # the run's data from --data and --eval_data (data.py reads the tokens)
 from components import config  # the flags: TrainConfig
 from components.checks import check_run, config_warnings, flash_attn_unsaved_warning, param_group_warnings  # inputs
 from components.config import TrainConfig
@@ -806,8 +806,7 @@ def setup(cfg: TrainConfig):
 
     windows = eval_windows = None
     if cfg.steps > 0 and not cfg.from_ckpt:
-        sample_corpus.build_if_used(cfg)
-        mcfg, windows, eval_windows = D.open_data(cfg, mcfg)
+        mcfg, windows, eval_windows = run_data.open_data(cfg, mcfg)
 
     rank, world, device = init_processes(cfg)
     # What each rank reads from its own machine (host memory, packages, limits, its GPU), gathered and decided the

@@ -16,6 +16,7 @@ import model as M
 from components import disk
 from components import plan as P
 from components import sample
+from components import sample_corpus
 
 
 def check_nodes(env=os.environ) -> list[str]:
@@ -122,7 +123,8 @@ def check_resume_mix(cfg) -> list[str]:
             return []
     except (IndexError, OSError, ValueError, KeyError, TypeError, disk.CheckpointError):
         return []  # no checkpoint, or a damaged one: resume says so and falls back
-    sources = D.sample_sources(cfg.out_dir, "train") if cfg.data == "sample" else D.parse_sources(cfg.data, "--data")
+    sources = (sample_corpus.sample_sources(cfg.out_dir, "train") if cfg.data == "sample"
+               else D.parse_sources(cfg.data, "--data"))
     mismatch = D.mix_mismatch(state, [n for n, _, _ in sources], [w for _, _, w in sources])
     return [f"{mismatch} ({candidates[0]})"] if mismatch else []  # --sample_prompts and --sample_tokens
 

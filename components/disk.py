@@ -37,6 +37,7 @@ import torch.distributed as dist
 import data as D
 import model as M
 from components import offload as O  # page_lock: the staging buffer of --async_save
+from components import run_data  # what --data names: its mix, the folder recording its tokenizer
 from components import tokenizer_export  # export_tokenizer: the tokenizer's files
 
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as in train.py
@@ -840,13 +841,13 @@ def check_manifest(path: str, cfg, mcfg, windows) -> dict:
 
 def flag_meaning(key: str, value):
     """What a path flag names, whatever its spelling (the manifest's "resolved"): --init_from's real path; a mix's
-    [real path, normalised weight] per source (data.resolved_mix); None for a mix that does not parse here."""
+    [real path, normalised weight] per source (run_data.resolved_mix); None for a mix that does not parse here."""
     if not isinstance(value, str) or value in ("", "sample", "auto"):
         return value
     if key == "init_from":
         return os.path.realpath(value)
     try:
-        return D.resolved_mix(value, f"--{key}")
+        return run_data.resolved_mix(value, f"--{key}")
     except D.DataError:  # a source that is gone: only the same spelling is the same value
         return None
 
@@ -1158,7 +1159,7 @@ def checkpoint_source(cfg) -> str | None:
     return found
 
 
-# What a preset takes from the prepared data's tokenizer (data.open_data), so a checkpoint of a preset differs
+# What a preset takes from the prepared data's tokenizer (run_data.open_data), so a checkpoint of a preset differs
 # from the preset there; any other difference means another model.
 DATA_DECIDES = ("vocab_size", "bos_id", "eos_id")
 
@@ -1406,7 +1407,7 @@ def export_origin(train: dict, depth: int = 0) -> dict:
 
 def run_tokenizer(train: dict) -> dict | None:
     """The tokenizer that prepared a run's --data, as its meta.json records it ({path, kind, sha256}), or None."""
-    folder = D.first_prepared_folder(train.get("data") or "", train.get("out_dir") or "")  # a mix shares one tokenizer
+    folder = run_data.first_prepared_folder(train.get("data") or "", train.get("out_dir") or "")  # a mix: one tokenizer
     try:
         tokenizer = load_json(os.path.join(folder, "meta.json"))["tokenizer"]
         return {k: tokenizer[k] for k in ("path", "kind", "sha256")}

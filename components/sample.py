@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import data as D
 import model as M
 from components import disk
+from components import run_data
 
 
 def run_tokenizer(cfg) -> str | None:
@@ -34,7 +35,7 @@ def run_tokenizer(cfg) -> str | None:
     None for a bare .npy without either. Raises DataError for a prepared folder whose meta.json is bad."""
     if cfg.data == "sample":
         return os.path.join(cfg.out_dir, "sample", "tokenizer.model")
-    folder = D.first_prepared_folder(cfg.data, cfg.out_dir)  # a mix's sources share one tokenizer
+    folder = run_data.first_prepared_folder(cfg.data, cfg.out_dir)  # a mix's sources share one tokenizer
     if folder:
         return D.read_meta(folder, "--data")["tokenizer"]["path"]
     if cfg.init_from and os.path.isfile(os.path.join(cfg.init_from, "tokenizer.json")):

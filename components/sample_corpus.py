@@ -1,11 +1,12 @@
 """The built-in sample (--data sample, the default): English and French text already on the machine, no network
-(docs/data.md, "The built-in sample"). Built once per --out_dir, before data.open_data reads it:
+(docs/data.md, "The built-in sample"). Built once per --out_dir, by run_data.open_data or by hand:
 
     python -m components.sample_corpus --out out/sample     # corpus, tokenizer and shards, without training
 """
 import argparse
 import ast
 import fcntl
+import fractions
 import gettext
 import glob
 import json
@@ -14,6 +15,14 @@ import sys
 import sysconfig
 
 import data as D
+
+SAMPLE_SOURCES = (("messages", 0.6), ("docstrings", 0.4))  # the built-in sample's two sources and weights
+
+
+def sample_sources(out_dir: str, part: str) -> list[tuple[str, str, fractions.Fraction]]:
+    """The built-in sample's sources: OUT_DIR/sample/{train,eval}/NAME with SAMPLE_SOURCES' weights."""
+    return [(name, os.path.join(out_dir, "sample", part, name), fractions.Fraction(str(weight)))
+            for name, weight in SAMPLE_SOURCES]
 
 
 def message_catalogs(locale_dir: str = "/usr/share/locale/fr/LC_MESSAGES"):
@@ -57,7 +66,7 @@ def write_jsonl(path: str, records: list):
 
 
 def write_sample_corpus(folder: str, doc_chars: int = 2000):
-    """Per source of data.SAMPLE_SOURCES, NAME.jsonl and the held-out eval_NAME.jsonl (every 50th document);
+    """Per source of SAMPLE_SOURCES, NAME.jsonl and the held-out eval_NAME.jsonl (every 50th document);
     text.jsonl and eval_text.jsonl, both sources (what the tokenizer is trained on); chat.jsonl, translation
     requests answered in French."""
     os.makedirs(folder, exist_ok=True)
@@ -73,7 +82,7 @@ def write_sample_corpus(folder: str, doc_chars: int = 2000):
             docs += [("messages", "\n\n".join(en)), ("messages", "\n\n".join(fr))]
             en, fr = [], []
     docs += [("docstrings", doc) for doc in python_docstrings()]
-    for name in ["text"] + [name for name, _ in D.SAMPLE_SOURCES]:
+    for name in ["text"] + [name for name, _ in SAMPLE_SOURCES]:
         for prefix, held_out in (("", False), ("eval_", True)):
             write_jsonl(os.path.join(folder, f"{prefix}{name}.jsonl"), [
                 {"text": doc} for i, (source, doc) in enumerate(docs)
@@ -95,26 +104,16 @@ def build_sample(folder: str, vocab_size: int = 4096, quiet: bool = True) -> str
             write_sample_corpus(folder)
             text, tokenizer = os.path.join(folder, "text.jsonl"), os.path.join(folder, "tokenizer.model")
             D.train_tokenizer([text], vocab_size, tokenizer)
-            for name, _ in D.SAMPLE_SOURCES:
+            for name, _ in SAMPLE_SOURCES:
                 for part, prefix in (("train", ""), ("eval", "eval_")):
                     D.prepare([os.path.join(folder, f"{prefix}{name}.jsonl")], tokenizer,
-                            os.path.join(folder, part, name), overwrite=True, quiet=quiet)
+                              os.path.join(folder, part, name), overwrite=True, quiet=quiet)
     return folder
 
 
 def sample_is_built(folder: str) -> bool:
     return all(os.path.isfile(os.path.join(folder, part, name, "meta.json"))
-               for name, _ in D.SAMPLE_SOURCES for part in ("train", "eval"))
-
-
-def build_if_used(cfg):
-    """Builds the sample when --data is `sample`: every rank calls it, the first builds, the others wait on the lock."""
-    if cfg.data != "sample":
-        return
-    folder = os.path.join(cfg.out_dir, "sample")
-    if not sample_is_built(folder) and os.environ.get("RANK", "0") == "0":
-        print(f"building the built-in sample (corpus, tokenizer, shards) in {folder}", flush=True)
-    build_sample(folder)
+               for name, _ in SAMPLE_SOURCES for part in ("train", "eval"))
 
 
 def main(argv=None):

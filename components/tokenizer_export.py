@@ -66,7 +66,7 @@ def sentencepiece_to_hf(tok: D.Tokenizer, out: str):
             hf = AutoTokenizer.from_pretrained(tmp)
         except Exception as e:  # noqa: BLE001 (what fails depends on the transformers version: name it, go on)
             raise D.DataError(f"transformers could not convert {tok.path} ({type(e).__name__}: {e}; it needs the "
-                            f"protobuf package)") from None
+                              f"protobuf package)") from None
     if hf(ENCODING_PROBE)["input_ids"] != [sp.bos_id()] + tok.encode([ENCODING_PROBE], True)[0]:
         raise D.DataError(f"transformers' conversion of {tok.path} encodes differently from sentencepiece")
     hf.save_pretrained(out)

@@ -13,11 +13,10 @@ import torch.distributed as dist
 from torch.testing._internal.distributed import multi_threaded_pg
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data as D  # noqa: E402
 import model as M  # noqa: E402
 from components import checks  # noqa: E402
 from components import offload as O  # noqa: E402
-from components import sample_corpus  # noqa: E402
+from components import run_data  # noqa: E402
 import train as T  # noqa: E402
 
 
@@ -61,8 +60,7 @@ def config_and_data(flags: list[str]):
     cfg = T.parse_args(flags)
     mcfg, weights, errors = checks.check_run(cfg, 1)
     assert not errors, errors
-    sample_corpus.build_if_used(cfg)
-    mcfg, windows, _ = D.open_data(cfg, mcfg)
+    mcfg, windows, _ = run_data.open_data(cfg, mcfg)
     return cfg, mcfg, weights, windows
 
 

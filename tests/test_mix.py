@@ -13,6 +13,7 @@ from test_data import corpus  # noqa: F401 (a fixture)
 from components import checks
 import data as D
 from components import metrics
+from components import run_data
 import train
 
 SEQ = 8
@@ -123,7 +124,7 @@ def test_a_source_with_another_vocabulary_is_refused_naming_the_flag_and_file(co
     mcfg = small_config()  # vocabulary 97, as from --init_from
     with pytest.raises(D.DataError, match=rf"^--eval_data: {prepared} was tokenized with a 400-token vocabulary; "
                                           rf"the model's has 97$"):
-        D.open_data(config(data=tokens, eval_data=f"{tokens}:0.5,{prepared}:0.5", init_from="x"), mcfg)
+        run_data.open_data(config(data=tokens, eval_data=f"{tokens}:0.5,{prepared}:0.5", init_from="x"), mcfg)
 
 
 def test_the_plot_draws_each_sources_eval_loss(tmp_path):

@@ -104,7 +104,7 @@ def test_offload_without_the_host_memory_for_it_stops_at_once(tmp_path):
     proc = run_train(["--model=llama3-70b", "--offload_optimizer=true", "--steps=1", f"--out_dir={tmp_path}"],
                      nproc=1, check=False, timeout=120)
     assert proc.returncode != 0
-    # the model the run builds: the preset's shapes with the built-in sample's vocabulary (data.open_data)
+    # the model the run builds: the preset's shapes with the built-in sample's vocabulary (run_data.open_data)
     need = re.search(r"error: --offload_optimizer: the 1 rank\(s\) on this node need ([\d,.]+) GiB of host memory",
                      proc.stderr)
     assert need and float(need.group(1).replace(",", "")) > 1000, proc.stderr

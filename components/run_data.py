@@ -1,0 +1,69 @@
+"""A run's data from its flags: data.py reads tokens; here a run's --data and --eval_data meet its model
+(open_data, with the built-in sample built first when --data is `sample`), and the other components learn
+what --data names (first_prepared_folder: where its tokenizer is recorded; resolved_mix: its meaning)."""
+import dataclasses
+import os
+
+import data as D
+from components import sample_corpus
+
+
+def open_data(cfg, mcfg):
+    """(the model config, the training windows, the held-out ones or None): MixedWindows over --data and
+    --eval_data. A preset takes its vocabulary and BOS/EOS ids from the prepared data's tokenizer; a model from
+    --init_from must match it."""
+    if cfg.data == "sample":
+        folder = os.path.join(cfg.out_dir, "sample")
+        if not sample_corpus.sample_is_built(folder) and os.environ.get("RANK", "0") == "0":
+            print(f"building the built-in sample (corpus, tokenizer, shards) in {folder}", flush=True)
+        sample_corpus.build_sample(folder)  # every rank: the first builds it, the others wait on its lock
+        sources = sample_corpus.sample_sources(cfg.out_dir, "train")
+        eval_sources = (sample_corpus.sample_sources(cfg.out_dir, "eval")
+                        if cfg.eval_data in ("auto", "sample") else None)
+    else:
+        sources = D.parse_sources(cfg.data, "--data")
+        eval_sources = D.parse_sources(cfg.eval_data, "--eval_data") if cfg.eval_data not in ("auto", "") else None
+    train_data = [(name, D.TokenData(path, "--data"), weight) for name, path, weight in sources]
+    held_out = (eval_sources or []) if cfg.eval_every else []
+    eval_data = [(name, D.TokenData(path, "--eval_data"), weight) for name, path, weight in held_out]
+    first = next((data for _, data, _ in train_data if data.meta), None)  # it names the tokenizer
+    if first and not cfg.init_from:
+        meta = first.meta
+        mcfg = dataclasses.replace(mcfg, vocab_size=meta["vocab_size"], bos_id=meta["bos_id"], eos_id=meta["eos_id"])
+    for _, data, _ in train_data + eval_data:  # one tokenizer for the whole run
+        if first and data.meta and data.meta["tokenizer"]["sha256"] != first.meta["tokenizer"]["sha256"]:
+            raise D.DataError(f"{data.flag}: {data.path} was tokenized with {data.meta['tokenizer']['path']}, --data "
+                              f"{first.path} with {first.meta['tokenizer']['path']}: a run needs one tokenizer")
+    if first and cfg.init_from and first.meta["tokenizer"]["kind"] == "huggingface":
+        model_tokenizer = os.path.join(cfg.init_from, "tokenizer.json")
+        if os.path.isfile(model_tokenizer) and D.Tokenizer(cfg.init_from).sha256 != first.meta["tokenizer"]["sha256"]:
+            raise D.DataError(f"--data: {first.path} was tokenized with {first.meta['tokenizer']['path']}, whose "
+                              f"tokenizer.json differs from {model_tokenizer}")
+    windows = mixed_windows(train_data, cfg, mcfg, "--data")
+    return mcfg, windows, mixed_windows(eval_data, cfg, mcfg, "--eval_data") if eval_data else None
+
+
+def mixed_windows(sources: list, cfg, mcfg, flag: str) -> D.MixedWindows:
+    """The MixedWindows of [(name, TokenData, weight)], each source's ids checked against the vocabulary."""
+    for _, data, _ in sources:
+        data.check_vocab(mcfg.vocab_size, flag)
+    return D.MixedWindows([name for name, _, _ in sources],
+                          [D.TokenWindows(data, cfg.seq_len, cfg.seed, flag=flag) for _, data, _ in sources],
+                          [weight for _, _, weight in sources], flag)
+
+
+def first_prepared_folder(spec: str, out_dir: str) -> str | None:
+    """The first source of --data that is a prepared folder (its meta.json names the tokenizer), or None."""
+    if spec == "sample":
+        return sample_corpus.sample_sources(out_dir, "train")[0][1]
+    paths = [D.split_source(item)[0] for item in spec.split(",")]
+    return next((path for path in paths if os.path.isfile(os.path.join(path, "meta.json"))), None)
+
+
+def resolved_mix(spec: str, flag: str) -> list[list[str]]:
+    """What a mix means, however it is written: [real path, normalised weight] per source, in order, so
+    `fr:3,en:2` and `./fr/:0.6,/abs/en:0.4` are alike, but not `en:0.4,fr:0.6` (MixedWindows.counts rounds
+    in order). Weights stay exact fractions: a float tolerance would pass a weight the schedule tells apart."""
+    sources = D.parse_sources(spec, flag)
+    total = sum(weight for _, _, weight in sources)
+    return [[os.path.realpath(path), str(weight / total)] for _, path, weight in sources]
