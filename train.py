@@ -7,34 +7,20 @@ and components/processes.py, read when needed):
   2. step        the naive ZeRO-3 step first (train_step_naive, its helpers below it), then the real one
                  from the top down: gather just before use, free right after (the head: after its
                  backward), re-gather in backward, reduce-scatter, AdamW on the shards. From `class Unit`
-                 to `optimizer_step` the variations are only named where they plug in
-  2b. around     the sharded model's set-up, where --offload_optimizer and the tests' faults plug in,
-                 evaluation
+                 to `optimizer_step` no variation's flag is read: each arrives as a field or a subclass
+  2b. around     the sharded model's set-up, where the variations are chosen (build_sharded_model), evaluation
   3. loop        weights (seeded, or sharded reads of a Hugging Face folder or a checkpoint),
                  set-up, the training loop, saving and stopping
 
-What is not the story lives beside it: model.py, data.py (tokenize, pack, the window order), and in
-components/ (which never imports this file): checks.py (every flag and input checked before any work),
-agree.py (what each rank reads from its own machine, agreed by every rank before any acts on it), disk.py
-(state on disk: checkpoints, resume at any world size, Hugging Face import and export), metrics.py
-(tokens/s/GPU, MFU, memory, ETA, dollars), offload.py (--offload_activations and --offload_optimizer: state
-in host memory, a variation a first reading skips), sample.py (--sample_prompts: greedy completions at each
-evaluation, through the same gather/free units), plan.py (`--plan`: memory, speed and cost predicted without
-a GPU), faults.py (fault injection for the tests).
+What is not the story lives beside it: model.py, data.py (tokenize, pack, the window order), and components/
+(which never imports this file: checks, agreement across ranks, state on disk, metrics, offload, samples, the
+planner, the tests' faults; README.md, "Files", says which holds what).
 
-Launch recipes (the flags are components/config.py's TrainConfig; `python train.py --help` lists them):
-
-  one process, CPU or one GPU:
-      python train.py --model tiny --steps 100
-  one node, 8 GPUs:
-      torchrun --standalone --nproc_per_node 8 train.py --model llama3-8b --init_from /models/Llama-3-8B ...
-  two nodes x 8 GPUs (run on each node, NODE_RANK 0 and 1; train.py sets launch.sh's GPU settings itself):
-      torchrun --nnodes 2 --nproc_per_node 8 --node_rank $NODE_RANK --rdzv_backend c10d \\
-          --rdzv_endpoint $MASTER_ADDR:29500 train.py --init_from /models/Llama-3-70B-Instruct ...
-  SLURM (one task per node; launch.sh reads SLURM_* and calls torchrun):
-      srun --nodes 2 --ntasks-per-node 1 ./launch.sh --init_from /models/Llama-3-70B-Instruct ...
-  before any of these, what fits and what it costs (no GPU needed):
-      python train.py --plan --model llama3-70b --nnodes 2 --nproc_per_node 8 --seq_len 8192 ...
+Launch (`python train.py --help`: the flags; `python train.py --plan ...`: what fits and what it costs, no GPU):
+  python train.py --model tiny --steps 100                                     one process, CPU or one GPU
+  torchrun --nnodes 2 --nproc_per_node 8 --node_rank $NODE_RANK --rdzv_backend c10d \\
+      --rdzv_endpoint $MASTER_ADDR:29500 train.py --init_from /models/Llama-3-70B-Instruct ...     on each node
+  srun --nodes 2 --ntasks-per-node 1 ./launch.sh --init_from ...      SLURM (launch.sh reads SLURM_*, calls torchrun)
 """
 
 from __future__ import annotations  # annotations may name what is defined further down
@@ -45,7 +31,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from functools import partial
 from typing import NamedTuple
 
@@ -67,12 +53,8 @@ from components import run_data  # the run's data from --data and --eval_data (d
 from components import config  # the flags: TrainConfig
 from components.checks import check_run, config_warnings, flash_attn_unsaved_warning, param_group_warnings  # inputs
 from components.config import TrainConfig
-from components.processes import compute_dtype, error_line, exit_code, fail, init_processes  # set-up; how a run stops
+from components.processes import catch_stop_signals, compute_dtype, error_line, exit_code, fail, init_processes
 
-
-# The flags (components/config.py: TrainConfig, whose fields make the command line) and the processes
-# (components/processes.py: the process group; fail, exit_code and error_line: how a run stops) live beside this
-# file; the lesson starts here.
 
 def parse_args(argv=None) -> TrainConfig:
     return config.parse_args(argv, __doc__)
@@ -136,12 +118,13 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 #     --reduce_dtype, is the collective's input and must stay alive until it completes; `out` is this
 #     rank's summed shard, added into grad_shard then.
 #
-# The core, from `class Unit` to the optimizer (`optimizer_step`, the end of section 2), holds the variations only
-# where they plug in. --offload_optimizer: a Unit subclass and a ShardedModel subclass the set-up chooses (they
-# override gather_input, add_grad, grad_norm and update; section 2b and offload.py); --offload_activations: one line
-# of run_block; --freeze: a unit's `trained` (no gradient hook, no optimizer state; backward ends in the first
-# trained stage); --lr_mult: a unit's ranges, which the optimizer reads; --ac: the stage's policy in run_block;
-# --profile: the record_function ranges, which cost nothing unless a profiler runs; the tests' faults: `fault_hook`.
+# The core, from `class Unit` to `optimizer_step` (the end of section 2), reads none of the variations' flags:
+# each reaches it as a field or a subclass that section 2b's build_sharded_model sets. --freeze: a unit's
+# `trained` (no gradient hook, no optimizer state; backward ends in the first trained stage); --lr_mult: a unit's
+# `ranges`, which the optimizer reads; --ac: a stage's policy, which run_block applies; --offload_activations: a
+# stage's `offload`, which run_block hands to offload.py; --offload_optimizer: OffloadedUnit and OffloadedModel,
+# which override gather_input, add_grad, grad_norm and update. --profile records the record_function ranges
+# every run passes through (~11 us each, nothing kept without a profiler); the tests' faults hook into the loop.
 
 class Slot(NamedTuple):
     """One parameter's place in its unit's flat buffer."""
@@ -374,7 +357,7 @@ def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) ->
 
 
 class NonFiniteStep(Exception):
-    """A step skipped; `local_finite`: whether this rank's own loss was finite (nonfinite_message names the ranks)."""
+    """A step skipped; `local_finite`: whether this rank's own loss was finite (metrics.nonfinite_line names the ranks)."""
 
     def __init__(self, step: int, loss: float, grad_norm: float, local_finite: torch.Tensor):
         super().__init__(f"step {step}: loss {loss}, grad_norm {grad_norm}; the optimizer step was skipped")
@@ -387,7 +370,6 @@ def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: i
     loss_sum = torch.zeros((), device=sharded.device)
     for batch in micro_batches(cfg, sharded, windows, position):
         loss = sharded.loss(batch)
-        loss = fault_hook("loss", step, sharded.rank, loss)  # the loss itself, but in the tests' faults (section 2b)
         loss.backward()  # the reduce-scatters start inside, unit by unit (reduce_scatter_grad)
         for unit in sharded.stages[sharded.first_trained].backward_units:  # on_backward frees a stage as backward
             unit.free()  # leaves it, but backward ends in the first trained stage (after a frozen prefix: --freeze)
@@ -413,23 +395,19 @@ def micro_batches(cfg, sharded: ShardedModel, windows, position: int) -> list[di
 
 
 class ShardedModel:
-    """The model (on meta: its weights are views the units set), its units in the order they run, the
-    stages of the forward, and the queue of reduce-scatters in flight. --offload_optimizer's extension
-    point: a subclass (OffloadedModel, section 2b) sets `unit_class` and adds to grad_norm and update."""
-    unit_class = Unit
+    """The model (on meta: its weights are views the units set), its units in the order they run and the
+    stages of the forward (build_sharded_model, section 2b, makes the three), and the queue of reduce-scatters
+    in flight. --offload_optimizer's extension point: a subclass (OffloadedModel) adds to grad_norm and update."""
 
-    def __init__(self, cfg: TrainConfig, mcfg: M.ModelConfig, rank: int, world: int, device: torch.device):
-        self.rank, self.world, self.device = rank, world, device
-        self.compute_dtype = compute_dtype(cfg.dtype, device)
-        with torch.device("meta"):  # shapes only: construction allocates nothing
-            self.model = M.Llama(mcfg)
+    def __init__(self, cfg: TrainConfig, model: M.Llama, units: list[Unit], stages: list[Stage], rank: int,
+                 world: int, device: torch.device):
+        self.model, self.units, self.stages = model, units, stages
+        self.rank, self.world, self.device, self.compute_dtype = rank, world, device, units[0].gathered.dtype
         self.reduces_in_flight = []
-        self.units = build_units(self.model, rank, world, device, self.compute_dtype, self.unit_class, cfg.freeze, cfg.lr_mult)
-        for unit in [u for u in self.units if u.trained]:  # each unit's gradient is reduce-scattered as soon as
+        for unit in [u for u in units if u.trained]:  # each unit's gradient is reduce-scattered as soon as
             unit.gathered.register_post_accumulate_grad_hook(  # autograd completes it (a frozen unit has none)
                 partial(reduce_scatter_grad, unit, self.reduces_in_flight, getattr(torch, cfg.reduce_dtype)))
-        self.stages = make_stages(self.model, self.units, cfg.ac, cfg.offload_activations, cfg.ac_blocks, cfg.ac_rest)
-        self.first_trained = first_trained_stage(self.stages)
+        self.first_trained = first_trained_stage(stages)
         self.prefetch, self.ce_chunk = cfg.prefetch, cfg.ce_chunk
 
     def loss(self, batch: dict) -> torch.Tensor:
@@ -609,7 +587,18 @@ optimizer_step = adamw_step
 # 2b. Around the step: the sharded model's set-up, the variations' plug-ins, evaluation
 # ================================================================================================
 #
-# ShardedModel's set-up: its units and its stages (what ShardedModel.loss runs), made once.
+# ShardedModel's set-up: the model on meta, its units and its stages (what ShardedModel.loss runs), made once.
+# The variations are chosen here, not in the core: --freeze and --lr_mult set each unit's `trained` and
+# `ranges`, --offload_activations a stage's `offload`, --offload_optimizer the classes (OffloadedModel below).
+
+def build_sharded_model(cfg: TrainConfig, mcfg: M.ModelConfig, rank: int, world: int, device: torch.device):
+    with torch.device("meta"):  # shapes only: construction allocates nothing
+        model = M.Llama(mcfg)
+    unit_class, model_class = (OffloadedUnit, OffloadedModel) if cfg.offload_optimizer else (Unit, ShardedModel)
+    units = build_units(model, rank, world, device, compute_dtype(cfg.dtype, device), unit_class, cfg.freeze, cfg.lr_mult)
+    stages = make_stages(model, units, cfg.ac, cfg.offload_activations, cfg.ac_blocks, cfg.ac_rest)
+    return model_class(cfg, model, units, stages, rank, world, device)
+
 
 def build_units(model: M.Llama, rank, world, device, compute_dtype, unit_class=Unit, freeze: str = "",
                 lr_mult: str = "") -> list[Unit]:
@@ -688,10 +677,9 @@ class OffloadedModel(ShardedModel):
     """ShardedModel with OffloadedUnits: the step's gradient norm first waits for the host's last adds (they
     run on a worker thread while backward goes on), and its update, on the CPU, is followed by the refresh
     of the device copies."""
-    unit_class = OffloadedUnit
 
-    def __init__(self, cfg: TrainConfig, mcfg: M.ModelConfig, rank: int, world: int, device: torch.device):
-        super().__init__(cfg, mcfg, rank, world, device)
+    def __init__(self, *args):
+        super().__init__(*args)
         self.host_adds = []  # the worker thread's adds into the host accumulators, in flight
         O.offload_optimizer(self.units, self.host_adds)
 
@@ -702,22 +690,6 @@ class OffloadedModel(ShardedModel):
     def update(self, cfg: TrainConfig, lr: float, step: int):
         super().update(cfg, lr, step)
         O.refresh_compute_shards(self.units)  # the updated host master shards back to the device, in the compute dtype
-
-
-def build_sharded_model(cfg: TrainConfig, mcfg: M.ModelConfig, rank: int, world: int, device: torch.device):
-    """The set-up's choice: OffloadedModel with --offload_optimizer, else ShardedModel."""
-    model_class = OffloadedModel if cfg.offload_optimizer else ShardedModel
-    return model_class(cfg, mcfg, rank, world, device)
-
-
-def no_fault(where: str, step: int, rank: int, loss=None):
-    """fault_hook outside the tests: the loss as it is."""
-    return loss
-
-
-# The seam of the tests' fault injection (faults.py): forward_backward passes each micro-batch's loss through
-# it. main installs faults.hook when ZERO3_FAULT and ZERO3_ALLOW_FAULTS=1 are set.
-fault_hook = no_fault
 
 
 def left_behind(sharded: ShardedModel, step: int) -> str | None:
@@ -734,16 +706,6 @@ def left_behind(sharded: ShardedModel, step: int) -> str | None:
     return (f"step {step} ended with {what}: every unit must be freed and every gradient reduced by the end of a step "
             f"(ShardedModel.on_backward frees a stage as backward leaves it, finish_reduces waits for the reduce-scatters); "
             f"the next step would read weights from before this update")
-
-
-def nonfinite_message(e: NonFiniteStep, sharded: ShardedModel) -> str:
-    """A skipped step's line, naming the ranks whose own loss was not finite: one all-gather, on every rank
-    (every rank raised the same NonFiniteStep: its values are summed over ranks)."""
-    finite_by_rank = torch.zeros(sharded.world, device=sharded.device)
-    all_gather_flat(finite_by_rank, e.local_finite.float().reshape(1))
-    bad = [r for r, ok in enumerate(finite_by_rank.tolist()) if not ok]
-    where = f" (from rank {', '.join(map(str, bad))})" if bad else ""
-    return f"step {e.step}: loss {e.loss}, grad_norm {e.grad_norm}{where}; the optimizer step was skipped"
 
 
 def evaluate(cfg, sharded: ShardedModel, eval_windows) -> float:
@@ -765,34 +727,6 @@ def evaluate(cfg, sharded: ShardedModel, eval_windows) -> float:
 # ================================================================================================
 # 3. Loop: weights, set-up, training, saving and stopping
 # ================================================================================================
-
-def init_unit_random(unit: Unit, index: int, seed: int, std: float):
-    """HF's init (normal(0, std) matrices, ones for norms) on the unit's full shape from the unit's own
-    generator, then keep this rank's shard: the same weights for every W."""
-    device = unit.gathered.device  # the same numbers with and without --offload_optimizer
-    gen = torch.Generator(device=device).manual_seed(seed * 100003 + index)
-    full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
-    for slot in unit.slots:
-        piece = full[slot.offset:slot.offset + math.prod(slot.shape)]
-        piece.fill_(1.0) if len(slot.shape) == 1 else piece.normal_(0.0, std, generator=gen)
-    unit.master_shard.copy_(full[unit.shard_start:unit.shard_start + unit.shard_numel])
-
-
-def init_weights(cfg: TrainConfig, mcfg: M.ModelConfig, units: list[Unit], weights: dict | str | None):
-    """Seeded random weights (`weights` None); this rank's shards of an --init_from Hugging Face folder
-    (`weights` {HF tensor name: file}: disk.load_unit_from_hf reads only the rows that cover each
-    shard); or of one of our checkpoints (`weights` its folder: a new phase starts from its fp32 master
-    weights, re-sharded for this world size, with a fresh optimizer)."""
-    if weights is None:
-        for i, unit in enumerate(units):
-            init_unit_random(unit, i, cfg.seed, mcfg.init_std)
-    elif isinstance(weights, str):
-        disk.load_weights(weights, units, "--init_from")
-    else:
-        open_files = {}
-        for unit in units:
-            disk.load_unit_from_hf(unit, weights, open_files)
-
 
 def setup(cfg: TrainConfig):
     """Everything before the first step: checks, data, processes, the sharded model, its weights (from
@@ -845,7 +779,7 @@ def setup(cfg: TrainConfig):
     elif candidates:
         step, position = disk.resume(cfg, mcfg, sharded.units, windows, rank, candidates, fallback=True)
     else:
-        init_weights(cfg, mcfg, sharded.units, weights)
+        disk.init_weights(cfg, mcfg, sharded.units, weights)  # seeded per unit: the same weights at any W
         if isinstance(weights, str) and rank == 0:
             print(f"started from the weights of checkpoint {weights} (a new phase: step 1, a fresh optimizer and data "
                   f"position)", flush=True)
@@ -855,21 +789,6 @@ def setup(cfg: TrainConfig):
 
 
 GC_EVERY_STEPS = 50  # Python's garbage collection, at the same step on every rank (main)
-
-
-def catch_stop_signals() -> list:
-    """Preemption: SIGUSR1 (what launch.sh forwards), SIGTERM (SLURM, torchrun) or SIGINT (Ctrl-C) means
-    "save and stop". Noted in the returned list; at the next step boundary all ranks agree through an
-    all-reduce, save, and exit 0, so a signal seen by one rank stops every rank. The same request often
-    arrives several times (the job's every process is signalled, and torchrun forwards it again): repeats
-    are ignored, so nothing interrupts the save."""
-    stop_signals = []
-
-    def on_signal(sig, _frame):  # only a note: printing here could interrupt a print in progress
-        stop_signals.append(sig)
-    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    return stop_signals
 
 
 def save(cfg, sharded: ShardedModel, saving, step: int, data_state, background: bool):
@@ -923,34 +842,15 @@ def main(argv=None):
         if error:
             fail(error)
         return
-    finished = disk.finished_run(cfg)  # re-running a finished run's command: say so; train and save nothing
-    if finished:
-        checkpoint, message = finished
-        rank0 = os.environ.get("RANK", "0") == "0"
-        if not cfg.export_hf or disk.export_made(cfg.export_hf):
-            if rank0:
-                print(message, flush=True)
-            return
-        # A stop request in the last step saved it and skipped the export (the loop below): this command, run
-        # again (a requeue, the operator), makes it, as `--from_ckpt CHECKPOINT --export_hf DIR` does: the
-        # weights only, at any world size. --init_from goes (the checkpoint's manifest names it, for the
-        # export's config and tokenizer: disk.export_origin), and what only training reads (--data,
-        # --batch_size against the world size) is not checked (checks.check_config's `trains`). Every rank
-        # decides alone, before any collective, from the same files on the shared filesystem; only another
-        # export to DIR completing at this very moment could split them (a second run of this out_dir is
-        # refused by its lock): the ranks that go on then time out at set-up (exit 1, --timeout_min), and
-        # their restart finds the export made.
-        cfg = replace(cfg, from_ckpt=checkpoint, init_from="")
-        if rank0:
-            print(f"{message}; its export to {cfg.export_hf} was not made (a stop in the last step?): making it now",
-                  flush=True)
+    cfg = disk.unless_finished(cfg)  # a finished run's command again: say so and stop, or make its missing export
+    if cfg is None:
+        return
     owns_group = not dist.is_initialized()  # a caller's group (bench/) is the caller's to destroy
-    global fault_hook
+    fault_hook = None
     if os.environ.get("ZERO3_FAULT"):  # tests only: a rank killed, hung or given a NaN (faults.py)
         from components import faults
         try:  # honoured only beside the tests' ZERO3_ALLOW_FAULTS=1; else a warning
-            disk.fault_hook = faults.allowed_hook()
-            fault_hook = disk.fault_hook or no_fault
+            fault_hook = disk.fault_hook = faults.allowed_hook()
         except ValueError as e:
             fail(str(e))
     try:
@@ -987,6 +887,8 @@ def main(argv=None):
         t0 = time.perf_counter()
         if step % GC_EVERY_STEPS == 0:
             gc.collect()
+        if fault_hook:  # the tests' faults: a rank killed, hung, slowed or given a NaN loss in this step
+            fault_hook("step", step, rank, sharded.model)
         try:
             with metrics.profile_step(cfg, step, rank, device):  # --profile STEP: a trace of this one
                 loss, grad_norm = train_step(cfg, sharded, windows, step, position)
@@ -994,7 +896,7 @@ def main(argv=None):
             fail(metrics.out_of_memory_line(e, step, [u.name for u in sharded.units if u.state() != "free"],
                                             metrics.allocator_held(device), metrics.planned_memory(cfg, sharded)))
         except NonFiniteStep as nonfinite:
-            e = nonfinite_message(nonfinite, sharded)  # which rank's loss went bad: an all-gather, on every rank
+            e = metrics.nonfinite_line(nonfinite, sharded)  # which rank's loss went bad: an all-gather, on every rank
             skipped += 1
             if skipped > cfg.max_skipped_steps:
                 fail(f"{e}; stopping after {skipped} such step(s) (--max_skipped_steps {cfg.max_skipped_steps}); "
@@ -1047,17 +949,7 @@ def main(argv=None):
                  background=saving is not None and not signalled and step < steps)
         if signalled:
             if rank == 0:
-                name = signal.Signals(stop_signals[0]).name if stop_signals else "a signal"
-                if stop_save_skipped:
-                    then = (f"; its newest checkpoint is the one just written in the background, so the stop did not "
-                            f"save again: re-run the same command to continue")
-                elif step < steps:
-                    then = "; re-run the same command to continue"
-                elif cfg.export_hf:  # the export is not part of a stop's lead (docs/operations.md)
-                    then = f" (the last step): the export to {cfg.export_hf} was not made; the same command makes it"
-                else:
-                    then = " (the last step): the run is finished"
-                print(f"stopping at step {step} on {name}{then}", flush=True)
+                print(metrics.stop_line(step, steps, stop_signals, stop_save_skipped, cfg.export_hf), flush=True)
             break
     else:  # not stopped by a signal
         if cfg.export_hf:

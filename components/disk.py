@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import weakref
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -775,6 +775,33 @@ def finished_run(cfg) -> tuple[str, str] | None:
     return None
 
 
+def unless_finished(cfg):
+    """cfg, unless the one checkpoint a resume would start from is already at --steps (a finished run's command run
+    again: a requeued job, the operator). Then rank 0 says so and it returns None: nothing to train or save; or,
+    when that run's --export_hf is missing, the flags that make it."""
+    finished = finished_run(cfg)
+    if not finished:
+        return cfg
+    checkpoint, message = finished
+    rank0 = os.environ.get("RANK", "0") == "0"
+    if not cfg.export_hf or export_made(cfg.export_hf):
+        if rank0:
+            print(message, flush=True)
+        return None
+    # A stop request in the last step saved it and skipped the export (train.main's loop): this command, run
+    # again, makes it, as `--from_ckpt CHECKPOINT --export_hf DIR` does: the weights only, at any world size.
+    # --init_from goes (the checkpoint's manifest names it, for the export's config and tokenizer: export_origin),
+    # and what only training reads (--data, --batch_size against the world size) is not checked
+    # (checks.check_config's `trains`). Every rank decides alone, before any collective, from the same files on
+    # the shared filesystem; only another export to DIR completing at this very moment could split them (a
+    # second run of this out_dir is refused by its lock): the ranks that go on then time out at set-up (exit 1,
+    # --timeout_min), and their restart finds the export made.
+    if rank0:
+        print(f"{message}; its export to {cfg.export_hf} was not made (a stop in the last step?): making it now",
+              flush=True)
+    return replace(cfg, from_ckpt=checkpoint, init_from="")
+
+
 def export_made(folder: str) -> bool:
     """Whether an --export_hf folder is there (export_hf renames FOLDER.partial once complete; an empty one is not)."""
     return os.path.isdir(folder) and bool(os.listdir(folder))
@@ -1124,6 +1151,34 @@ def check_checkpoint_files(path: str, flag: str) -> dict:
     except CheckpointError as e:
         raise CheckpointError(f"{flag}: {e}") from None
     return manifest
+
+
+def init_unit_random(unit, index: int, seed: int, std: float):
+    """HF's init (normal(0, std) matrices, ones for norms) on the unit's full shape from the unit's own
+    generator, then keep this rank's shard: the same weights for every W."""
+    device = unit.gathered.device  # the same numbers with and without --offload_optimizer
+    gen = torch.Generator(device=device).manual_seed(seed * 100003 + index)
+    full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
+    for slot in unit.slots:
+        piece = full[slot.offset:slot.offset + math.prod(slot.shape)]
+        piece.fill_(1.0) if len(slot.shape) == 1 else piece.normal_(0.0, std, generator=gen)
+    unit.master_shard.copy_(full[unit.shard_start:unit.shard_start + unit.shard_numel])
+
+
+def init_weights(cfg, mcfg: M.ModelConfig, units: list, weights: dict | str | None):
+    """Seeded random weights (`weights` None); this rank's shards of an --init_from Hugging Face folder
+    (`weights` {HF tensor name: file}: load_unit_from_hf reads only the rows that cover each
+    shard); or of one of our checkpoints (`weights` its folder: a new phase starts from its fp32 master
+    weights, re-sharded for this world size, with a fresh optimizer)."""
+    if weights is None:
+        for i, unit in enumerate(units):
+            init_unit_random(unit, i, cfg.seed, mcfg.init_std)
+    elif isinstance(weights, str):
+        load_weights(weights, units, "--init_from")
+    else:
+        open_files = {}
+        for unit in units:
+            load_unit_from_hf(unit, weights, open_files)
 
 
 def load_weights(path: str, units: list, flag: str) -> int:

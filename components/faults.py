@@ -1,15 +1,16 @@
-"""Fault injection, for the tests only: train.py and disk.py call `hook` at two points (each
-micro-batch's loss, each rank's checkpoint file written) when ZERO3_FAULT is set together with
-ZERO3_ALLOW_FAULTS=1 (the tests set both), and not at all otherwise.
+"""Fault injection, for the tests only: train.py and disk.py call `hook` at two points (the start of each step,
+each rank's checkpoint file written) when ZERO3_FAULT is set together with ZERO3_ALLOW_FAULTS=1 (the tests set
+both), and not at all otherwise. The step itself holds no seam: a NaN reaches the loss through a forward hook
+(PyTorch's own extension point) on the model's final norm.
 
     ZERO3_FAULT=KIND:STEP[:RANK[:SECONDS]]   (every rank when RANK is left out or empty; STEP is 1-based)
-      kill_mid_step  SIGKILL in the middle of step STEP, before its first backward
+      kill_mid_step  SIGKILL as step STEP starts, before its first all-gather
       nan            this rank's loss of step STEP becomes NaN before backward, as an overflow would
       hang           this rank sleeps in step STEP: SECONDS, or an hour; its peers' collectives time out
       kill_in_save   SIGKILL after writing this rank's file of step STEP's checkpoint, before the commit
                      (--async_save: in the writer thread, while the next steps train)
       slow_save      that file takes SECONDS longer to write (--async_save: the writer thread sleeps)
-    ZERO3_FAULT=slow:SECONDS                 every step takes SECONDS longer (on its first micro-batch)
+    ZERO3_FAULT=slow:SECONDS                 every step takes SECONDS longer (at its start)
     ZERO3_FAULT_ONCE=FILE                    a fault fires once: FILE records that it did, so a restarted
                                              job runs clean
     ZERO3_ALLOW_FAULTS=1                     the test-only allowance: without it a ZERO3_FAULT left over in
@@ -23,7 +24,6 @@ import time
 
 MID_STEP = ("kill_mid_step", "nan", "hang")
 IN_SAVE = ("kill_in_save", "slow_save")
-last_slow_step = None  # `slow` sleeps once per step, not once per micro-batch
 
 
 def spec_error(value: str) -> str | None:
@@ -62,29 +62,30 @@ def allowed_hook(env=os.environ):
     return hook
 
 
-def hook(where: str, step: int, rank: int, loss=None):
-    """where: 'loss' (returns the loss to backpropagate) or 'save'."""
-    global last_slow_step
+def hook(where: str, step: int, rank: int, model=None):
+    """where: 'step' (train.main, as each step starts; `model`: the sharded model's modules) or 'save'."""
     spec = os.environ.get("ZERO3_FAULT", "").split(":")
     kind = spec[0]
     if kind == "slow":
-        if where == "loss" and step != last_slow_step:
-            last_slow_step = step
+        if where == "step":
             time.sleep(float(spec[1]))
-        return loss
-    if kind not in (MID_STEP if where == "loss" else IN_SAVE) or int(spec[1]) != step:
-        return loss
+        return
+    if kind not in (MID_STEP if where == "step" else IN_SAVE) or int(spec[1]) != step:
+        return
     if len(spec) > 2 and spec[2] and int(spec[2]) != rank:
-        return loss
+        return
     once = os.environ.get("ZERO3_FAULT_ONCE")
     if once:
         if os.path.exists(once):
-            return loss
+            return
         open(once, "w").close()
     seconds = float(spec[3]) if len(spec) > 3 else None
     if kind in ("kill_mid_step", "kill_in_save"):
         os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "nan":
-        return loss * float("nan")
+    if kind == "nan":  # the next forward's final norm gives NaN, once: the loss, its gradients and the norm follow
+        def poison(module, args, output):
+            handle.remove()
+            return output * float("nan")
+        handle = model.norm.register_forward_hook(poison)
+        return
     time.sleep(seconds if seconds is not None else 3600 if kind == "hang" else 0.0)
-    return loss

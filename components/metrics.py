@@ -10,6 +10,7 @@ import json
 import linecache
 import os
 import resource
+import signal
 import statistics
 import sys
 import time
@@ -31,6 +32,31 @@ def step_times_by_rank(step_time_s: float, device) -> list[float]:
     by_rank = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
     all_gather_flat(by_rank, torch.tensor([step_time_s], dtype=torch.float64, device=device))
     return by_rank.tolist()
+
+
+def nonfinite_line(e, sharded) -> str:
+    """A skipped step's line (e: train.NonFiniteStep), naming the ranks whose own loss was not finite: one
+    all-gather, on every rank (every rank raised the same NonFiniteStep: its values are summed over ranks)."""
+    finite_by_rank = torch.zeros(sharded.world, device=sharded.device)
+    all_gather_flat(finite_by_rank, e.local_finite.float().reshape(1))
+    bad = [r for r, ok in enumerate(finite_by_rank.tolist()) if not ok]
+    where = f" (from rank {', '.join(map(str, bad))})" if bad else ""
+    return f"step {e.step}: loss {e.loss}, grad_norm {e.grad_norm}{where}; the optimizer step was skipped"
+
+
+def stop_line(step: int, steps: int, stop_signals: list, stop_save_skipped: bool, export_hf: str) -> str:
+    """What rank 0 says when a stop request ends the run at `step` (train.main saved it, or kept the save in flight)."""
+    name = signal.Signals(stop_signals[0]).name if stop_signals else "a signal"
+    if stop_save_skipped:
+        then = (f"; its newest checkpoint is the one just written in the background, so the stop did not "
+                f"save again: re-run the same command to continue")
+    elif step < steps:
+        then = "; re-run the same command to continue"
+    elif export_hf:  # the export is not part of a stop's lead (docs/operations.md)
+        then = f" (the last step): the export to {export_hf} was not made; the same command makes it"
+    else:
+        then = " (the last step): the run is finished"
+    return f"stopping at step {step} on {name}{then}"
 
 
 def peak_flops(device: torch.device):

@@ -2,6 +2,7 @@
 a run fails: one line on every rank, with the exit code that says whether a restart would meet it again."""
 import datetime
 import os
+import signal
 import sys
 import traceback
 
@@ -118,3 +119,18 @@ def error_line(e: BaseException, when: str) -> str:
         frame = (ours or frames)[-1]
         place = f" (at {os.path.basename(frame.filename)}:{frame.lineno})"
     return f"{type(e).__name__} {when}: {text}{place}; a restart may succeed"
+
+
+def catch_stop_signals() -> list:
+    """Preemption: SIGUSR1 (what launch.sh forwards), SIGTERM (SLURM, torchrun) or SIGINT (Ctrl-C) means
+    "save and stop". Noted in the returned list; at the next step boundary all ranks agree through an
+    all-reduce, save, and exit 0, so a signal seen by one rank stops every rank. The same request often
+    arrives several times (the job's every process is signalled, and torchrun forwards it again): repeats
+    are ignored, so nothing interrupts the save."""
+    stop_signals = []
+
+    def on_signal(sig, _frame):  # only a note: printing here could interrupt a print in progress
+        stop_signals.append(sig)
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    return stop_signals

@@ -2,6 +2,7 @@
 every `module.name` the docs, comments and docstrings name exists, and the sizes the README states are the files'."""
 import ast
 import importlib
+import dataclasses
 import os
 import re
 import sys
@@ -18,7 +19,8 @@ CODE = ["train.py", "model.py", "data.py", "launch.sh", "launch.sbatch"] + [
 MODULES = {"train": "train", "model": "model", "data": "data", "disk": "components.disk", "plan": "components.plan",
            "agree": "components.agree", "metrics": "components.metrics", "checks": "components.checks",
            "offload": "components.offload", "sample": "components.sample", "faults": "components.faults", "processes": "components.processes",
-           "checkpoint": None}  # no module of that name: a reference to it is stale
+           "config": "components.config", "run_data": "components.run_data", "sample_corpus": "components.sample_corpus",
+           "tokenizer_export": "components.tokenizer_export", "checkpoint": None}  # no module of that name: a reference to it is stale
 FILE = re.compile(r"(?<![\w./-])((?:components|bench|tests|docs|\.ci)/[\w./-]+\.(?:py|md|sh|json|cpp|png)|"
                   r"[\w-]+\.(?:py|sh|sbatch))(?![\w/])")
 MODULE_NAME = re.compile(r"(?<![\w./-])(" + "|".join(MODULES) + r")\.([A-Za-z_]\w*)(?![\w.])")  # not model.layers.0
@@ -86,13 +88,42 @@ def test_the_readme_states_train_pys_sections_as_they_are():
     assert stated and words.index(stated.group(1)) == len(sections), (stated and stated.group(0), sections)
 
 
-def test_the_core_passage_plugs_in_the_optimizer_offload_and_the_faults_outside_it():
-    """The core, found by its names (from `class Unit` to `optimizer_step = `), branches on neither
-    --offload_optimizer nor the tests' faults: they plug in through subclasses and the fault_hook seam."""
+# The flags the core passage reads: the step's own arithmetic and schedule. Every other flag of TrainConfig is a
+# variation or outside the step, and the core must not read it.
+CORE_FLAGS = {"adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "lr", "warmup_steps", "schedule", "steps",
+              "batch_size", "micro_batch_size", "doc_mask", "ce_chunk", "grad_clip", "prefetch", "reduce_dtype"}
+# Each variation that reaches the core, and the name it reaches it by (the comment above `class Slot` says so).
+VARIATIONS = {"freeze": "trained", "lr_mult": "ranges", "ac": "run_block", "offload_activations": "offload",
+              "offload_optimizer": "OffloadedModel", "profile": "record_function"}
+
+
+def test_the_core_passage_reads_no_variation_flag_and_says_where_each_plugs_in():
+    """The core, found by its names (from `class Unit` to `optimizer_step = `), reads only CORE_FLAGS of the 58
+    flags, branches on neither --offload_optimizer nor the tests' faults (subclasses; a hook in the loop), and the
+    comment above it names every variation with the field or class it arrives by, which exists."""
+    from components.config import TrainConfig
     with open(os.path.join(ROOT, "train.py")) as f:
         source = f.read()
-    core = source[source.index("\nclass Unit:"):source.index("\noptimizer_step = ")].splitlines()
-    assert len(core) > 300  # the step itself
+    core = source[source.index("\nclass Unit:"):source.index("\noptimizer_step = ")]
+    flags = {field.name for field in dataclasses.fields(TrainConfig)}
+    assert len(core.splitlines()) > 300  # the step itself
+    assert CORE_FLAGS <= flags and set(VARIATIONS) <= flags - CORE_FLAGS
+    assert set(re.findall(r"\bcfg\.(\w+)", core)) <= CORE_FLAGS
     variation = re.compile(r"\bif\b.*(offload_optimizer|fault_hook|\.host\b|host_adds)")
-    assert [line for line in core if variation.search(line)] == []
-    assert [line for line in core if "O.finish_host_adds" in line or "O.refresh_compute_shards" in line] == []
+    assert [line for line in core.splitlines() if variation.search(line)] == []
+    assert "O.finish_host_adds" not in core and "O.refresh_compute_shards" not in core and not re.search(r"\bfault", core)
+    comment = " ".join(source[source.index("# The core, from `class Unit`"):source.index("\nclass Slot")].split())
+    for flag, point in VARIATIONS.items():
+        said = re.search(rf"--{flag}\b[^;.]*\b{point}\b", comment.replace("# ", ""))
+        assert said and re.search(rf"\b(def|class) {point}\b|\.{point}\b|\b{point}\(", source), (flag, point)
+
+
+def test_the_readmes_naive_step_is_as_long_as_it_says():
+    """README.md says "ZeRO-3 in about N lines" of train_step_naive: N within 10% of the function's length."""
+    with open(os.path.join(ROOT, "train.py")) as f:
+        tree = ast.parse(f.read())
+    naive = next(node for node in tree.body if getattr(node, "name", "") == "train_step_naive")
+    with open(os.path.join(ROOT, "README.md")) as f:
+        stated = [int(n) for n in re.findall(r"ZeRO-3 in about (\d+) lines", " ".join(f.read().split()))]
+    length = naive.end_lineno - naive.lineno + 1
+    assert stated and all(abs(n - length) <= 0.1 * length for n in stated), (stated, length)

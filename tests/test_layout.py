@@ -78,3 +78,18 @@ def test_layers_model_and_data_at_the_bottom_train_on_top():
         if name.startswith("components"):
             assert "train" not in imports, f"{name} imports train: only train.py sits above components/"
     assert not any("train" in imports for imports in graph.values()), "nothing imports train.py"
+
+
+def test_the_readmes_table_of_layers_is_the_import_graph():
+    """README.md, "Files": each line of the layers table imports only from the lines below it, and every project
+    module is on one line: the table is checked against the imports, not typed from memory."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    block = readme[readme.index("\n    train.py "):].split("\n\n")[0]
+    rows = [[w[:-3].replace("/", ".") for w in line.split() if w.endswith(".py")] for line in block.splitlines()]
+    layer = {name: depth for depth, row in enumerate(rows) for name in row}
+    graph = import_graph()
+    assert set(layer) == set(graph) - {"components"}, sorted(set(graph) ^ set(layer))
+    for name, imports in graph.items():
+        for imported in imports - {"components"}:
+            assert layer[imported] > layer[name], f"{name} imports {imported}, which the README's table puts above it"
