@@ -85,24 +85,31 @@ def shim():
         pytest.skip(f"fake CUDA not available: {e}")
 
 
+def selected(request, param: str, cases: list) -> list:
+    """The cases this session runs (`-k` selects by name): a fixture that runs them all at once runs only these."""
+    names = {item.callspec.params[param][0] for item in request.session.items
+             if hasattr(item, "callspec") and param in item.callspec.params}
+    return [case for case in cases if case[0] in names]
+
+
 @pytest.fixture(scope="module")
-def results(shim, tmp_path_factory):
-    """Each scenario in its own process, two at a time (each is one single-threaded process)."""
+def results(shim, tmp_path_factory, request):
+    """Each selected scenario in its own process, two at a time (each is one single-threaded process)."""
     out = tmp_path_factory.mktemp("fake_cuda")
 
-    def run(i):
-        name, model, world, flash, flags, _ = SCENARIOS[i]
-        return name, fake_cuda.run(shim, str(out / f"{i}.json"), flags.split(), world, flash=flash,
-                                   model_json=json.dumps(model))
+    def run(scenario):
+        name, model, world, flash, flags, _ = scenario
+        return name, fake_cuda.run(shim, str(out / f"{SCENARIOS.index(scenario)}.json"), flags.split(), world,
+                                   flash=flash, model_json=json.dumps(model))
     with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(run, range(len(SCENARIOS))))
+        return dict(pool.map(run, selected(request, "scenario", SCENARIOS)))
 
 
 @pytest.fixture(scope="module")
-def fork_results(shim, tmp_path_factory):
-    """Each fork that can run, in its own process, two at a time."""
+def fork_results(shim, tmp_path_factory, request):
+    """Each selected fork that can run, in its own process, two at a time."""
     out = tmp_path_factory.mktemp("fake_cuda_forks")
-    ready = [f for f in FORKS if not f[7]]
+    ready = [f for f in selected(request, "fork", FORKS) if not f[7]]
 
     def run(fork):
         name, model, world, flash, flags, _, variant, _ = fork
