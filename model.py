@@ -54,6 +54,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     bos_id: int = 1
     eos_id: int = 2
+    pad_id: int | None = None      # config.json's pad_token_id: lookups give its embedding row no gradient
     init_std: float = 0.02
     family: str = "llama"          # config.json's model_type: a key of FAMILIES
     qk_norm: bool = False          # an RMSNorm of size head_dim on each head's query and key, before RoPE (Qwen3)
@@ -351,7 +352,8 @@ class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # padding_idx as transformers' model has it: a lookup of the pad id adds nothing to that row's gradient.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, padding_idx=cfg.pad_id)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         # Tied (Llama 3.2 1B/3B): the head reuses embed_tokens.weight and has no weight of its own.
@@ -430,6 +432,8 @@ def check_model_config(cfg: ModelConfig) -> list[str]:
         errors.append(f"model: n_heads={cfg.n_heads} must divide dim={cfg.dim}")
     if cfg.head_dim % 2:
         errors.append(f"model: head_dim={cfg.head_dim} must be even for RoPE")
+    if cfg.pad_id is not None and not 0 <= cfg.pad_id < cfg.vocab_size:
+        errors.append(f"model: pad_token_id {cfg.pad_id} is not a token id (vocab_size {cfg.vocab_size})")
     return errors
 
 

@@ -1299,7 +1299,8 @@ def config_from_hf(hf: dict) -> M.ModelConfig:
         head_dim=hf.get("head_dim") or 0, ffn_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=float(rope_theta), rope_scaling=scaling, max_seq_len=hf.get("max_position_embeddings", 8192),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bos_id=hf.get("bos_token_id", 1),
-        eos_id=eos[0] if isinstance(eos, list) else eos, init_std=hf.get("initializer_range", 0.02),
+        eos_id=eos[0] if isinstance(eos, list) else eos, pad_id=hf.get("pad_token_id"),
+        init_std=hf.get("initializer_range", 0.02),
         family=hf["model_type"], **M.FAMILIES[hf["model_type"]]["model_fields"])
 
 
@@ -1325,6 +1326,8 @@ def config_to_hf(cfg: M.ModelConfig, dtype: torch.dtype, source: dict | None = N
         "initializer_range": cfg.init_std, "use_cache": True, "torch_dtype": str(dtype).removeprefix("torch."),
         **family["config_keys"],
     }
+    if cfg.pad_id is not None:
+        ours["pad_token_id"] = cfg.pad_id
     if "use_sliding_window" in family["config_keys"]:  # Qwen3: how many layers would slide, were it on (all)
         ours["max_window_layers"] = cfg.n_layers
     if eos_ids and eos_ids[0] == cfg.eos_id:

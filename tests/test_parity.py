@@ -139,6 +139,31 @@ def test_qwen3_training_matches_hf(qwen3_setup, world):
     assert (exported["model_type"], exported["architectures"], exported["head_dim"]) == ("qwen3", ["Qwen3ForCausalLM"], 12)
 
 
+def test_a_pad_token_id_leaves_its_embedding_row_as_transformers_does(tmp_path):
+    """config.json's pad_token_id makes transformers' embedding nn.Embedding(padding_idx=pad): a lookup of that id
+    adds nothing to its row's gradient. Ours reads it (config_from_hf), trains at W=2 as the oracle does with the
+    pad id among the inputs, and writes it back in the export."""
+    from components import disk
+    cfg = small_config()
+    data_path = learnable_tokens(str(tmp_path / "tokens.npy"), cfg.vocab_size, n=3000)
+    windows = D.TokenWindows(D.TokenData(data_path), SEQ, ARGS["seed"])
+    inputs = torch.cat([torch.from_numpy(windows.micro_batch(step * BATCH, 0, 0, 1, BATCH)[0]).flatten()
+                        for step in range(STEPS)])
+    counts = torch.bincount(inputs, minlength=cfg.vocab_size)
+    counts[[cfg.bos_id, cfg.eos_id]] = 0
+    pad = int(counts.argmax())  # the id the steps look up most: its row would move most if it took gradients
+    assert counts[pad] >= 3
+    hf_config = dict(disk.config_to_hf(cfg, torch.float32), pad_token_id=pad)
+    init_dir = save_hf(hf_model(cfg, seed=5, hf_config=hf_config), str(tmp_path / "init"))
+    out = str(tmp_path / "w2")
+    args = [f"--{k}={v}" for k, v in ARGS.items()]
+    run_train(args + [f"--init_from={init_dir}", f"--data={data_path}", "--micro_batch_size=2", "--ac=none",
+                      f"--out_dir={out}", f"--export_hf={out}/hf"], nproc=2)
+    check_against_reference(out, reference_run(init_dir, data_path, doc_mask=True))
+    with open(os.path.join(out, "hf", "config.json")) as f:
+        assert json.load(f)["pad_token_id"] == pad
+
+
 def test_without_doc_mask_matches_hf_on_whole_rows(setup):
     """--doc_mask false: each row is one sequence, as transformers sees it without document boundaries."""
     root, init_dir, data_path, _ = setup
