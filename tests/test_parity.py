@@ -2,12 +2,14 @@
 LlamaForCausalLM + torch.optim.AdamW on the same batches: per-step loss within 1e-5 relative, logged
 grad norm within 1e-4, final weights within 1e-4 relative per tensor. The data packs several documents
 into some rows; the oracle runs each document alone, which is what --doc_mask (the default) promises."""
+import functools
 import json
 import math
 import os
 import re
 import subprocess
 import sys
+from typing import Callable, NamedTuple
 
 import pytest
 import torch
@@ -27,14 +29,21 @@ def split_at_eos(row: torch.Tensor, eos_id: int) -> list:
     return [(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
+class Reference(NamedTuple):
+    losses: list
+    norms: list
+    state: dict
+    again: Callable  # the same oracle with transformers' SDPA attention: its own distance from itself (check_weights)
+
+
 def reference_run(init_dir, data_path, doc_mask: bool, optimizer: str = "adamw", args: dict = ARGS,
-                  frozen=lambda step, name: False, lr_mult=()):
+                  frozen=lambda step, name: False, lr_mult=(), attention: str = "eager") -> Reference:
     """The oracle: one process, whole global batch at once, HF model, torch AdamW. With doc_mask, each
     packed document runs through HF alone (its own positions from 0, nothing else to attend to).
     `frozen(step, name)`: requires_grad=False for that step's forward and backward; `lr_mult`: [(regex,
     factor)], a parameter group each (the first regex that matches a parameter's name wins)."""
     from transformers import AutoModelForCausalLM
-    ref = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32, attn_implementation="eager")
+    ref = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32, attn_implementation=attention)
     params = dict(ref.named_parameters())
     groups = {}  # (lr factor, decayed) -> parameters
     for name, p in params.items():
@@ -68,7 +77,8 @@ def reference_run(init_dir, data_path, doc_mask: bool, optimizer: str = "adamw",
         opt.step()
         losses.append(loss.item())
     assert not doc_mask or n_split >= 4, "the data must pack several documents into some rows"
-    return losses, norms, {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    again = functools.cache(lambda: reference_run(init_dir, data_path, doc_mask, optimizer, args, frozen, lr_mult, "sdpa"))
+    return Reference(losses, norms, {k: v.detach().clone() for k, v in ref.state_dict().items()}, again)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
@@ -83,7 +93,7 @@ def setup(request, tmp_path_factory):
 
 
 def check_against_reference(out, reference, clip=CLIP):
-    ref_losses, ref_norms, ref_state = reference
+    ref_losses, ref_norms, ref_state, _ = reference
     got = read_metrics(out)
     assert [m["step"] for m in got] == list(range(1, STEPS + 1))
     for m, loss, norm in zip(got, ref_losses, ref_norms):
@@ -92,11 +102,19 @@ def check_against_reference(out, reference, clip=CLIP):
     assert max(ref_norms) > clip, "the test must exercise clipping"
     from transformers import AutoModelForCausalLM
     exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"), dtype=torch.float32)
-    state = exported.state_dict()
-    assert set(state) == set(ref_state)
-    for name, ref_w in ref_state.items():
-        rel = (state[name] - ref_w).norm() / ref_w.norm()
-        assert rel < 1e-4, (name, rel.item())
+    check_weights(exported.state_dict(), reference)
+
+
+def check_weights(state: dict, reference: Reference, floor: float = 1e-4):
+    """Each tensor within `floor` relative of the oracle's, or within twice the oracle's own distance from itself
+    (eager against SDPA attention, run only when needed): a fork whose arithmetic is noisier than 1e-4 (post-norm
+    blocks) is held to its oracle's noise, never to a fixed number below it."""
+    assert set(state) == set(reference.state)
+    for name, ref_w in reference.state.items():
+        rel = ((state[name] - ref_w).norm() / ref_w.norm()).item()
+        if rel >= floor:
+            own = ((reference.again().state[name] - ref_w).norm() / ref_w.norm()).item()
+            assert rel < 2 * own, (name, rel, own)
 
 
 # Each world size also runs one option that must not change the arithmetic: cross-entropy in chunks that do
@@ -164,6 +182,18 @@ def test_a_pad_token_id_leaves_its_embedding_row_as_transformers_does(tmp_path):
         assert json.load(f)["pad_token_id"] == pad
 
 
+def test_the_weight_tolerance_is_the_oracles_own_noise_above_1e_4():
+    """check_weights: 1e-4 relative, or under twice the oracle's eager-vs-SDPA distance where that is larger."""
+    ones = torch.ones(100)
+    quiet = Reference([], [], {"w": ones}, lambda: Reference([], [], {"w": ones * (1 + 1e-6)}, None))
+    noisy = Reference([], [], {"w": ones}, lambda: Reference([], [], {"w": ones * (1 + 1e-3)}, None))
+    check_weights({"w": ones * (1 + 5e-5)}, quiet)
+    check_weights({"w": ones * (1 + 1.5e-3)}, noisy)
+    for state, reference in (({"w": ones * (1 + 2e-4)}, quiet), ({"w": ones * (1 + 3e-3)}, noisy)):
+        with pytest.raises(AssertionError):
+            check_weights(state, reference)
+
+
 def test_without_doc_mask_matches_hf_on_whole_rows(setup):
     """--doc_mask false: each row is one sequence, as transformers sees it without document boundaries."""
     root, init_dir, data_path, _ = setup
@@ -178,7 +208,7 @@ def test_without_doc_mask_matches_hf_on_whole_rows(setup):
 def test_bf16_training_tracks_the_fp32_reference(setup, reduce_dtype):
     """BF16 compute with FP32 master weights: the same run at W=2 stays within bf16 rounding of the fp32
     oracle (2e-2 relative on each step's loss), with either reduce-scatter dtype."""
-    root, init_dir, data_path, (ref_losses, _, _) = setup
+    root, init_dir, data_path, (ref_losses, *_) = setup
     out = str(root / f"bf16-{reduce_dtype}")
     args = [f"--{k}={v}" for k, v in dict(ARGS, dtype="bfloat16").items()]
     run_train(args + [f"--init_from={init_dir}", f"--data={data_path}", "--micro_batch_size=2",
