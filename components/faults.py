@@ -1,10 +1,10 @@
 """Fault injection, for the tests only: train.py and disk.py call `hook` at two points (the start of each step,
 each rank's checkpoint file written) when ZERO3_FAULT is set together with ZERO3_ALLOW_FAULTS=1 (the tests set
-both), and not at all otherwise. The step itself holds no seam: a NaN reaches the loss through a forward hook
-(PyTorch's own extension point) on the model's final norm.
+both), and not at all otherwise. The step itself holds no seam: the mid-step faults strike from a forward hook
+(PyTorch's own extension point) on the model's final norm, the head's first module.
 
     ZERO3_FAULT=KIND:STEP[:RANK[:SECONDS]]   (every rank when RANK is left out or empty; STEP is 1-based)
-      kill_mid_step  SIGKILL as step STEP starts, before its first all-gather
+      kill_mid_step  SIGKILL in the middle of step STEP: its forward done, before its first backward
       nan            this rank's loss of step STEP becomes NaN before backward, as an overflow would
       hang           this rank sleeps in step STEP: SECONDS, or an hour; its peers' collectives time out
       kill_in_save   SIGKILL after writing this rank's file of step STEP's checkpoint, before the commit
@@ -80,12 +80,17 @@ def hook(where: str, step: int, rank: int, model=None):
             return
         open(once, "w").close()
     seconds = float(spec[3]) if len(spec) > 3 else None
-    if kind in ("kill_mid_step", "kill_in_save"):
-        os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "nan":  # the next forward's final norm gives NaN, once: the loss, its gradients and the norm follow
-        def poison(module, args, output):
-            handle.remove()
-            return output * float("nan")
-        handle = model.norm.register_forward_hook(poison)
+    if where == "save":
+        if kind == "kill_in_save":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(seconds or 0.0)  # slow_save
         return
-    time.sleep(seconds if seconds is not None else 3600 if kind == "hang" else 0.0)
+
+    def strike(module, args, output):  # in the step: the head's forward, every block gathered and run, before backward
+        handle.remove()
+        if kind == "kill_mid_step":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "hang":
+            time.sleep(seconds if seconds is not None else 3600)
+        return output * float("nan") if kind == "nan" else output  # NaN: the loss, its gradients and the norm follow
+    handle = model.norm.register_forward_hook(strike)
