@@ -1,6 +1,7 @@
 """Training parity: train.py at W = 1, 2, 3, 4 (fp32, gloo) against one process of transformers'
 LlamaForCausalLM + torch.optim.AdamW on the same batches: per-step loss within 1e-5 relative, logged
-grad norm within 1e-4, final weights within 1e-4 relative per tensor. The data packs several documents
+grad norm within 1e-4, final weights within 1e-4 relative per tensor (a fork noisier than that: twice its
+oracle's own eager-vs-SDPA distance, check_weights). The data packs several documents
 into some rows; the oracle runs each document alone, which is what --doc_mask (the default) promises."""
 import functools
 import json
@@ -93,7 +94,7 @@ def setup(request, tmp_path_factory):
 
 
 def check_against_reference(out, reference, clip=CLIP):
-    ref_losses, ref_norms, ref_state, _ = reference
+    ref_losses, ref_norms = reference.losses, reference.norms
     got = read_metrics(out)
     assert [m["step"] for m in got] == list(range(1, STEPS + 1))
     for m, loss, norm in zip(got, ref_losses, ref_norms):
