@@ -370,21 +370,25 @@ class Llama(nn.Module):
     def logits(self, h):
         return F.linear(self.norm(h), self.head_weight())
 
-    def head_loss(self, h, targets, chunk: int = 0):
-        """Summed cross-entropy over targets != -100, in fp32 (HF upcasts logits before the loss).
-        Summed, not averaged: the trainer divides by the token count of the whole global batch.
+    def head_loss(self, h, targets, chunk: int = 0) -> dict:
+        """The loss terms by name, each summed over targets != -100 in fp32: cross-entropy ("ce"; HF upcasts
+        logits before the loss), and whatever a fork adds in _loss_terms (a z-loss, an auxiliary loss). The
+        trainer backpropagates their sum and logs each (train.forward_backward). Summed, not averaged: the
+        trainer divides by the token count of the whole global batch.
         With `chunk`, `chunk` tokens at a time, each chunk checkpointed: its fp32 logits (chunk x vocab)
         are dropped after its forward and recomputed in backward, so the whole (tokens x vocab) fp32
         logits -- 4 GiB for 8192 tokens of Llama 3's 128K vocabulary -- never exist at once."""
         h, targets = self.norm(h).flatten(0, -2), targets.reshape(-1)
         if not chunk or chunk >= len(targets):
-            return self._summed_ce(h, targets)
-        return sum(torch.utils.checkpoint.checkpoint(self._summed_ce, h[i:i + chunk], targets[i:i + chunk],
-                                                     use_reentrant=False) for i in range(0, len(targets), chunk))
+            return self._loss_terms(h, targets)
+        chunks = [torch.utils.checkpoint.checkpoint(self._loss_terms, h[i:i + chunk], targets[i:i + chunk],
+                                                    use_reentrant=False) for i in range(0, len(targets), chunk)]
+        return {name: sum(terms[name] for terms in chunks) for name in chunks[0]}
 
-    def _summed_ce(self, h_normed, targets):
+    def _loss_terms(self, h_normed, targets) -> dict:
         logits = F.linear(h_normed, self.head_weight()).float()
-        return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
+        terms = {"ce": F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")}
+        return terms  # a fork's term is one line above: docs/forking.md, "A loss"
 
     def forward(self, tokens, doc_starts=None):
         """Logits for (B, T) tokens, all in one process: the unsharded reference path. With `doc_starts`

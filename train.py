@@ -249,7 +249,7 @@ class Unit:
 # below its caller: train_step -> forward_backward -> micro_batches -> ShardedModel (loss, run_stage,
 # on_backward) -> the stages -> BackwardBoundary -> reduce_scatter_grad -> finish_reduces -> the optimizer.
 
-def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict], step: int) -> tuple[float, float]:
+def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict], step: int) -> dict:
     """ZeRO-3 with nothing overlapped and nothing freed early, to read first: each unit all-gathered
     into a full buffer, a plain forward and backward over this rank's micro-batches, each unit's gradient
     reduce-scattered to its owner, AdamW written out term for term. The same arithmetic as train_step
@@ -271,7 +271,7 @@ def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict]
         x = model.embed(batch["tokens"])
         for block in model.layers:
             x = block(x, batch["cos"], batch["sin"], batch["layout"])
-        loss = model.head_loss(x, batch["targets"], cfg.ce_chunk) / batch["n_tokens"]
+        loss = sum(model.head_loss(x, batch["targets"], cfg.ce_chunk).values()) / batch["n_tokens"]
         loss.backward()  # gradients accumulate into full[...].grad over the micro-batches
         loss_sum += loss.detach().float()
     for unit in [u for u in units if u.trained]:  # a frozen unit (--freeze) has no gradient
@@ -289,7 +289,7 @@ def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict]
     for unit, kept in zip(units, views):  # the modules point where they did, not into `full`, which goes now
         for slot, view in zip(unit.slots, kept):
             setattr(slot.module, slot.attr, view)
-    return loss_sum.item(), grad_norm.item()
+    return dict(loss=loss_sum.item(), grad_norm=grad_norm.item())
 
 
 def global_grad_norm(units: list[Unit], device: torch.device) -> torch.Tensor:
@@ -329,16 +329,18 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) -> tuple[float, float]:
-    """One optimizer step (1-based `step`): accumulate, clip, update. Returns (loss, grad_norm) floats.
+def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) -> dict:
+    """One optimizer step (1-based `step`): accumulate, clip, update. Returns the step's numbers by name, floats:
+    loss, its terms when there are several, grad_norm; the step line, metrics.jsonl and TensorBoard log each.
     A non-finite loss or gradient norm (both already summed over ranks, so every rank sees the same
     value and takes the same branch) skips the update: the weights and optimizer state stay as they were."""
     units = sharded.units
-    loss, local_finite = forward_backward(cfg, sharded, windows, step, position)
+    losses, local_finite = forward_backward(cfg, sharded, windows, step, position)
     with record_function("grad_norm"):
         grad_norm = sharded.grad_norm()
-    # The step's one host sync: the clip factor and the skip decision need both numbers on the host.
-    loss, grad_norm = torch.stack([loss.float(), grad_norm.float()]).tolist()
+    # The step's one host sync: the clip factor and the skip decision need the numbers on the host.
+    record = dict(zip([*losses, "grad_norm"], torch.stack([*losses.values(), grad_norm.float()]).tolist()))
+    loss, grad_norm = record["loss"], record["grad_norm"]
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         for u in units:
             u.grad_shard.zero_()
@@ -353,7 +355,7 @@ def train_step(cfg, sharded: ShardedModel, windows, step: int, position: int) ->
         sharded.update(cfg, lr_at(cfg, step), step)
     for u in units:
         u.grad_shard.zero_()
-    return loss, grad_norm
+    return record
 
 
 class NonFiniteStep(Exception):
@@ -366,18 +368,20 @@ class NonFiniteStep(Exception):
 
 def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: int):
     """All micro-batches of (1-based) `step`: gradients summed into each unit's grad_shard. Returns the
-    global batch's mean loss (identical on every rank) and whether this rank's own part was finite."""
-    loss_sum = torch.zeros((), device=sharded.device)
+    global batch's mean loss and its terms (model.Llama.head_loss), {"loss": ..., "loss/ce": ..., ...}, 0-d
+    tensors identical on every rank, and whether this rank's own loss was finite."""
+    sums = 0
     for batch in micro_batches(cfg, sharded, windows, position):
-        loss = sharded.loss(batch)
+        loss, terms = sharded.loss(batch)
         loss.backward()  # the reduce-scatters start inside, unit by unit (reduce_scatter_grad)
         for unit in sharded.stages[sharded.first_trained].backward_units:  # on_backward frees a stage as backward
             unit.free()  # leaves it, but backward ends in the first trained stage (after a frozen prefix: --freeze)
         finish_reduces(sharded.reduces_in_flight)
-        loss_sum += loss.detach().float()
-    local_finite = torch.isfinite(loss_sum)  # read only if the step goes bad: reading it waits for the GPU
-    dist.all_reduce(loss_sum)
-    return loss_sum, local_finite
+        terms = terms if len(terms) > 1 else {}  # a lone term is the loss itself
+        sums = sums + torch.stack([loss.detach(), *terms.values()]).float()
+    local_finite = torch.isfinite(sums[0])  # read only if the step goes bad: reading it waits for the GPU
+    dist.all_reduce(sums)  # the loss and its terms in one all-reduce
+    return dict(zip(["loss", *(f"loss/{name}" for name in terms)], sums)), local_finite
 
 
 def micro_batches(cfg, sharded: ShardedModel, windows, position: int) -> list[dict]:
@@ -414,7 +418,7 @@ class ShardedModel:
         """Forward through all stages, each gathered just before it runs and followed by a BackwardBoundary
         that gathers it again for backward. Each is freed right after it runs, except the last (the head):
         backward starts there, so it stays gathered into its backward. Returns this rank's loss (already
-        divided by the global token count)."""
+        divided by the global token count), which backward starts from, and its terms by name, detached."""
         x = batch["tokens"]
         for k, stage in enumerate(self.stages):
             for unit in stage.forward_units:
@@ -428,15 +432,18 @@ class ShardedModel:
             if k + 1 < len(self.stages):
                 for unit in stage.forward_units:
                     unit.free()
+            else:  # the head's loss terms: the loss is their sum
+                terms, x = x, sum(x.values())
             x = BackwardBoundary.apply(x, partial(self.on_backward, k))
-        return x
+        return x, {name: term.detach() for name, term in terms.items()}
 
     def run_stage(self, k: int, x: torch.Tensor, batch: dict) -> torch.Tensor:
-        """Stage k's forward: the embedding, a block (under its checkpointing policy), or the head and the loss."""
+        """Stage k's forward: the embedding, a block (under its checkpointing policy), or the head and the loss's terms."""
         if k == 0:
             return self.model.embed(x)
         if k == len(self.stages) - 1:
-            return self.model.head_loss(x, batch["targets"], self.ce_chunk) / batch["n_tokens"]
+            terms = self.model.head_loss(x, batch["targets"], self.ce_chunk)
+            return {name: term / batch["n_tokens"] for name, term in terms.items()}
         stage = self.stages[k]
         return run_block(self.model.layers[k - 1], stage.ac, x, batch["cos"], batch["sin"], batch["layout"], stage.offload,
                          stage.forward_units[0].name, stage.forward_units[0].trained)
@@ -715,7 +722,7 @@ def evaluate(cfg, sharded: ShardedModel, eval_windows) -> float:
     with torch.no_grad():
         for i in range(cfg.eval_batches):
             for batch in micro_batches(cfg, sharded, eval_windows, i * cfg.batch_size):
-                loss_sum += sharded.loss(dict(batch, n_tokens=1.0)).float()  # the sum, not the mean
+                loss_sum += sharded.loss(dict(batch, n_tokens=1.0))[0].float()  # the sum, not the mean
                 for unit in sharded.stages[-1].forward_units:  # kept gathered for a backward that won't come
                     unit.free()
                 n_tokens += (batch["targets"] != -100).sum()
@@ -891,7 +898,7 @@ def main(argv=None):
             fault_hook("step", step, rank, sharded.model)
         try:
             with metrics.profile_step(cfg, step, rank, device):  # --profile STEP: a trace of this one
-                loss, grad_norm = train_step(cfg, sharded, windows, step, position)
+                record = train_step(cfg, sharded, windows, step, position)
         except torch.OutOfMemoryError as e:  # the same step runs out again after a restart: exit 2, and what to change
             fail(metrics.out_of_memory_line(e, step, [u.name for u in sharded.units if u.state() != "free"],
                                             metrics.allocator_held(device), metrics.planned_memory(cfg, sharded)))
@@ -903,7 +910,7 @@ def main(argv=None):
                      f"nothing from this step was saved")
             if rank == 0:
                 print(f"warning: {e} ({skipped} of at most {cfg.max_skipped_steps})", file=sys.stderr, flush=True)
-            loss = grad_norm = None  # null in metrics.jsonl
+            record = dict(loss=None, grad_norm=None)  # null in metrics.jsonl
         leftover = left_behind(sharded, step)  # a fork's bug, named here rather than training on stale weights
         if leftover:
             fail(leftover)
@@ -916,8 +923,7 @@ def main(argv=None):
         if eval_windows is not None and (step % cfg.eval_every == 0 or step == steps):
             eval_loss = eval_windows.losses(partial(evaluate, cfg, sharded))  # each source's, and their weighted mean
         step_times_s = metrics.step_times_by_rank(step_time_s, device)  # the slowest rank is named, not averaged away
-        log.step(step, loss, grad_norm, lr_at(cfg, step), step_time_s, mem_gb, eval_loss, windows.progress(position),
-                 step_times_s)
+        log.step(step, record, lr_at(cfg, step), step_time_s, mem_gb, eval_loss, windows.progress(position), step_times_s)
         if step == start_step + 1:
             metrics.print_device_memory(cfg, sharded, f"after step {step}", "peak_gib")
         if sampler and (step % cfg.eval_every == 0 or step == steps):

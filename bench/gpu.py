@@ -151,7 +151,8 @@ def build_ours(flags: list, compile_blocks: bool = False):
     T.run_block = compiled_run_block() if compile_blocks else EAGER_RUN_BLOCK  # what the block stages call
 
     def step_fn(step: int):  # 0-based here, 1-based in train.py
-        return T.train_step(cfg, sharded, windows, step + 1, step * cfg.batch_size)
+        record = T.train_step(cfg, sharded, windows, step + 1, step * cfg.batch_size)
+        return record["loss"], record["grad_norm"]
     return sharded.model.cfg, sharded.units, step_fn
 
 

@@ -68,7 +68,8 @@ def build_ours(folder: str, init: str, tokens: str, total_steps: int):
     sharded, windows = T.setup(cfg)[:2]
 
     def step_fn(step: int):  # 0-based here, 1-based in train.py
-        return T.train_step(cfg, sharded, windows, step + 1, step * cfg.batch_size)
+        record = T.train_step(cfg, sharded, windows, step + 1, step * cfg.batch_size)
+        return record["loss"], record["grad_norm"]
     return cfg, sharded.model.cfg, step_fn
 
 

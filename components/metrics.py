@@ -187,8 +187,9 @@ def fmt_time(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-def log_step(cfg, metrics: dict, f, epochs_by_source: dict | None = None):
-    """One metrics.jsonl row, and the step line when due; `epochs_by_source` (once a source repeats) too."""
+def log_step(cfg, metrics: dict, f, epochs_by_source: dict | None = None, shown: tuple = ()):
+    """One metrics.jsonl row, and the step line when due; `epochs_by_source` (once a source repeats) too, and
+    the row's `shown` keys after the loss (what train_step's record holds besides loss and grad_norm)."""
     f.write(json.dumps(metrics) + "\n")
     f.flush()
     s = metrics["step"]
@@ -196,7 +197,9 @@ def log_step(cfg, metrics: dict, f, epochs_by_source: dict | None = None):
         mfu = "n/a" if metrics["mfu"] is None else f"{100 * metrics['mfu']:.1f}%"
         loss = "skipped" if metrics["loss"] is None else f"{metrics['loss']:.4f}"
         grad_norm = "skipped" if metrics["grad_norm"] is None else f"{metrics['grad_norm']:.3f}"
-        print(f"step {s}/{cfg.steps} | loss {loss} | lr {metrics['lr']:.2e} | "
+        print(f"step {s}/{cfg.steps} | loss {loss} | " +
+              "".join(f"{key} {metrics[key]:.4f} | " for key in shown if metrics[key] is not None) +
+              f"lr {metrics['lr']:.2e} | "
               f"grad_norm {grad_norm} | {metrics['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | "
               f"mfu {mfu} | mem {metrics['mem_gb']:.2f} GB | elapsed {fmt_time(metrics['elapsed_s'])} | "
               f"eta {fmt_time(metrics['eta_s'])}" +
@@ -236,9 +239,10 @@ class MetricsLog:
             self.tensorboard = SummaryWriter(os.path.join(cfg.out_dir, "tensorboard"))
         self.start = time.perf_counter()
 
-    def step(self, step: int, loss, grad_norm, lr: float, step_time_s: float, mem_gb: float, eval_loss=None,
+    def step(self, step: int, record: dict, lr: float, step_time_s: float, mem_gb: float, eval_loss=None,
              progress=None, step_times_s=None):
-        """Logs 1-based `step`; loss and grad_norm are None for a skipped step. eval_loss: a number, or
+        """Logs 1-based `step`. record: train_step's numbers by name, each logged (loss and grad_norm None for
+        a skipped step). eval_loss: a number, or
         {"eval_loss": ..., "eval_loss/SOURCE": ...} (data.MixedWindows.losses); progress: the loader's
         windows_by_source and epochs_by_source (data.MixedWindows.progress); step_times_s: every rank's
         (step_times_by_rank), whose slowest rank and median join the row when W > 1."""
@@ -248,7 +252,7 @@ class MetricsLog:
         tokens_per_sec_per_gpu = self.tokens_per_step / step_time_s / self.world
         eta = now / (step - self.start_step) * (self.steps - step)
         metrics = dict(
-            step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
+            step=step, **record, lr=lr, tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
             mfu=None if self.peak is None else tokens_per_sec_per_gpu * self.flops_per_token / self.peak,
             mem_gb=mem_gb, step_time_s=step_time_s, elapsed_s=self.elapsed_before + now, eta_s=eta)
         if step_times_s and len(step_times_s) > 1:
@@ -266,7 +270,8 @@ class MetricsLog:
             metrics["projected_cost_usd"] = (elapsed + eta) / 3600 * self.world * self.cfg.gpu_hour_usd
         epochs = (progress or {}).get("epochs_by_source", {})
         try:
-            log_step(self.cfg, metrics, self.file, epochs if any(e > 1 for e in epochs.values()) else None)
+            log_step(self.cfg, metrics, self.file, epochs if any(e > 1 for e in epochs.values()) else None,
+                     tuple(key for key in record if key not in ("loss", "grad_norm")))
         except OSError as e:  # a torn last line is dropped on resume
             self.unwritable(e)
             return

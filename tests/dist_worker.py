@@ -2,9 +2,10 @@
 
     torchrun --nproc_per_node W tests/dist_worker.py MODE OUT_DIR [train.py flags...]
 MODE is `load` (how much of the checkpoint each rank reads), `sgd` (a whole run with SGD + momentum
-swapped in for AdamW; writes no JSON), or `facts` (a whole run in which each rank sees its own machine as
-ZERO3_TEST_FACTS says: see facts(); writes the launch settings it ran under). Checks of the step itself run
-in one process (tests/ranks.py).
+swapped in for AdamW; writes no JSON), `zloss` (a whole run with a z-loss term added where docs/forking.md
+says, and TensorBoard's writer replaced by one that writes OUT_DIR/tensorboard.jsonl), or `facts` (a whole run
+in which each rank sees its own machine as ZERO3_TEST_FACTS says: see facts(); writes the launch settings it
+ran under). Checks of the step itself run in one process (tests/ranks.py).
 """
 import json
 import os
@@ -24,6 +25,34 @@ def sgd_momentum_step(units, cfg, lr, step):
         momentum = u.optimizer_state["momentum_buffer"]
         momentum.mul_(0.9).add_(u.grad_shard)
         u.master_shard.add_(momentum, alpha=-lr)
+
+
+Z_LOSS = 0.05  # PaLM's is 1e-4; large here, so that a run that logged the term but did not train on it fails
+
+
+def z_loss_terms(self, h_normed, targets) -> dict:
+    """model.Llama._loss_terms with PaLM's z-loss added: the one line a fork writes."""
+    logits = torch.nn.functional.linear(h_normed, self.head_weight()).float()
+    terms = {"ce": torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")}
+    terms["z_loss"] = Z_LOSS * torch.logsumexp(logits, -1)[targets != -100].square().sum()
+    return terms
+
+
+def record_tensorboard(out_dir):
+    """A stand-in for torch.utils.tensorboard (not installed here): SummaryWriter writes each add_scalar as a
+    JSON line."""
+    import types
+
+    class SummaryWriter:
+        def __init__(self, log_dir):
+            self.file = open(os.path.join(out_dir, "tensorboard.jsonl"), "w")
+
+        def add_scalar(self, tag, value, step):
+            self.file.write(json.dumps(dict(tag=tag, value=value, step=step)) + "\n")
+
+        def close(self):
+            self.file.close()
+    sys.modules["torch.utils.tensorboard"] = types.SimpleNamespace(SummaryWriter=SummaryWriter)
 
 
 def load(flags):
@@ -108,6 +137,11 @@ if __name__ == "__main__":
     mode, out_dir, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
     if mode == "sgd":  # a second optimizer, swapped in where train.py says a fork swaps it; then a whole run
         M.OPTIMIZER_STATE, T.optimizer_step = ("momentum_buffer",), sgd_momentum_step
+        T.main(flags)
+        os._exit(0)
+    if mode == "zloss":
+        M.Llama._loss_terms = z_loss_terms
+        record_tensorboard(out_dir)
         T.main(flags)
         os._exit(0)
     if mode == "facts":

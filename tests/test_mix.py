@@ -187,7 +187,7 @@ def test_each_sources_eval_loss_and_windows_reach_metrics_jsonl_the_console_and_
     scalars = []
     log.tensorboard = types.SimpleNamespace(add_scalar=lambda key, value, step: scalars.append(key), close=lambda: None)
     progress = dict(windows_by_source={"fr": 3, "en": 2}, epochs_by_source={"fr": 0.5, "en": 1.5})
-    log.step(1, 2.0, 1.0, 1e-3, 0.1, 1.0, {"eval_loss": 2.0, "eval_loss/fr": 1.5, "eval_loss/en": 2.75}, progress)
+    log.step(1, dict(loss=2.0, grad_norm=1.0), 1e-3, 0.1, 1.0, {"eval_loss": 2.0, "eval_loss/fr": 1.5, "eval_loss/en": 2.75}, progress)
     log.close()
     row = read_metrics(str(tmp_path))[0]
     assert row["windows_by_source"] == {"fr": 3, "en": 2} and (row["eval_loss/fr"], row["eval_loss/en"]) == (1.5, 2.75)

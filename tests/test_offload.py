@@ -83,7 +83,7 @@ def test_offloaded_optimizer_steps_are_bit_identical(files, tmp_path, world, red
         assert got_log == want_log
         assert [(grad, state) for _, grad, state in frozen] == ([(0, 0)] * 2 if freeze else [])
         assert len(got_state) == len(want_state) and all(torch.equal(g, w) for g, w in zip(got_state, want_state))
-    assert offloaded[0][0][-1][0] < offloaded[0][0][0][0]  # it trained
+    assert offloaded[0][0][-1]["loss"] < offloaded[0][0][0]["loss"]  # it trained
 
 
 @pytest.mark.parametrize("first,then", [("true", "false"), ("false", "true")], ids=["offloaded->device", "device->offloaded"])

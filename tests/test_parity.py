@@ -38,11 +38,12 @@ class Reference(NamedTuple):
 
 
 def reference_run(init_dir, data_path, doc_mask: bool, optimizer: str = "adamw", args: dict = ARGS,
-                  frozen=lambda step, name: False, lr_mult=(), attention: str = "eager") -> Reference:
+                  frozen=lambda step, name: False, lr_mult=(), attention: str = "eager", z_loss: float = 0.0) -> Reference:
     """The oracle: one process, whole global batch at once, HF model, torch AdamW. With doc_mask, each
     packed document runs through HF alone (its own positions from 0, nothing else to attend to).
     `frozen(step, name)`: requires_grad=False for that step's forward and backward; `lr_mult`: [(regex,
-    factor)], a parameter group each (the first regex that matches a parameter's name wins)."""
+    factor)], a parameter group each (the first regex that matches a parameter's name wins); `z_loss`: PaLM's
+    z-loss term with that coefficient (tests/dist_worker.py's fork)."""
     from transformers import AutoModelForCausalLM
     ref = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32, attn_implementation=attention)
     params = dict(ref.named_parameters())
@@ -69,6 +70,8 @@ def reference_run(init_dir, data_path, doc_mask: bool, optimizer: str = "adamw",
             for a, b in docs:
                 logits = ref(inputs[row:row + 1, a:b]).logits[0]
                 loss = loss + torch.nn.functional.cross_entropy(logits.float(), targets[row, a:b], reduction="sum")
+                kept = targets[row, a:b] != -100
+                loss = loss + z_loss * torch.logsumexp(logits.float(), -1)[kept].square().sum()
         loss = loss / targets.numel()
         opt.zero_grad()  # to None: a frozen parameter has no gradient, so AdamW and the clip skip it
         loss.backward()
@@ -78,7 +81,8 @@ def reference_run(init_dir, data_path, doc_mask: bool, optimizer: str = "adamw",
         opt.step()
         losses.append(loss.item())
     assert not doc_mask or n_split >= 4, "the data must pack several documents into some rows"
-    again = functools.cache(lambda: reference_run(init_dir, data_path, doc_mask, optimizer, args, frozen, lr_mult, "sdpa"))
+    again = functools.cache(lambda: reference_run(init_dir, data_path, doc_mask, optimizer, args, frozen, lr_mult, "sdpa",
+                                                  z_loss))
     return Reference(losses, norms, {k: v.detach().clone() for k, v in ref.state_dict().items()}, again)
 
 
@@ -244,6 +248,36 @@ def test_a_second_optimizer_swapped_in_one_place_trains_like_torch(tmp_path):
     from safetensors import safe_open
     with safe_open(os.path.join(ckpt, "rank00000-of-00002.safetensors"), framework="pt") as f:
         assert {key.rsplit(".", 1)[1] for key in f.keys()} == {"master_shard", "momentum_buffer"}
+
+
+def test_a_loss_term_a_fork_adds_is_trained_and_logged_by_name(tmp_path):
+    """A fork adds PaLM's z-loss as one line in model.Llama._loss_terms (tests/dist_worker.py, mode zloss). At W=2
+    it trains as the oracle with the same term does (losses, norms, weights), and with no other edit the step's
+    record carries loss/ce and loss/z_loss (their sum the loss) into metrics.jsonl, the step line and TensorBoard."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from dist_worker import Z_LOSS
+    cfg = small_config()
+    init_dir = save_hf(hf_model(cfg, seed=5), str(tmp_path / "init"))
+    data_path = learnable_tokens(str(tmp_path / "tokens.npy"), cfg.vocab_size, n=3000)
+    reference = reference_run(init_dir, data_path, doc_mask=True, z_loss=Z_LOSS)
+    out = str(tmp_path / "zloss")
+    args = [f"--{k}={v}" for k, v in ARGS.items()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "tests", "dist_worker.py"), "zloss", out, *args, f"--init_from={init_dir}",
+           f"--data={data_path}", "--micro_batch_size=2", "--log_every=1", "--tensorboard=true",
+           f"--out_dir={out}", f"--export_hf={out}/hf"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    check_against_reference(out, reference)
+    rows = read_metrics(out)
+    for row in rows:
+        assert row["loss/z_loss"] > 0.1 * row["loss"]  # large enough that training without it would not match
+        assert math.isclose(row["loss/ce"] + row["loss/z_loss"], row["loss"], rel_tol=1e-6)
+        assert f"loss/ce {row['loss/ce']:.4f} | loss/z_loss {row['loss/z_loss']:.4f} |" in proc.stdout
+    with open(os.path.join(out, "tensorboard.jsonl")) as f:
+        scalars = [json.loads(line) for line in f]
+    assert [(s["step"], s["value"]) for s in scalars if s["tag"] == "loss/z_loss"] == [
+        (row["step"], row["loss/z_loss"]) for row in rows]
 
 
 FREEZE_THEN, FREEZE_NOW = r"embed_tokens|layers\.0\.", "embed_tokens"  # progressive unfreezing: block 0 from step 3

@@ -128,8 +128,8 @@ def test_activation_checkpointing_modes_give_the_same_gradients(dtype, freeze, t
         sharded, grads = sharded_model(cfg, mcfg, weights), {}
         for mode, (policy, offload, ac_blocks, ac_rest) in modes.items():
             sharded.stages = T.make_stages(sharded.model, sharded.units, policy, offload, ac_blocks, ac_rest)
-            loss, _ = T.forward_backward(cfg, sharded, windows, 1, 0)
-            grads[mode] = ([u.grad_shard.clone() for u in sharded.units], loss.item())
+            losses, _ = T.forward_backward(cfg, sharded, windows, 1, 0)
+            grads[mode] = ([u.grad_shard.clone() for u in sharded.units], losses["loss"].item())
             for u in sharded.units:
                 u.grad_shard.zero_()
         return grads
@@ -193,7 +193,7 @@ def test_initial_weights_and_batches_do_not_depend_on_world_size():
             flat = torch.empty(u.padded_numel)
             T.all_gather_flat(flat, u.master_shard)
             whole[u.name] = flat[:u.numel]
-        loss, _ = T.train_step(cfg, sharded, windows, 1, 0)
+        loss = T.train_step(cfg, sharded, windows, 1, 0)["loss"]
         return whole, loss
     (w1, loss1), (w3, loss3) = run_ranks(1, first_weights_and_loss)[0], run_ranks(3, first_weights_and_loss)[0]
     assert abs(loss1 - loss3) < 1e-5 * loss1
@@ -273,9 +273,10 @@ def test_naive_step_equals_the_real_one(tmp_path):
     for r in run_ranks(2, rank_runs):
         real, naive = r["real"], r["naive"]
         assert real["grads_zero"] and naive["grads_zero"]
-        for (loss, norm), (naive_loss, naive_norm) in zip(real["log"], naive["log"]):
-            assert loss == pytest.approx(naive_loss, rel=1e-6) and norm == pytest.approx(naive_norm, rel=1e-5)
-        assert max(norm for _, norm in real["log"]) > 0.5  # clipping is exercised
+        for got, naive_got in zip(real["log"], naive["log"]):
+            assert got["loss"] == pytest.approx(naive_got["loss"], rel=1e-6)
+            assert got["grad_norm"] == pytest.approx(naive_got["grad_norm"], rel=1e-5)
+        assert max(got["grad_norm"] for got in real["log"]) > 0.5  # clipping is exercised
         for start, got, want in zip(r["start"], real["master"], naive["master"]):
             # Per shard, as the parity tests compare weights: Adam's first steps move each weight by about
             # lr * sign(g), so a gradient within rounding of 0 may move either way in the two runs.
