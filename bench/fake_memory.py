@@ -101,7 +101,7 @@ def margins(r: dict) -> dict:
     """The measured peak with what torch does not count added as the planner adds it: CUDA context and
     NCCL (an assumption), and allocator fragmentation on everything but the persistent state."""
     context = TrainConfig().outside_gib * GIB  # --outside_gib's default, an assumption
-    fragmentation = P.ASSUMPTIONS["fragmentation"][0] * (r["peak_bytes"] - r["state_bytes"])
+    fragmentation = P.ASSUMPTIONS["fragmentation"] * (r["peak_bytes"] - r["state_bytes"])
     total = r["peak_bytes"] + context + fragmentation
     usable = P.GPUS["h100"]["memory_mib"] * 2**20
     return dict(with_margins_gib=total / GIB, usable_gib=usable / GIB, fits=total <= usable,

@@ -525,7 +525,7 @@ def main() -> int:
         mcfg_run, units, step_fn = build_ours(flags + OURS_RUNS.get(name, []), compile_blocks=compiled)
         host = units[0].host.state if getattr(units[0], "host", None) else None  # --offload_optimizer: its one host buffer
         run = timed_steps(step_fn, warmup, args.steps, device)
-        if host:  # what zeroing and page-locking it took (plan.ASSUMPTIONS pinning predicts the rate)
+        if host:  # what zeroing and page-locking it took (docs/planning.md: pinning predicts the rate)
             run.update(host_buffer_gib=host.buffer.numel() * 4 / 2**30, host_zeroed_s=host.zeroed_s,
                        host_page_locked_s=host.page_locked_s)
         release(units)

@@ -99,7 +99,7 @@ class TrainConfig:
     nic_gbps: float = opt(0.0, "--plan: bus bandwidth of one such NIC in a collective, GB/s (0: the --gpu's, 45 for "
                                "NDR 400 Gb/s, 22 for HDR 200 Gb/s)")
     outside_gib: float = opt(1.25, "--plan: GPU memory outside PyTorch's allocator, GiB per GPU: the CUDA context "
-                                   "and NCCL's buffers (plan.ASSUMPTIONS outside_gib); the trainer measures it after "
+                                   "and NCCL's buffers (docs/planning.md: outside_gib); the trainer measures it after "
                                    "set-up and prints the largest")
     train_tokens: float = opt(0.0, "--plan: tokens to train on, for hours and cost (0: one epoch of nothing)")
     plan_json: str = opt("", "--plan: also write the prediction as JSON here")

@@ -128,7 +128,7 @@ def page_locking_line(by_rank: list[tuple[float, float]], hosts: list[str]) -> s
         nodes.append(f"{host}: {len(mine)} rank(s), {sum(b for b, _ in mine) / 1e9:,.1f} GB, the slowest rank "
                      f"{slowest:.1f} s ({nbytes / 1e9 / max(slowest, 1e-9):.2f} GB/s)")
     return (f"host memory page-locked at start-up (cudaHostRegister, on the path to step 1): {'; '.join(nodes)}; "
-            f"--plan assumes {plan.ASSUMPTIONS['host_page_locking_gbps'][0]:g} GB/s per rank for a restart's set-up")
+            f"--plan assumes {plan.ASSUMPTIONS['host_page_locking_gbps']:g} GB/s per rank for a restart's set-up")
 
 
 def print_page_locking(sharded, hosts: list[str]):
@@ -399,7 +399,7 @@ def profile_step(cfg, step: int, rank: int, device: torch.device):
 
 
 def host_start_up(state) -> str:
-    """What allocating the offloaded state cost at start-up (plan.ASSUMPTIONS pinning predicts it)."""
+    """What allocating the offloaded state cost at start-up (docs/planning.md: pinning predicts it)."""
     locked = f", page-locked in {state.page_locked_s:.1f} s" if state.page_locked_s is not None else ""
     return f"; one buffer, zeroed in {state.zeroed_s:.1f} s{locked}"
 

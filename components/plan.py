@@ -11,7 +11,7 @@ fake tensors ("Reading the code"). Time: FLOPs / (peak x an efficiency from publ
 collectives' bytes, plus --offload_optimizer's PCIe copies and CPU update. Also a checkpoint's save and load,
 the stop's lead before a time limit (`stop_lead_time`), the saves' cost and interval (`checkpoint_interval`),
 the fewest --ac blocks that fit (`partial_checkpointing`) and the nearest configuration that fits
-(`nearest_fit`). Every constant is in GPUS or ASSUMPTIONS with its source; `plan()` returns them all.
+(`nearest_fit`). Every constant is in GPUS or ASSUMPTIONS, its source in docs/planning.md; `plan()` returns them all.
 """
 
 import contextlib
@@ -37,10 +37,6 @@ GIB = 2**30
 COMPUTE_BYTES = 2                                 # bf16: gathered weights, their gradients, activations
 REDUCE_BYTES = {"bfloat16": 2, "float32": 4}      # by --reduce_dtype
 
-# bench/host_adamw.py on the development machine (BENCHMARKS.md, "CPU: host AdamW and gradient accumulation"),
-# 1 thread, 256M elements, 2026-12-03.
-HOST_ADAMW_PER_CORE = 7.43e8       # 20.8 GB/s of state touched
-HOST_ACCUMULATE_PER_CORE = 2.25e8  # accumulator.add_(bf16 shard); staged via an fp32 buffer: 8.83e8
 ADAMW_HOST_BYTES = 28       # torch._fused_adamw_: read param, grad, exp_avg, exp_avg_sq; write three of them
 
 # Dense BF16 peak FLOP/s by device name (no sparsity), checked in order; metrics.peak_flops: None for one
@@ -67,172 +63,27 @@ GPUS = {
                       host_memory_gib_per_node=1024, host_cores_per_node=128, host_memory_gbps_per_node=410),
 }
 
+# The constants the model assumes, by the names the code reads. What each one is and its source, one row per
+# key, are in docs/planning.md ("What the planner assumes", which tests/test_plan.py holds to these keys and
+# values), with the sources of GPUS' figures and how each part is modelled, which the docstrings here cite by name.
 ASSUMPTIONS = {
-    "memory_mib": "total memory as nvidia-smi reports it (H100 SXM 81,559 MiB, H200 143,771 MiB); check yours",
-    "nvlink_gbps": "NVLink: H100/H200 SXM 450 GB/s per direction nominal, ~360 achievable (nccl-tests busbw); A100 "
-        "300 nominal, ~230; H100 PCIe has no NVLink switch: PCIe Gen5, ~40",
-    "nics_per_node": "compute NICs per node (--nics_per_node overrides): HGX/DGX H100 and H200 one ConnectX-7 (NDR "
-        "400 Gb/s) per GPU, 8; DGX A100 one HDR 200 Gb/s per GPU, 8; h100-pcie 4, an assumption for a PCIe server "
-        "(one per two GPUs)",
-    "nic_gbps": "bus bandwidth one NIC carries in a collective (--nic_gbps overrides): NDR 400 Gb/s = 50 GB/s "
-        "nominal, 45 assumed (NCCL's maintainers expect 46-48 per NDR NIC in nccl-tests, NVIDIA/nccl-tests issue "
-        "290); HDR 200 Gb/s = 25 nominal, 22 assumed",
-    "network": "collectives spanning nodes (plan.bus_gbps): NCCL builds one ring (or tree) per NIC, each GPU's "
-        "traffic leaving the node on its own rail, all at once (rail-aligned, PXN), so the bus bandwidth is the NICs' "
-        "sum, min(nics_per_node, nproc_per_node) x nic_gbps, capped by NVLink, which every ring also crosses inside "
-        "the node. Users report 200-340 GB/s all-gather bus bandwidth on up to 32 such H100 nodes (NVIDIA/nccl issue "
-        "1218). Not modelled: congestion of a shared fabric, SHARP. The trainer times an all-gather at start-up and "
-        "warns below half of this figure",
-    "pcie_gbps": "pinned host<->GPU copies (--offload_activations, --offload_optimizer): Gen5 x16 ~40 GB/s per "
-        "direction, Gen4 ~20 (assumption). Full duplex: the gradients going down in backward do not contend with the "
-        "offloaded activations coming back up. If two GPUs share a PCIe switch's uplink to the CPU, halve it",
-    "host_memory_gib_per_node": "system memory of the GPU's server, per node: DGX H100 and DGX H200 2 TB of DDR5 "
-        "(NVIDIA DGX BasePOD reference architecture, core components), taken as 2048 GiB; DGX A100 640GB 2 TB, DGX "
-        "A100 320GB 1 TB (DGX A100 datasheet); h100-pcie 1 TB, an assumption for a typical PCIe server. Other servers "
-        "differ: check yours (free -g)",
-    "host_usable_fraction": (0.9, "assumption: the OS, the data loader workers, CUDA/NCCL host allocations and the "
-        "page cache keep ~10% of host memory; host_fits compares against the rest"),
-    "pinning": "pinned host memory as allocated: pin_memory=True goes through PyTorch's caching host allocator, which "
-        "rounds each allocation up to a power of two (a 408 MiB shard takes 512 MiB); the --offload_optimizer state "
-        "is one exact buffer registered with cudaHostRegister instead (offload.HostState). PREDICTION, not measured: "
-        "registering ~130 GiB per rank (70B, W=8) takes ~1-2 minutes at start-up, at the ~1-2 GB/s page-locking rate "
-        "reported in openvm-org/stark-backend PR #384, after zeroing it (first touch); 8 ranks registering at once "
-        "may be slower (vllm-project/vllm issue #42632)",
-    "host_cores_per_node": "physical CPU cores of the server: DGX H100/H200 2 x Xeon Platinum 8480C, 112 cores total "
-        "(same source); DGX A100 2 x EPYC 7742 (64 each) = 128; h100-pcie 64 (assumption)",
-    "host_memory_gbps_per_node": "nominal DRAM bandwidth of the server: 2 sockets x 8 channels x DDR5-4800 x 8 B = "
-        "614 GB/s (Sapphire Rapids; with 2 DIMMs per channel the DIMMs may run slower); 2 x 8 x DDR4-3200 x 8 B = 410 "
-        "(EPYC 7742). Assumption, not measured",
-    "host_memory_efficiency": (0.7, "assumption: streaming kernels (STREAM-like) reach ~70% of nominal DRAM "
-        "bandwidth on a two-socket server; the node's processes share it equally"),
-    "host_adamw_per_core": (HOST_ADAMW_PER_CORE, "elements/s of torch._fused_adamw_ on fp32 CPU tensors, 1 thread, "
-        "256M elements: MEASURED on the 2-core development machine (AMD EPYC, torch 2.13.0) by bench/host_adamw.py, "
-        "see BENCHMARKS.md"),
-    "host_accumulate_per_core": (HOST_ACCUMULATE_PER_CORE, "elements/s of fp32 accumulator.add_(bf16 shard) on CPU, "
-        "1 thread, 256M elements: MEASURED as above. PyTorch's mixed-dtype add is slow on CPU; casting into a "
-        "preallocated fp32 buffer first measured 3.9x faster (8.83e8): the planner assumes the plain add_"),
-    "host_cpu_efficiency": (0.5, "assumption: the cores a GPU's process gets (host_cores_per_node / "
-        "--nproc_per_node) run the update at half the per-core rate measured alone (shared caches, NUMA, the data "
-        "loader and the Python thread take their part). EXTRAPOLATED, not measured on such a server"),
-    "host_update_extra_bytes": (18, "host bytes per element besides AdamW's: the global gradient norm (read 4 B), "
-        "clipping (read + write 4 B), the bf16 cast for the copy back (read 4 B, write 2 B), at the host memory "
-        "bandwidth"),
-    "offload_optimizer": "--offload_optimizer: per micro-batch each unit's reduce-scattered shard goes GPU->host "
-        "(--reduce_dtype bytes per element) on a copy stream as its reduce-scatter completes and is added into the "
-        "fp32 accumulator on the CPU (read 4 B + the shard, write 4 B) by the rank's worker thread "
-        "(offload.HostState), not the thread that queues backward; offload.optimizer_threads = the node's cores / "
-        "ranks. Both overlap backward; what exceeds the backward compute (= compute less one plain forward, by FLOPs) "
-        "is exposed, and, after the last micro-batch only, the last unit's (the embedding's) copy down and add, which "
-        "nothing overlaps. Then norm, clip and AdamW on the CPU (exposed), and each unit cast to bf16 on the host and "
-        "sent up (2 B per element) on the copy stream while the host casts the next: only the PCIe time beyond the "
-        "cast is exposed (the next step's gathers wait for each unit's copy on the GPU, not the host). CPU throughput "
-        "per GPU = min(per-core rate x cores per GPU x host_cpu_efficiency, host memory bandwidth per GPU / bytes per "
-        "element)",
-    "attention": "memory: flash-attn (flash_attn_varlen_func for --doc_mask) or, where it does not import, SDPA, "
-        "whose memory-efficient kernel takes --doc_mask's T x T mask (per micro-batch, all of a step's alive at once) "
-        "and K/V repeated to the query's heads (model.sdpa_arguments). --plan cannot see the GPU machines and the "
-        "trainer falls back to SDPA silently: each moment is the larger of the two, all its parts from that one "
-        "(plan.memory_by_phase). Checked against train_step on fake CUDA (tests/test_fake_cuda.py, "
-        "bench/fake_memory.py)",
-    "hbm_gbps": "HBM bandwidth (datasheet)",
-    "outside_gib": "GPU memory outside PyTorch's allocator (--outside_gib, default 1.25): the CUDA context, ~0.4 GiB "
-        "with lazy module loading (pytorch/pytorch issue 109888), and NCCL's buffers, 544-688 MB per communicator on "
-        "4 A100 (NVIDIA/nccl issue 964): 1.09, rounded up for the kernels loaded later. NVLS, which takes more, is "
-        "off (agree.launch_settings). A sourced assumption, not measured here: the trainer prints the largest figure "
-        "of its ranks after set-up and refuses a run whose planned peak does not fit beside it",
-    "fragmentation": (0.10, "assumption: allocator slack of 10% on everything but the persistent state"),
-    "gradient_accumulation": "a unit's backward peaks at the larger of two moments: split's backward (2 unit-sized "
-        "compute-dtype gradients, its parameters' and their concatenation, see grad_peak_numel) while the previous "
-        "unit's reduce-scatter is in flight, or the hook's cast to --reduce_dtype (see reduce_hook_bytes), after that "
-        "one finished",
-    "selective_recompute_time": (0.03, "selective AC recomputes only elementwise ops: +3% step time (assumption)"),
-    "attention_efficiency": ({"h100": 0.35, "a100": 0.50}, "FlashAttention-2 forward+backward: ~35% of peak on H100 "
-        "(FlashAttention-3 paper), 50-73% on A100 (FlashAttention-2 paper)"),
-    "overlap": "--prefetch true: a micro-batch takes max(compute, collectives, offload copies) plus the embedding's "
-        "all-gather and reduce-scatter, which nothing overlaps; --prefetch false: max(compute + collectives, offload "
-        "copies)",
-    "offload_overlap": "--offload_activations: the copies to and from pinned host memory run on a side stream "
-        "(offload.OffloadedCheckpoint), each block's backward prefetching the previous block's input, so they overlap "
-        "the compute (and the collectives, over PCIe, not NVLink/IB); only the last block's copy back, which its own "
-        "backward waits for, is exposed",
-    "adamw": "on the GPU: memory-bound: 32 B per parameter of the shard (read + write fp32 master, m, v, gradient) at "
-        "80% of HBM",
-    "sample_chars_per_token": (4, "--sample_prompts: the planner has no tokenizer; a prompt's tokens are taken as "
-        "its characters / 4 (Llama 3's tokenizer on English prose, an assumption), chat markup not counted"),
-    "sampling": "--sample_prompts, per evaluation (sample.py): at most --sample_tokens passes over the model (the "
-        "prompts' prefill gives the first new token), each all-gathering every unit once, as training's forward does. "
-        "Each pass runs the prompts one after another through each gathered unit: the prefill's matmuls at the "
-        "training matmul efficiency, then per new token every prompt reads every gathered weight from HBM once (at "
-        "80% of HBM bandwidth); with --prefetch the gathers overlap that",
-    "fs_write_gbps": "--fs_write_gbps, checkpoint bandwidth per rank, every rank writing (or reading) at once: the "
-        "stop's save and a restart's load are both timed at it. Default 0.45 GB/s, the slower of the CPU measurements "
-        "on a local disk (BENCHMARKS.md, 'CPU: checkpoint throughput'). A shared filesystem under 16 writers may be "
-        "slower or faster: run bench/checkpoint_io.py --out_dir on it with training's ranks per node and pass the "
-        "--fs_write_gbps it prints (the lower of its save and load rates)",
-    "checkpoint_header_bytes_per_tensor": (128, "disk.write_safetensors_streaming's JSON header: one entry per "
-        "tensor (name, dtype, shape, offsets), under 128 B each"),
-    "stop_margin": (1.25, "assumption: the lead time a stop request needs is the predicted worst case x 1.25, for "
-        "the error in the step time and the filesystem's bandwidth"),
-    "stop_worst_case": "what may stand between SLURM's stop request (SIGUSR1 at --signal's lead) and the time limit "
-        "(plan.stop_lead_time): first, before the next step can start, the longer of (a) a periodic save "
-        "(--ckpt_every) that began just after a step's stop check, or (b) a restart (torchrun replacing a failed "
-        "worker) that began just before the request: its set-up and its load of the checkpoint, during which no rank "
-        "can act on the request; then the step (train.py checks for a stop only after a step), its evaluation "
-        "(--eval_every; each of --eval_batches counted as a training step, an upper bound for a forward, plus "
-        "--sample_prompts' sampling) and one write. Synchronous (--async_save off), (a) is the whole save and the "
-        "write is the stop's own save. Asynchronous, (a) is only the save's stall (the copy to host memory, plus any "
-        "wait for the write before it), and at the stop a write in flight is finished and the stop's save skipped "
-        "(its snapshot is recent: its write was still running), while with none in flight the stop saves "
-        "synchronously: after the request one write either way, never two. (a) and (b) exclude each other: a restart "
-        "ends the save in progress. Not covered, and left to launch.sbatch's requeue: a second failure after the "
-        "request, a hang that lasts until --timeout_min. The final --export_hf is not in the lead: it runs after the "
-        "last step (see 'export')",
-    "checkpoint_interval": "plan.checkpoint_interval: a synchronous save stalls every GPU for the whole save "
-        "(--fs_write_gbps); an asynchronous one for the copy to host memory (async_save_copy), plus, when the write "
-        "outlasts --ckpt_every steps, the wait for it (at most one save in flight). The run's steps are "
-        "--train_tokens / (--batch_size x --seq_len), or --steps; failures arrive every --mtbf_hours on average (the "
-        "job's, not one GPU's), each losing half an interval of work plus a restart's set-up and load, and, "
-        "asynchronous, the write's time too (the newest snapshot is durable only once its write ends); suggested "
-        "--ckpt_every = sqrt(2 x stall x MTBF) / step time (Young 1974; Daly 2006) with the stall of the mode the run "
-        "uses, and, asynchronous, never fewer steps than the write takes",
-    "restart_setup_s": (120, "assumption, not measured at 70B: a restart's set-up before its load: torchrun stopping "
-        "the failed attempt's workers (SIGKILL after 30 s at most, launch.sh), the rendezvous, a fresh interpreter "
-        "importing torch and train.py (~5 s measured on the 2-core development machine), the process groups, data "
-        "and the sharded state allocated; plus what is page-locked before step 1 at host_page_locking_gbps: "
-        "--offload_optimizer's host state (--async_save's staging buffer is made in a thread beside the first steps, "
-        "disk.BackgroundSave, and a stop's save after a restart is synchronous: it needs none)"),
-    "host_page_locking_gbps": (1.0, "--offload_optimizer's host state zeroed and registered once per attempt, before "
-        "step 1: the slower end of the ~1-2 GB/s in 'pinning' (a prediction, not measured; the trainer prints each "
-        "node's rate before step 1)"),
-    "async_save": "--async_save: each rank copies what its checkpoint file holds (disk.saved_tensors: every unit's "
-        "fp32 master and optimizer state shards) into one exact host buffer, page-locked on CUDA (offload.page_lock, "
-        "no power-of-two rounding), each tensor at a multiple of disk.STAGING_ALIGN_BYTES "
-        "(plan.staging_bytes_per_rank), and writes it in the background while training goes on. With "
-        "--offload_optimizer the state is already in host memory, but the optimizer updates it in place while the "
-        "write runs, so the copy is needed: both count. The planner plans GPU runs: 'auto' is on where the node's "
-        "host memory fits the staging buffer beside what is offloaded (host_usable_fraction), 'true' on, 'false' off",
-    "async_write_slowdown": (1.05, "the steps that run beside a background write are this much slower: a PREDICTION "
-        "for a GPU node, where the write's hashing and filesystem client take one of 14 cores per GPU and ~1% of its "
-        "host memory bandwidth; MEASURED 1.51 on the 2-core development machine, where writing and training share "
-        "the cores (BENCHMARKS.md, 'CPU: a save's stall'). bench/gpu.sh measures it on a GPU. Counted in the "
-        "asynchronous save's stall: (slowdown - 1) x the steps' time the write overlaps"),
-    "async_save_copy": "the stall of an asynchronous save: the copy into the staging buffer, device to host over PCIe "
-        "at min(pcie_gbps, the GPU's share of host memory bandwidth) without --offload_optimizer; host to host with "
-        "it (read + write: 2 B of host memory traffic per byte at the GPU's share of host_memory_gbps_per_node x "
-        "host_memory_efficiency). The background write's own use of a core (hashing) and of host memory bandwidth is "
-        "not counted in the step (an assumption: 0.45 GB/s per rank is ~1% of a GPU's share of a DGX H100's host "
-        "bandwidth)",
-    "export": "--export_hf after the last step: rank 0 writes the bf16 weights (2 B per parameter, 141 GB for 70B) "
-        "alone, predicted at --fs_write_gbps (one writer may be faster). It is no part of the stop's lead: a stop "
-        "request that lands in the last step saves it and stops without exporting, and the same command run again "
-        "(launch.sbatch requeues it) exports from that checkpoint; when the time limit could cut the export itself, "
-        "leave --export_hf out and run `python train.py --from_ckpt OUT_DIR --export_hf DIR` (OUT_DIR's latest "
-        "checkpoint) as a job of its own (docs/operations.md)",
-    "mfu_convention": "MFU = tokens/s x model.flops_per_token (6(N-emb) + 12 L H Dh T) / peak; recompute, the tied "
-        "head's matmul and the chunked cross-entropy's recomputed logits are executed FLOPs that cost time but are "
-        "not counted in MFU. Attention is counted over the whole window, causal, also with --doc_mask, whose "
-        "attention stays within each packed document and does fewer FLOPs (torchtitan counts the same way): the "
-        "compute time uses the same count, an upper bound for packed short documents",
+    "host_usable_fraction": 0.9,        # of a node's host memory; the rest: the OS, loaders, page cache
+    "host_memory_efficiency": 0.7,      # of the nominal DRAM bandwidth, reached by streaming kernels
+    # MEASURED by bench/host_adamw.py on the development machine, 1 thread, 256M elements, 2026-12-03
+    # (BENCHMARKS.md, "CPU: host AdamW and gradient accumulation")
+    "host_adamw_per_core": 7.43e8,      # elements/s of torch._fused_adamw_, fp32: 20.8 GB/s of state touched
+    "host_accumulate_per_core": 2.25e8,  # elements/s of the fp32 accumulator.add_(bf16 shard)
+    "host_cpu_efficiency": 0.5,         # of that per-core rate, on the cores a GPU's process gets
+    "host_update_extra_bytes": 18,      # host bytes per element besides AdamW's: norm, clipping, bf16 cast
+    "fragmentation": 0.10,              # allocator slack on everything but the persistent state
+    "selective_recompute_time": 0.03,   # --ac selective's recompute, a fraction of the step
+    "attention_efficiency": {"h100": 0.35, "a100": 0.50},  # of peak, FlashAttention-2 forward + backward
+    "sample_chars_per_token": 4,        # --sample_prompts: the planner has no tokenizer
+    "checkpoint_header_bytes_per_tensor": 128,  # a bound, each tensor's entry in the safetensors header
+    "stop_margin": 1.25,                # on the stop's predicted worst case
+    "restart_setup_s": 120,             # a restart's set-up before its load
+    "host_page_locking_gbps": 1.0,      # zeroing and registering --offload_optimizer's host state
+    "async_write_slowdown": 1.05,       # the steps beside a background write (1.51 measured on 2 shared cores)
 }
 
 # ----------------------------------------------------------------------------------------------
@@ -298,7 +149,7 @@ class LiveStorages(TorchDispatchMode):
 
 @contextlib.contextmanager
 def attention_kernel(kernel: str):
-    """model.attention as the GPU machines run it (ASSUMPTIONS attention). "flash": flash-attn or SDPA's flash
+    """model.attention as the GPU machines run it (docs/planning.md: attention). "flash": flash-attn or SDPA's flash
     kernel, as on the CPU. "efficient": SDPA's memory-efficient kernel with --doc_mask's mask and K/V repeated
     to the query's heads (model.sdpa_arguments on CUDA), its aten op called as CUDA's SDPA calls it."""
     if kernel == "flash":
@@ -460,7 +311,7 @@ def in_flight_reduce_bytes(unit_numel: int, reduce_bytes: int, world: int) -> fl
 
 def unit_gradient_bytes(unit_numel: int, last_param_numel: int, in_flight_numel: int, reduce_bytes: int,
                         world: int) -> dict:
-    """Gradient bytes of one unit's backward by part, at the larger of its two moments (ASSUMPTIONS
+    """Gradient bytes of one unit's backward by part, at the larger of its two moments (docs/planning.md:
     gradient_accumulation)."""
     concat = dict(gradients=COMPUTE_BYTES * grad_peak_numel(unit_numel, last_param_numel),
                   reduce_buffers=in_flight_reduce_bytes(in_flight_numel, reduce_bytes, world))
@@ -541,7 +392,7 @@ def recompute_peak_bytes(mcfg: M.ModelConfig, cfg, kernel: str = "flash") -> dic
 
 
 def host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int, async_save: bool | None = None) -> dict:
-    """Pinned host memory per GPU by part, as allocated (ASSUMPTIONS pinning): --offload_optimizer's state,
+    """Pinned host memory per GPU by part, as allocated (docs/planning.md: pinning): --offload_optimizer's state,
     --offload_activations' block inputs, --async_save's staging buffer. `async_save`: None, as planned."""
     state = 0
     if cfg.offload_optimizer:
@@ -563,7 +414,7 @@ def unit_state_bytes_per_param(mcfg: M.ModelConfig, cfg) -> list[float]:
 
 
 def staging_bytes_per_rank(mcfg: M.ModelConfig, world: int, frozen: list | tuple = ()) -> int:
-    """--async_save's staging buffer on each rank, exactly (ASSUMPTIONS async_save)."""
+    """--async_save's staging buffer on each rank, exactly (docs/planning.md: async_save)."""
     align = disk.STAGING_ALIGN_BYTES
     return sum(-(-size * (padded(n, world) // world) // align) * align
                for name, n in zip(unit_names(mcfg), unit_numels(mcfg))
@@ -578,12 +429,13 @@ def async_save_planned(mcfg: M.ModelConfig, cfg) -> bool:
 
 
 def pinned_allocation_bytes(nbytes: float) -> int:
-    """What pin_memory=True takes for `nbytes`: the caching host allocator's power of two (ASSUMPTIONS pinning)."""
+    """What pin_memory=True takes for `nbytes`: the caching host allocator's power of two (docs/planning.md:
+    pinning)."""
     return 1 << max(0, math.ceil(nbytes) - 1).bit_length() if nbytes else 0
 
 
 def host_usable_gib_per_node(cfg) -> float:
-    return GPUS[cfg.gpu]["host_memory_gib_per_node"] * ASSUMPTIONS["host_usable_fraction"][0]
+    return GPUS[cfg.gpu]["host_memory_gib_per_node"] * ASSUMPTIONS["host_usable_fraction"]
 
 
 def host_fits(mcfg: M.ModelConfig, cfg, async_save: bool | None = None) -> bool:
@@ -624,7 +476,8 @@ def head_backward_bytes(mcfg: M.ModelConfig, cfg, head: int, emb: int, world: in
 
 def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | None = None) -> dict:
     """Bytes per GPU by part at the moments memory peaks in a step. `flash_attn`: whether flash-attn imports on
-    the GPUs; None, for --plan: each moment the larger of the two, all its parts from one (ASSUMPTIONS attention)."""
+    the GPUs; None, for --plan: each moment the larger of the two, all its parts from one (docs/planning.md:
+    attention)."""
     if flash_attn is None:
         both = [memory_by_phase(mcfg, cfg, world, flash) for flash in (True, False)]
         return {p: max((b[p] for b in both), key=lambda parts: sum(parts.values())) for p in both[0]}
@@ -652,7 +505,7 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
         dynamic = dict(gathered_weights=cbytes * gathered, gradients=gradients, reduce_buffers=reduce,
                        activations=activations, logits=logits, optimizer_temporaries=optimizer)
         return dict(state=state, context_and_nccl=cfg.outside_gib * GIB, **dynamic,
-                    fragmentation=ASSUMPTIONS["fragmentation"][0] * sum(dynamic.values()))
+                    fragmentation=ASSUMPTIONS["fragmentation"] * sum(dynamic.values()))
 
     head_parts = head_backward_bytes(mcfg, cfg, head, emb, world)
     block_grads = (unit_gradient_bytes(block, mcfg.dim * mcfg.ffn_dim, in_flight, rbytes, world)
@@ -709,7 +562,7 @@ def peak_flops(gpu: dict) -> float:
 # and we interpolate between them in the model dim only. A measurement of this trainer replaces them.
 def published_anchors() -> list:
     llama8b, llama70b = M.PRESETS["llama3.1-8b"](), M.PRESETS["llama3-70b"]()
-    sel = 1 + ASSUMPTIONS["selective_recompute_time"][0]
+    sel = 1 + ASSUMPTIONS["selective_recompute_time"]
     mpt70b_mm = 6 * 64.86e9 + 2 * 12 * 8192**2 * 80  # 6N (tied head included) + one more forward of the blocks
     mpt70b_attn = (12 + 4) * 80 * 8192 * 2048
     return [
@@ -729,7 +582,7 @@ def published_anchors() -> list:
 def matmul_efficiency(family: str, dim: int) -> float:
     """Fraction of peak the matmuls reach: solved from each anchor (its attention at attention_efficiency, the
     rest matmul), linear in the model dim between the two anchors, constant outside them."""
-    attn_eff = ASSUMPTIONS["attention_efficiency"][0][family]
+    attn_eff = ASSUMPTIONS["attention_efficiency"][family]
     points = []
     for fam, d, tok_s, mm, attn, factor, _ in published_anchors():
         if fam == family:
@@ -741,7 +594,7 @@ def matmul_efficiency(family: str, dim: int) -> float:
 
 
 def bus_gbps(gpu: dict, cfg) -> float:
-    """A collective's bus bandwidth over the run's GPUs, GB/s per GPU (ASSUMPTIONS network)."""
+    """A collective's bus bandwidth over the run's GPUs, GB/s per GPU (docs/planning.md: network)."""
     if cfg.nnodes == 1:
         return gpu["nvlink_gbps"]
     nics = min(cfg.nics_per_node or gpu["nics_per_node"], cfg.nproc_per_node)
@@ -759,19 +612,19 @@ def collective_bytes_per_micro_step(mcfg: M.ModelConfig, cfg, world: int) -> tup
 
 
 def host_elements_per_s(gpu: dict, nproc_per_node: int, per_core: float, bytes_per_element: int) -> float:
-    """Elements/s one GPU's share of the host processes (ASSUMPTIONS offload_optimizer)."""
+    """Elements/s one GPU's share of the host processes (docs/planning.md: offload_optimizer)."""
     cores = gpu["host_cores_per_node"] / nproc_per_node
-    compute = per_core * cores * ASSUMPTIONS["host_cpu_efficiency"][0]
+    compute = per_core * cores * ASSUMPTIONS["host_cpu_efficiency"]
     bandwidth = host_gbps_per_gpu(gpu, nproc_per_node) * 1e9 / bytes_per_element
     return min(compute, bandwidth)
 
 
 def host_gbps_per_gpu(gpu: dict, nproc_per_node: int) -> float:
-    return gpu["host_memory_gbps_per_node"] * ASSUMPTIONS["host_memory_efficiency"][0] / nproc_per_node
+    return gpu["host_memory_gbps_per_node"] * ASSUMPTIONS["host_memory_efficiency"] / nproc_per_node
 
 
 def offload_optimizer_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
-    """--offload_optimizer per step per GPU (ASSUMPTIONS offload_optimizer): the PCIe copies both ways, the
+    """--offload_optimizer per step per GPU (docs/planning.md: offload_optimizer): the PCIe copies both ways, the
     host's gradient accumulation and its update."""
     slice_numel = sum(padded(n, world) for n in unit_numels(mcfg)) / world
     rbytes = REDUCE_BYTES[cfg.reduce_dtype]
@@ -779,10 +632,10 @@ def offload_optimizer_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> d
     host_gbps = host_gbps_per_gpu(gpu, cfg.nproc_per_node)
     pcie = 1e9 * min(gpu["pcie_gbps"], host_gbps)
     d2h_bytes, h2d_bytes = rbytes * slice_numel, COMPUTE_BYTES * slice_numel  # per micro-batch / per step
-    accumulate = host_elements_per_s(gpu, cfg.nproc_per_node, ASSUMPTIONS["host_accumulate_per_core"][0],
+    accumulate = host_elements_per_s(gpu, cfg.nproc_per_node, ASSUMPTIONS["host_accumulate_per_core"],
                                      4 + rbytes + 4)
-    adamw = host_elements_per_s(gpu, cfg.nproc_per_node, ASSUMPTIONS["host_adamw_per_core"][0], ADAMW_HOST_BYTES)
-    extra_s = ASSUMPTIONS["host_update_extra_bytes"][0] * slice_numel / (1e9 * host_gbps)
+    adamw = host_elements_per_s(gpu, cfg.nproc_per_node, ASSUMPTIONS["host_adamw_per_core"], ADAMW_HOST_BYTES)
+    extra_s = ASSUMPTIONS["host_update_extra_bytes"] * slice_numel / (1e9 * host_gbps)
     cast_s = (4 + COMPUTE_BYTES) * slice_numel / (1e9 * host_gbps)  # part of extra_s: the copies up overlap it
     last_numel = padded(unit_numels(mcfg)[0], world) / world  # the embedding: backward's last unit
     return dict(pcie_d2h_gb=micro_steps * d2h_bytes / 1e9, pcie_h2d_gb=h2d_bytes / 1e9,
@@ -796,16 +649,16 @@ def offload_optimizer_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> d
 
 def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
     """Seconds per optimizer step: per micro-batch, compute against the collectives and the offload copies
-    (ASSUMPTIONS overlap, offload_overlap); then AdamW, on the GPU or on the CPU with the exposed PCIe copies."""
+    (docs/planning.md: overlap, offload_overlap); then AdamW, on the GPU or on the CPU with the exposed PCIe copies."""
     peak = peak_flops(gpu)
     tokens = cfg.micro_batch_size * cfg.seq_len
     policies = block_policies(mcfg, cfg)
     matmul, attention = executed_flops(mcfg, cfg.seq_len, policies, 0 < cfg.ce_chunk < tokens)
-    attn_eff = ASSUMPTIONS["attention_efficiency"][0][gpu["family"]]
+    attn_eff = ASSUMPTIONS["attention_efficiency"][gpu["family"]]
     compute_s = tokens * (matmul / matmul_efficiency(gpu["family"], mcfg.dim) + attention / attn_eff) / peak
     selective = policies.count("selective")
     if selective:  # the share of the blocks running selective
-        compute_s *= 1 + ASSUMPTIONS["selective_recompute_time"][0] * (selective / mcfg.n_layers)
+        compute_s *= 1 + ASSUMPTIONS["selective_recompute_time"] * (selective / mcfg.n_layers)
     bandwidth = 1e9 * bus_gbps(gpu, cfg)
     ring = (world - 1) / world  # each GPU sends and receives (W-1)/W of the full buffer
     comm_s = ring * sum(collective_bytes_per_micro_step(mcfg, cfg, world)) / bandwidth
@@ -836,7 +689,7 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
                     host_accumulate_s=micro_steps * o["accumulate_s_per_micro"], host_optimizer_s=optimizer_s,
                     host_adamw_elements_per_s_per_gpu=o["host_adamw_elements_per_s_per_gpu"],
                     host_accumulate_elements_per_s_per_gpu=o["host_accumulate_elements_per_s_per_gpu"])
-    else:  # the update reads and writes every fp32 shard once (ASSUMPTIONS adamw)
+    else:  # the update reads and writes every fp32 shard once (docs/planning.md: adamw)
         state_bytes = sum(b * padded(n, world) for b, n in zip(unit_state_bytes_per_param(mcfg, cfg),
                                                                 unit_numels(mcfg))) / world
         optimizer_s = 2 * state_bytes / (0.8e9 * gpu["hbm_gbps"])
@@ -851,7 +704,7 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
 
 
 def sampling_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int, n_prompts: int, prompt_tokens: int) -> dict:
-    """Seconds --sample_prompts adds to each evaluation (ASSUMPTIONS sampling), the bytes it all-gathers per GPU
+    """Seconds --sample_prompts adds to each evaluation (docs/planning.md: sampling), the bytes it all-gathers per GPU
     and the KV cache each rank holds (every rank runs every prompt)."""
     numels = [padded(n, world) for n in unit_numels(mcfg)]
     gathered_bytes = COMPUTE_BYTES * (sum(numels) + (numels[0] if mcfg.tie_embeddings else 0))  # tied: the head
@@ -874,7 +727,7 @@ def prompt_sizes(cfg) -> tuple[int, int]:
     """(prompts, tokens of the longest) of --sample_prompts, the tokens estimated from characters."""
     records = sample.read_prompts(cfg.sample_prompts)
     chars = max(len(r["text"]) if "text" in r else sum(len(m["content"]) for m in r["messages"]) for r in records)
-    return len(records), -(-chars // ASSUMPTIONS["sample_chars_per_token"][0])
+    return len(records), -(-chars // ASSUMPTIONS["sample_chars_per_token"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -887,7 +740,7 @@ def checkpoint_bytes_per_rank(mcfg: M.ModelConfig, world: int, frozen: list | tu
     sizes = [(n, saved_bytes_per_element(name in frozen)) for name, n in zip(unit_names(mcfg), unit_numels(mcfg))]
     data = sum(sum(per_element) * padded(n, world) // world for n, per_element in sizes)
     tensors = sum(len(per_element) for _, per_element in sizes)
-    return 8 + ASSUMPTIONS["checkpoint_header_bytes_per_tensor"][0] * tensors + data
+    return 8 + ASSUMPTIONS["checkpoint_header_bytes_per_tensor"] * tensors + data
 
 
 def save_stall_s(asynchronous: bool, every: int, step_time_s: float, save_s: float, copy_s: float) -> float:
@@ -895,20 +748,20 @@ def save_stall_s(asynchronous: bool, every: int, step_time_s: float, save_s: flo
     copy to host memory, the steps beside the write made slower and any wait for the write before it."""
     if not asynchronous:
         return save_s
-    slower_s = (ASSUMPTIONS["async_write_slowdown"][0] - 1) * min(save_s, every * step_time_s)
+    slower_s = (ASSUMPTIONS["async_write_slowdown"] - 1) * min(save_s, every * step_time_s)
     return copy_s + slower_s + max(0.0, save_s - every * step_time_s)
 
 
 def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: float = 0.0) -> dict:
     """How long before a time limit a stop request must arrive for the run to reach a step boundary and save
-    (ASSUMPTIONS stop_worst_case, stop_margin), rounded up to a minute for launch.sbatch's --signal=USR1@N.
+    (docs/planning.md: stop_worst_case, stop_margin), rounded up to a minute for launch.sbatch's --signal=USR1@N.
     `sampling_s`: what --sample_prompts adds to each evaluation. Also the final export, outside the lead."""
     gpu, world = GPUS[cfg.gpu], cfg.nnodes * cfg.nproc_per_node
     asynchronous = async_save_planned(mcfg, cfg)
     ckpt_bytes = checkpoint_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg))
     save_s = ckpt_bytes / (1e9 * cfg.fs_write_gbps)
     load_s = save_s  # a restart reads back what a save wrote, at the same rate per rank
-    # An asynchronous save's copy into the staging buffer (ASSUMPTIONS async_save_copy): host to host with
+    # An asynchronous save's copy into the staging buffer (docs/planning.md: async_save_copy): host to host with
     # --offload_optimizer (each byte read and written), else over PCIe
     staging = staging_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg))
     host_gbps = host_gbps_per_gpu(gpu, cfg.nproc_per_node)
@@ -917,12 +770,12 @@ def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: flo
     periodic_save_s = (save_stall_s(asynchronous, cfg.ckpt_every, step_time_s, save_s, copy_s)
                        if cfg.ckpt_every else 0.0)
     state_bytes = host_bytes_per_gpu(mcfg, cfg, world, asynchronous)["state"]  # the staging buffer: beside step 1
-    page_locking_s = state_bytes / 1e9 / ASSUMPTIONS["host_page_locking_gbps"][0]
-    restart_setup_s = ASSUMPTIONS["restart_setup_s"][0] + page_locking_s
+    page_locking_s = state_bytes / 1e9 / ASSUMPTIONS["host_page_locking_gbps"]
+    restart_setup_s = ASSUMPTIONS["restart_setup_s"] + page_locking_s
     restart_s = restart_setup_s + load_s
     before_step_s = max(periodic_save_s, restart_s)  # one or the other: a restart ends the save in progress
     eval_s = cfg.eval_batches * step_time_s + sampling_s if cfg.eval_every else 0.0
-    lead_s = ASSUMPTIONS["stop_margin"][0] * (before_step_s + step_time_s + eval_s + save_s)
+    lead_s = ASSUMPTIONS["stop_margin"] * (before_step_s + step_time_s + eval_s + save_s)
     export_bytes = COMPUTE_BYTES * M.count_params(mcfg)["total"]
     return dict(checkpoint_gb_per_rank=ckpt_bytes / 1e9, save_s=save_s, load_s=load_s, async_save=asynchronous,
                 save_copy_s=copy_s, periodic_save_s=periodic_save_s, page_locking_s=page_locking_s,
@@ -936,7 +789,7 @@ def checkpoint_interval(cfg, step_time_s: float, save_s: float, restart_s: float
                         asynchronous: bool) -> dict:
     """What the saves at --ckpt_every cost, synchronous and asynchronous (save_stall_s; the run's last write is
     waited for), and the interval that balances them against the work a failure loses, for the mode the run
-    uses (ASSUMPTIONS checkpoint_interval)."""
+    uses (docs/planning.md: checkpoint_interval)."""
     steps = math.ceil(cfg.train_tokens / (cfg.batch_size * cfg.seq_len)) if cfg.train_tokens else cfg.steps
     train_s = steps * step_time_s
     mtbf_s = 3600 * cfg.mtbf_hours
@@ -945,7 +798,7 @@ def checkpoint_interval(cfg, step_time_s: float, save_s: float, restart_s: float
     # that minimises saving + lost work is sqrt(2 x save x MTBF); Daly (2006), "A higher order estimate of the
     # optimum checkpoint interval for restart dumps", refines it for saves not small against the MTBF. The
     # write a failure also loses, asynchronous, is the same at every interval: it does not move the optimum.
-    slower_s = (ASSUMPTIONS["async_write_slowdown"][0] - 1) * save_s  # the steps beside a write
+    slower_s = (ASSUMPTIONS["async_write_slowdown"] - 1) * save_s  # the steps beside a write
     young_daly_steps = math.sqrt(2 * (copy_s + slower_s if asynchronous else save_s) * mtbf_s) / step_time_s
     write_steps = math.ceil(save_s / step_time_s) if asynchronous else 1  # at most one save in flight
     suggested_ckpt_every = max(1, write_steps, round(young_daly_steps))
@@ -970,7 +823,7 @@ def checkpoint_interval(cfg, step_time_s: float, save_s: float, restart_s: float
     async_stall_s = save_stall_s(True, every, step_time_s, save_s, copy_s)
     return dict(save_stall_s=async_stall_s if asynchronous else save_s, sync_save_stall_s=save_s,
                 async_write_wait_s=max(0.0, save_s - every * step_time_s),
-                async_slower_s=(ASSUMPTIONS["async_write_slowdown"][0] - 1) * min(save_s, every * step_time_s),
+                async_slower_s=(ASSUMPTIONS["async_write_slowdown"] - 1) * min(save_s, every * step_time_s),
                 async_save_stall_s=async_stall_s, run_steps=steps, saves=saves(every),
                 save_fraction=fraction(asynchronous), sync_save_fraction=fraction(False),
                 async_save_fraction=fraction(True), young_daly_ckpt_every=young_daly_steps, write_steps=write_steps,
@@ -1046,8 +899,7 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
     sampling = sampling_time(mcfg, cfg, gpu, world, *prompt_sizes(cfg)) if cfg.sample_prompts else {}
     stop = stop_lead_time(mcfg, cfg, time["step_time_s"], sampling.get("sampling_s", 0.0))
     assumptions = dict(ASSUMPTIONS, gpu=dict(gpu, peak_bf16_flops=peak_flops(gpu)),
-                       matmul_efficiency=(matmul_efficiency(gpu["family"], mcfg.dim),
-                                          "solved from these anchors, linear in the model dim between them"),
+                       matmul_efficiency=matmul_efficiency(gpu["family"], mcfg.dim),  # from these anchors
                        anchors=[a[-1] for a in published_anchors() if a[0] == gpu["family"]])
     return dict(
         model=cfg.init_from or cfg.model or "tiny", params=M.count_params(mcfg)["total"], world=world, gpu=cfg.gpu,
@@ -1238,7 +1090,7 @@ def table(p: dict, cfg) -> str:
                      f"{cfg.nproc_per_node} x {p['host_gib_per_gpu']:.1f} GiB per GPU (optimizer state "
                      f"{parts['state']:.1f}, offloaded activations {parts['activations']:.1f}, --async_save staging "
                      f"{parts['staging']:.1f}) of {p['host_usable_gib_per_node']:,.0f} GiB usable "
-                     f"({100 * ASSUMPTIONS['host_usable_fraction'][0]:.0f}% of {gpu['host_memory_gib_per_node']:,} "
+                     f"({100 * ASSUMPTIONS['host_usable_fraction']:.0f}% of {gpu['host_memory_gib_per_node']:,} "
                      f"GiB assumed per node): " + ("fits" if p["host_fits"] else "DOES NOT FIT in host memory"))
     network = (f"{min(cfg.nics_per_node or gpu['nics_per_node'], cfg.nproc_per_node)} NICs x "
                f"{cfg.nic_gbps or gpu['nic_gbps']:g} GB/s per node, capped by NVLink {gpu['nvlink_gbps']}"
@@ -1251,7 +1103,7 @@ def table(p: dict, cfg) -> str:
               f"exposed {p['exposed_s']:.2f} s, {optimizer} -> {p['step_time_s']:.2f} s per step, bound by "
               f"{p['bound']}",
               f"tokens/s/GPU {p['tokens_per_sec_per_gpu']:,.0f} | MFU {100 * p['mfu']:.1f}% | matmul efficiency "
-              f"{p['assumptions']['matmul_efficiency'][0]:.3f} (from published runs, see --plan_json assumptions)"]
+              f"{p['assumptions']['matmul_efficiency']:.3f} (from published runs, see --plan_json assumptions)"]
     if cfg.offload_optimizer:
         lines.append(f"optimizer offload per step per GPU (predicted): PCIe down {p['pcie_d2h_gb']:.1f} GB "
                      f"({p['pcie_d2h_s']:.2f} s) and host accumulation {p['host_accumulate_s']:.2f} s, both during "
@@ -1320,7 +1172,7 @@ def checkpoint_lines(p: dict, cfg) -> list[str]:
     every = f"--ckpt_every {cfg.ckpt_every}" if cfg.ckpt_every else "--ckpt_every 0 (a save at the end only)"
     mode = "asynchronous" if p["async_save"] else "synchronous"
     wait = (f", {p['async_slower_s']:.1f} s of steps slower beside the write (x "
-            f"{ASSUMPTIONS['async_write_slowdown'][0]}, async_write_slowdown)"
+            f"{ASSUMPTIONS['async_write_slowdown']}, async_write_slowdown)"
             + (f" and {waits:.0f} s waiting for the write before it" if waits else ""))
     raised = (f", raised to the {p['write_steps']} steps a write takes: at most one save in flight"
               if p["suggested_ckpt_every"] > round(p["young_daly_ckpt_every"]) else "")
@@ -1328,7 +1180,7 @@ def checkpoint_lines(p: dict, cfg) -> list[str]:
     lines = [f"checkpoint (predicted): {p['checkpoint_gb_per_rank']:.1f} GB per rank, {p['save_s']:.0f} s to save or "
              f"load at {cfg.fs_write_gbps:g} GB/s per rank (--fs_write_gbps; bench/checkpoint_io.py --out_dir measures "
              f"yours) | a stop request needs {p['stop_lead_s']:.0f} s before a time limit ({before}, the step "
-             f"{p['step_time_s']:.0f} s, {evaluation}{write}, x {ASSUMPTIONS['stop_margin'][0]}): "
+             f"{p['step_time_s']:.0f} s, {evaluation}{write}, x {ASSUMPTIONS['stop_margin']}): "
              f"#SBATCH --signal=USR1@{p['signal_lead_s']}",
              f"save stall per save (predicted): synchronous {p['sync_save_stall_s']:.0f} s (every GPU waiting for the "
              f"write), asynchronous {seconds(p['async_save_stall_s'])} s (the copy of "

@@ -125,3 +125,17 @@ def live_tensor_bytes() -> int:
             seen.add(ptr)
             total += storage.nbytes()
     return total
+
+
+def planner_assumptions() -> dict[str, dict[str, list[str]]]:
+    """docs/planning.md's tables of what the planner assumes, by the first word of their header ("constant",
+    "GPU", "model"): each row's cells after its name, by the name."""
+    with open(os.path.join(ROOT, "docs", "planning.md")) as f:
+        section = f.read().split("## What the planner assumes, and from where", 1)[1]
+    tables = {}
+    for block in section.split("\n\n"):
+        lines = block.strip().splitlines()
+        if lines and lines[0].startswith("| "):
+            rows = [line.strip("| ").split(" | ") for line in lines[2:]]
+            tables[lines[0].strip("| ").split()[0]] = {row[0].strip("`"): row[1:] for row in rows}
+    return tables

@@ -5,7 +5,7 @@ import types
 
 import pytest
 import torch
-from common import small_config
+from common import planner_assumptions, small_config
 
 import model as M
 from components import checks
@@ -225,4 +225,5 @@ def test_the_mfu_convention_is_stated_where_document_masking_does_less_attention
     assert masked.endswith(" | MFU counts attention over the whole window (causal), not per document: more than "
                            "--doc_mask runs")
     assert "MFU counts" not in causal
-    assert "--doc_mask" in M.flops_per_token.__doc__ and "--doc_mask" in P.ASSUMPTIONS["mfu_convention"]
+    assert "--doc_mask" in M.flops_per_token.__doc__
+    assert "--doc_mask" in planner_assumptions()["model"]["mfu_convention"][0]  # docs/planning.md

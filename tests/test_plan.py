@@ -1,12 +1,16 @@
 """The planner (plan.py): published anchors, the memory parts, the fit of the 70B case study, the CLI."""
+import ast
 import dataclasses
+import glob
 import json
 import os
 import subprocess
+import re
 import sys
 
 import pytest
 import torch
+from common import planner_assumptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -82,8 +86,8 @@ def test_collectives_across_nodes_run_over_every_nic_at_once_capped_by_nvlink():
 def test_a_background_write_slows_the_steps_beside_it_by_a_stated_factor():
     """bench/async_save.py measured the steps beside a write 1.51x slower on 2 shared cores; the planner counts a
     stated factor of the steps' time the write overlaps in the asynchronous save's stall."""
-    slowdown = P.ASSUMPTIONS["async_write_slowdown"][0]
-    assert slowdown > 1 and "MEASURED 1.51" in P.ASSUMPTIONS["async_write_slowdown"][1]
+    slowdown = P.ASSUMPTIONS["async_write_slowdown"]
+    assert slowdown > 1 and "MEASURED 1.51" in planner_assumptions()["constant"]["async_write_slowdown"][1]
     # a 118 s write, 40 s steps: every 200 steps it overlaps 118 s of steps; every 2 steps 80 s, and 38 s are waited
     assert P.save_stall_s(True, 200, 40.0, 118.0, 1.3) == pytest.approx(1.3 + (slowdown - 1) * 118.0)
     assert P.save_stall_s(True, 2, 40.0, 118.0, 1.3) == pytest.approx(1.3 + (slowdown - 1) * 80.0 + 38.0)
@@ -206,7 +210,8 @@ def test_offload_copies_overlap_all_but_the_last_blocks_copy_back():
     # last block's input (8192 tokens x 8192 x bf16 per micro-batch) comes back with nothing to overlap.
     on, off = predict(**RECOMMENDED_70B), predict(**dict(RECOMMENDED_70B, offload_activations="false"))
     assert on["exposed_s"] - off["exposed_s"] == pytest.approx(on["micro_steps"] * 8192 * 8192 * 2 / 40e9)
-    assert 0 < on["offload_s"] < on["compute_s"] and "side stream" in on["assumptions"]["offload_overlap"]
+    assert 0 < on["offload_s"] < on["compute_s"]
+    assert "side stream" in planner_assumptions()["model"]["offload_overlap"][0]  # docs/planning.md
     assert "offload copies: assumed to overlap" in P.table(on, config(**RECOMMENDED_70B))
     assert "offload copies: assumed" not in P.table(off, config(**dict(RECOMMENDED_70B, offload_activations="false")))
 
@@ -283,7 +288,7 @@ def test_offloaded_step_time_is_what_the_code_overlaps():
     embedding_slice = P.padded(P.unit_numels(mcfg)[0], 8) / 8
     assert o["last_unit_tail_s"] == pytest.approx(embedding_slice * 2 / 40e9
                                                   + embedding_slice / o["host_accumulate_elements_per_s_per_gpu"])
-    host_gbps = gpu["host_memory_gbps_per_node"] * P.ASSUMPTIONS["host_memory_efficiency"][0] / 8
+    host_gbps = gpu["host_memory_gbps_per_node"] * P.ASSUMPTIONS["host_memory_efficiency"] / 8
     cast_s = 6 * sum(P.padded(n, 8) for n in P.unit_numels(mcfg)) / 8 / (1e9 * host_gbps)
     assert o["h2d_exposed_s"] == max(0.0, o["h2d_s"] - cast_s) == 0.0  # 70B, 8 per node: PCIe outruns the cast
     assert p["pcie_h2d_s"] > 0.4 and p["pcie_exposed_s"] < 0.1  # the 0.44 s up no longer adds to the step
@@ -467,7 +472,7 @@ def test_checkpoint_bytes_per_rank_are_what_the_trainer_writes(tmp_path, freeze)
     _, written = disk.write_safetensors_streaming(str(tmp_path / "rank0.safetensors"), tensors)
     assert written == (tmp_path / "rank0.safetensors").stat().st_size
     predicted = P.checkpoint_bytes_per_rank(mcfg, world, frozen)
-    header_bound = P.ASSUMPTIONS["checkpoint_header_bytes_per_tensor"][0] * len(tensors)
+    header_bound = P.ASSUMPTIONS["checkpoint_header_bytes_per_tensor"] * len(tensors)
     assert predicted - header_bound < written <= predicted  # the data exactly, the header within its bound
 
 
@@ -478,7 +483,7 @@ def test_stop_lead_time_covers_a_save_the_step_an_evaluation_and_the_stops_save(
     p = predict(**SYNC_70B, ckpt_every=200, eval_every=200, eval_batches=4)
     assert p["checkpoint_gb_per_rank"] == pytest.approx(12 * 70.55e9 / 16 / 1e9, rel=1e-3)  # master, m, v: 52.9 GB
     save_s = p["checkpoint_gb_per_rank"] / 0.45  # --fs_write_gbps default
-    setup_s = P.ASSUMPTIONS["restart_setup_s"][0]
+    setup_s = P.ASSUMPTIONS["restart_setup_s"]
     assert p["save_s"] == pytest.approx(save_s) and p["load_s"] == pytest.approx(save_s)
     assert p["periodic_save_s"] == pytest.approx(save_s) and p["restart_setup_s"] == setup_s
     assert p["restart_s"] == pytest.approx(setup_s + save_s)
@@ -499,7 +504,7 @@ def test_stop_lead_time_scales_with_the_measured_bandwidth_and_always_counts_a_r
     bandwidth, half of each. Without periodic saves or evaluations a late restart still stands before the
     step; with --offload_optimizer its set-up also page-locks the host state."""
     p = predict(**SYNC_70B, ckpt_every=200, eval_every=0)
-    setup_s = P.ASSUMPTIONS["restart_setup_s"][0]
+    setup_s = P.ASSUMPTIONS["restart_setup_s"]
     for gbps in (0.9, 0.1):
         q = predict(**SYNC_70B, ckpt_every=200, eval_every=0, fs_write_gbps=gbps)
         ratio = 0.45 / gbps
@@ -512,7 +517,7 @@ def test_stop_lead_time_scales_with_the_measured_bandwidth_and_always_counts_a_r
     host_state_gb = P.host_bytes_per_gpu(M.PRESETS["llama3-70b"](), config(**SYNC_70B, offload_optimizer="true"),
                                          16)["state"] / 1e9
     assert host_state_gb > 50  # 16 B per parameter / W and the staging slots
-    assert offloaded["restart_setup_s"] == pytest.approx(setup_s + host_state_gb / P.ASSUMPTIONS["host_page_locking_gbps"][0])
+    assert offloaded["restart_setup_s"] == pytest.approx(setup_s + host_state_gb / P.ASSUMPTIONS["host_page_locking_gbps"])
 
 
 def test_save_stall_and_the_fraction_of_the_run_spent_saving():
@@ -582,6 +587,25 @@ def test_planning_docs_quote_the_interval_the_planner_prints():
             f"`--signal=USR1@{lead['signal_lead_s']}`") in text
 
 
+def test_every_assumption_has_its_row_in_the_planning_docs():
+    """plan.ASSUMPTIONS keeps the values, docs/planning.md what each one is and its source: the same names and
+    values, a row for every field of plan.GPUS, and one for every part of the model the code cites by name
+    ("docs/planning.md: network")."""
+    tables = planner_assumptions()
+    assert set(tables["constant"]) == set(P.ASSUMPTIONS)
+    for name, (value, source) in tables["constant"].items():
+        assert ast.literal_eval(value.strip("`")) == P.ASSUMPTIONS[name] and source, name
+    assert set(tables["GPU"]) == {field for gpu in P.GPUS.values() for field in gpu}
+    assert all(len(cells) == 1 and cells[0] for table in ("GPU", "model") for cells in tables[table].values())
+    cited = set()
+    for path in ["train.py", *glob.glob(os.path.join(ROOT, "components", "*.py")),
+                 *glob.glob(os.path.join(ROOT, "bench", "*.py"))]:
+        with open(os.path.join(ROOT, path)) as f:
+            for names in re.findall(r"docs/planning\.md:\s+(\w+(?:, \w+)*)", f.read()):
+                cited.update(names.split(", "))
+    assert "network" in cited and cited <= set(tables["constant"]) | set(tables["model"]), cited
+
+
 def test_staging_buffer_is_the_checkpoints_tensors_aligned():
     """--async_save's staging buffer holds a copy of every tensor a rank's checkpoint file holds
     (disk.saved_tensors), each at a multiple of disk.STAGING_ALIGN_BYTES: rank 0's units at a W whose padding
@@ -620,7 +644,7 @@ def test_async_save_stalls_for_the_copy_and_the_interval_follows_it():
     mcfg = M.PRESETS["llama3-70b"]()
     p, sync = predict(**RECOMMENDED_70B, ckpt_every=200), predict(**SYNC_70B, ckpt_every=200)
     copy_s = P.staging_bytes_per_rank(mcfg, 16) / 40e9
-    stall_s = copy_s + (P.ASSUMPTIONS["async_write_slowdown"][0] - 1) * p["save_s"]  # and the steps beside the write
+    stall_s = copy_s + (P.ASSUMPTIONS["async_write_slowdown"] - 1) * p["save_s"]  # and the steps beside the write
     assert p["async_save"] and not sync["async_save"]
     assert p["save_stall_s"] == p["async_save_stall_s"] == pytest.approx(stall_s) and copy_s < 2 and stall_s < 10
     assert p["sync_save_stall_s"] == sync["save_stall_s"] == pytest.approx(p["save_s"]) and p["save_s"] > 100
@@ -647,10 +671,10 @@ def test_async_save_stalls_for_the_copy_and_the_interval_follows_it():
     # A filesystem so slow the write (10,582 s) outlasts 20 steps: each save waits for the one before; with a failure
     # an hour, Young/Daly's interval is shorter than the write.
     slow = predict(**RECOMMENDED_70B, ckpt_every=20, fs_write_gbps=0.005, mtbf_hours=1)  # and a failure an hour
-    slower_s = (P.ASSUMPTIONS["async_write_slowdown"][0] - 1) * 20 * step_s  # the 20 steps beside the write
+    slower_s = (P.ASSUMPTIONS["async_write_slowdown"] - 1) * 20 * step_s  # the 20 steps beside the write
     assert slow["async_save_stall_s"] == pytest.approx(copy_s + slower_s + slow["save_s"] - 20 * step_s)
     write_steps = -(-slow["save_s"] // step_s)
-    slow_stall_s = copy_s + (P.ASSUMPTIONS["async_write_slowdown"][0] - 1) * slow["save_s"]
+    slow_stall_s = copy_s + (P.ASSUMPTIONS["async_write_slowdown"] - 1) * slow["save_s"]
     assert slow["suggested_ckpt_every"] == write_steps > round((2 * slow_stall_s * 3600) ** 0.5 / step_s)
     assert (f"raised to the {write_steps:.0f} steps a write takes: at most one save in flight"
             in P.table(slow, config(**RECOMMENDED_70B, ckpt_every=20, fs_write_gbps=0.005, mtbf_hours=1)))
@@ -664,9 +688,9 @@ def test_the_stop_lead_under_async_save_counts_one_write():
     p = predict(**RECOMMENDED_70B, ckpt_every=200, eval_every=200, eval_batches=4)
     sync = predict(**SYNC_70B, ckpt_every=200, eval_every=200, eval_batches=4)
     staging_gb = P.staging_bytes_per_rank(M.PRESETS["llama3-70b"](), 16) / 1e9
-    slower_s = (P.ASSUMPTIONS["async_write_slowdown"][0] - 1) * p["save_s"]  # the steps beside the write
+    slower_s = (P.ASSUMPTIONS["async_write_slowdown"] - 1) * p["save_s"]  # the steps beside the write
     assert p["async_save"] and p["periodic_save_s"] == pytest.approx(p["save_copy_s"] + slower_s) and p["save_copy_s"] < 2
-    assert p["restart_setup_s"] == P.ASSUMPTIONS["restart_setup_s"][0] and p["page_locking_s"] == 0 and staging_gb > 50
+    assert p["restart_setup_s"] == P.ASSUMPTIONS["restart_setup_s"] and p["page_locking_s"] == 0 and staging_gb > 50
     assert p["restart_s"] == pytest.approx(p["restart_setup_s"] + p["load_s"])
     one_write = p["restart_s"] + p["step_time_s"] + p["eval_s"] + p["save_s"]
     assert p["stop_lead_s"] == pytest.approx(1.25 * one_write)
