@@ -291,7 +291,7 @@ def padded(numel: int, world: int) -> int:
     return -(-numel // world) * world
 
 
-def grad_peak_numel(unit_numel: int, last_param_numel: int) -> int:
+def grad_peak_numel(unit_numel: int) -> int:
     """Most compute-dtype gradient elements alive in one unit's backward: its parameters' (split views of
     `gathered`, Unit.set_views), and split's backward concatenating them."""
     return 2 * unit_numel
@@ -309,11 +309,10 @@ def in_flight_reduce_bytes(unit_numel: int, reduce_bytes: int, world: int) -> fl
     return reduce_bytes * unit_numel * (1 + 1 / world)
 
 
-def unit_gradient_bytes(unit_numel: int, last_param_numel: int, in_flight_numel: int, reduce_bytes: int,
-                        world: int) -> dict:
+def unit_gradient_bytes(unit_numel: int, in_flight_numel: int, reduce_bytes: int, world: int) -> dict:
     """Gradient bytes of one unit's backward by part, at the larger of its two moments (docs/planning.md:
     gradient_accumulation)."""
-    concat = dict(gradients=COMPUTE_BYTES * grad_peak_numel(unit_numel, last_param_numel),
+    concat = dict(gradients=COMPUTE_BYTES * grad_peak_numel(unit_numel),
                   reduce_buffers=in_flight_reduce_bytes(in_flight_numel, reduce_bytes, world))
     cast_total = reduce_hook_bytes(unit_numel, COMPUTE_BYTES, reduce_bytes)
     cast = dict(gradients=COMPUTE_BYTES * unit_numel,
@@ -345,13 +344,8 @@ def frozen_unit_names(mcfg: M.ModelConfig, cfg) -> list[str]:
 def block_training(mcfg: M.ModelConfig, cfg) -> list[tuple[bool, bool]]:
     """(trained, its input needs a gradient) of each block: none does before the first trained unit."""
     frozen = frozen_unit_names(mcfg, cfg)
-    trained_before = "embed" not in frozen
-    training = []
-    for i in range(mcfg.n_layers):
-        trained = f"layers.{i}" not in frozen
-        training.append((trained, trained_before))
-        trained_before = trained_before or trained
-    return training
+    trained = [f"layers.{i}" not in frozen for i in range(mcfg.n_layers)]
+    return [(t, "embed" not in frozen or any(trained[:i])) for i, t in enumerate(trained)]
 
 
 def block_readings(mcfg: M.ModelConfig, cfg, kernel: str = "flash") -> list[tuple[dict, bool]]:
@@ -400,8 +394,7 @@ def host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int, async_save: bool | 
         state = 4 * O.host_buffer_numel(shards, [int(b) // 4 for b in unit_state_bytes_per_param(mcfg, cfg)])
     activations = (sum(pinned_allocation_bytes(b) for b, off in block_kept_bytes(mcfg, cfg) if off)
                    if cfg.offload_activations else 0)
-    if async_save is None:
-        async_save = async_save_planned(mcfg, cfg)
+    async_save = async_save_planned(mcfg, cfg) if async_save is None else async_save
     staging = staging_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg)) if async_save else 0
     return dict(state=state, activations=activations, staging=staging)
 
@@ -469,7 +462,7 @@ def head_backward_bytes(mcfg: M.ModelConfig, cfg, head: int, emb: int, world: in
     matmul = dict(gradients=cbytes * weight * (1 + earlier_chunks), reduce_buffers=0,
                   logits=cbytes * ce_chunk_tokens(cfg) * mcfg.vocab_size)
     hook = (dict(gradients=cbytes * (2 * emb * emb_trained + 2 * head * head_trained), reduce_buffers=0)
-            if mcfg.tie_embeddings else unit_gradient_bytes(head, head - mcfg.dim, 0, rbytes, world) if head_trained
+            if mcfg.tie_embeddings else unit_gradient_bytes(head, 0, rbytes, world) if head_trained
             else dict(gradients=0, reduce_buffers=0))
     return max(softmax, matmul, dict(hook, logits=0), key=lambda parts: sum(parts.values()))
 
@@ -508,7 +501,7 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
                     fragmentation=ASSUMPTIONS["fragmentation"] * sum(dynamic.values()))
 
     head_parts = head_backward_bytes(mcfg, cfg, head, emb, world)
-    block_grads = (unit_gradient_bytes(block, mcfg.dim * mcfg.ffn_dim, in_flight, rbytes, world)
+    block_grads = (unit_gradient_bytes(block, in_flight, rbytes, world)
                    if block_training(mcfg, cfg)[-1][0] else dict(gradients=0, reduce_buffers=0))  # frozen: none
     head_saved = tokens * (4 + 2 + 2) * mcfg.dim  # final norm: fp32 input, normalized, output
     input_gradient = tokens * cbytes * mcfg.dim  # the gradient of the stage's input, on its way to the stage before
@@ -676,7 +669,7 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
         micro_s = max(compute_s + comm_s, offload_s) + exposed_s
     micro_steps = cfg.batch_size // (world * cfg.micro_batch_size)
     host = dict(pcie_d2h_gb=0.0, pcie_h2d_gb=0.0, pcie_d2h_s=0.0, pcie_h2d_s=0.0, pcie_exposed_s=0.0,
-                host_accumulate_s=0.0, host_optimizer_s=0.0)
+                host_accumulate_s=0.0)
     if cfg.offload_optimizer:
         o = offload_optimizer_time(mcfg, cfg, gpu, world)
         # The shards come down and are accumulated while backward runs: everything but one plain forward.
@@ -686,9 +679,8 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
         host = dict(pcie_d2h_gb=o["pcie_d2h_gb"], pcie_h2d_gb=o["pcie_h2d_gb"],
                     pcie_d2h_s=micro_steps * o["d2h_s_per_micro"], pcie_h2d_s=o["h2d_s"],
                     pcie_exposed_s=micro_steps * d2h_exposed + o["last_unit_tail_s"] + o["h2d_exposed_s"],
-                    host_accumulate_s=micro_steps * o["accumulate_s_per_micro"], host_optimizer_s=optimizer_s,
-                    host_adamw_elements_per_s_per_gpu=o["host_adamw_elements_per_s_per_gpu"],
-                    host_accumulate_elements_per_s_per_gpu=o["host_accumulate_elements_per_s_per_gpu"])
+                    host_accumulate_s=micro_steps * o["accumulate_s_per_micro"],
+                    host_adamw_elements_per_s_per_gpu=o["host_adamw_elements_per_s_per_gpu"])
     else:  # the update reads and writes every fp32 shard once (docs/planning.md: adamw)
         state_bytes = sum(b * padded(n, world) for b, n in zip(unit_state_bytes_per_param(mcfg, cfg),
                                                                 unit_numels(mcfg))) / world
@@ -717,9 +709,8 @@ def sampling_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int, n_prompts: in
     kv_per_token = 2 * mcfg.n_layers * mcfg.n_kv_heads * mcfg.head_dim * COMPUTE_BYTES
     kv_bytes = kv_per_token * n_prompts * (prompt_tokens + cfg.sample_tokens)
     return dict(sampling_s=pass_s[0] + (cfg.sample_tokens - 1) * pass_s[1],
-                sampling_passes=cfg.sample_tokens, sampling_gathered_gb=cfg.sample_tokens * gathered_bytes / 1e9,
-                sampling_gather_s_per_pass=gather_s, sampling_prefill_s=prefill_s,
-                sampling_decode_s_per_pass=decode_s, sampling_kv_cache_gib=kv_bytes / GIB,
+                sampling_gathered_gb=cfg.sample_tokens * gathered_bytes / 1e9, sampling_gather_s_per_pass=gather_s,
+                sampling_prefill_s=prefill_s, sampling_decode_s_per_pass=decode_s, sampling_kv_cache_gib=kv_bytes / GIB,
                 sampling_prompts=n_prompts, sampling_prompt_tokens=prompt_tokens)
 
 
@@ -923,23 +914,17 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 def memory_savers(cfg) -> list[list[dict]]:
-    """The flag changes that lower memory, each a list of alternatives: a smaller micro-batch (each size that
-    divides the batch, nearest first), --ac full on every block, --offload_activations, a bf16 reduce-scatter,
-    --offload_optimizer; and, for host memory, --async_save auto instead of true."""
+    """The flag changes that lower memory and cfg does not have yet, each a list of alternatives: a smaller
+    micro-batch (each size that divides the batch, nearest first), then one change each."""
     world = cfg.nnodes * cfg.nproc_per_node
-    savers = [[dict(micro_batch_size=m) for m in range(cfg.micro_batch_size - 1, 0, -1)
-               if cfg.batch_size % (world * m) == 0]]
-    if cfg.ac != "full" or cfg.ac_blocks != -1:
-        savers.append([dict(ac="full", ac_blocks=-1)])
-    if not cfg.offload_activations:
-        savers.append([dict(offload_activations=True)])
-    if cfg.reduce_dtype != "bfloat16":
-        savers.append([dict(reduce_dtype="bfloat16")])
-    if not cfg.offload_optimizer:
-        savers.append([dict(offload_optimizer=True)])
+    smaller = [dict(micro_batch_size=m) for m in range(cfg.micro_batch_size - 1, 0, -1)
+               if cfg.batch_size % (world * m) == 0]
+    changes = [change for change in (dict(ac="full", ac_blocks=-1), dict(offload_activations=True),
+                                     dict(reduce_dtype="bfloat16"), dict(offload_optimizer=True))
+               if any(getattr(cfg, k) != v for k, v in change.items())]
     if cfg.async_save == "true":  # host memory: 'auto' keeps the staging buffer only where it fits
-        savers.append([dict(async_save="auto")])
-    return [alternatives for alternatives in savers if alternatives]
+        changes.append(dict(async_save="auto"))
+    return ([smaller] if smaller else []) + [[change] for change in changes]
 
 
 def nearest_fit(mcfg: M.ModelConfig, cfg):
@@ -1008,13 +993,12 @@ def async_save_drop_hint(mcfg: M.ModelConfig, cfg) -> str | None:
         candidates.append(("--offload_optimizer", dataclasses.replace(cfg, offload_optimizer=False)))
     drop = [flag for flag, other in candidates if host_fits(mcfg, other) and fit_and_speed(mcfg, other)["fits"]]
     beside = " beside --offload_optimizer's state" if cfg.offload_optimizer else ""
+    does_not_fit = f"--async_save true: its staging buffer ({staging_gib:,.0f} GiB per node) does not fit{beside}"
     if not drop:
-        return (f"--async_save true: its staging buffer ({staging_gib:,.0f} GiB per node) does not fit{beside}, and "
-                f"dropping --async_save true {'or --offload_optimizer ' if cfg.offload_optimizer else ''}alone does "
-                f"not make this configuration fit")
-    return (f"--async_save true: its staging buffer ({staging_gib:,.0f} GiB per node) does not fit{beside}: drop "
-            f"{' or '.join(drop)} (--async_save auto turns it off where it does not fit; saves then stall for "
-            f"the whole write)")
+        either = "--async_save true or --offload_optimizer" if cfg.offload_optimizer else "--async_save true"
+        return f"{does_not_fit}, and dropping {either} alone does not make this configuration fit"
+    return (f"{does_not_fit}: drop {' or '.join(drop)} (--async_save auto turns it off where it does not fit; saves "
+            f"then stall for the whole write)")
 
 
 def check(cfg) -> list[str]:

@@ -452,7 +452,7 @@ def test_gradient_peak_of_a_unit_matches_autograd(n_params):
     result = subprocess.run([sys.executable, "-c", PROBE, str(n_params)], capture_output=True, text=True,
                             timeout=120, check=True)
     measured_units = float(result.stdout)
-    assert measured_units == pytest.approx(P.grad_peak_numel(n_params, 1) / n_params, abs=0.15)
+    assert measured_units == pytest.approx(P.grad_peak_numel(n_params) / n_params, abs=0.15)
 
 
 def run_plan(*flags):
