@@ -143,9 +143,7 @@ class Tokenizer:
         if self.chat_template:
             text = self.render_chat(record["messages"], add_generation_prompt=True)
             return self.encode([text], specials=True)[0]
-        segments = self.chat_segments(record["messages"])
-        segments += [("<|start_header_id|>", False, True), ("assistant", False, False),
-                     ("<|end_header_id|>\n\n", False, True)]
+        segments = self.chat_segments(record["messages"] + [{"role": "assistant", "content": ""}])[:-2]  # its header
         return [self.bos_id] + [i for text, _, markup in segments for i in self.encode([text], markup)[0]]
 
     def render_chat(self, messages: list, add_generation_prompt: bool = False) -> str:
@@ -532,17 +530,15 @@ class TokenData:
         self.path, self.flag = path, flag
         self.meta = read_meta(path, flag) if os.path.isdir(path) else None
         self.eos_id = self.meta["eos_id"] if self.meta else None
-        if not self.meta:
-            self.shards, self.shard_paths = [(self._open(path, flag), None)], [path]
-        else:
-            self.shards, self.shard_paths = [], [os.path.join(path, r["tokens"]) for r in self.meta["shards"]]
-            for record, tokens_path in zip(self.meta["shards"], self.shard_paths):
-                tokens = self._open(tokens_path, flag)
-                mask = self._open(os.path.join(path, record["mask"]), flag) if record["mask"] else None
-                if len(tokens) != record["n_tokens"] or (mask is not None and len(mask) != len(tokens)):
-                    raise DataError(f"{flag}: {tokens_path} has {len(tokens)} tokens, "
-                                    f"meta.json says {record['n_tokens']}")
-                self.shards.append((tokens, mask))
+        records = self.meta["shards"] if self.meta else [dict(tokens=path, mask=None, n_tokens=None)]
+        folder = path if self.meta else ""
+        self.shards, self.shard_paths = [], [os.path.join(folder, r["tokens"]) for r in records]
+        for record, tokens_path in zip(records, self.shard_paths):
+            tokens = self._open(tokens_path, flag)
+            mask = self._open(os.path.join(folder, record["mask"]), flag) if record["mask"] else None
+            if record["n_tokens"] not in (None, len(tokens)) or (mask is not None and len(mask) != len(tokens)):
+                raise DataError(f"{flag}: {tokens_path} has {len(tokens)} tokens, meta.json says {record['n_tokens']}")
+            self.shards.append((tokens, mask))
         self.starts = np.cumsum([0] + [len(t) for t, _ in self.shards])
 
     @staticmethod
@@ -573,23 +569,23 @@ class TokenData:
             start, k = self.starts[k] + hi, k + 1
         return np.concatenate(tokens), (np.concatenate(masks) if masks else None)
 
-    def check_vocab(self, vocab_size: int, flag: str = "--data"):
+    def check_vocab(self, vocab_size: int):
         """An id outside [0, vocab_size) would index past the embedding mid-step: refuse it before training, in
         one pass over every shard (about a second per GB from the page cache), which also holds each shard to
         the largest id meta.json records for it: a shard changed after prepare shows."""
         if self.meta and self.meta["vocab_size"] != vocab_size:
-            raise DataError(f"{flag}: {self.path} was tokenized with a {self.meta['vocab_size']:,}-token "
+            raise DataError(f"{self.flag}: {self.path} was tokenized with a {self.meta['vocab_size']:,}-token "
                             f"vocabulary; the model's has {vocab_size:,}")
         for k, ((tokens, _), path) in enumerate(zip(self.shards, self.shard_paths)):
             most = np.iinfo(tokens.dtype).max
             if vocab_size - 1 > most:  # Llama 3's ids saved as uint16: the larger ones wrapped, the rest look valid
-                raise DataError(f"{flag}: {path} holds {tokens.dtype.name} ids (at most {most:,}) but the model's "
+                raise DataError(f"{self.flag}: {path} holds {tokens.dtype.name} ids (at most {most:,}) but the model's "
                                 f"vocabulary has {vocab_size:,} tokens: larger ids wrapped when it was saved; save "
                                 f"the ids as uint32, or tokenize with data.py prepare")
-            largest = check_ids(tokens, vocab_size, path, flag)
+            largest = check_ids(tokens, vocab_size, path, self.flag)
             recorded = self.meta["shards"][k]["max_token_id"] if self.meta else largest
             if largest != recorded:
-                raise DataError(f"{flag}: {path} holds ids up to {largest}, but meta.json records "
+                raise DataError(f"{self.flag}: {path} holds ids up to {largest}, but meta.json records "
                                 f"{recorded}: the shard changed after prepare (run data.py prepare again)")
 
 
@@ -661,24 +657,30 @@ def is_plain_name(name) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
 
 
-def inputs_and_targets(rows: list):
-    """(inputs, targets) of windows [(tokens, mask or None)]: targets a mask excludes are -100."""
-    tokens = np.stack([t for t, _ in rows])
-    inputs, targets = tokens[:, :-1], tokens[:, 1:].copy()
-    for row, (_, mask) in enumerate(rows):
-        if mask is not None:
-            targets[row, mask[1:] == 0] = -100
-    return inputs, targets
+class Windows:
+    """What TokenWindows and MixedWindows share: a micro-batch from `window(position)`."""
+
+    def micro_batch(self, position: int, accum_index: int, rank: int, world: int, micro: int):
+        """(inputs, targets) int64 (micro, seq_len): this rank's rows of the global batch at `position`, the m
+        windows at P + (j*W + r)*m for rank r; targets a mask excludes are -100."""
+        first = position + (accum_index * world + rank) * micro
+        rows = [self.window(first + i) for i in range(micro)]
+        tokens = np.stack([t for t, _ in rows])
+        inputs, targets = tokens[:, :-1], tokens[:, 1:].copy()
+        for row, (_, mask) in enumerate(rows):
+            if mask is not None:
+                targets[row, mask[1:] == 0] = -100
+        return inputs, targets
 
 
-class TokenWindows:
+class TokenWindows(Windows):
     """Windows of `seq_len + 1` tokens in a seeded, per-epoch order (see the module docstring)."""
 
-    def __init__(self, data: TokenData, seq_len: int, seed: int, flag: str = "--data"):
+    def __init__(self, data: TokenData, seq_len: int, seed: int):
         self.data, self.seq_len, self.seed = data, seq_len, seed
         self.n_windows = (len(data) - 1) // seq_len
         if self.n_windows < 1:
-            raise DataError(f"{flag}: {data.path} has {len(data)} tokens; at least seq_len + 1 = "
+            raise DataError(f"{data.flag}: {data.path} has {len(data)} tokens; at least seq_len + 1 = "
                             f"{seq_len + 1} are needed")
         self._order = (-1, None)  # (epoch, its permutation): one permutation in memory, 8 bytes a window
 
@@ -693,11 +695,6 @@ class TokenWindows:
     def window(self, position: int):
         """(tokens, mask or None) of the window at stream position `position`: seq_len + 1 tokens."""
         return self.data.read(self._window_start(position), self.seq_len + 1)
-
-    def micro_batch(self, position: int, accum_index: int, rank: int, world: int, micro: int):
-        """(inputs, targets) int64 (micro, seq_len): this rank's rows of the global batch at `position`."""
-        first = position + (accum_index * world + rank) * micro
-        return inputs_and_targets([self.window(first + i) for i in range(micro)])
 
     def state(self, position: int) -> dict:
         """What a checkpoint stores after `position` windows."""
@@ -764,7 +761,7 @@ def saved_sources(state: dict) -> list[dict]:
     return state.get("sources") or [dict(state, name=None, weight="1")]
 
 
-def mix_mismatch(state: dict, names: list, weights: list, flag: str = "--data") -> str | None:
+def mix_mismatch(state: dict, names: list, weights: list) -> str | None:
     """Why a run whose mix is `names` and `weights` cannot continue from the data state `state`, or None."""
     saved = saved_sources(state)
     total = sum(fractions.Fraction(w) for w in weights)
@@ -775,16 +772,16 @@ def mix_mismatch(state: dict, names: list, weights: list, flag: str = "--data") 
     if len(saved) == len(names) and same_names and saved_weights == weights:
         return None
     saved_names = [s["name"] or "(one source)" for s in saved]
-    return (f"{flag}: the checkpoint was trained on the mix {describe_mix(saved_names, saved_weights)}, this run's "
+    return (f"--data: the checkpoint was trained on the mix {describe_mix(saved_names, saved_weights)}, this run's "
             f"is {describe_mix(names, weights)}: a new mix is a new phase (--init_from the checkpoint starts one "
             f"from its weights)")
 
 
-class MixedWindows:
+class MixedWindows(Windows):
     """The windows of one or more sources (TokenWindows), interleaved by weight (the comment above)."""
 
-    def __init__(self, names: list, sources: list, weights: list, flag: str = "--data"):
-        self.names, self.sources, self.flag = names, sources, flag
+    def __init__(self, names: list, sources: list, weights: list):
+        self.names, self.sources = names, sources
         total = sum(weights)
         self.weights = [fractions.Fraction(w) / total for w in weights]  # normalised
         denominator = math.lcm(*(w.denominator for w in self.weights))
@@ -809,11 +806,9 @@ class MixedWindows:
         k = next(k for k in range(len(self.sources)) if after[k] > before[k])  # the one count that grows
         return k, before[k]
 
-    def micro_batch(self, position: int, accum_index: int, rank: int, world: int, micro: int):
-        """As TokenWindows.micro_batch, over the mix: rank r reads the m windows at P + (j*W + r)*m."""
-        first = position + (accum_index * world + rank) * micro
-        at = [self.source_of(i) for i in range(first, first + micro)]  # (source, its own position) of each row
-        return inputs_and_targets([self.sources[k].window(own_position) for k, own_position in at])
+    def window(self, position: int):
+        k, own_position = self.source_of(position)
+        return self.sources[k].window(own_position)
 
     def progress(self, position: int) -> dict:
         """Windows drawn and epochs per source after `position` windows, for the metrics."""
@@ -838,7 +833,7 @@ class MixedWindows:
     def check_state(self, state: dict) -> int:
         """The position to continue from, if `state` was saved over the same mix and windows (or one source)."""
         saved = saved_sources(state)
-        mismatch = mix_mismatch(state, self.names, self.weights, self.flag)
+        mismatch = mix_mismatch(state, self.names, self.weights)
         if mismatch:
             raise DataError(mismatch)
         position = state["position"]

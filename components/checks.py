@@ -15,8 +15,8 @@ import data as D
 import model as M
 from components import disk
 from components import plan as P
+from components import run_data
 from components import sample
-from components import sample_corpus
 
 
 def check_nodes(env=os.environ) -> list[str]:
@@ -117,14 +117,12 @@ def check_resume_mix(cfg) -> list[str]:
     any work (the loader checks again, with each source's windows, when it resumes)."""
     try:
         candidates = disk.resume_candidates(os.path.join(cfg.out_dir, "checkpoints")) if cfg.resume == "auto" else []
-        with open(os.path.join(candidates[0], "manifest.json")) as f:
-            state = json.load(f)["data"]
+        state = disk.load_json(os.path.join(candidates[0], "manifest.json"))["data"]
         if not state:  # a conversion run saved none
             return []
     except (IndexError, OSError, ValueError, KeyError, TypeError, disk.CheckpointError):
         return []  # no checkpoint, or a damaged one: resume says so and falls back
-    sources = (sample_corpus.sample_sources(cfg.out_dir, "train") if cfg.data == "sample"
-               else D.parse_sources(cfg.data, "--data"))
+    sources = run_data.sources(cfg, "--data")
     mismatch = D.mix_mismatch(state, [n for n, _, _ in sources], [w for _, _, w in sources])
     return [f"{mismatch} ({candidates[0]})"] if mismatch else []  # --sample_prompts and --sample_tokens
 
@@ -238,8 +236,7 @@ def check_export(mcfg: M.ModelConfig) -> list[str]:
 def check_phase_tokenizer(cfg, checkpoint: str) -> list[str]:
     """A new phase from one of our checkpoints trains on data of the model's tokenizer: the one that
     prepared the data of the run that saved it (or of its own origin), when both are known."""
-    with open(os.path.join(checkpoint, "manifest.json")) as f:
-        theirs = disk.export_origin(json.load(f)["train"])["tokenizer"]
+    theirs = disk.export_origin(disk.load_json(os.path.join(checkpoint, "manifest.json"))["train"])["tokenizer"]
     ours = disk.run_tokenizer(asdict(cfg))
     if ours and theirs and ours["sha256"] != theirs["sha256"]:
         return [f"--data: {cfg.data} was tokenized with {ours['path']}, and the model of --init_from {checkpoint} was "

@@ -1,7 +1,9 @@
 """A run's data from its flags: data.py reads tokens; here a run's --data and --eval_data meet its model
 (open_data, with the built-in sample built first when --data is `sample`), and the other components learn
-what --data names (first_prepared_folder: where its tokenizer is recorded; resolved_mix: its meaning)."""
+what --data names (sources; first_prepared_folder: where its tokenizer is recorded; run_tokenizer; resolved_mix:
+its meaning)."""
 import dataclasses
+import fractions
 import os
 
 import data as D
@@ -17,14 +19,8 @@ def open_data(cfg, mcfg):
         if not sample_corpus.sample_is_built(folder) and os.environ.get("RANK", "0") == "0":
             print(f"building the built-in sample (corpus, tokenizer, shards) in {folder}", flush=True)
         sample_corpus.build_sample(folder)  # every rank: the first builds it, the others wait on its lock
-        sources = sample_corpus.sample_sources(cfg.out_dir, "train")
-        eval_sources = (sample_corpus.sample_sources(cfg.out_dir, "eval")
-                        if cfg.eval_data in ("auto", "sample") else None)
-    else:
-        sources = D.parse_sources(cfg.data, "--data")
-        eval_sources = D.parse_sources(cfg.eval_data, "--eval_data") if cfg.eval_data not in ("auto", "") else None
-    train_data = [(name, D.TokenData(path, "--data"), weight) for name, path, weight in sources]
-    held_out = (eval_sources or []) if cfg.eval_every else []
+    train_data = [(name, D.TokenData(path, "--data"), weight) for name, path, weight in sources(cfg, "--data")]
+    held_out = sources(cfg, "--eval_data") if cfg.eval_every else []
     eval_data = [(name, D.TokenData(path, "--eval_data"), weight) for name, path, weight in held_out]
     first = next((data for _, data, _ in train_data if data.meta), None)  # it names the tokenizer
     if first and not cfg.init_from:
@@ -39,17 +35,25 @@ def open_data(cfg, mcfg):
         if os.path.isfile(model_tokenizer) and D.Tokenizer(cfg.init_from).sha256 != first.meta["tokenizer"]["sha256"]:
             raise D.DataError(f"--data: {first.path} was tokenized with {first.meta['tokenizer']['path']}, whose "
                               f"tokenizer.json differs from {model_tokenizer}")
-    windows = mixed_windows(train_data, cfg, mcfg, "--data")
-    return mcfg, windows, mixed_windows(eval_data, cfg, mcfg, "--eval_data") if eval_data else None
+    return mcfg, mixed_windows(train_data, cfg, mcfg), mixed_windows(eval_data, cfg, mcfg) if eval_data else None
 
 
-def mixed_windows(sources: list, cfg, mcfg, flag: str) -> D.MixedWindows:
+def sources(cfg, flag: str) -> list[tuple[str, str, fractions.Fraction]]:
+    """[(name, path, weight)] of --data or --eval_data (`flag`): the built-in sample's with --data sample (its
+    held-out part for --eval_data auto or sample), else the flag's own; none for --eval_data auto or ''."""
+    spec = cfg.data if flag == "--data" else cfg.eval_data
+    if cfg.data == "sample" and spec in ("sample", "auto"):
+        return sample_corpus.sample_sources(cfg.out_dir, "train" if flag == "--data" else "eval")
+    return [] if flag == "--eval_data" and spec in ("auto", "") else D.parse_sources(spec, flag)
+
+
+def mixed_windows(opened: list, cfg, mcfg) -> D.MixedWindows:
     """The MixedWindows of [(name, TokenData, weight)], each source's ids checked against the vocabulary."""
-    for _, data, _ in sources:
-        data.check_vocab(mcfg.vocab_size, flag)
-    return D.MixedWindows([name for name, _, _ in sources],
-                          [D.TokenWindows(data, cfg.seq_len, cfg.seed, flag=flag) for _, data, _ in sources],
-                          [weight for _, _, weight in sources], flag)
+    for _, data, _ in opened:
+        data.check_vocab(mcfg.vocab_size)
+    return D.MixedWindows([name for name, _, _ in opened],
+                          [D.TokenWindows(data, cfg.seq_len, cfg.seed) for _, data, _ in opened],
+                          [weight for _, _, weight in opened])
 
 
 def first_prepared_folder(spec: str, out_dir: str) -> str | None:
@@ -58,6 +62,20 @@ def first_prepared_folder(spec: str, out_dir: str) -> str | None:
         return sample_corpus.sample_sources(out_dir, "train")[0][1]
     paths = [D.split_source(item)[0] for item in spec.split(",")]
     return next((path for path in paths if os.path.isfile(os.path.join(path, "meta.json"))), None)
+
+
+def run_tokenizer(cfg) -> str | None:
+    """The tokenizer of this run's token ids: the one --data was prepared with (its meta.json's; the
+    built-in sample's OUT_DIR/sample/tokenizer.model, built at set-up), else --init_from's tokenizer.json;
+    None for a bare .npy without either. Raises DataError for a prepared folder whose meta.json is bad."""
+    if cfg.data == "sample":
+        return os.path.join(cfg.out_dir, "sample", "tokenizer.model")
+    folder = first_prepared_folder(cfg.data, cfg.out_dir)  # a mix's sources share one tokenizer
+    if folder:
+        return D.read_meta(folder, "--data")["tokenizer"]["path"]
+    if cfg.init_from and os.path.isfile(os.path.join(cfg.init_from, "tokenizer.json")):
+        return cfg.init_from
+    return None
 
 
 def resolved_mix(spec: str, flag: str) -> list[list[str]]:

@@ -2,7 +2,7 @@
 greedily (`--sample_tokens` new tokens at most), print them, and append them to OUT_DIR/samples.jsonl.
 
 The prompts: .jsonl, `{"text": ...}` or a chat `{"messages": [...]}`, rendered as the run's tokenizer
-renders them (data.Tokenizer.prompt_ids; the tokenizer is run_tokenizer's). Every rank reads and
+renders them (data.Tokenizer.prompt_ids; the tokenizer is run_data.run_tokenizer's). Every rank reads and
 encodes them itself, and runs every prompt: the sampled ids are broadcast from rank 0 each step so that
 all ranks agree on when to stop (a rank that stopped early would leave the others waiting in a gather).
 
@@ -27,20 +27,6 @@ import data as D
 import model as M
 from components import disk
 from components import run_data
-
-
-def run_tokenizer(cfg) -> str | None:
-    """The tokenizer of this run's token ids: the one --data was prepared with (its meta.json's; the
-    built-in sample's OUT_DIR/sample/tokenizer.model, built at set-up), else --init_from's tokenizer.json;
-    None for a bare .npy without either. Raises DataError for a prepared folder whose meta.json is bad."""
-    if cfg.data == "sample":
-        return os.path.join(cfg.out_dir, "sample", "tokenizer.model")
-    folder = run_data.first_prepared_folder(cfg.data, cfg.out_dir)  # a mix's sources share one tokenizer
-    if folder:
-        return D.read_meta(folder, "--data")["tokenizer"]["path"]
-    if cfg.init_from and os.path.isfile(os.path.join(cfg.init_from, "tokenizer.json")):
-        return cfg.init_from
-    return None
 
 
 def read_prompts(path: str) -> list[dict]:
@@ -69,7 +55,7 @@ def check_flags(cfg) -> list[str]:
     try:
         read_prompts(cfg.sample_prompts)
         if cfg.data in ("sample", "") or os.path.exists(cfg.data):  # a missing --data has its own line
-            tokenizer = run_tokenizer(cfg)
+            tokenizer = run_data.run_tokenizer(cfg)
             if tokenizer is None:
                 errors.append(f"--sample_prompts: no tokenizer to encode {cfg.sample_prompts} with: --data {cfg.data} "
                               f"is token ids without one (data.py prepare records it) and --init_from "
@@ -86,19 +72,12 @@ def end_ids(cfg, mcfg: M.ModelConfig, tok: D.Tokenizer) -> list[int]:
     """The ids a completion stops at: the model's end of text (its config, and --init_from's
     generation_config.json list: Llama 3.1 Instruct ends a reply with <|eot_id|> or <|eom_id|>), the
     tokenizer's, and <|eot_id|>, which ends a chat turn in data.py's format, when the tokenizer has it."""
-    ids = {mcfg.eos_id, tok.eos_id}
-    if tok.kind == "huggingface":
+    ids = {mcfg.eos_id, *tok.end_ids()}
+    if tok.kind == "huggingface":  # its eos_token when tok.eos_id is <|end_of_text|> (Llama 3 Instruct: <|eot_id|>)
         ids.add(tok.hf.eos_token_id)
-        ids.add(tok.hf.get_vocab().get("<|eot_id|>"))
-    else:
-        eot = tok.sp.piece_to_id("<|eot_id|>")
-        ids.add(None if eot == tok.sp.unk_id() else eot)
-    for name in ("config.json", "generation_config.json") if cfg.init_from else ():
-        path = os.path.join(cfg.init_from, name)
-        if os.path.isfile(path):
-            with open(path) as f:
-                eos = json.load(f).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos])
+    for name in ("config.json", "generation_config.json"):
+        eos = (disk.source_json(cfg.init_from, name) or {}).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos])
     return sorted(i for i in ids if isinstance(i, int) and 0 <= i < mcfg.vocab_size)
 
 
@@ -126,9 +105,8 @@ def forward_pass(sharded, inputs: list[list[int]], caches: list[list["KVCache"]]
     """One pass over the model for every sequence: `inputs[j]` are sequence j's new tokens, `caches[j]`
     its blocks' caches (extended here). Each unit is gathered once for all sequences, with the next one
     prefetched, and freed after; returns the greedy next id of each sequence, (len(inputs),) int64."""
-    model, units, device = sharded.model, sharded.units, sharded.device
-    head = [units[-1], units[0]] if model.cfg.tie_embeddings else [units[-1]]  # a tied head is the embedding
-    stages = [[units[0]]] + [[unit] for unit in units[1:-1]] + [head]
+    model, device = sharded.model, sharded.device
+    stages = [stage.forward_units for stage in sharded.stages]  # the embedding, each block, the head
     rope = []
     for ids, cache in zip(inputs, caches):
         start = cache[0].length
@@ -189,7 +167,7 @@ class Sampler:
     def __init__(self, cfg, mcfg: M.ModelConfig, rank: int, start_step: int):
         self.rank, self.max_new_tokens = rank, cfg.sample_tokens
         self.records = read_prompts(cfg.sample_prompts)
-        self.tok = D.Tokenizer(run_tokenizer(cfg))
+        self.tok = D.Tokenizer(run_data.run_tokenizer(cfg))
         self.prompts = [self.tok.prompt_ids(r) for r in self.records]
         for n, ids in enumerate(self.prompts, 1):
             if max(ids) >= mcfg.vocab_size:
