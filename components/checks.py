@@ -68,13 +68,11 @@ def check_config(cfg, world: int) -> list[str]:
         errors.append(f"--adam_eps: must be > 0, got {cfg.adam_eps}")
     if cfg.model and cfg.model not in M.PRESETS:
         errors.append(f"--model: unknown preset {cfg.model!r}; known: {', '.join(M.PRESETS)}")
-    for name in ("data", "eval_data"):  # PATH[:WEIGHT][,PATH[:WEIGHT]...]: each source exists, each weight > 0
-        spec = getattr(cfg, name)
-        if trains and spec not in ("sample", "auto", ""):
-            try:
-                D.parse_sources(spec, f"--{name}")
-            except D.DataError as e:
-                errors.append(str(e))
+    for flag in ("--data", "--eval_data") if trains else ():  # each source exists, each weight > 0
+        try:
+            run_data.sources(cfg, flag)
+        except D.DataError as e:
+            errors.append(str(e))
     if cfg.eval_data == "sample" and cfg.data != "sample":
         errors.append("--eval_data: 'sample' evaluates the built-in sample's tokens; use it with --data sample")
     if cfg.ac_rest not in ("none", "selective") or cfg.ac_blocks < -1:

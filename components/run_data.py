@@ -39,10 +39,10 @@ def open_data(cfg, mcfg):
 
 
 def sources(cfg, flag: str) -> list[tuple[str, str, fractions.Fraction]]:
-    """[(name, path, weight)] of --data or --eval_data (`flag`): the built-in sample's with --data sample (its
-    held-out part for --eval_data auto or sample), else the flag's own; none for --eval_data auto or ''."""
+    """[(name, path, weight)] of --data or --eval_data (`flag`): the built-in sample's (for --eval_data auto too,
+    with --data sample: its held-out part), else the flag's own; none for --eval_data auto or ''."""
     spec = cfg.data if flag == "--data" else cfg.eval_data
-    if cfg.data == "sample" and spec in ("sample", "auto"):
+    if spec == "sample" or spec == "auto" and cfg.data == "sample":
         return sample_corpus.sample_sources(cfg.out_dir, "train" if flag == "--data" else "eval")
     return [] if flag == "--eval_data" and spec in ("auto", "") else D.parse_sources(spec, flag)
 
