@@ -693,7 +693,6 @@ class TokenWindows(Windows):
         return int(order[1][pos]) * self.seq_len
 
     def window(self, position: int):
-        """(tokens, mask or None) of the window at stream position `position`: seq_len + 1 tokens."""
         return self.data.read(self._window_start(position), self.seq_len + 1)
 
     def state(self, position: int) -> dict:

@@ -24,8 +24,7 @@ def open_data(cfg, mcfg):
     eval_data = [(name, D.TokenData(path, "--eval_data"), weight) for name, path, weight in held_out]
     first = next((data for _, data, _ in train_data if data.meta), None)  # it names the tokenizer
     if first and not cfg.init_from:
-        meta = first.meta
-        mcfg = dataclasses.replace(mcfg, vocab_size=meta["vocab_size"], bos_id=meta["bos_id"], eos_id=meta["eos_id"])
+        mcfg = dataclasses.replace(mcfg, **{key: first.meta[key] for key in ("vocab_size", "bos_id", "eos_id")})
     for _, data, _ in train_data + eval_data:  # one tokenizer for the whole run
         if first and data.meta and data.meta["tokenizer"]["sha256"] != first.meta["tokenizer"]["sha256"]:
             raise D.DataError(f"{data.flag}: {data.path} was tokenized with {data.meta['tokenizer']['path']}, --data "

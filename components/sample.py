@@ -189,11 +189,9 @@ class Sampler:
         completions = generate(sharded, self.prompts, self.max_new_tokens, set(self.stop_ids))
         if self.rank != 0:
             return
-        rows = []
-        for record, ids in zip(self.records, completions):
-            text_ids = ids[:-1] if ids[-1] in self.stop_ids else ids
-            rows.append(dict(step=step, prompt=record.get("text", record.get("messages")),
-                             completion=self.tok.decode(text_ids), ids=ids))
+        rows = [dict(step=step, prompt=record.get("text", record.get("messages")),
+                     completion=self.tok.decode(ids[:-1] if ids[-1] in self.stop_ids else ids), ids=ids)
+                for record, ids in zip(self.records, completions)]
         try:
             with os.fdopen(disk.open_no_follow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
                 f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
