@@ -102,9 +102,8 @@ def generate(sharded, prompts: list[list[int]], max_new_tokens: int, stop_ids) -
 
 
 def forward_pass(sharded, inputs: list[list[int]], caches: list[list["KVCache"]]) -> torch.Tensor:
-    """One pass over the model for every sequence: `inputs[j]` are sequence j's new tokens, `caches[j]`
-    its blocks' caches (extended here). Each unit is gathered once for all sequences, with the next one
-    prefetched, and freed after; returns the greedy next id of each sequence, (len(inputs),) int64."""
+    """One pass over the model (the module docstring) for every sequence: `inputs[j]` are sequence j's new tokens,
+    `caches[j]` its blocks' caches (extended here); returns the greedy next id of each, (len(inputs),) int64."""
     model, device = sharded.model, sharded.device
     stages = [stage.forward_units for stage in sharded.stages]  # the embedding, each block, the head
     rope = []
