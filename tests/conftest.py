@@ -67,9 +67,15 @@ def slurm_missing() -> str | None:
     return None
 
 
+# The forker's tier (marker `fork`): for every family, the oracle at W=1 and 2, a resume at another world size
+# and the export; a subset of the main suite that a fork of model.py runs in about a minute (docs/forking.md).
+FORK_TIER = "python -m pytest -q -m fork tests"
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers",
                             f"slurm: launch.sbatch under a real SLURM on this machine; its own tier: {SLURM_TIER}")
+    config.addinivalue_line("markers", f"fork: the forker's tier, every family against its oracle: {FORK_TIER}")
 
 
 def pytest_collection_modifyitems(config, items):

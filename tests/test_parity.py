@@ -17,6 +17,7 @@ import torch
 from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config, stopped_at
 
 import data as D
+import model as M
 import train as T
 
 STEPS, SEQ, BATCH, CLIP = 4, 16, 12, 0.5
@@ -86,15 +87,26 @@ def reference_run(init_dir, data_path, doc_mask: bool, optimizer: str = "adamw",
     return Reference(losses, norms, {k: v.detach().clone() for k, v in ref.state_dict().items()}, again)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def setup(request, tmp_path_factory):
-    tied = request.param
-    root = tmp_path_factory.mktemp("tied" if tied else "untied")
-    cfg = small_config(tie_embeddings=tied, rope_scaling=dict(factor=8.0, low_freq_factor=1.0,
-                       high_freq_factor=4.0, original_max_position_embeddings=8))
+def family_setup(root, cfg: M.ModelConfig):
+    """A folder of `cfg`'s family as transformers saves it, tokens and the oracle's run on them."""
     init_dir = save_hf(hf_model(cfg, seed=5), str(root / "init"))
     data_path = learnable_tokens(str(root / "tokens.npy"), cfg.vocab_size, n=3000)
     return root, init_dir, data_path, reference_run(init_dir, data_path, doc_mask=True)
+
+
+def llama_config(tied: bool = False) -> M.ModelConfig:
+    return small_config(tie_embeddings=tied, rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                                               original_max_position_embeddings=8))
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+def setup(request, tmp_path_factory):
+    return family_setup(tmp_path_factory.mktemp("tied" if request.param else "untied"), llama_config(request.param))
+
+
+@pytest.fixture(scope="module")
+def llama_setup(tmp_path_factory):
+    return family_setup(tmp_path_factory.mktemp("llama"), llama_config())
 
 
 def check_against_reference(out, reference, clip=CLIP):
@@ -124,7 +136,8 @@ def check_weights(state: dict, reference: Reference, floor: float = 1e-4):
 
 # Each world size also runs one option that must not change the arithmetic: cross-entropy in chunks that do
 # not divide the micro-batch, selective checkpointing, no prefetch. One launch each, as each costs seconds.
-@pytest.mark.parametrize("world,micro,flags", [(1, 2, ["--ac=none"]), (2, 2, ["--ac=none"]),
+@pytest.mark.parametrize("world,micro,flags", [pytest.param(1, 2, ["--ac=none"], marks=pytest.mark.fork),
+                                               pytest.param(2, 2, ["--ac=none"], marks=pytest.mark.fork),
                                                (3, 1, ["--ce_chunk=5", "--ac=none"]),
                                                (4, 1, ["--ac=selective", "--ce_chunk=7", "--prefetch=false"])],
                          ids=["w1", "w2", "w3-chunked-ce", "w4-selective-noprefetch"])
@@ -140,26 +153,46 @@ def test_training_matches_hf(setup, world, micro, flags):
 @pytest.fixture(scope="module")
 def qwen3_setup(tmp_path_factory):
     """A small Qwen3 (QK-norm; head_dim 12, not dim / n_heads = 8) and its oracle, Qwen3ForCausalLM + AdamW."""
-    root = tmp_path_factory.mktemp("qwen3")
-    cfg = small_config(family="qwen3", qk_norm=True, head_dim=12, norm_eps=1e-6)
-    init_dir = save_hf(hf_model(cfg, seed=5), str(root / "init"))
-    data_path = learnable_tokens(str(root / "tokens.npy"), cfg.vocab_size, n=3000)
-    return root, init_dir, data_path, reference_run(init_dir, data_path, doc_mask=True)
+    return family_setup(tmp_path_factory.mktemp("qwen3"),
+                        small_config(family="qwen3", qk_norm=True, head_dim=12, norm_eps=1e-6))
 
 
+FAMILIES = ["llama", "qwen3"]  # each with its NAME_setup fixture: the forker's tier (marker fork) runs them all
+
+
+@pytest.mark.fork
 @pytest.mark.parametrize("world", [1, 2])
-def test_qwen3_training_matches_hf(qwen3_setup, world):
-    """The same tolerances as Llama's; the export is a Qwen3 folder that from_pretrained loads with exactly the
-    oracle's tensors (check_against_reference: the same names, the same values)."""
-    root, init_dir, data_path, reference = qwen3_setup
+@pytest.mark.parametrize("family", FAMILIES[1:])  # Llama's: test_training_matches_hf
+def test_each_family_trains_as_its_oracle(family, world, request):
+    """The same tolerances as Llama's; the export is a folder of the family that from_pretrained loads with exactly
+    the oracle's tensors (check_against_reference: the same names, the same values) and the config the run started
+    from (Qwen3's head_dim 12 included)."""
+    root, init_dir, data_path, reference = request.getfixturevalue(f"{family}_setup")
     out = str(root / f"w{world}")
     args = [f"--{k}={v}" for k, v in ARGS.items()]
     run_train(args + [f"--init_from={init_dir}", f"--data={data_path}", "--micro_batch_size=2", "--ac=selective",
                       f"--out_dir={out}", f"--export_hf={out}/hf"], nproc=world)
     check_against_reference(out, reference)
-    with open(os.path.join(out, "hf", "config.json")) as f:
-        exported = json.load(f)
-    assert (exported["model_type"], exported["architectures"], exported["head_dim"]) == ("qwen3", ["Qwen3ForCausalLM"], 12)
+    with open(os.path.join(out, "hf", "config.json")) as f, open(os.path.join(init_dir, "config.json")) as g:
+        exported, started = json.load(f), json.load(g)
+    assert exported["model_type"] == family
+    assert {key: exported[key] for key in ("architectures", "head_dim")} == {key: started[key] for key in ("architectures", "head_dim")}
+
+
+@pytest.mark.fork
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_resumes_at_another_world_size_and_trains_as_its_oracle(family, request, main_in_process):
+    """Steps 1-2 at W=2 under torchrun, saved; steps 3-4 resumed from that checkpoint at W=1 in this process: the
+    losses, norms and exported weights are the oracle's. For a fork's family, its own tensors saved at one world
+    size, re-sliced and restored at another (a row per family here: the forker's tier, docs/forking.md)."""
+    root, init_dir, data_path, reference = request.getfixturevalue(f"{family}_setup")
+    first, resumed = str(root / "resume-w2"), str(root / "resume-w1")
+    args = [f"--{k}={v}" for k, v in ARGS.items()] + [f"--init_from={init_dir}", f"--data={data_path}",
+                                                      "--micro_batch_size=2"]
+    run_train(args + ["--ckpt_every=2", f"--out_dir={first}"], nproc=2)
+    stopped_at(first, resumed, 2)
+    assert main_in_process(args + [f"--out_dir={resumed}", f"--export_hf={resumed}/hf"]) == 0
+    check_against_reference(resumed, reference)
 
 
 def test_a_pad_token_id_leaves_its_embedding_row_as_transformers_does(tmp_path):
