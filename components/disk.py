@@ -59,7 +59,11 @@ def make_group(timeout_min: float):
     if group is not None:
         return
     try:  # new_group is itself collective: every rank makes it, in the same order
-        dist.destroy_process_group(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GLOO_CONNECT_TIMEOUT_S)))
+        probe = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GLOO_CONNECT_TIMEOUT_S))
+        # A rank whose own connections are made may not destroy the group before the others' are: they would
+        # see "Connection closed by peer" (seen on a loaded machine). The barrier returns once every rank has it.
+        dist.barrier(group=probe)
+        dist.destroy_process_group(probe)
     except (RuntimeError, dist.DistError) as e:
         cause = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         raise RuntimeError(f"the checkpoint group (gloo: TCP between every pair of ranks) did not connect within "

@@ -241,6 +241,20 @@ def test_a_checkpoint_group_that_cannot_connect_is_one_line_within_the_short_tim
     assert "GLOO_SOCKET_IFNAME" in str(e.value) and disk.group is None
 
 
+def test_the_probe_group_is_destroyed_only_once_every_rank_has_connected(monkeypatch):
+    """A rank that destroys the probe group as soon as its own connections are made leaves a slower rank still
+    connecting to it ("Connection closed by peer"): make_group waits on a barrier of the probe first."""
+    calls = []
+    monkeypatch.setattr(disk, "group", None)
+    monkeypatch.setattr(disk.dist, "new_group", lambda backend, timeout: calls.append(("new", timeout.total_seconds()))
+                        or f"group {len(calls)}")
+    monkeypatch.setattr(disk.dist, "barrier", lambda group: calls.append(("barrier", group)))
+    monkeypatch.setattr(disk.dist, "destroy_process_group", lambda group: calls.append(("destroy", group)))
+    disk.make_group(60)
+    assert calls == [("new", disk.GLOO_CONNECT_TIMEOUT_S), ("barrier", "group 1"), ("destroy", "group 1"), ("new", 3600)]
+    assert disk.group == "group 4"
+
+
 # -- launch.sh's settings, made by train.py ------------------------------------------------------------------
 
 def test_train_py_sets_what_launch_sh_set_and_keeps_what_the_user_exported(tmp_path, monkeypatch):
