@@ -462,11 +462,17 @@ def hf_name(name: str) -> str:
 
 def sharding_units(model: nn.Module) -> list[tuple[str, list[str]]]:
     """(unit name, its parameters' names) in the order they run: embed, layers.0 .. layers.{L-1}, head (the final
-    norm and the untied lm_head). train.build_units shards these; the planner and --freeze's check read them."""
+    norm and the untied lm_head). train.build_units shards these; the planner and --freeze's check read them. A
+    fork may shard a block as several units, `layers.{i}.NAME` (block_of; train.make_stages gathers them together)."""
     names = [n for n, _ in model.named_parameters()]
     units = [("embed", ["embed_tokens.weight"])]
     units += [(f"layers.{i}", [n for n in names if n.startswith(f"layers.{i}.")]) for i in range(len(model.layers))]
     return units + [("head", [n for n in names if n.startswith(("norm.", "lm_head."))])]
+
+
+def block_of(unit: str) -> int | None:
+    """The block a unit belongs to: 3 for `layers.3` and for a fork's `layers.3.lora`; None for embed and head."""
+    return int(unit.split(".")[1]) if unit.startswith("layers.") else None
 
 
 def frozen_units(model: nn.Module, freeze: str) -> tuple[list[str], list[str]]:

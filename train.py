@@ -446,7 +446,7 @@ class ShardedModel:
             return {name: term / batch["n_tokens"] for name, term in terms.items()}
         stage = self.stages[k]
         return run_block(self.model.layers[k - 1], stage.ac, x, batch["cos"], batch["sin"], batch["layout"], stage.offload,
-                         stage.forward_units[0].name, stage.forward_units[0].trained)
+                         stage.forward_units[0].name, any(u.trained for u in stage.forward_units))
 
     def on_backward(self, k: int):
         """Backward has finished stage k + 1 and is about to run stage k. In a trace, stage k's backward runs
@@ -618,15 +618,17 @@ def build_units(model: M.Llama, rank, world, device, compute_dtype, unit_class=U
 
 def make_stages(model: M.Llama, units: list[Unit], ac: str, offload: bool = False, ac_blocks: int = -1,
                 ac_rest: str = "none") -> list[Stage]:
-    """The embedding, each block, the head (ShardedModel.run_stage runs them). The embedding's backward only
-    needs the token ids, so it is not gathered again for backward. With tied embeddings the head also
-    needs the embedding unit (its weight is the head's)."""
-    embed, blocks, head = units[0], units[1:-1], units[-1]
+    """The embedding, each block, the head (ShardedModel.run_stage runs them). A block's stage holds every unit
+    model.sharding_units names for it (one, or a fork's several: `layers.3`, `layers.3.lora`). The embedding's
+    backward only needs the token ids, so it is not gathered again for backward. With tied embeddings the head
+    also needs the embedding unit (its weight is the head's)."""
+    embed, head = units[0], units[-1]
+    blocks = [[u for u in units[1:-1] if M.block_of(u.name) == i] for i in range(len(model.layers))]
     head_units = [head, embed] if model.cfg.tie_embeddings else [head]
     policies = M.block_policies(len(blocks), ac, ac_blocks, ac_rest)
     # --offload_activations moves what `full` keeps
-    stages = ([Stage([embed], [])] + [Stage([unit], [unit], policy, offload and policy == "full")
-                                       for unit, policy in zip(blocks, policies)] + [Stage(head_units, head_units)])
+    stages = ([Stage([embed], [])] + [Stage(block, block, policy, offload and policy == "full")
+                                       for block, policy in zip(blocks, policies)] + [Stage(head_units, head_units)])
     # A frozen prefix (--freeze) has no backward: nothing in it or before it requires grad, so autograd never
     # reaches it (and forward_backward frees the first trained stage, which no boundary then frees).
     first = first_trained_stage(stages)

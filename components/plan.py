@@ -24,7 +24,7 @@ import weakref
 
 import numpy as np
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -171,31 +171,43 @@ READINGS = {}  # what the planner measured, by what it ran: the arguments and th
 
 
 def read_block(mcfg: M.ModelConfig, policy: str, micro_batch: int, seq_len: int, kernel: str = "flash",
-               offload: bool = False, trained: bool = True, input_grad: bool = True) -> dict:
+               offload: bool = False, trained: bool = True, input_grad: bool = True, frozen=frozenset()) -> dict:
     """One block's forward and backward as train.run_block runs them: bytes kept for backward (`kept`), and at
     its backward's peak its weights' gradients (`gradients`) and the rest (`backward`). `trained`: its weights
-    take gradients; `input_grad`: its input needs one (False in a frozen prefix)."""
+    take gradients, but those named in `frozen` (a block of several units, some frozen); `input_grad`: its input
+    needs one (False in a frozen prefix)."""
     code = (trainer().run_block, M.attention, M.Block.forward, M.Attention.forward, M.MLP.forward,
             M.RMSNorm.forward)  # what a test or a fork swaps in one process gets a reading of its own
-    key = (repr(mcfg), policy, micro_batch, seq_len, kernel, offload, trained, input_grad, code)
+    key = (repr(mcfg), policy, micro_batch, seq_len, kernel, offload, trained, input_grad, frozen, code)
     if key not in READINGS:
         gc.disable()  # the cycle collector would free what cycles made here hold at moments that depend on
         # the process's history: off while measuring, the readings are the same in any process
         try:
-            READINGS[key] = measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, input_grad)
+            READINGS[key] = measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, input_grad,
+                                          frozen)
+        except (DynamicOutputShapeException, DataDependentOutputException) as e:  # fake tensors hold no values
+            raise Unplannable(f"the block's forward makes a tensor whose shape depends on the data ({e.func}: an "
+                              f"MoE's routing, say), which the planner cannot run on fake tensors; plan the fork with "
+                              f"its block's shapes fixed (docs/forking.md, \"A block whose shapes depend on the "
+                              f"data\")") from None
         finally:
             gc.enable()
     return READINGS[key]
 
 
-def measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, input_grad) -> dict:
+class Unplannable(ValueError):
+    """A fork whose block the planner cannot measure: --plan refuses it in one line (exit 2)."""
+
+
+def measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, input_grad, frozen) -> dict:
     """read_block's measurement, uncached. The output's gradient (memory_by_phase counts it) is not in `backward`."""
     with torch.device("meta"):
         block = M.Block(mcfg)
     with FakeTensorMode(allow_non_fake_inputs=True), attention_kernel(kernel):
         for name, p in list(block.named_parameters()):  # bf16 fake weights, as train.Unit points them at its buffer
             module, _, attr = name.rpartition(".")
-            weight = torch.nn.Parameter(torch.empty(p.shape, dtype=torch.bfloat16), requires_grad=trained)
+            weight = torch.nn.Parameter(torch.empty(p.shape, dtype=torch.bfloat16),
+                                        requires_grad=trained and name not in frozen)
             setattr(block.get_submodule(module), attr, weight)
         x_in = torch.empty(micro_batch, seq_len, mcfg.dim, dtype=torch.bfloat16, requires_grad=input_grad)
         if kernel == "flash":
@@ -273,18 +285,34 @@ def optimizer_temporary_bytes(mcfg: M.ModelConfig, cfg, world: int) -> int:
 # Memory
 # ----------------------------------------------------------------------------------------------
 
+def model_units(mcfg: M.ModelConfig) -> list[tuple[str, int, list[str]]]:
+    """(name, parameters, their names) of each sharding unit in train.build_units' order, as model.sharding_units
+    names them for the model built on the meta device: a fork's units too (a block may be one unit or several)."""
+    key = ("units", repr(mcfg), M.sharding_units, M.Llama)
+    if key not in READINGS:
+        with torch.device("meta"):
+            model = M.Llama(mcfg)
+        params = dict(model.named_parameters())
+        READINGS[key] = [(name, sum(params[n].numel() for n in names), names)
+                         for name, names in M.sharding_units(model)]
+    return READINGS[key]
+
+
 def unit_numels(mcfg: M.ModelConfig) -> list[int]:
-    """Parameters of each sharding unit in train.build_units' order: embedding, blocks, head."""
-    counts = M.count_params(mcfg)
-    embedding = counts["embedding"]
-    head = mcfg.dim + (0 if mcfg.tie_embeddings else embedding)  # final norm (+ lm_head)
-    block = (counts["total"] - embedding - head) // mcfg.n_layers
-    return [embedding] + [block] * mcfg.n_layers + [head]
+    return [n for _, n, _ in model_units(mcfg)]
 
 
 def unit_names(mcfg: M.ModelConfig) -> list[str]:
-    """The units' names in unit_numels' order (model.sharding_units')."""
-    return ["embed"] + [f"layers.{i}" for i in range(mcfg.n_layers)] + ["head"]
+    return [name for name, _, _ in model_units(mcfg)]
+
+
+def block_numels(mcfg: M.ModelConfig, world: int = 1) -> list[int]:
+    """Each block's parameters, its units' together (train.make_stages gathers them as one stage), padded for W."""
+    by_block = [0] * mcfg.n_layers
+    for name, n, _ in model_units(mcfg):
+        if M.block_of(name) is not None:
+            by_block[M.block_of(name)] += padded(n, world)
+    return by_block
 
 
 def padded(numel: int, world: int) -> int:
@@ -334,26 +362,33 @@ def offloaded_blocks(mcfg: M.ModelConfig, cfg) -> int:
 
 def frozen_unit_names(mcfg: M.ModelConfig, cfg) -> list[str]:
     """The units --freeze freezes (model.frozen_units, what train.py freezes)."""
-    key = ("frozen", repr(mcfg), cfg.freeze)
+    key = ("frozen", repr(mcfg), cfg.freeze, M.sharding_units)
     if key not in READINGS:
         with torch.device("meta"):
             READINGS[key] = M.frozen_units(M.Llama(mcfg), cfg.freeze)[0] if cfg.freeze else []
     return READINGS[key]
 
 
-def block_training(mcfg: M.ModelConfig, cfg) -> list[tuple[bool, bool]]:
-    """(trained, its input needs a gradient) of each block: none does before the first trained unit."""
+def block_training(mcfg: M.ModelConfig, cfg) -> list[tuple[bool, bool, frozenset]]:
+    """(trained, its input needs a gradient, its parameters in frozen units) of each block: a block trains when
+    one of its units does; no input needs a gradient before the first trained unit."""
     frozen = frozen_unit_names(mcfg, cfg)
-    trained = [f"layers.{i}" not in frozen for i in range(mcfg.n_layers)]
-    return [(t, "embed" not in frozen or any(trained[:i])) for i, t in enumerate(trained)]
+    trained, frozen_params = [False] * mcfg.n_layers, [set() for _ in range(mcfg.n_layers)]
+    for name, _, params in model_units(mcfg):
+        i = M.block_of(name)
+        if i is not None and name in frozen:
+            frozen_params[i].update(p.split(".", 2)[2] for p in params)  # layers.3.mlp.up_proj.weight: mlp.up_...
+        elif i is not None:
+            trained[i] = True
+    return [(t, "embed" not in frozen or any(trained[:i]), frozenset(frozen_params[i]) if t else frozenset())
+            for i, t in enumerate(trained)]
 
 
 def block_readings(mcfg: M.ModelConfig, cfg, kernel: str = "flash") -> list[tuple[dict, bool]]:
     """(read_block's bytes, offloaded?) of each block in forward order, by its policy, offload and training."""
     n_offloaded = offloaded_blocks(mcfg, cfg)
-    blocks = [(policy, i < n_offloaded, trained, input_grad)
-              for i, (policy, (trained, input_grad)) in enumerate(zip(block_policies(mcfg, cfg),
-                                                                      block_training(mcfg, cfg)))]
+    blocks = [(policy, i < n_offloaded, *training)
+              for i, (policy, training) in enumerate(zip(block_policies(mcfg, cfg), block_training(mcfg, cfg)))]
     readings = {b: read_block(mcfg, b[0], cfg.micro_batch_size, cfg.seq_len, kernel, *b[1:]) for b in set(blocks)}
     return [(readings[b], b[1]) for b in blocks]
 
@@ -475,7 +510,7 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
         both = [memory_by_phase(mcfg, cfg, world, flash) for flash in (True, False)]
         return {p: max((b[p] for b in both), key=lambda parts: sum(parts.values())) for p in both[0]}
     numels = unit_numels(mcfg)
-    emb, block, head = (padded(n, world) for n in (numels[0], numels[1], numels[-1]))
+    emb, block, head = padded(numels[0], world), max(block_numels(mcfg, world)), padded(numels[-1], world)
     cbytes, rbytes = COMPUTE_BYTES, REDUCE_BYTES[cfg.reduce_dtype]
     tied, layers, tokens = mcfg.tie_embeddings, mcfg.n_layers, cfg.micro_batch_size * cfg.seq_len
     kernel = "efficient" if cfg.doc_mask and not flash_attn else "flash"  # attention_kernel
@@ -487,7 +522,11 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
     # ... and its input, this rank's shard cast to the compute dtype (train.Unit.gather_input), alive until it
     # completes; --offload_optimizer gathers from the compute-dtype copy the state keeps, no cast
     sending = 0 if cfg.offload_optimizer else prefetched / world
-    in_flight = max(head, block)  # the head's gradient is reduced while the last block runs backward
+    # a block's largest unit with a gradient (a block may be several units, some frozen: model.sharding_units)
+    frozen = frozen_unit_names(mcfg, cfg)
+    block_unit = max((padded(n, world) for name, n, _ in model_units(mcfg)
+                      if M.block_of(name) is not None and name not in frozen), default=0)
+    in_flight = max(head, block_unit)  # the head's gradient is reduced while the last block runs backward
     reduce_buffers = in_flight_reduce_bytes(in_flight, rbytes, world)
     waiting = cbytes * emb * tied  # tied: the head's part of the embedding gradient waits for the embedding's
     # --offload_optimizer: the fp32 state lives in host memory; the GPU keeps a compute-dtype copy of its shards
@@ -501,7 +540,7 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
                     fragmentation=ASSUMPTIONS["fragmentation"] * sum(dynamic.values()))
 
     head_parts = head_backward_bytes(mcfg, cfg, head, emb, world)
-    block_grads = (unit_gradient_bytes(block, in_flight, rbytes, world)
+    block_grads = (unit_gradient_bytes(block_unit, in_flight, rbytes, world)
                    if block_training(mcfg, cfg)[-1][0] else dict(gradients=0, reduce_buffers=0))  # frozen: none
     head_saved = tokens * (4 + 2 + 2) * mcfg.dim  # final norm: fp32 input, normalized, output
     input_gradient = tokens * cbytes * mcfg.dim  # the gradient of the stage's input, on its way to the stage before
@@ -531,7 +570,7 @@ def executed_flops(mcfg: M.ModelConfig, seq_len: int, ac, chunked_ce: bool) -> t
     """(matmul, attention) FLOPs per token computed: the MFU count plus recompute. `ac`: one policy for every
     block, or each block's (block_policies)."""
     counts = M.count_params(mcfg)
-    block_numel = unit_numels(mcfg)[1]
+    block_numel = max(block_numels(mcfg))
     attention = 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
     matmul = M.flops_per_token(mcfg, seq_len) - attention
     if mcfg.tie_embeddings:  # the head's matmul reads the embedding, which 6(N - emb) leaves out
@@ -856,7 +895,10 @@ def run_memory_gib(mcfg: M.ModelConfig, cfg, world: int, local_world: int, devic
     run = as_launched(cfg, world, local_world, device_name)
     if run is None:
         return None
-    r = fit_and_speed(mcfg, run)
+    try:
+        r = fit_and_speed(mcfg, run)
+    except Unplannable:  # --plan says why; the run goes on without the planner's figures, as on an unknown GPU
+        return None
     return dict(state_gib=r["phases"][r["peak_phase"]]["state"] / GIB + cfg.outside_gib, peak_gib=r["peak_gib"],
                 context_gib=cfg.outside_gib, peak_phase=r["peak_phase"], bus_gbps=bus_gbps(GPUS[run.gpu], run),
                 phases_gib={name: sum(parts.values()) / GIB for name, parts in r["phases"].items()})
@@ -1214,7 +1256,10 @@ def main(cfg, trainer=None) -> str | None:
             errors.append(f"--init_from: {e}")
     if errors:
         return "; ".join(errors)
-    p = plan(mcfg, cfg)
+    try:
+        p = plan(mcfg, cfg)
+    except Unplannable as e:
+        return f"--plan: {e}"
     print(table(p, cfg), flush=True)
     fits = p["fits"] and p["host_fits"]
     nearest = None if fits else nearest_fit(mcfg, cfg)

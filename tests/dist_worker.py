@@ -3,7 +3,8 @@
     torchrun --nproc_per_node W tests/dist_worker.py MODE OUT_DIR [train.py flags...]
 MODE is `load` (how much of the checkpoint each rank reads), `sgd` (a whole run with SGD + momentum
 swapped in for AdamW; writes no JSON), `zloss` (a whole run with a z-loss term added where docs/forking.md
-says, and TensorBoard's writer replaced by one that writes OUT_DIR/tensorboard.jsonl), or `facts` (a whole run
+says, and TensorBoard's writer replaced by one that writes OUT_DIR/tensorboard.jsonl), `two_units` (a whole
+run of a fork that shards each block as two units: two_units_per_block), or `facts` (a whole run
 in which each rank sees its own machine as ZERO3_TEST_FACTS says: see facts(); writes the launch settings it
 ran under). Checks of the step itself run in one process (tests/ranks.py).
 """
@@ -36,6 +37,23 @@ def z_loss_terms(self, h_normed, targets) -> dict:
     terms = {"ce": torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")}
     terms["z_loss"] = Z_LOSS * torch.logsumexp(logits, -1)[targets != -100].square().sum()
     return terms
+
+
+BLOCK_UNITS = M.sharding_units  # the families': one unit per block
+
+
+def two_units_per_block(model) -> list:
+    """model.sharding_units of a fork that shards each block as two units: its attention with the norm before it
+    (`layers.i.attention`), its MLP with its norm (`layers.i.mlp`). Llama's arithmetic, so Llama's oracle; what it
+    checks is the trainer's: stages, --freeze, checkpoints, export and the planner from the model's unit list."""
+    units = []
+    for name, names in BLOCK_UNITS(model):
+        if M.block_of(name) is None:
+            units.append((name, names))
+            continue
+        attention = [n for n in names if ".self_attn." in n or ".input_layernorm." in n]
+        units += [(f"{name}.attention", attention), (f"{name}.mlp", [n for n in names if n not in attention])]
+    return units
 
 
 def record_tensorboard(out_dir):
@@ -142,6 +160,10 @@ if __name__ == "__main__":
     if mode == "zloss":
         M.Llama._loss_terms = z_loss_terms
         record_tensorboard(out_dir)
+        T.main(flags)
+        os._exit(0)
+    if mode == "two_units":
+        M.sharding_units = two_units_per_block
         T.main(flags)
         os._exit(0)
     if mode == "facts":

@@ -627,8 +627,16 @@ def sgd_bf16_momentum(M, T):
     T.Unit.__init__ = init
 
 
+def two_units_per_block(M, T):
+    """Each block sharded as two units, its attention and its MLP (tests/dist_worker.py's fork): the trainer's
+    stages and the planner both read the model's unit list."""
+    sys.path.insert(0, HERE)
+    import dist_worker
+    M.sharding_units = dist_worker.two_units_per_block
+
+
 VARIANTS = {"soft-capped attention": soft_capped_attention, "sgd momentum": sgd_momentum,
-            "sgd momentum in bf16": sgd_bf16_momentum}
+            "sgd momentum in bf16": sgd_bf16_momentum, "two units per block": two_units_per_block}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -67,6 +67,10 @@ FORKS = [
     ("frozen embedding and first two blocks, the recipe's offloaded activations", WIDE_70B, 16, True,
      "--seq_len 8192 --batch_size 16 --micro_batch_size 1 --ac full --offload_activations true --reduce_dtype bfloat16 "
      r"--freeze model\.(embed_tokens|layers\.[01])\.", 0.02, "", ""),
+    # A block as two units, the first frozen: a frozen base beside a trained unit in each block's stage.
+    ("each block two units, its attention frozen", WIDE_70B, 16, True,
+     "--seq_len 8192 --batch_size 16 --micro_batch_size 1 --ac full --offload_activations true --reduce_dtype bfloat16 "
+     "--freeze self_attn|input_layernorm", 0.02, "two units per block", ""),
 ]
 
 O_GRAD_SLOTS = 2  # offload.GRAD_SLOTS (offload.py is not imported here: the shim loads before torch)

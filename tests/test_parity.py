@@ -18,6 +18,7 @@ from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, sa
 
 import data as D
 import model as M
+from components import disk
 import train as T
 
 STEPS, SEQ, BATCH, CLIP = 4, 16, 12, 0.5
@@ -199,7 +200,6 @@ def test_a_pad_token_id_leaves_its_embedding_row_as_transformers_does(tmp_path):
     """config.json's pad_token_id makes transformers' embedding nn.Embedding(padding_idx=pad): a lookup of that id
     adds nothing to its row's gradient. Ours reads it (config_from_hf), trains at W=2 as the oracle does with the
     pad id among the inputs, and writes it back in the export."""
-    from components import disk
     cfg = small_config()
     data_path = learnable_tokens(str(tmp_path / "tokens.npy"), cfg.vocab_size, n=3000)
     windows = D.TokenWindows(D.TokenData(data_path), SEQ, ARGS["seed"])
@@ -287,7 +287,6 @@ def test_a_loss_term_a_fork_adds_is_trained_and_logged_by_name(tmp_path):
     """A fork adds PaLM's z-loss as one line in model.Llama._loss_terms (tests/dist_worker.py, mode zloss). At W=2
     it trains as the oracle with the same term does (losses, norms, weights), and with no other edit the step's
     record carries loss/ce and loss/z_loss (their sum the loss) into metrics.jsonl, the step line and TensorBoard."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
     from dist_worker import Z_LOSS
     cfg = small_config()
     init_dir = save_hf(hf_model(cfg, seed=5), str(tmp_path / "init"))
@@ -311,6 +310,41 @@ def test_a_loss_term_a_fork_adds_is_trained_and_logged_by_name(tmp_path):
         scalars = [json.loads(line) for line in f]
     assert [(s["step"], s["value"]) for s in scalars if s["tag"] == "loss/z_loss"] == [
         (row["step"], row["loss/z_loss"]) for row in rows]
+
+
+ATTENTION = r"self_attn|input_layernorm"  # two_units_per_block's first unit of each block, whole
+
+
+def test_a_fork_with_two_units_per_block_trains_as_its_oracle_and_is_planned_exactly(llama_setup, monkeypatch):
+    """A fork whose model.sharding_units splits each block into two units (tests/dist_worker.py,
+    two_units_per_block), the first frozen (--freeze): a frozen base and a trained unit in every block's stage.
+    At W=1 and 2 it trains as the oracle with those parameters frozen (losses, norms, exported weights); each
+    block's stage gathers both its units; --plan's state is what the run's units hold, at a W with padding."""
+    from components import plan as P
+    from dist_worker import two_units_per_block
+    root, init_dir, data_path, _ = llama_setup
+    reference = reference_run(init_dir, data_path, doc_mask=True, frozen=lambda step, name: bool(re.search(ATTENTION, name)))
+    args = [f"--{k}={v}" for k, v in ARGS.items()] + [f"--init_from={init_dir}", f"--data={data_path}",
+                                                      "--micro_batch_size=2", f"--freeze={ATTENTION}", "--ac=full"]
+    for world in (1, 2):
+        out = str(root / f"two-units-w{world}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+               os.path.join(ROOT, "tests", "dist_worker.py"), "two_units", out, *args, f"--out_dir={out}",
+               f"--export_hf={out}/hf"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        check_against_reference(out, reference)
+    monkeypatch.setattr(M, "sharding_units", two_units_per_block)
+    cfg = T.parse_args(args + ["--nproc_per_node=3"])
+    mcfg = disk.model_config(cfg)
+    sharded = T.build_sharded_model(cfg, mcfg, 0, 3, torch.device("cpu"))
+    blocks = sharded.stages[1:-1]
+    assert [[(u.name, u.trained) for u in stage.forward_units] for stage in blocks] == [
+        [(f"layers.{i}.attention", False), (f"layers.{i}.mlp", True)] for i in range(mcfg.n_layers)]
+    assert all(stage.backward_units == stage.forward_units for stage in blocks)
+    assert any(u.padded_numel != u.numel for u in sharded.units)
+    planned = P.plan(mcfg, cfg)["state_gib_per_gpu"] * 2**30
+    assert planned == sum(u.persistent_bytes() for u in sharded.units)
 
 
 FREEZE_THEN, FREEZE_NOW = r"embed_tokens|layers\.0\.", "embed_tokens"  # progressive unfreezing: block 0 from step 3

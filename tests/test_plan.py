@@ -875,3 +875,22 @@ def test_an_optimizers_temporary_is_planned(monkeypatch):
     monkeypatch.setattr(T, "optimizer_step", whole_unit_step)
     phase = P.memory_by_phase(mcfg, cfg, 16)["optimizer step"]
     assert phase["optimizer_temporaries"] == 4 * max(P.padded(n, 16) for n in P.unit_numels(mcfg))
+
+
+def test_a_block_whose_shapes_depend_on_the_data_is_refused_by_plan_in_one_line(monkeypatch, capsys, main_in_process):
+    """A fork's MoE-style block (nonzero: which tokens an expert takes) cannot run on fake tensors: --plan says so in
+    one line, exit 2, naming the operation, never a training error a restart may fix; a run's start-up figures are
+    None (as for a GPU the planner does not know) instead of an exception."""
+    def routed_forward(self, x, cos, sin, layout=None, cache=None):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, cache)
+        flat = h.flatten(0, -2)
+        chosen = torch.nonzero(flat[:, 0] > 0).squeeze(1)  # the tokens routed to the one expert
+        return (flat.index_add(0, chosen, self.mlp(self.post_attention_layernorm(flat[chosen])))).view_as(h)
+    monkeypatch.setattr(M.Block, "forward", routed_forward)  # the planner's readings are keyed by the code: new ones
+    flags = ["--plan=true", "--model=tiny", "--nproc_per_node=8", "--seq_len=256", "--batch_size=8", "--micro_batch_size=1"]
+    code = main_in_process(flags)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: --plan: the block's forward makes a tensor whose shape depends on the data") and "nonzero" in err
+    cfg = config(model="tiny", nproc_per_node=8, seq_len=256, batch_size=8, micro_batch_size=1)
+    assert P.run_memory_gib(disk.model_config(cfg), cfg, 8, 8, "NVIDIA H100 80GB HBM3") is None

@@ -71,17 +71,23 @@ def sentencepiece_run(tmp_path_factory):
     return dict(root=root, init=init, data=str(root / "data"), prompts=write_jsonl(root / "prompts.jsonl", PROMPTS))
 
 
+@pytest.mark.parametrize("two_units", [False, True], ids=["a unit per block", "two units per block"])
 def test_sharded_decoding_equals_generate_stops_at_end_ids_and_leaves_nothing_behind(sentencepiece_run, tmp_path,
-                                                                                   monkeypatch):
+                                                                                   monkeypatch, two_units):
     """In process, W = 1, tied head: the prompts as prepare writes them, the completions of transformers'
-    generate, stopping at the end ids; afterwards no unit gathered, no cache, no tensor more than before."""
+    generate, stopping at the end ids; afterwards no unit gathered, no cache, no tensor more than before. The
+    same for a fork that shards each block as two units (tests/dist_worker.py): sampling runs the model's stages."""
     monkeypatch.delenv("RANK", raising=False)
+    if two_units:
+        from dist_worker import two_units_per_block
+        monkeypatch.setattr(M, "sharding_units", two_units_per_block)
     r = sentencepiece_run
     cfg = T.parse_args([f"--init_from={r['init']}", f"--data={r['data']}", f"--sample_prompts={r['prompts']}",
                         "--sample_tokens=10", "--steps=1", "--seq_len=16", "--batch_size=2", "--micro_batch_size=2",
                         "--dtype=float32", "--device=cpu", f"--out_dir={tmp_path}"])
     sharded = T.setup(cfg)[0]
     try:
+        assert len(sharded.units) == (2 if two_units else 1) * sharded.model.cfg.n_layers + 2
         sampler = S.Sampler(cfg, sharded.model.cfg, 0, 0)
         tok = sampler.tok
         assert tok.path == str(r["root"] / "tok.model")  # the tokenizer meta.json records
