@@ -786,7 +786,7 @@ def setup(cfg: TrainConfig):
         if rank == 0:
             print(f"read checkpoint {weights} (step {step})", flush=True)
     elif candidates:
-        step, position = disk.resume(cfg, mcfg, sharded.units, windows, rank, candidates, fallback=True)
+        step, position = disk.resume(cfg, mcfg, sharded.units, windows, rank, candidates)
     else:
         disk.init_weights(cfg, mcfg, sharded.units, weights)  # seeded per unit: the same weights at any W
         if isinstance(weights, str) and rank == 0:

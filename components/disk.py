@@ -833,12 +833,6 @@ def remove_old_checkpoints(root: str, keep: int, just_saved: str):
             print(f"warning: retention could not delete {old}: {e.strerror or e}; it stays", file=sys.stderr, flush=True)
 
 
-def saved_model(manifest: dict) -> dict:
-    """The manifest's model as a ModelConfig's fields: one saved before a field existed has its default."""
-    known = {f.name for f in fields(M.ModelConfig)}
-    return asdict(M.ModelConfig(**{k: v for k, v in (manifest.get("model") or {}).items() if k in known}))
-
-
 # A mismatch is the operator's to resolve; nothing here suggests a command that deletes checkpoints.
 WAY_FORWARD = ("Restore those flags to continue this run, or start a new phase from this checkpoint's weights "
                "(step 1, a fresh optimizer and data position) in another folder: --init_from {path} --out_dir NEW_DIR")
@@ -854,14 +848,11 @@ def check_manifest(path: str, cfg, mcfg, windows) -> dict:
         raise CheckpointError(f"checkpoint {path}: manifest.json is unreadable ({e})") from None
     if manifest.get("format") != CKPT_FORMAT:
         raise CheckpointError(f"checkpoint {path}: format {manifest.get('format')!r}, expected {CKPT_FORMAT!r}")
-    if cfg is not None and mcfg is not None:
+    if cfg is not None:
         must, _ = config_changes(manifest, cfg, mcfg)
         if must:
             raise ResumeMismatch(f"--resume: checkpoint {path} (step {manifest.get('step')}) was saved under other "
                                  f"values of what a resume must keep: {'; '.join(must)}. {WAY_FORWARD.format(path=path)}")
-    elif mcfg is not None and saved_model(manifest) != asdict(mcfg):
-        diff = [k for k, v in asdict(mcfg).items() if saved_model(manifest).get(k) != v]
-        raise CheckpointError(f"checkpoint {path}: saved for another model (differs in {', '.join(diff)})")
     if cfg is not None and windows is not None and manifest["data"] is not None:
         try:
             windows.check_state(manifest["data"])
@@ -919,7 +910,8 @@ def config_changes(manifest: dict, cfg, mcfg) -> tuple[list[str], list[str]]:
     for key, why in RESUME_MUST_MATCH.items():
         if not same_value(key, saved[key], getattr(cfg, key), resolved.get(key)):
             must.append(f"--{key} was {saved[key]!r}, now {getattr(cfg, key)!r} ({why})")
-    saved_mcfg = saved_model(manifest)
+    known = {f.name for f in fields(M.ModelConfig)}  # a model saved before a field existed has its default
+    saved_mcfg = asdict(M.ModelConfig(**{k: v for k, v in (manifest.get("model") or {}).items() if k in known}))
     model_diff = [f"{k} was {saved_mcfg[k]}, now {v}" for k, v in asdict(mcfg).items() if saved_mcfg[k] != v]
     if model_diff:
         must.append(f"the model (from --model, --init_from's config.json, --data's tokenizer): {', '.join(model_diff)}")
@@ -1094,13 +1086,13 @@ def check_same_manifest(path: str, manifest: dict):
                               os_errno=errno.ESTALE)
 
 
-def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: bool) -> tuple[int, int]:
+def resume(cfg, mcfg, units, windows, rank, candidates: list[str]) -> tuple[int, int]:
     """Loads the newest intact checkpoint among `candidates`, agreed by every rank (read_agreed): (its step, data
-    position). With `fallback` a damaged one is reported and the previous one tried."""
+    position). A damaged one is reported and the previous one tried."""
     for path in candidates:
-        manifest, error, failed = read_agreed(path, cfg if fallback else None, mcfg, windows, units)
+        manifest, error, failed = read_agreed(path, cfg, mcfg, windows, units)
         if not failed:
-            if rank == 0 and fallback:  # what goes on differently from here: a warning each
+            if rank == 0:  # what goes on differently from here: a warning each
                 step, changed = manifest["step"] + 1, config_changes(manifest, cfg, mcfg)[1]
                 started, stopped = freeze_changes(manifest, units)
                 if changed:
@@ -1115,8 +1107,6 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str], fallback: boo
             check_same_manifest(path, manifest)
             data = manifest["data"] or {"position": 0}  # a conversion run (--steps 0) saved no data state
             return manifest["step"], data["position"]
-        if not fallback:
-            raise CheckpointError(error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} cannot use it")
         if error:
             print(f"warning: {error}", file=sys.stderr, flush=True)
         if rank == 0:

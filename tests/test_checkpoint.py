@@ -164,7 +164,7 @@ def resume_on_two_ranks(cmd) -> list:
     def rank_resume(rank):
         sharded = sharded_model(cfg, mcfg, weights)
         try:
-            return disk.resume(cfg, mcfg, sharded.units, windows, rank, disk.resume_candidates(root), fallback=True)
+            return disk.resume(cfg, mcfg, sharded.units, windows, rank, disk.resume_candidates(root))
         except disk.CheckpointError as e:  # each rank's own, to compare
             return e
     return run_ranks(2, rank_resume)
@@ -310,7 +310,7 @@ def test_a_folder_of_only_damaged_checkpoints_is_left_to_the_operator(files, tmp
     for name in ("step_00000002", "step_00000004"):
         os.makedirs(root / name)  # no manifest.json: unfinished saves
     with pytest.raises(disk.CheckpointError) as e:
-        disk.resume(cfg, small_config(), [], None, 0, disk.resume_candidates(str(root)), fallback=True)
+        disk.resume(cfg, small_config(), [], None, 0, disk.resume_candidates(str(root)))
     assert str(e.value) == (f"no intact checkpoint in {root}: each one is damaged (the warnings above say how); "
                             f"nothing was deleted. Repair or restore them, or start this run again in another --out_dir")
     assert "step_00000004: no manifest.json" in capsys.readouterr().err

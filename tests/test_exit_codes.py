@@ -202,7 +202,7 @@ def resume_on_two_ranks(cfg):
             u.master_shard.zero_()
         try:
             step = disk.resume(cfg, small_config(), units, None, rank, disk.resume_candidates(
-                os.path.join(cfg.out_dir, "checkpoints")), fallback=True)
+                os.path.join(cfg.out_dir, "checkpoints")))
             return step, [u.master_shard.tolist() for u in units]
         except (disk.CheckpointError, OSError) as e:
             return e
