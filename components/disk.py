@@ -1034,30 +1034,27 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
 USABLE, DAMAGED, MISMATCHED, UNREADABLE = range(4)  # what a rank found reading a checkpoint
 
 
-def read_checkpoint(path: str, cfg, mcfg, windows, units, master_only: bool = False) -> tuple[str, int, int, dict]:
-    """This rank's shards from the checkpoint `path` (check_manifest, load_checkpoint): (the error's line, or "";
-    USABLE, DAMAGED, MISMATCHED or UNREADABLE; the errno of a read error, or 0; the manifest, when usable)."""
+def read_agreed(path: str, cfg, mcfg, windows, units, master_only: bool = False) -> tuple[dict, str, list[int]]:
+    """This rank's shards from the checkpoint `path` (check_manifest, load_checkpoint), every rank's outcome gathered:
+    (the manifest, this rank's error, the ranks that cannot use it): one rank's damaged file rejects it for all.
+    Other flags, or a read error on any rank, raise on every rank: never a fallback to an older checkpoint. Each
+    rank's step and manifest SHA-256 are gathered too: ranks that read other bytes under one name (a node caching
+    an older folder) stop before a step trains on a mix of two checkpoints."""
+    error, code, os_errno, manifest = "", USABLE, 0, {}
     try:
         manifest = check_manifest(path, cfg, mcfg, windows)
         load_checkpoint(path, manifest, units, master_only=master_only)
-        return "", USABLE, 0, manifest
     except ResumeMismatch as e:  # intact, but saved under other flags: no older checkpoint is better
-        return str(e), MISMATCHED, 0, {}
+        error, code = str(e), MISMATCHED
     except CheckpointUnreadable as e:  # read_retrying's: tried again already
-        return f"checkpoint {path}: {e}", UNREADABLE, e.errno or errno.EIO, {}
+        error, code, os_errno = f"checkpoint {path}: {e}", UNREADABLE, e.errno or errno.EIO
     except (CheckpointError, ValueError, KeyError, FileNotFoundError) as e:  # provably damaged content
-        return (str(e) if isinstance(e, CheckpointError) else f"checkpoint {path}: unreadable ({e})"), DAMAGED, 0, {}
+        error, code = (str(e) if isinstance(e, CheckpointError) else f"checkpoint {path}: unreadable ({e})"), DAMAGED
     except OSError as e:  # safetensors' own reads, after the hash matched: not damage either
-        return f"checkpoint {path}: cannot read it: {e.strerror or e}", UNREADABLE, e.errno or errno.EIO, {}
-
-
-def read_agreed(path: str, cfg, mcfg, windows, units, master_only: bool = False) -> tuple[dict, str, list[int]]:
-    """read_checkpoint, every rank's [code, errno] gathered: (the manifest, this rank's error, the ranks that cannot
-    use it): one rank's damaged file rejects it for all. Other flags, or a read error on any rank, raise on every
-    rank: never a fallback to an older checkpoint."""
-    error, code, os_errno, manifest = read_checkpoint(path, cfg, mcfg, windows, units, master_only)
-    by_rank = torch.zeros(dist.get_world_size(), 2, dtype=torch.int64)
-    all_gather_flat(by_rank.view(-1), torch.tensor([code, os_errno]), group=group)
+        error, code, os_errno = f"checkpoint {path}: cannot read it: {e.strerror or e}", UNREADABLE, e.errno or errno.EIO
+    digest = int(hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:15], 16)
+    by_rank = torch.zeros(dist.get_world_size(), 4, dtype=torch.int64)
+    all_gather_flat(by_rank.view(-1), torch.tensor([code, os_errno, manifest.get("step", -1), digest]), group=group)
     codes = by_rank[:, 0].tolist()
     failed = [r for r, found in enumerate(codes) if found != USABLE]
     if MISMATCHED in codes:
@@ -1069,21 +1066,13 @@ def read_agreed(path: str, cfg, mcfg, windows, units, master_only: bool = False)
                      f"the file)")
         raise CheckpointUnreadable(int(by_rank[ranks[0], 1]), f"{error}; the older checkpoints were not used: a read "
                                                               f"error is not damage")
-    return manifest, error, failed
-
-
-def check_same_manifest(path: str, manifest: dict):
-    """After a load, every rank read the same manifest (step and SHA-256 gathered): ranks that read other bytes
-    under one name (a node caching an older folder) stop before a step trains on a mix of two checkpoints."""
-    digest = int(hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:15], 16)
-    by_rank = torch.zeros(dist.get_world_size(), 2, dtype=torch.int64)
-    all_gather_flat(by_rank.view(-1), torch.tensor([manifest["step"], digest]), group=group)
-    read = by_rank.tolist()
-    if any(row != read[0] for row in read):
+    read = by_rank[:, 2:].tolist()
+    if not failed and any(row != read[0] for row in read):
         steps = ", ".join(f"rank {r}: step {step}" for r, (step, _) in enumerate(read))
         raise CheckpointError(f"checkpoint {path}: the ranks read different manifests ({steps}; SHA-256 differs "
                               f"too): this filesystem showed the ranks different files; a restart reads again",
                               os_errno=errno.ESTALE)
+    return manifest, error, failed
 
 
 def resume(cfg, mcfg, units, windows, rank, candidates: list[str]) -> tuple[int, int]:
@@ -1104,7 +1093,6 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str]) -> tuple[int,
                 if stopped:
                     print(f"warning: --freeze: unit(s) {', '.join(stopped)} are frozen from step {step}; their saved "
                           f"optimizer state is dropped", file=sys.stderr, flush=True)
-            check_same_manifest(path, manifest)
             data = manifest["data"] or {"position": 0}  # a conversion run (--steps 0) saved no data state
             return manifest["step"], data["position"]
         if error:
