@@ -148,7 +148,6 @@ def read_lock(path: str) -> tuple[str, str]:
 
 
 def env_count(env, name: str) -> int:
-    """A restart count in the environment (SLURM_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT): 0 if unset."""
     count = env.get(name, "0")
     return int(count) if count.isdigit() else 0
 
@@ -190,7 +189,6 @@ def take_lock(path: str, env=os.environ) -> tuple[int, str, int | None]:
 
 
 def holder_fields(holder: str) -> dict:
-    """{"host", "pid", "job", "restart"}: what a .lock's holder line records."""
     return dict(re.findall(r"\b(host|pid|job|restart) (\S+)", holder))
 
 
@@ -509,7 +507,6 @@ def fsync_dir(path: str):
 
 
 def saved_tensors(unit) -> list:
-    """What a checkpoint holds of a unit, by name: the fp32 master shard and each optimizer state shard."""
     return [("master_shard", unit.master_shard)] + list(unit.optimizer_state.items())
 
 
@@ -518,7 +515,6 @@ STAGING_ALIGN_BYTES = 64
 
 
 def rank_file_tensors(units: list) -> list:
-    """[(name in the rank's file, tensor)], in the file's order."""
     return [(f"{u.name}.{kind}", t) for u in units for kind, t in saved_tensors(u)]
 
 
@@ -529,7 +525,6 @@ def unit_records(units) -> dict:
 
 
 def checkpoint_manifest(cfg, mcfg, units: dict, step, world, data_state, files) -> dict:
-    """`units`: unit_records of the snapshot."""
     return {"format": CKPT_FORMAT, "step": step, "world_size": world, "model": asdict(mcfg),
             "train": asdict(cfg), "resolved": {key: flag_meaning(key, getattr(cfg, key)) for key in PATH_FLAGS},
             "files": files, "units": units, "data": data_state}
@@ -657,7 +652,6 @@ class BackgroundSave:
         self.written = None   # what the writer left: (report, error text, seconds it took)
 
     def prepare(self, tensors: list, device: torch.device):
-        """The staging buffer: every tensor of the rank's file at a multiple of STAGING_ALIGN_BYTES; timed (seconds)."""
         t0 = time.perf_counter()
         try:
             nbytes = [t.numel() * t.element_size() for _, t in tensors]
@@ -675,7 +669,6 @@ class BackgroundSave:
         self.prepared_s = time.perf_counter() - t0
 
     def start(self, cfg, units: list, step: int, rank: int, world: int, data_state):
-        """Takes the snapshot of `step` (prepare_save's collective, then the copy) and starts its write."""
         self.preparing.join()  # the staging buffer, made in the background since start-up: every rank says if it was
         failed = torch.tensor([int(self.prepare_error is not None)])
         dist.all_reduce(failed, group=group)
@@ -970,7 +963,6 @@ def freeze_changes(manifest: dict, units: list) -> tuple[list[str], list[str]]:
 
 
 def check_file_size(path: str, fname: str, expect: dict | None):
-    """The rank file `fname` of the checkpoint `path` is there with the size the manifest records (`expect`)."""
     size = file_size(os.path.join(path, fname))
     if expect is None or size is None:
         raise CheckpointError(f"checkpoint {path}: {fname} is missing")
@@ -1232,7 +1224,6 @@ def model_config(cfg) -> M.ModelConfig:
 # transformers 5's (`rope_parameters`). Written in the published form, which every transformers version reads.
 
 def hf_rope(hf: dict) -> tuple[dict, str]:
-    """The RoPE settings and their type, from either form of config.json."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     return rope, rope.get("rope_type", rope.get("type", "default"))
 
@@ -1476,7 +1467,6 @@ def export_tokenizer(origin: dict, folder: str) -> tuple[list | None, str]:
 
 
 def source_json(source: str | None, name: str):
-    """The JSON file `name` of the --init_from folder `source`, or None when there is none."""
     path = os.path.join(source or "", name)
     return load_json(path) if source and os.path.isfile(path) else None
 
