@@ -133,11 +133,11 @@ def open_no_follow(path: str, flags: int):
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
 
 
-def create_file(path: str, mode: str = "w"):
+def create_file(path: str):
     """A new file at `path` for a temporary write: a leftover of a crash, or a link, is removed first."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    return os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), mode)
+    return os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "w")
 
 
 def read_lock(path: str) -> tuple[str, str]:
@@ -152,7 +152,7 @@ def env_count(env, name: str) -> int:
     return int(count) if count.isdigit() else 0
 
 
-def take_lock(path: str, env=os.environ) -> tuple[int, str, int | None]:
+def take_lock(path: str, env) -> tuple[int, str, int | None]:
     """Rank 0: the exclusive flock on `path`, holding a new random token. Returns (token, "", None), (0, "", None)
     when another process holds the lock, or (-1, why the lock could not be taken, its errno)."""
     global out_dir_lock
@@ -444,12 +444,12 @@ def write_safetensors_streaming(path: str, tensors: list, metadata: dict | None 
 READ_WAITS_S = (1.0, 3.0, 10.0)  # between the tries of a read that failed
 
 
-def read_retrying(read, path: str, *args):
-    """read(path, *args), tried again READ_WAITS_S apart after an OSError that may pass, then CheckpointUnreadable.
+def read_retrying(read, path: str):
+    """read(path), tried again READ_WAITS_S apart after an OSError that may pass, then CheckpointUnreadable.
     A missing file (FileNotFoundError: damage) and an error that lasts (EACCES) are not retried."""
     for tries, wait_s in enumerate((*READ_WAITS_S, None), 1):
         try:
-            return read(path, *args)
+            return read(path)
         except OSError as e:
             if e.errno in (errno.ENOENT, errno.ENOTDIR):
                 raise FileNotFoundError(e.errno, e.strerror, path) from None
