@@ -584,10 +584,11 @@ def write_rank_file(tmp: str, tensors: list, step: int, rank: int, world: int) -
         report[0], report[1], report[2:34] = 1, nbytes, torch.tensor(list(bytes.fromhex(sha256)))
         if fault_hook:
             fault_hook("save", step, rank)
-    except OSError as e:
+    except Exception as e:  # an OSError by its errno; anything else as EIO (not shown to repeat: exit code 1)
         report.zero_()
-        report[34] = e.errno or errno.EIO
-        my_error = f"rank {rank} could not write {write_error(path, e)}"
+        report[34] = getattr(e, "errno", None) or errno.EIO
+        cause = write_error(path, e) if isinstance(e, OSError) else f"{path}: {type(e).__name__}: {e}"
+        my_error = f"rank {rank} could not write {cause}"
     return report, my_error
 
 
@@ -689,11 +690,7 @@ class BackgroundSave:
 
     def write(self, tmp: str, step: int, rank: int, world: int):
         t0 = time.perf_counter()
-        try:
-            report, error = write_rank_file(tmp, self.staged, step, rank, world)
-        except Exception as e:  # not an OSError (which write_rank_file reports): still this rank's one line
-            report, error = torch.zeros(35, dtype=torch.int64), f"rank {rank} could not write its file: {type(e).__name__}: {e}"
-            report[34] = errno.EIO  # not shown to repeat: exit code 1, a restart may succeed
+        report, error = write_rank_file(tmp, self.staged, step, rank, world)
         self.written = (report, error, time.perf_counter() - t0)
 
     def writing(self) -> bool:
