@@ -1302,8 +1302,7 @@ def config_to_hf(cfg: M.ModelConfig, dtype: torch.dtype, source: dict | None = N
         ours["max_window_layers"] = cfg.n_layers
     if eos_ids and eos_ids[0] == cfg.eos_id:
         ours["eos_token_id"] = list(eos_ids) if len(eos_ids) > 1 else cfg.eos_id
-    if source is None:
-        return ours
+    source = source or {}
     source_eos = source.get("eos_token_id")
     if isinstance(source_eos, list) and source_eos and source_eos[0] == cfg.eos_id:
         ours["eos_token_id"] = source_eos
@@ -1374,9 +1373,7 @@ def load_unit_from_hf(unit, files: dict, open_files: dict):
         lo, hi = max(offset, lo_shard), min(offset + math.prod(shape), hi_shard)
         if lo >= hi:
             continue
-        key = M.hf_name(name)
-        if key not in files:
-            raise KeyError(f"--init_from: tensor {key} is missing from the checkpoint")
+        key = M.hf_name(name)  # in `files`: check_hf_tensors found every one there
         if files[key] not in open_files:
             open_files[files[key]] = safe_open(files[key], framework="pt")
         tensor_slice = open_files[files[key]].get_slice(key)
@@ -1525,8 +1522,7 @@ def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, sh
             except OSError as e:
                 written[:] = torch.tensor([0, e.errno or errno.EIO])
                 error = f"--export_hf: cannot write {write_error(os.path.join(tmp, fname), e)}"
-        if rank == 0 and not written[0]:
-            shutil.rmtree(tmp, ignore_errors=True)
+                shutil.rmtree(tmp, ignore_errors=True)
         # Paced per file: the other ranks wait here, on the CPU (gloo, --ckpt_timeout_min), while rank 0 writes,
         # and queue the next file's all-gathers only then. Queued all at once, the last ones would wait on the
         # GPU for rank 0's whole ~140 GB (70B) and NCCL's watchdog would end them after --timeout_min.
