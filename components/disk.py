@@ -736,10 +736,9 @@ def resume_candidates(root: str) -> list[str]:
     """The checkpoints resume tries, newest first, from the one `latest` names: editing `latest` to an older step_*
     rolls the run back to it (newer folders are overwritten as the run passes their steps again)."""
     paths = list_checkpoints(root)
-    if not os.path.isfile(os.path.join(root, "latest")):
+    latest = latest_name(root)
+    if not latest:  # none, or unreadable: from the newest, as agree.agreed_checkpoints decides it
         return paths
-    with open(os.path.join(root, "latest")) as f:
-        latest = f.read().strip()
     if not os.path.isdir(os.path.join(root, latest)):
         raise CheckpointError(f"{os.path.join(root, 'latest')} names {latest!r}, which is not a folder in {root}; "
                               f"write the name of a step_* folder there, or delete it to use the newest")
