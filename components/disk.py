@@ -141,9 +141,13 @@ def create_file(path: str):
 
 
 def read_lock(path: str) -> tuple[str, str]:
-    """(token, holder) written in a .lock file: holder is take_lock's "host H pid P since T[ job J restart R]"."""
-    with os.fdopen(open_no_follow(path, os.O_RDONLY)) as f:
-        token, _, holder = f.read().strip().partition(" ")
+    """(token, holder) written in a .lock file: holder is take_lock's "host H pid P since T[ job J restart R]"; ("", "")
+    when there is none or it cannot be read."""
+    try:
+        with os.fdopen(open_no_follow(path, os.O_RDONLY)) as f:
+            token, _, holder = f.read().strip().partition(" ")
+    except OSError:
+        return "", ""
     return token, holder
 
 
@@ -249,16 +253,13 @@ def claim_lock(path: str, env) -> tuple[int, str, int | None]:
     token, error, os_errno = take_lock(path, env)
     if token != 0:
         return token, error, os_errno
-    try:
-        seen = read_lock(path)
-    except OSError:
-        seen = ("", "")
+    seen = read_lock(path)
     verdict, why = held_lock_verdict(seen[1], env)
     if verdict != "gone":
         return (0 if verdict == "alive" else -2), why, None
+    if read_lock(path) != seen:  # another contender took it first: it keeps it
+        return -2, why, None
     try:
-        if read_lock(path) != seen:  # another contender took it first: it keeps it
-            return -2, why, None
         os.unlink(path)
     except FileNotFoundError:
         pass
@@ -286,10 +287,7 @@ def claim_out_dir(out_dir: str, rank: int, world: int, device, env=os.environ):
     if token == -1:
         raise CheckpointError(error or f"--out_dir: rank 0 could not lock {path} (its error says why)",
                               os_errno=claim[1].item() or None)
-    try:
-        token_seen, holder = read_lock(path)
-    except OSError:
-        token_seen, holder = "", ""
+    token_seen, holder = read_lock(path)
     why = f": {error}" if error else ""  # rank 0's judgement (held_lock_verdict)
     if token == 0:
         raise CheckpointError(f"--out_dir: {out_dir} is in use by another run ({holder}{why}); wait for it to end or "
@@ -353,14 +351,11 @@ def check_out_dir_claim(out_dir: str, step: int):
     if out_dir_claim is None or out_dir_claim[0] != out_dir:  # no claim: a test or tool saving on its own
         return
     path = os.path.join(out_dir, ".lock")
-    try:
-        token, holder = read_lock(path)
-    except OSError as e:
-        token, holder = "", f"nothing readable ({e.strerror or e})"
+    token, holder = read_lock(path)
     if token != str(out_dir_claim[1]):
         raise CheckpointError(
             f"--out_dir: {out_dir} was taken by another run while this one held its lock: {path} now names "
-            f"{holder or 'no run'}; flock on this filesystem does not keep nodes apart (Lustre mounted with "
+            f"{holder or 'nothing readable'}; flock on this filesystem does not keep nodes apart (Lustre mounted with "
             f"localflock, NFS with local_lock=flock or local_lock=all): mount it with '-o flock' (Lustre) or "
             f"local_lock=none (NFS), or give each run its own --out_dir. Step {step} was not saved; this run stops")
 
