@@ -1103,7 +1103,7 @@ def find_checkpoint(path: str) -> str | None:
     return next((p for p in candidates if is_complete(p)), candidates[0])
 
 
-def check_checkpoint_files(path: str, flag: str) -> dict:
+def check_checkpoint_files(path: str, flag: str):
     """What is cheap to check of a checkpoint before any work: its manifest and every rank file's size (their
     SHA-256 as they are read: load_weights)."""
     try:
@@ -1115,7 +1115,6 @@ def check_checkpoint_files(path: str, flag: str) -> dict:
         raise CheckpointError(f"{flag}: checkpoint {path}: manifest.json lacks {e}") from None
     except CheckpointError as e:
         raise CheckpointError(f"{flag}: {e}") from None
-    return manifest
 
 
 def init_unit_random(unit, index: int, seed: int, std: float):
@@ -1131,10 +1130,8 @@ def init_unit_random(unit, index: int, seed: int, std: float):
 
 
 def init_weights(cfg, mcfg: M.ModelConfig, units: list, weights: dict | str | None):
-    """Seeded random weights (`weights` None); this rank's shards of an --init_from Hugging Face folder
-    (`weights` {HF tensor name: file}: load_unit_from_hf reads only the rows that cover each
-    shard); or of one of our checkpoints (`weights` its folder: a new phase starts from its fp32 master
-    weights, re-sharded for this world size, with a fresh optimizer)."""
+    """Seeded random weights (`weights` None); this rank's shards of an --init_from Hugging Face folder (`weights`
+    {HF tensor name: file}); or of one of our checkpoints (`weights` its folder: a new phase, a fresh optimizer)."""
     if weights is None:
         for i, unit in enumerate(units):
             init_unit_random(unit, i, cfg.seed, mcfg.init_std)
