@@ -328,8 +328,7 @@ def overwrite_once(out_dir: str, env=os.environ) -> str | None:
         run = f"torchrun rendezvous {env['TORCHELASTIC_RUN_ID']}"
     restarts = max(env_count(env, name) for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
     try:
-        with open(os.path.join(out_dir, OVERWRITE_MARKER)) as f:
-            marker = json.load(f)
+        marker = load_json(os.path.join(out_dir, OVERWRITE_MARKER))
     except (OSError, ValueError):
         marker = None
     if run and restarts and isinstance(marker, dict) and marker.get("run") == run:
