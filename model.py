@@ -57,7 +57,10 @@ class ModelConfig:
     pad_id: int | None = None      # config.json's pad_token_id: lookups give its embedding row no gradient
     init_std: float = 0.02
     family: str = "llama"          # config.json's model_type: a key of FAMILIES
-    qk_norm: bool = False          # an RMSNorm of size head_dim on each head's query and key, before RoPE (Qwen3)
+    qk_norm: bool = False          # an RMSNorm on the query and key before RoPE: each head's (Qwen3) or ...
+    qk_norm_whole: bool = False    # ... the whole projection's, every head at once (OLMo-2)
+    norm_after: bool = False       # each sublayer's output normalised before its residual add (OLMo-2), not its input
+    norm_weight_fp32: bool = False  # an RMSNorm multiplies by its weight in fp32, then casts (OLMo-2)
 
     def __post_init__(self):
         if self.head_dim == 0:
@@ -65,9 +68,9 @@ class ModelConfig:
 
 
 # The model families this code builds, keyed by config.json's model_type. Everything else is shared: the
-# block (pre-norm attention with grouped K/V and RoPE, SwiGLU MLP), the tensor names (Hugging Face's; a QK-norm's
-# are self_attn.q_norm.weight and self_attn.k_norm.weight), the ModelConfig fields config.json maps to
-# (disk.config_from_hf). Per family: the transformers classes that build it (the oracle in tests/, the check of
+# block (attention with grouped K/V and RoPE, SwiGLU MLP, the norms before or after each: norm_after), the tensor
+# names (Hugging Face's; a QK-norm's are self_attn.q_norm.weight and self_attn.k_norm.weight), the ModelConfig
+# fields config.json maps to (disk.config_from_hf). Per family: the transformers classes that build it (the oracle in tests/, the check of
 # an export), what its ModelConfig sets, the RoPE forms its config.json may use, and the config.json keys only
 # it writes. A config.json of another model_type is refused naming these (disk.check_hf_config).
 FAMILIES = {
@@ -77,6 +80,12 @@ FAMILIES = {
     # given explicitly (128, whatever dim / n_heads is), no q/k/v bias, no sliding window in the dense models.
     "qwen3": dict(hf_class="Qwen3ForCausalLM", hf_config_class="Qwen3Config", model_fields=dict(qk_norm=True),
                   rope_types=("default",), config_keys=dict(use_sliding_window=False, sliding_window=None)),
+    # OLMo 2 (OLMo et al. 2024, "2 OLMo 2 Furious"; transformers' modeling_olmo2.py): each sublayer's output
+    # normalised (post_attention_layernorm, post_feedforward_layernorm), QK-norm over the whole projections, the
+    # norms' weights applied in fp32.
+    "olmo2": dict(hf_class="Olmo2ForCausalLM", hf_config_class="Olmo2Config",
+                  model_fields=dict(qk_norm=True, qk_norm_whole=True, norm_after=True, norm_weight_fp32=True),
+                  rope_types=("default",), config_keys=dict()),
 }
 
 
@@ -182,16 +191,17 @@ def apply_rope(x, cos, sin):
 # ----------------------------------------------------------------------------------------------
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, weight_fp32: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.weight_fp32 = eps, weight_fp32
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Statistics in fp32 whatever the compute dtype, then back: this is what HF does.
+        # Statistics in fp32 whatever the compute dtype, then back: this is what HF does (OLMo-2 casts back after
+        # the weight, Llama and Qwen3 before it).
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return (self.weight * x32).to(x.dtype) if self.weight_fp32 else self.weight * x32.to(x.dtype)
 
 
 def document_starts(tokens: np.ndarray, eos_id: int) -> np.ndarray:
@@ -308,15 +318,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        # Qwen3's QK-norm: each head's query and key normalised (one weight of head_dim shared by the heads)
-        # before RoPE, which keeps attention logits bounded. Identity (no parameters) for Llama.
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        # QK-norm before RoPE keeps attention logits bounded: Qwen3 normalises each head (one weight of head_dim
+        # shared by the heads), OLMo-2 the whole projection at once. Identity (no parameters) for Llama.
+        self.q_groups, self.k_groups = (1, 1) if cfg.qk_norm_whole else (cfg.n_heads, cfg.n_kv_heads)
+        q_size, k_size = (cfg.n_heads * cfg.head_dim // self.q_groups, cfg.n_kv_heads * cfg.head_dim // self.k_groups)
+        self.q_norm = RMSNorm(q_size, cfg.norm_eps, cfg.norm_weight_fp32) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(k_size, cfg.norm_eps, cfg.norm_weight_fp32) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, layout=None, cache=None):
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim))
+        q = self.q_norm(self.q_proj(x).view(B, T, self.q_groups, -1)).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.k_groups, -1)).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # sampling (sample.KVCache): these T tokens also see every earlier one
@@ -338,12 +350,19 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm_after = cfg.norm_after
+        if not cfg.norm_after:  # Llama, Qwen3: each sublayer's input normalised (HF's names and order)
+            self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_weight_fp32)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_weight_fp32)
         self.mlp = MLP(cfg)
+        if cfg.norm_after:  # OLMo-2: each sublayer's output, before the residual add
+            self.post_feedforward_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_weight_fp32)
 
     def forward(self, x, cos, sin, layout=None, cache=None):
+        if self.norm_after:
+            h = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, layout, cache))
+            return h + self.post_feedforward_layernorm(self.mlp(h))
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, layout, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -407,7 +426,8 @@ def count_params(cfg: ModelConfig) -> dict:
     """Parameter counts from the shapes alone (no model needed): total and embedding."""
     d, hd = cfg.dim, cfg.head_dim
     attn = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
-    block = attn + 3 * d * cfg.ffn_dim + 2 * d + (2 * hd if cfg.qk_norm else 0)
+    qk_norm = ((cfg.n_heads + cfg.n_kv_heads) * hd if cfg.qk_norm_whole else 2 * hd) if cfg.qk_norm else 0
+    block = attn + 3 * d * cfg.ffn_dim + 2 * d + qk_norm
     embedding = cfg.vocab_size * d
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     return {"total": embedding + cfg.n_layers * block + d + head, "embedding": embedding}

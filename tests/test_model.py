@@ -29,12 +29,19 @@ def qwen3_config(**overrides) -> M.ModelConfig:
     return small_config(family="qwen3", qk_norm=True, head_dim=12, norm_eps=1e-6, **overrides)
 
 
+def olmo2_config(**overrides) -> M.ModelConfig:
+    """A small OLMo-2: norms after attention and the MLP, QK-norm over the whole projections."""
+    return small_config(family="olmo2", **M.FAMILIES["olmo2"]["model_fields"], **overrides)
+
+
 @pytest.mark.parametrize("tied", [False, True])
-def test_qwen3_logits_match_hf(tied):
-    cfg = qwen3_config(tie_embeddings=tied)
+@pytest.mark.parametrize("make_config,hf_class", [(qwen3_config, "Qwen3ForCausalLM"), (olmo2_config, "Olmo2ForCausalLM")],
+                         ids=["qwen3", "olmo2"])
+def test_each_familys_logits_match_hf(tied, make_config, hf_class):
+    cfg = make_config(tie_embeddings=tied)
     ref = hf_model(cfg)
-    assert type(ref).__name__ == "Qwen3ForCausalLM"
-    ours = ours_from_hf(cfg, ref)  # strict: the q_norm/k_norm tensors are the same names as HF's
+    assert type(ref).__name__ == hf_class
+    ours = ours_from_hf(cfg, ref)  # strict: every tensor (q_norm, post_feedforward_layernorm) is named as HF's
     tokens = torch.randint(0, cfg.vocab_size, (3, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), ref(tokens).logits, rtol=1e-5, atol=1e-5)
@@ -44,7 +51,7 @@ def test_each_family_round_trips_through_its_config_json():
     """config_to_hf writes the family's model_type and class, transformers' config class reads it, and
     config_from_hf gives the same ModelConfig back; a family's options another family lacks are refused."""
     import transformers
-    for cfg in (small_config(), qwen3_config()):
+    for cfg in (small_config(), qwen3_config(), olmo2_config()):
         family = M.FAMILIES[cfg.family]
         hf = disk.config_to_hf(cfg, torch.float32)
         assert hf["model_type"] == cfg.family and hf["architectures"] == [family["hf_class"]]

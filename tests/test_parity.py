@@ -158,7 +158,14 @@ def qwen3_setup(tmp_path_factory):
                         small_config(family="qwen3", qk_norm=True, head_dim=12, norm_eps=1e-6))
 
 
-FAMILIES = ["llama", "qwen3"]  # each with its NAME_setup fixture: the forker's tier (marker fork) runs them all
+@pytest.fixture(scope="module")
+def olmo2_setup(tmp_path_factory):
+    """A small OLMo-2 (norms after attention and the MLP, QK-norm over the whole projections) and its oracle,
+    Olmo2ForCausalLM + AdamW."""
+    return family_setup(tmp_path_factory.mktemp("olmo2"), small_config(family="olmo2", **M.FAMILIES["olmo2"]["model_fields"]))
+
+
+FAMILIES = ["llama", "qwen3", "olmo2"]  # each with its NAME_setup fixture: the forker's tier (marker fork) runs them all
 
 
 @pytest.mark.fork
