@@ -143,7 +143,8 @@ class Tokenizer:
         if self.chat_template:
             text = self.render_chat(record["messages"], add_generation_prompt=True)
             return self.encode([text], specials=True)[0]
-        segments = self.chat_segments(record["messages"] + [{"role": "assistant", "content": ""}])[:-2]  # its header
+        # the header of a reply: an empty assistant message's segments without its content and end of turn
+        segments = self.chat_segments(record["messages"] + [{"role": "assistant", "content": ""}])[:-2]
         return [self.bos_id] + [i for text, _, markup in segments for i in self.encode([text], markup)[0]]
 
     def render_chat(self, messages: list, add_generation_prompt: bool = False) -> str:
