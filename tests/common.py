@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 
 import numpy as np
@@ -67,10 +68,48 @@ def save_hf(ref, path: str):
     return path
 
 
+def flag_value(args: list[str], name: str) -> str | None:
+    """--NAME's value in a train.py command line (`--name=value` or `--name value`), or None."""
+    for i, arg in enumerate(args):
+        if arg.startswith(f"--{name}="):
+            return arg.split("=", 1)[1]
+        if arg == f"--{name}" and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+SAMPLE = []  # the built-in sample, built once per test session
+
+
+def with_built_sample(args: list[str]):
+    """A run of the built-in sample (--data sample, the default) finds it in OUT_DIR/sample as its first build
+    leaves it, copied from one built once per session with the folder's name in its meta.json files respelled:
+    the same token ids and tokenizer as a build there (whose tokenizer.model would name its own folder), without
+    the ~5 s each build takes (sample_corpus.build_sample, whose own tests build it)."""
+    out_dir = flag_value(args, "out_dir")
+    if out_dir is None or flag_value(args, "data") not in (None, "sample"):
+        return
+    target = os.path.join(os.path.abspath(os.path.join(ROOT, out_dir)), "sample")
+    if os.path.exists(target):
+        return
+    if not SAMPLE:
+        from components import sample_corpus
+        SAMPLE.append(sample_corpus.build_sample(os.path.join(tempfile.mkdtemp(prefix="zero3_sample_"), "sample")))
+    shutil.copytree(SAMPLE[0], target)
+    for folder, _, files in os.walk(target):
+        if "meta.json" in files:
+            path = os.path.join(folder, "meta.json")
+            with open(path) as f:
+                text = f.read()
+            with open(path, "w") as f:
+                f.write(text.replace(json.dumps(SAMPLE[0])[1:-1], json.dumps(target)[1:-1]))
+
+
 def run_train(args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 600, check=True):
     """Runs train.py under torchrun (gloo, CPU) and returns the CompletedProcess. One rank runs as plain
     `python train.py` (a one-process group, as processes.init_processes makes it): torchrun would add ~2 s of
     start-up and nothing a one-rank run tests; launch.sh and the W >= 2 tests cover torchrun."""
+    with_built_sample(args)
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
     cmd = [sys.executable, *launcher, os.path.join(ROOT, "train.py"), *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))

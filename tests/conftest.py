@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from components import disk  # noqa: E402
 from components import plan  # noqa: E402
 import train as T  # noqa: E402
+from common import with_built_sample  # noqa: E402
 
 plan.use_trainer(T)  # the planner runs train.py's blocks, Unit and optimizer: handed over, as train.main does
 
@@ -26,6 +27,7 @@ def main_in_process(monkeypatch):
     environment = dict(os.environ)  # train.main sets launch.sh's GPU settings in its own environment (agree.py)
 
     def run(argv):
+        with_built_sample(argv)
         try:
             T.main(argv)
         except SystemExit as e:

@@ -62,11 +62,11 @@ def test_killed_rank_ends_the_job_and_the_restart_resumes(files, clean, tmp_path
 
 def test_hung_rank_ends_the_job_within_the_timeout(files, tmp_path):
     t0 = time.time()
-    # Rank 1 sleeps 20 s in step 3, past rank 0's 6 s collective timeout. Were the timeout not applied, rank 0
+    # Rank 1 sleeps 12 s in step 3, twice rank 0's 6 s collective timeout. Were the timeout not applied, rank 0
     # would wait and the run would finish (exit 0) once rank 1 woke. Not an hour: torchrun waits 30 s for a
     # rank that ignores its SIGTERM (a hung one does) before it kills it, whatever TORCH_ELASTIC_SHUTDOWN_TIMEOUT.
     proc = run_train(BASE + files + [f"--out_dir={tmp_path}", "--timeout_min=0.1"], nproc=2,
-                     env={"ZERO3_FAULT": "hang:3:1:20"}, check=False, timeout=300)
+                     env={"ZERO3_FAULT": "hang:3:1:12"}, check=False, timeout=300)
     seconds = time.time() - t0
     assert proc.returncode != 0
     assert seconds < 60, seconds  # 6 s collective timeout, then torchrun stops the stuck rank
