@@ -70,9 +70,9 @@ class ModelConfig:
 # The model families this code builds, keyed by config.json's model_type. Everything else is shared: the
 # block (attention with grouped K/V and RoPE, SwiGLU MLP, the norms before or after each: norm_after), the tensor
 # names (Hugging Face's; a QK-norm's are self_attn.q_norm.weight and self_attn.k_norm.weight), the ModelConfig
-# fields config.json maps to (disk.config_from_hf). Per family: the transformers classes that build it (the oracle in tests/, the check of
-# an export), what its ModelConfig sets, the RoPE forms its config.json may use, and the config.json keys only
-# it writes. A config.json of another model_type is refused naming these (disk.check_hf_config).
+# fields config.json maps to (disk.config_from_hf). Per family: the transformers classes that build it (the
+# oracle in tests/, the check of an export), what its ModelConfig sets, the RoPE forms its config.json may use,
+# and the config.json keys only it writes. A config.json of another model_type is refused naming these (disk.check_hf_config).
 FAMILIES = {
     "llama": dict(hf_class="LlamaForCausalLM", hf_config_class="LlamaConfig", model_fields=dict(qk_norm=False),
                   rope_types=("default", "llama3"), config_keys=dict(mlp_bias=False, pretraining_tp=1)),
@@ -374,7 +374,7 @@ class Llama(nn.Module):
         # padding_idx as transformers' model has it: a lookup of the pad id adds nothing to that row's gradient.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, padding_idx=cfg.pad_id)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_weight_fp32)
         # Tied (Llama 3.2 1B/3B): the head reuses embed_tokens.weight and has no weight of its own.
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 

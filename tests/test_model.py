@@ -47,6 +47,23 @@ def test_each_familys_logits_match_hf(tied, make_config, hf_class):
         torch.testing.assert_close(ours(tokens), ref(tokens).logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("make_config", [small_config, qwen3_config, olmo2_config], ids=["llama", "qwen3", "olmo2"])
+def test_every_norm_gives_transformers_bits_in_bf16(make_config):
+    """In bf16 the order of an RMSNorm's last two operations shows: OLMo-2's multiplies by its weight in fp32 and
+    then casts, Llama's and Qwen3's cast first. Every norm of ours (each block's, the QK-norms, the final one)
+    gives transformers' bits for the same module on the same bf16 input."""
+    cfg = make_config()
+    ref = hf_model(cfg)
+    ours = ours_from_hf(cfg, ref).to(torch.bfloat16)
+    ref = ref.to(torch.bfloat16)
+    norms = [(name, module) for name, module in ours.named_modules() if isinstance(module, M.RMSNorm)]
+    assert any(name == "norm" for name, _ in norms) and len(norms) >= 2 * cfg.n_layers + 1
+    for name, module in norms:
+        x = torch.randn(4, module.weight.numel(), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+        with torch.no_grad():
+            assert torch.equal(module(x), ref.model.get_submodule(name)(x)), name
+
+
 def test_each_family_round_trips_through_its_config_json():
     """config_to_hf writes the family's model_type and class, transformers' config class reads it, and
     config_from_hf gives the same ModelConfig back; a family's options another family lacks are refused."""
