@@ -285,13 +285,21 @@ def optimizer_temporary_bytes(mcfg: M.ModelConfig, cfg, world: int) -> int:
 # Memory
 # ----------------------------------------------------------------------------------------------
 
+def meta_model(mcfg: M.ModelConfig) -> M.Llama:
+    """`mcfg`'s model on the meta device (shapes only), built once per config and model code."""
+    key = ("model", repr(mcfg), M.Llama, M.Block)
+    if key not in READINGS:
+        with torch.device("meta"):
+            READINGS[key] = M.Llama(mcfg)
+    return READINGS[key]
+
+
 def model_units(mcfg: M.ModelConfig) -> list[tuple[str, int, list[str]]]:
     """(name, parameters, their names) of each sharding unit in train.build_units' order, as model.sharding_units
     names them for the model built on the meta device: a fork's units too (a block may be one unit or several)."""
-    key = ("units", repr(mcfg), M.sharding_units, M.Llama)
+    key = ("units", repr(mcfg), M.sharding_units, M.Llama, M.Block)
     if key not in READINGS:
-        with torch.device("meta"):
-            model = M.Llama(mcfg)
+        model = meta_model(mcfg)
         params = dict(model.named_parameters())
         READINGS[key] = [(name, sum(params[n].numel() for n in names), names)
                          for name, names in M.sharding_units(model)]
@@ -364,8 +372,7 @@ def frozen_unit_names(mcfg: M.ModelConfig, cfg) -> list[str]:
     """The units --freeze freezes (model.frozen_units, what train.py freezes)."""
     key = ("frozen", repr(mcfg), cfg.freeze, M.sharding_units)
     if key not in READINGS:
-        with torch.device("meta"):
-            READINGS[key] = M.frozen_units(M.Llama(mcfg), cfg.freeze)[0] if cfg.freeze else []
+        READINGS[key] = M.frozen_units(meta_model(mcfg), cfg.freeze)[0] if cfg.freeze else []
     return READINGS[key]
 
 
@@ -376,9 +383,11 @@ def block_training(mcfg: M.ModelConfig, cfg) -> list[tuple[bool, bool, frozenset
     trained, frozen_params = [False] * mcfg.n_layers, [set() for _ in range(mcfg.n_layers)]
     for name, _, params in model_units(mcfg):
         i = M.block_of(name)
-        if i is not None and name in frozen:
+        if i is None:
+            continue
+        if name in frozen:
             frozen_params[i].update(p.split(".", 2)[2] for p in params)  # layers.3.mlp.up_proj.weight: mlp.up_...
-        elif i is not None:
+        else:
             trained[i] = True
     return [(t, "embed" not in frozen or any(trained[:i]), frozenset(frozen_params[i]) if t else frozenset())
             for i, t in enumerate(trained)]
