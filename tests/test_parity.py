@@ -119,8 +119,9 @@ def check_against_reference(out, reference, clip=CLIP):
         assert math.isclose(m["grad_norm"], norm, rel_tol=1e-4), (m["step"], m["grad_norm"], norm)
     assert max(ref_norms) > clip, "the test must exercise clipping"
     from transformers import AutoModelForCausalLM
-    exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"), dtype=torch.float32)
-    check_weights(exported.state_dict(), reference)
+    exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"), dtype=torch.float32).state_dict()
+    check_weights(exported, reference)
+    return exported
 
 
 def check_weights(state: dict, reference: Reference, floor: float = 1e-4):
@@ -203,10 +204,11 @@ def test_each_family_resumes_at_another_world_size_and_trains_as_its_oracle(fami
     check_against_reference(resumed, reference)
 
 
-def test_a_pad_token_id_leaves_its_embedding_row_as_transformers_does(tmp_path):
+def test_a_pad_token_id_leaves_its_embedding_row_as_transformers_does(tmp_path, main_in_process):
     """config.json's pad_token_id makes transformers' embedding nn.Embedding(padding_idx=pad): a lookup of that id
-    adds nothing to its row's gradient. Ours reads it (config_from_hf), trains at W=2 as the oracle does with the
-    pad id among the inputs, and writes it back in the export."""
+    adds nothing to its row's gradient; AdamW's weight decay still shrinks the row, which transformers' own init leaves
+    at zero and a trained checkpoint need not (set here). Ours reads it (config_from_hf), trains at W=1 and W=2 as the
+    oracle does with the pad id among the inputs, the pad row bit for bit, and writes it back in the export."""
     cfg = small_config()
     data_path = learnable_tokens(str(tmp_path / "tokens.npy"), cfg.vocab_size, n=3000)
     windows = D.TokenWindows(D.TokenData(data_path), SEQ, ARGS["seed"])
@@ -217,14 +219,22 @@ def test_a_pad_token_id_leaves_its_embedding_row_as_transformers_does(tmp_path):
     pad = int(counts.argmax())  # the id the steps look up most: its row would move most if it took gradients
     assert counts[pad] >= 3
     hf_config = dict(disk.config_to_hf(cfg, torch.float32), pad_token_id=pad)
-    init_dir = save_hf(hf_model(cfg, seed=5, hf_config=hf_config), str(tmp_path / "init"))
-    out = str(tmp_path / "w2")
-    args = [f"--{k}={v}" for k, v in ARGS.items()]
-    run_train(args + [f"--init_from={init_dir}", f"--data={data_path}", "--micro_batch_size=2", "--ac=none",
-                      f"--out_dir={out}", f"--export_hf={out}/hf"], nproc=2)
-    check_against_reference(out, reference_run(init_dir, data_path, doc_mask=True))
-    with open(os.path.join(out, "hf", "config.json")) as f:
-        assert json.load(f)["pad_token_id"] == pad
+    ref = hf_model(cfg, seed=5, hf_config=hf_config)
+    with torch.no_grad():
+        ref.model.embed_tokens.weight[pad] = ref.model.embed_tokens.weight[(pad + 1) % cfg.vocab_size]
+    init_dir = save_hf(ref, str(tmp_path / "init"))
+    reference = reference_run(init_dir, data_path, doc_mask=True)
+    embedding = "model.embed_tokens.weight"
+    assert not torch.equal(reference.state[embedding][pad], ref.model.embed_tokens.weight[pad])  # decayed
+    args = [f"--{k}={v}" for k, v in ARGS.items()] + [f"--init_from={init_dir}", f"--data={data_path}",
+                                                      "--micro_batch_size=2", "--ac=none"]
+    w1, w2 = str(tmp_path / "w1"), str(tmp_path / "w2")
+    assert main_in_process(args + [f"--out_dir={w1}", f"--export_hf={w1}/hf"]) == 0
+    run_train(args + [f"--out_dir={w2}", f"--export_hf={w2}/hf"], nproc=2)
+    for out in (w1, w2):
+        assert torch.equal(check_against_reference(out, reference)[embedding][pad], reference.state[embedding][pad])
+        with open(os.path.join(out, "hf", "config.json")) as f:
+            assert json.load(f)["pad_token_id"] == pad
 
 
 def test_the_weight_tolerance_is_the_oracles_own_noise_above_1e_4():
