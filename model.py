@@ -16,7 +16,7 @@ is what the tests compare against HF. sample.py runs the same blocks with a `sam
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -61,10 +61,14 @@ class ModelConfig:
     qk_norm_whole: bool = False    # ... the whole projection's, every head at once (OLMo-2)
     norm_after: bool = False       # each sublayer's output normalised before its residual add (OLMo-2), not its input
     norm_weight_fp32: bool = False  # an RMSNorm multiplies by its weight in fp32, then casts (OLMo-2)
+    # config.json's keys only its family has (FAMILIES' config_keys; the row's value for one not given): read by
+    # disk.config_from_hf, written back in the export. This model computes with none; a fork's may (Mixtral's experts).
+    family_keys: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.head_dim == 0:
             self.head_dim = self.dim // self.n_heads
+        self.family_keys = {**FAMILIES[self.family]["config_keys"], **self.family_keys}
 
 
 # The model families this code builds, keyed by config.json's model_type. Everything else is shared: the
@@ -72,14 +76,17 @@ class ModelConfig:
 # names (Hugging Face's; a QK-norm's are self_attn.q_norm.weight and self_attn.k_norm.weight), the ModelConfig
 # fields config.json maps to (disk.config_from_hf). Per family: the transformers classes that build it (the
 # oracle in tests/, the check of an export), what its ModelConfig sets, the RoPE forms its config.json may use,
-# and the config.json keys only it writes. A config.json of another model_type is refused naming these (disk.check_hf_config).
+# and the config.json keys only it has, each with its value where config.json says none (ModelConfig.family_keys:
+# read, kept, written back). A config.json of another model_type is refused naming these (disk.check_hf_config).
 FAMILIES = {
     "llama": dict(hf_class="LlamaForCausalLM", hf_config_class="LlamaConfig", model_fields=dict(qk_norm=False),
                   rope_types=("default", "llama3"), config_keys=dict(mlp_bias=False, pretraining_tp=1)),
     # Qwen3 (Yang et al. 2025, "Qwen3 Technical Report"; transformers' modeling_qwen3.py): QK-norm, head_dim
-    # given explicitly (128, whatever dim / n_heads is), no q/k/v bias, no sliding window in the dense models.
+    # given explicitly (128, whatever dim / n_heads is), no q/k/v bias, no sliding window in the dense models
+    # (max_window_layers: where sliding would start, were it on; Qwen3Config's 28 where config.json says none).
     "qwen3": dict(hf_class="Qwen3ForCausalLM", hf_config_class="Qwen3Config", model_fields=dict(qk_norm=True),
-                  rope_types=("default",), config_keys=dict(use_sliding_window=False, sliding_window=None)),
+                  rope_types=("default",),
+                  config_keys=dict(use_sliding_window=False, sliding_window=None, max_window_layers=28)),
     # OLMo 2 (OLMo et al. 2024, "2 OLMo 2 Furious"; transformers' modeling_olmo2.py): each sublayer's output
     # normalised (post_attention_layernorm, post_feedforward_layernorm), QK-norm over the whole projections, the
     # norms' weights applied in fp32.
@@ -107,10 +114,12 @@ def llama3(rope_factor: float = 0.0, **shape) -> ModelConfig:
 def qwen3(**shape) -> ModelConfig:
     """Qwen3's vocabulary, ids and head shape, as its dense models' config.json (Hugging Face Qwen/Qwen3-0.6B ...
     Qwen/Qwen3-32B, April 2025) give them: 8 K/V heads of 128, RMSNorm eps 1e-6, RoPE theta 1e6 over 40,960
-    positions, <|endoftext|> as BOS and <|im_end|> as EOS (the post-trained models'; the -Base models end
-    with <|endoftext|>, 151643: their config.json says so, and --init_from reads it)."""
+    positions, max_window_layers its number of layers, <|endoftext|> as BOS and <|im_end|> as EOS (the
+    post-trained models'; the -Base models end with <|endoftext|>, 151643: their config.json says so, and
+    --init_from reads it)."""
     return ModelConfig(vocab_size=151936, n_kv_heads=8, head_dim=128, norm_eps=1e-6, rope_theta=1e6,
-                       max_seq_len=40960, bos_id=151643, eos_id=151645, family="qwen3", qk_norm=True, **shape)
+                       max_seq_len=40960, bos_id=151643, eos_id=151645, family="qwen3", qk_norm=True,
+                       family_keys=dict(max_window_layers=shape["n_layers"]), **shape)
 
 
 LLAMA3_8B = dict(dim=4096, n_layers=32, n_heads=32, ffn_dim=14336)

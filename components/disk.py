@@ -1253,6 +1253,7 @@ def config_from_hf(hf: dict) -> M.ModelConfig:
         scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
                                          "original_max_position_embeddings")}
     eos = hf.get("eos_token_id", 2)
+    family = M.FAMILIES[hf["model_type"]]
     return M.ModelConfig(
         vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
         n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
@@ -1260,8 +1261,8 @@ def config_from_hf(hf: dict) -> M.ModelConfig:
         rope_theta=float(rope_theta), rope_scaling=scaling, max_seq_len=hf.get("max_position_embeddings", 8192),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bos_id=hf.get("bos_token_id", 1),
         eos_id=eos[0] if isinstance(eos, list) else eos, pad_id=hf.get("pad_token_id"),
-        init_std=hf.get("initializer_range", 0.02),
-        family=hf["model_type"], **M.FAMILIES[hf["model_type"]]["model_fields"])
+        init_std=hf.get("initializer_range", 0.02), family=hf["model_type"], **family["model_fields"],
+        family_keys={key: hf[key] for key in family["config_keys"] if key in hf})
 
 
 # A source config.json's keys for what config_to_hf writes in another spelling (transformers 5 writes
@@ -1284,12 +1285,10 @@ def config_to_hf(cfg: M.ModelConfig, dtype: torch.dtype, source: dict | None = N
         "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
         "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
         "initializer_range": cfg.init_std, "use_cache": True, "torch_dtype": str(dtype).removeprefix("torch."),
-        **family["config_keys"],
+        **cfg.family_keys,
     }
     if cfg.pad_id is not None:
         ours["pad_token_id"] = cfg.pad_id
-    if "use_sliding_window" in family["config_keys"]:  # Qwen3: how many layers would slide, were it on (all)
-        ours["max_window_layers"] = cfg.n_layers
     if eos_ids and eos_ids[0] == cfg.eos_id:
         ours["eos_token_id"] = list(eos_ids) if len(eos_ids) > 1 else cfg.eos_id
     source = source or {}

@@ -66,7 +66,9 @@ def test_every_norm_gives_transformers_bits_in_bf16(make_config):
 
 def test_each_family_round_trips_through_its_config_json():
     """config_to_hf writes the family's model_type and class, transformers' config class reads it, and
-    config_from_hf gives the same ModelConfig back; a family's options another family lacks are refused."""
+    config_from_hf gives the same ModelConfig back; the keys only the family has (its row's config_keys) are kept
+    as config.json gives them and written back without the source folder (a checkpoint's export); a family's
+    options another family lacks are refused."""
     import transformers
     for cfg in (small_config(), qwen3_config(), olmo2_config()):
         family = M.FAMILIES[cfg.family]
@@ -75,7 +77,12 @@ def test_each_family_round_trips_through_its_config_json():
         assert disk.config_from_hf(hf) == cfg
         read = getattr(transformers, family["hf_config_class"]).from_dict(hf)
         assert (read.head_dim, read.num_key_value_heads) == (cfg.head_dim, cfg.n_kv_heads)
+        assert {key: hf[key] for key in family["config_keys"]} == family["config_keys"]
     qwen3 = disk.config_to_hf(qwen3_config(), torch.float32)
+    published = dict(qwen3, max_window_layers=7, sliding_window=4096)  # inert while use_sliding_window is false
+    exported = disk.config_to_hf(disk.config_from_hf(published), torch.float32)
+    assert (exported["max_window_layers"], exported["sliding_window"]) == (7, 4096)
+    assert M.PRESETS["qwen3-8b"]().family_keys == dict(use_sliding_window=False, sliding_window=None, max_window_layers=36)
     assert disk.check_hf_config(dict(qwen3, rope_scaling=dict(rope_type="yarn", factor=4.0))) == [
         "rope type 'yarn' is not supported for qwen3 (only default)"]
     assert disk.check_hf_config(dict(qwen3, use_sliding_window=True)) == [
