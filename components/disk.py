@@ -1384,13 +1384,13 @@ def gather_full_unit(unit) -> torch.Tensor:
 
 
 def check_export_tensors(config: dict, shapes: dict):
-    """What transformers builds from `config` (on the meta device) has exactly the tensors `shapes` names:
+    """What transformers builds from `config` (on the meta device) saves exactly the tensors `shapes` names:
     from_pretrained drops a tensor it does not know with a warning, serving a fork's model as another."""
     import transformers
     family = M.FAMILIES[config["model_type"]]
     with torch.device("meta"):
         hf = getattr(transformers, family["hf_class"])(getattr(transformers, family["hf_config_class"]).from_dict(config))
-    built = {name: tuple(p.shape) for name, p in hf.named_parameters()}  # tied embeddings: listed once
+    built = {name: tuple(t.shape) for name, t in hf_saved_tensors(hf).items()}
     extra, missing = sorted(shapes.keys() - built.keys()), sorted(built.keys() - shapes.keys())
     reshaped = sorted(n for n in shapes.keys() & built.keys() if tuple(shapes[n]) != built[n])
     where = f"the {family['hf_class']} that transformers builds from the exported config.json"
@@ -1403,6 +1403,18 @@ def check_export_tensors(config: dict, shapes: dict):
     if reshaped:
         raise ValueError(f"--export_hf: tensor {reshaped[0]}{more(reshaped)} has shape {tuple(shapes[reshaped[0]])} "
                          f"here and {built[reshaped[0]]} in {where}")
+
+
+def hf_saved_tensors(hf) -> dict:
+    """The tensors save_pretrained writes for the transformers model `hf` (on the meta device too), by their names
+    on disk: tied embeddings once, and transformers 5's in-memory fusions undone (Mixtral's experts are one
+    tensor in memory, a weight per expert on disk, as other readers of the folder expect)."""
+    tensors = dict(hf.named_parameters())  # tied embeddings: listed once
+    try:
+        from transformers.core_model_loading import revert_weight_conversion  # transformers 5
+    except ImportError:
+        return tensors  # transformers 4 saves what it holds
+    return revert_weight_conversion(hf, tensors)
 
 
 def export_origin(train: dict, depth: int = 0) -> dict:

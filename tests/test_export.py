@@ -172,6 +172,37 @@ def test_a_fork_with_a_parameter_llama_lacks_is_refused_before_any_work(tmp_path
     assert not out.exists() and not os.path.exists(f"{out}.partial")
 
 
+def test_a_fork_familys_row_carries_its_config_keys_and_its_export_is_held_to_the_tensors_on_disk(monkeypatch, tmp_path):
+    """A fork's family is a row of model.FAMILIES and no line of disk.py: Mixtral's row names its config.json keys
+    (with the values a model without them gets), config_from_hf keeps a config.json's, config_to_hf writes them back.
+    The export check holds an export to the tensors save_pretrained writes, which transformers 5 renames in memory
+    (each layer's experts fused into one tensor; a weight per expert on disk, as servers read them): on-disk names
+    pass, in-memory ones are refused."""
+    import transformers
+    from safetensors import safe_open
+    from components import disk
+    import model as M
+    monkeypatch.setitem(M.FAMILIES, "mixtral", dict(hf_class="MixtralForCausalLM", hf_config_class="MixtralConfig",
+                                                    model_fields={}, rope_types=("default",),
+                                                    config_keys=dict(num_local_experts=8, num_experts_per_tok=2)))
+    config = dict(disk.config_to_hf(small_config(), torch.float32), model_type="mixtral",
+                  architectures=["MixtralForCausalLM"], num_local_experts=3)
+    cfg = disk.config_from_hf(config)
+    assert cfg.family_keys == dict(num_local_experts=3, num_experts_per_tok=2)
+    config = disk.config_to_hf(cfg, torch.float32)
+    assert (config["num_local_experts"], config["num_experts_per_tok"]) == (3, 2)
+    oracle = transformers.MixtralForCausalLM(transformers.MixtralConfig.from_dict(config))
+    oracle.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        on_disk = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    assert "model.layers.0.block_sparse_moe.experts.2.w1.weight" in on_disk
+    disk.check_export_tensors(config, on_disk)
+    in_memory = {name: tuple(p.shape) for name, p in oracle.named_parameters()}
+    if in_memory != on_disk:  # transformers 5 (4 holds what it saves)
+        with pytest.raises(ValueError, match=r"^--export_hf: tensor model\.layers\.0\.mlp\.experts\.down_proj"):
+            disk.check_export_tensors(config, in_memory)
+
+
 def paced_export(tmp_path, monkeypatch, rank: int, rank0_writes: bool = True, fail_file: str = ""):
     """disk.export_hf on `rank` of W=2 with its collectives and writes recorded, not run: three units of
     one file each. rank0_writes: what rank 0's per-file broadcast says (for rank 1)."""
