@@ -782,16 +782,16 @@ def setup(cfg: TrainConfig):
     candidates = agree.resume_candidates(ckpt_root, rank, agreed["hosts"], device) if resumes else []  # every rank's
     step = position = 0
     if cfg.from_ckpt:  # weights to export, not to train
-        step = disk.load_weights(weights, sharded.units, "--from_ckpt")
+        step = disk.load_weights(weights, sharded.units, "--from_ckpt")["step"]
         if rank == 0:
             print(f"read checkpoint {weights} (step {step})", flush=True)
     elif candidates:
         step, position = disk.resume(cfg, mcfg, sharded.units, windows, rank, candidates)
     else:
-        disk.init_weights(cfg, mcfg, sharded.units, weights)  # seeded per unit: the same weights at any W
-        if isinstance(weights, str) and rank == 0:
+        taken_and_new = disk.init_weights(cfg, mcfg, sharded.units, weights)  # seeded per unit: the same at any W
+        if taken_and_new and rank == 0:
             print(f"started from the weights of checkpoint {weights} (a new phase: step 1, a fresh optimizer and data "
-                  f"position)", flush=True)
+                  f"position); {taken_and_new}", flush=True)
     if cfg.offload_optimizer:  # the device copies of the host master shards just filled
         O.refresh_compute_shards(sharded.units)
     return sharded, windows, eval_windows, step, position, agreed

@@ -422,7 +422,8 @@ def check_run(cfg, world: int):
         errors += M.check_model_config(mcfg) or check_param_groups(cfg, mcfg)
     if not errors and weights is not None:
         try:
-            disk.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from")
+            disk.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from",
+                                        {name: numel for name, numel, _ in P.model_units(mcfg)})
         except disk.CheckpointError as e:
             errors.append(str(e))
     if not errors and weights is not None and cfg.init_from and cfg.steps > 0 and not cfg.from_ckpt:

@@ -970,11 +970,16 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
     old_world = manifest["world_size"]
     # Optimizer state is read for the units that train now and trained then (--freeze may have changed): a unit
     # that starts training starts from zero state and its own first step, as a parameter new to a torch optimizer.
+    # A new phase (master_only) may add units (a fork's adapter): init_weights initialises those; a resume may not.
+    units = [u for u in units if u.name in manifest["units"]] if master_only else units
     with_state = set()
     for unit in units:
         saved = manifest["units"].get(unit.name)
-        if saved is None or saved["numel"] != unit.numel:
-            raise CheckpointError(f"checkpoint {path}: unit {unit.name} is missing or has another size")
+        if saved is None:  # another model's code (a fork's unit): no older checkpoint has it either
+            raise ResumeMismatch(f"checkpoint {path}: unit {unit.name} is missing (a resume continues the model that "
+                                 f"saved it; --init_from it starts a new phase, which initialises such units)")
+        if saved["numel"] != unit.numel:
+            raise ResumeMismatch(f"checkpoint {path}: {unit_sizes(unit.name, saved['numel'], unit.numel)}")
         if master_only or not (unit.trained and trained_when_saved(manifest, unit.name)):
             unit.optimizer_steps = 0
             for tensor in unit.optimizer_state.values():
@@ -1102,14 +1107,54 @@ def find_checkpoint(path: str) -> str | None:
     return next((p for p in candidates if is_complete(p)), candidates[0])
 
 
-def check_checkpoint_files(path: str, flag: str):
-    """What is cheap to check of a checkpoint before any work: its manifest and every rank file's size (their
-    SHA-256 as they are read: load_weights)."""
+def unit_sizes(name: str, saved_numel: int, numel: int) -> str:
+    return f"unit {name} has {saved_numel} parameters there and {numel} in this model (another model, or another fork)"
+
+
+def unit_list(names: list[str]) -> str:
+    """Unit names for one line, each run of consecutive blocks' units as one: `embed, layers.0-31.lora, head`."""
+    runs = {}  # a name with its block number left out ("layers.{}.lora") -> [[first block, last block], ...]
+    for name in names:
+        block = M.block_of(name)
+        if block is None:
+            runs[name] = None
+            continue
+        blocks = runs.setdefault("layers.{}" + name[len(f"layers.{block}"):], [])
+        if blocks and blocks[-1][1] == block - 1:
+            blocks[-1][1] = block
+        else:
+            blocks.append([block, block])
+    return ", ".join(key if blocks is None else ", ".join(key.format(f"{a}-{b}" if b > a else a) for a, b in blocks)
+                     for key, blocks in runs.items())
+
+
+def check_units(path: str, manifest: dict, numels: dict, flag: str):
+    """The units of this model (`numels`: name -> parameters) against the checkpoint's, for a new phase (--init_from)
+    or an export (--from_ckpt). Refused: a unit of another size; a unit the checkpoint holds that this model lacks
+    (its trained weights would be dropped: the checkpoint of a fork run without it, or units named otherwise);
+    for an export, a unit the checkpoint lacks. A new phase initialises those as a run from scratch (init_weights)."""
+    saved = manifest["units"]
+    for name, numel in numels.items():
+        if name in saved and saved[name]["numel"] != numel:
+            raise CheckpointError(f"checkpoint {path}: {unit_sizes(name, saved[name]['numel'], numel)}")
+    dropped, lacking = [n for n in saved if n not in numels], [n for n in numels if n not in saved]
+    if dropped:
+        raise CheckpointError(f"checkpoint {path} holds unit(s) {unit_list(dropped)}, which this model does not have: "
+                              f"their trained weights would be dropped; run the code (the fork) that saved them")
+    if lacking and flag == "--from_ckpt":
+        raise CheckpointError(f"checkpoint {path} lacks unit(s) {unit_list(lacking)} of this model: an export would "
+                              f"hold weights never trained; export it with the code (the fork) that saved it")
+
+
+def check_checkpoint_files(path: str, flag: str, numels: dict):
+    """What is cheap to check of a checkpoint before any work: its manifest, every rank file's size (their
+    SHA-256 as they are read: load_weights) and its units against this model's (`numels`, check_units)."""
     try:
         manifest = check_manifest(path, None, None, None)
         check_manifest_numbers(path, manifest)  # before a file name of its is joined to a path
         for fname, expect in manifest["files"].items():
             check_file_size(path, fname, expect)
+        check_units(path, manifest, numels, flag)
     except (KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{flag}: checkpoint {path}: manifest.json lacks {e}") from None
     except CheckpointError as e:
@@ -1128,23 +1173,31 @@ def init_unit_random(unit, index: int, seed: int, std: float):
     unit.master_shard.copy_(full[unit.shard_start:unit.shard_start + unit.shard_numel])
 
 
-def init_weights(cfg, mcfg: M.ModelConfig, units: list, weights: dict | str | None):
+def init_weights(cfg, mcfg: M.ModelConfig, units: list, weights: dict | str | None) -> str | None:
     """Seeded random weights (`weights` None); this rank's shards of an --init_from Hugging Face folder (`weights`
-    {HF tensor name: file}); or of one of our checkpoints (`weights` its folder: a new phase, a fresh optimizer)."""
+    {HF tensor name: file}); or of one of our checkpoints (`weights` its folder: a new phase, a fresh optimizer),
+    where the units it lacks (a fork's adapter) are initialised as a run from scratch initialises them: returns
+    which units were taken and which are new, for the phase's line."""
     if weights is None:
         for i, unit in enumerate(units):
             init_unit_random(unit, i, cfg.seed, mcfg.init_std)
     elif isinstance(weights, str):
-        load_weights(weights, units, "--init_from")
+        saved = load_weights(weights, units, "--init_from")["units"]  # the manifest every rank read: agreed
+        new = [(i, unit) for i, unit in enumerate(units) if unit.name not in saved]
+        for i, unit in new:
+            init_unit_random(unit, i, cfg.seed, mcfg.init_std)
+        return (f"taken: {unit_list([u.name for u in units if u.name in saved])}; new, initialised as a run from "
+                f"scratch (--seed {cfg.seed}): {unit_list([u.name for _, u in new]) or 'none'}")
     else:
         open_files = {}
         for unit in units:
             load_unit_from_hf(unit, weights, open_files)
 
 
-def load_weights(path: str, units: list, flag: str) -> int:
+def load_weights(path: str, units: list, flag: str) -> dict:
     """The fp32 master shards of the checkpoint `path`, re-sharded for this world size, no optimizer state
-    (--init_from: a new phase; --from_ckpt), agreed by every rank (read_agreed). Returns the checkpoint's step."""
+    (--init_from: a new phase; --from_ckpt), agreed by every rank (read_agreed), of the units it holds (check_units
+    decided before any work which units it may lack). Returns its manifest."""
     try:
         manifest, error, failed = read_agreed(path, None, None, None, units, master_only=True)
     except CheckpointUnreadable as e:
@@ -1152,7 +1205,7 @@ def load_weights(path: str, units: list, flag: str) -> int:
     if failed:
         raise CheckpointError(f"{flag}: " + (error or f"checkpoint {path}: rank(s) {', '.join(map(str, failed))} "
                                                       f"cannot use it"))
-    return manifest["step"]
+    return manifest
 
 
 # The model a run builds, from the files its flags name (components/checks.py and the planner both ask).
