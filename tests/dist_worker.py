@@ -4,7 +4,8 @@
 MODE is `load` (how much of the checkpoint each rank reads), `sgd` (a whole run with SGD + momentum
 swapped in for AdamW; writes no JSON), `zloss` (a whole run with a z-loss term added where docs/forking.md
 says, and TensorBoard's writer replaced by one that writes OUT_DIR/tensorboard.jsonl), `two_units` (a whole
-run of a fork that shards each block as two units: two_units_per_block), or `facts` (a whole run
+run of a fork that shards each block as two units: two_units_per_block), `lora` (a whole run of a fork that adds
+an adapter unit to each block: LoraBlock), or `facts` (a whole run
 in which each rank sees its own machine as ZERO3_TEST_FACTS says: see facts(); writes the launch settings it
 ran under). Checks of the step itself run in one process (tests/ranks.py).
 """
@@ -53,6 +54,33 @@ def two_units_per_block(model) -> list:
             continue
         attention = [n for n in names if ".self_attn." in n or ".input_layernorm." in n]
         units += [(f"{name}.attention", attention), (f"{name}.mlp", [n for n in names if n not in attention])]
+    return units
+
+
+LORA_RANK = 2
+
+
+class LoraBlock(M.Block):
+    """A fork's adapter on each block's output, h + B(A(h)) (`lora_a`, `lora_b`), initialised by the trainer's rule
+    (disk.init_unit_random) and sharded as a unit of its own, `layers.i.lora` (lora_units): it trains beside a frozen
+    base, and a new phase (--init_from a checkpoint without it) adds it."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.lora_a = torch.nn.Parameter(torch.empty(LORA_RANK, cfg.dim))
+        self.lora_b = torch.nn.Parameter(torch.empty(cfg.dim, LORA_RANK))
+
+    def forward(self, x, *args, **kwargs):
+        h = super().forward(x, *args, **kwargs)
+        return h + torch.nn.functional.linear(torch.nn.functional.linear(h, self.lora_a), self.lora_b)
+
+
+def lora_units(model) -> list:
+    """model.sharding_units of the LoraBlock fork: each block, then its adapter (`layers.i.lora`)."""
+    units = []
+    for name, names in BLOCK_UNITS(model):
+        adapter = [n for n in names if ".lora_" in n]
+        units += [(name, [n for n in names if n not in adapter])] + ([(f"{name}.lora", adapter)] if adapter else [])
     return units
 
 
@@ -164,6 +192,10 @@ if __name__ == "__main__":
         os._exit(0)
     if mode == "two_units":
         M.sharding_units = two_units_per_block
+        T.main(flags)
+        os._exit(0)
+    if mode == "lora":
+        M.Block, M.sharding_units = LoraBlock, lora_units
         T.main(flags)
         os._exit(0)
     if mode == "facts":

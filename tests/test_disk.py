@@ -460,3 +460,26 @@ def test_a_resume_with_another_freeze_starts_fresh_state_or_drops_it_and_old_man
     disk.load_checkpoint(path, manifest, units)
     assert [u.optimizer_steps for u in units] == [4, 4]
     assert torch.equal(units[1].optimizer_state["exp_avg_sq"], torch.ones(6))
+
+
+def test_a_new_phase_reads_the_units_a_checkpoint_holds_and_a_resume_refuses_another_models(one_process_group, tmp_path):
+    """A unit the checkpoint lacks (a fork's adapter, u2): a new phase (master_only) reads the others and leaves it
+    to init_weights; a resume refuses it, as it refuses a unit of another size, in one line naming the unit (and
+    both sizes), as a mismatch: an older checkpoint of the same run would be no better, so none is tried."""
+    path = save(tmp_path / "out", 4)
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    units = tiny_units() + [SimpleNamespace(**dict(vars(tiny_units()[0]), name="u2", master_shard=torch.full((6,), 7.0)))]
+    for u in units[:2]:
+        u.master_shard.zero_()
+    disk.load_checkpoint(path, manifest, units, master_only=True)
+    assert [u.master_shard.tolist() for u in units] == [list(range(6)), list(range(1, 7)), [7.0] * 6]
+    with pytest.raises(disk.CheckpointError) as e:
+        disk.read_agreed(path, None, None, None, units)
+    assert str(e.value) == (f"checkpoint {path}: unit u2 is missing (a resume continues the model that saved it; "
+                            f"--init_from it starts a new phase, which initialises such units)")
+    units[1].numel = 7
+    with pytest.raises(disk.CheckpointError) as e:
+        disk.read_agreed(path, None, None, None, units[:2])
+    assert str(e.value) == (f"checkpoint {path}: unit u1 has 6 parameters there and 7 in this model (another model, "
+                            f"or another fork)")

@@ -14,11 +14,13 @@ from typing import Callable, NamedTuple
 
 import pytest
 import torch
+import torch.nn.functional as F
 from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config, stopped_at
 
 import data as D
 import model as M
 from components import disk
+from components.checks import check_run
 import train as T
 
 STEPS, SEQ, BATCH, CLIP = 4, 16, 12, 0.5
@@ -40,14 +42,16 @@ class Reference(NamedTuple):
 
 
 def reference_run(init_dir, data_path, doc_mask: bool, optimizer: str = "adamw", args: dict = ARGS,
-                  frozen=lambda step, name: False, lr_mult=(), attention: str = "eager", z_loss: float = 0.0) -> Reference:
+                  frozen=lambda step, name: False, lr_mult=(), attention: str = "eager", z_loss: float = 0.0,
+                  fork=lambda ref: None) -> Reference:
     """The oracle: one process, whole global batch at once, HF model, torch AdamW. With doc_mask, each
     packed document runs through HF alone (its own positions from 0, nothing else to attend to).
     `frozen(step, name)`: requires_grad=False for that step's forward and backward; `lr_mult`: [(regex,
     factor)], a parameter group each (the first regex that matches a parameter's name wins); `z_loss`: PaLM's
-    z-loss term with that coefficient (tests/dist_worker.py's fork)."""
+    z-loss term with that coefficient (tests/dist_worker.py's fork); `fork(ref)`: a fork's change to the model."""
     from transformers import AutoModelForCausalLM
     ref = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32, attn_implementation=attention)
+    fork(ref)
     params = dict(ref.named_parameters())
     groups = {}  # (lr factor, decayed) -> parameters
     for name, p in params.items():
@@ -84,7 +88,7 @@ def reference_run(init_dir, data_path, doc_mask: bool, optimizer: str = "adamw",
         losses.append(loss.item())
     assert not doc_mask or n_split >= 4, "the data must pack several documents into some rows"
     again = functools.cache(lambda: reference_run(init_dir, data_path, doc_mask, optimizer, args, frozen, lr_mult, "sdpa",
-                                                  z_loss))
+                                                  z_loss, fork))
     return Reference(losses, norms, {k: v.detach().clone() for k, v in ref.state_dict().items()}, again)
 
 
@@ -364,6 +368,91 @@ def test_a_fork_with_two_units_per_block_trains_as_its_oracle_and_is_planned_exa
     assert planned == sum(u.persistent_bytes() for u in sharded.units)
 
 
+def with_adapters(weights: dict):
+    """The oracle's change for tests/dist_worker.py's LoraBlock: each decoder layer's output h + B(A(h))."""
+    def fork(ref):
+        for i, layer in enumerate(ref.model.layers):
+            for name in ("lora_a", "lora_b"):
+                layer.register_parameter(name, torch.nn.Parameter(weights[f"model.layers.{i}.{name}"].clone()))
+            layer.register_forward_hook(lambda m, args, h: h + F.linear(F.linear(h, m.lora_a), m.lora_b))
+    return fork
+
+
+def checkpoint_weights(ckpt: str, units: list) -> dict:
+    """Hugging Face name -> fp32 master weight, read from the rank files of a checkpoint saved at any W, laid out as
+    `units` (one process's Units of the same model) lay them out."""
+    from safetensors.torch import load_file
+    world = json.load(open(os.path.join(ckpt, "manifest.json")))["world_size"]
+    files = [load_file(os.path.join(ckpt, disk.rank_file(r, world))) for r in range(world)]
+    state = {}
+    for unit in units:
+        flat = torch.cat([f[f"{unit.name}.master_shard"] for f in files])
+        state |= {M.hf_name(s.name): flat[s.offset:s.offset + math.prod(s.shape)].view(s.shape) for s in unit.slots}
+    return state
+
+
+BASE = r"layers\.\d+\.(?!lora)|norm|lm_head"  # the blocks (not their adapters) and the head: all but the embedding
+
+
+def test_a_phase_that_adds_an_adapter_unit_takes_the_checkpoint_and_trains_as_its_oracle(llama_setup, monkeypatch):
+    """A plain run at W=2 with the embedding frozen saves a checkpoint; a new phase from it (--init_from) in a fork
+    that adds an adapter unit to each block (tests/dist_worker.py, LoraBlock) trains the embedding and the adapters
+    with the rest frozen: --freeze changed both ways (the embedding's optimizer state was never saved). One line
+    names the units taken and new; at W=2 it trains as the oracle does from the exported checkpoint with the adapters
+    at the fork's init (what a run of the fork from scratch makes, built here); the frozen units keep the
+    checkpoint's master weights bit for bit. Refused before any work, in one line: the phase's checkpoint by the
+    plain model (the adapters would be dropped), the plain one by the fork as an export, and by a fork that puts
+    the adapter inside each block's unit (another size)."""
+    from dist_worker import BLOCK_UNITS, LoraBlock, lora_units
+    root, init_dir, data_path, _ = llama_setup
+    plain, phase = root / "phase-plain", str(root / "phase-lora")
+    run_train([f"--{k}={v}" for k, v in ARGS.items()] + [
+        f"--init_from={init_dir}", f"--data={data_path}", "--micro_batch_size=2", "--steps=1", "--freeze=embed_tokens",
+        f"--out_dir={plain}", f"--export_hf={plain / 'hf'}"], nproc=2)
+    ckpt = str(plain / "checkpoints" / "step_00000001")
+    args = [f"--{k}={v}" for k, v in ARGS.items()] + [f"--init_from={ckpt}", f"--data={data_path}",
+                                                      "--micro_batch_size=2", f"--freeze={BASE}", f"--out_dir={phase}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "tests", "dist_worker.py"), "lora", phase, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert [line for line in proc.stdout.splitlines() if "started from the weights" in line] == [
+        f"started from the weights of checkpoint {ckpt} (a new phase: step 1, a fresh optimizer and data position); "
+        f"taken: embed, layers.0-1, head; new, initialised as a run from scratch (--seed 3): layers.0-1.lora"]
+
+    monkeypatch.setattr(M, "Block", LoraBlock)
+    monkeypatch.setattr(M, "sharding_units", lora_units)
+    cfg = T.parse_args(args)
+    mcfg = disk.model_config(cfg)
+    units = T.build_sharded_model(cfg, mcfg, 0, 1, torch.device("cpu")).units
+    disk.init_weights(cfg, mcfg, units, None)  # a run of the fork from scratch: its adapters are the fork's init
+    adapters = {M.hf_name(s.name): unit.master_shard[s.offset:s.offset + math.prod(s.shape)].view(s.shape)
+                for unit in units if unit.name.endswith(".lora") for s in unit.slots}
+    reference = reference_run(str(plain / "hf"), data_path, doc_mask=True, frozen=lambda step, name: bool(re.search(
+        BASE, name)), fork=with_adapters(adapters))
+    for m, loss, norm in zip(read_metrics(phase), reference.losses, reference.norms, strict=True):
+        assert math.isclose(m["loss"], loss, rel_tol=1e-5) and math.isclose(m["grad_norm"], norm, rel_tol=1e-4), m
+    got = checkpoint_weights(os.path.join(phase, "checkpoints", f"step_{STEPS:08d}"), units)
+    check_weights(got, reference)
+    saved = checkpoint_weights(ckpt, [u for u in units if not u.name.endswith(".lora")])
+    assert all(torch.equal(got[name], w) for name, w in saved.items() if re.search(BASE, name))
+
+    def refused(*flags):
+        return check_run(T.parse_args([*flags, f"--data={data_path}", f"--out_dir={root / 'x'}"]), 2)[2]
+    export = refused(f"--from_ckpt={ckpt}", f"--export_hf={root / 'x'}")
+    monkeypatch.setattr(M, "sharding_units", BLOCK_UNITS)  # the adapter inside each block's unit
+    inside = refused(f"--init_from={ckpt}")
+    monkeypatch.undo()
+    dropped = refused(f"--init_from={phase}")
+    block = json.load(open(os.path.join(ckpt, "manifest.json")))["units"]["layers.0"]["numel"]
+    assert (export, inside, dropped) == (
+        [f"--from_ckpt: checkpoint {ckpt} lacks unit(s) layers.0-1.lora of this model: an export would hold weights "
+         f"never trained; export it with the code (the fork) that saved it"],
+        [f"--init_from: checkpoint {ckpt}: unit layers.0 has {block} parameters there and {block + 2 * 2 * 32} in this "
+         f"model (another model, or another fork)"],
+        [f"--init_from: checkpoint {os.path.join(phase, 'checkpoints', f'step_{STEPS:08d}')} holds unit(s) "
+         f"layers.0-1.lora, which this model does not have: their trained weights would be dropped; run the code "
+         f"(the fork) that saved them"])
 FREEZE_THEN, FREEZE_NOW = r"embed_tokens|layers\.0\.", "embed_tokens"  # progressive unfreezing: block 0 from step 3
 LR_MULT = r"lm_head=0.5,layers\.1\.mlp=2"  # the second splits block 1: factors work element by element
 

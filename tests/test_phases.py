@@ -77,7 +77,9 @@ def test_a_new_phase_starts_from_the_checkpoint_weights_at_another_world_size_an
     is exactly A's checkpoint, with A's tokenizer."""
     a, b, root = phase_one["a"], phase_one["b"], phase_one["root"]
     step_folder = os.path.join(a, "checkpoints", "step_00000002")
-    assert f"started from the weights of checkpoint {step_folder}" in phase_one["phase_b"].stdout
+    assert (f"started from the weights of checkpoint {step_folder} (a new phase: step 1, a fresh optimizer and data "
+            f"position); taken: embed, layers.0-3, head; new, initialised as a run from scratch (--seed 0): none\n"
+            ) in phase_one["phase_b"].stdout
     assert [m["step"] for m in read_metrics(b)] == [1]
     assert json.load(open(b / "checkpoints" / "step_00000001" / "manifest.json"))["model"] == \
         json.load(open(os.path.join(step_folder, "manifest.json")))["model"]
