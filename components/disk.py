@@ -894,7 +894,9 @@ def config_changes(manifest: dict, cfg, mcfg) -> tuple[list[str], list[str]]:
         if not same_value(key, saved[key], getattr(cfg, key), resolved.get(key)):
             must.append(f"--{key} was {saved[key]!r}, now {getattr(cfg, key)!r} ({why})")
     known = {f.name for f in fields(M.ModelConfig)}  # a model saved before a field existed has its default
-    saved_mcfg = asdict(M.ModelConfig(**{k: v for k, v in (manifest.get("model") or {}).items() if k in known}))
+    # family_keys, saved since 2026-12-07: before, the run read them from the same source as this one
+    saved_model = {"family_keys": mcfg.family_keys} | (manifest.get("model") or {})
+    saved_mcfg = asdict(M.ModelConfig(**{k: v for k, v in saved_model.items() if k in known}))
     model_diff = [f"{k} was {saved_mcfg[k]}, now {v}" for k, v in asdict(mcfg).items() if saved_mcfg[k] != v]
     if model_diff:
         must.append(f"the model (from --model, --init_from's config.json, --data's tokenizer): {', '.join(model_diff)}")

@@ -288,6 +288,10 @@ def test_changed_flags_are_an_error_or_a_warning_naming_old_and_new(files, tmp_p
                          drop_model=("tie_embeddings", "head_dim"))
     assert disk.check_manifest(old, cfg, mcfg, None)["step"] == 6
     assert disk.config_changes(json.load(open(os.path.join(old, "manifest.json"))), cfg, mcfg) == ([], [])
+    # One saved before a family's own config.json keys were kept (a Qwen3 folder's max_window_layers): not a change.
+    qwen3 = small_config(family="qwen3", qk_norm=True, family_keys=dict(max_window_layers=7))
+    old = saved_manifest(tmp_path / "step_00000005", cfg, qwen3, drop_model=("family_keys",))
+    assert disk.config_changes(json.load(open(os.path.join(old, "manifest.json"))), cfg, qwen3) == ([], [])
 
 
 @pytest.fixture
