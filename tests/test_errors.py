@@ -54,23 +54,24 @@ def test_bad_flags(tmp_path, flags, message, main_in_process, capfd):
     assert 'train.py", line' not in stderr  # no traceback out of the trainer, only the line
 
 
-def test_token_beyond_vocabulary(tmp_path, tokens):
+# A token file train.py cannot use: one rank in this process (test_bad_flags says why).
+def test_token_beyond_vocabulary(tmp_path, tokens, main_in_process, capfd):
     path = tokens(np.r_[np.zeros(100, np.int32), 700, np.zeros(100, np.int32)])
-    proc = run_train([f"--data={path}", f"--out_dir={tmp_path}"], check=False, timeout=120)
-    assert proc.returncode != 0
-    assert f"--data: {path} has token id 700 at position 100, outside the model's vocabulary [0, 512)" in proc.stderr
+    assert main_in_process([f"--data={path}", f"--out_dir={tmp_path}"]) != 0
+    assert (f"--data: {path} has token id 700 at position 100, outside the model's vocabulary [0, 512)"
+            in capfd.readouterr().err)
 
 
-def test_data_shorter_than_one_window(tmp_path, tokens):
+def test_data_shorter_than_one_window(tmp_path, tokens, main_in_process, capfd):
     path = tokens(np.arange(10, dtype=np.uint16))
-    proc = run_train([f"--data={path}", "--seq_len=16", f"--out_dir={tmp_path}"], check=False, timeout=120)
-    assert proc.returncode != 0 and "has 10 tokens; at least seq_len + 1 = 17 are needed" in proc.stderr
+    assert main_in_process([f"--data={path}", "--seq_len=16", f"--out_dir={tmp_path}"]) != 0
+    assert "has 10 tokens; at least seq_len + 1 = 17 are needed" in capfd.readouterr().err
 
 
-def test_not_a_token_array(tmp_path, tokens):
+def test_not_a_token_array(tmp_path, tokens, main_in_process, capfd):
     path = tokens(np.zeros((4, 4), np.float32))
-    proc = run_train([f"--data={path}", f"--out_dir={tmp_path}"], check=False, timeout=120)
-    assert proc.returncode != 0 and "must be a 1-D integer array" in proc.stderr
+    assert main_in_process([f"--data={path}", f"--out_dir={tmp_path}"]) != 0
+    assert "must be a 1-D integer array" in capfd.readouterr().err
 
 
 # -- the command line, as a newcomer meets it (in-process: train.parse_args, checks.config_warnings) ------------
