@@ -9,6 +9,8 @@ frozen by --freeze) and `optimizer_steps` (the unit's own count for AdamW's bias
   out_dir/.lock                                      rank 0's flock for the whole run: one run per out_dir
   out_dir/checkpoints/step_00000100/manifest.json   step, configs, world size, file checksums
                      /step_00000100/rank00000-of-00016.safetensors  that rank's master and optimizer shards
+  out_dir/checkpoints/frozen-<digest>/rank00000-of-00016.safetensors  --freeze: the frozen units' master shards,
+                                                     written once a run, named by the checkpoints that use them
   out_dir/checkpoints/latest                         "step_00000100", replaced atomically
   out_dir/checkpoints/.tmp-step_00000200/            a save in progress: never loaded
 """
@@ -512,25 +514,85 @@ def rank_file_tensors(units: list) -> list:
     return [(f"{u.name}.{kind}", t) for u in units for kind, t in saved_tensors(u)]
 
 
+# --freeze: a frozen unit's master shard never changes during a run, so the first save writes the frozen units' into
+# a set of rank files of their own, checkpoints/frozen-<digest of those files>/, and the later checkpoints' manifests
+# refer to it ("frozen": its folder, its files' size and SHA-256) instead of writing them again: for a 70B run whose
+# base is frozen, most of the bytes. A save writes a new set when this process holds no set of its frozen units at
+# its world size (its first save; another --freeze or W after a resume). Retention deletes a set no checkpoint names.
+FROZEN_TMP = "frozen"  # a set being written: inside the save's .tmp-step_N folder until its commit
+frozen_set = None      # rank 0: the set on disk this process's frozen weights are in: root, world, units, folder, files
+
+
+def split_frozen(units: list, tensors: list, writes_frozen: bool) -> tuple[list, list | None]:
+    """`tensors` (rank_file_tensors' names: the units' own, or their staged copies) split into what this rank's file
+    holds and what its file of the frozen set holds (the frozen units' master shards), None when the save refers to
+    a set written before."""
+    frozen = {f"{u.name}.master_shard" for u in units if not u.trained}
+    own = [(name, t) for name, t in tensors if name not in frozen]
+    return own, [(name, t) for name, t in tensors if name in frozen] if writes_frozen else None
+
+
+def frozen_set_kept(root: str, world: int, frozen_names: list) -> bool:
+    """Rank 0: whether the frozen units' weights are in a set this save can refer to: the one this process wrote or
+    resumed from, for the same units at the same world size, its files still there at their size."""
+    global frozen_set
+    kept = frozen_set
+    if kept and (kept["root"], kept["world"], kept["units"]) == (os.path.realpath(root), world, frozen_names) and all(
+            file_size(os.path.join(root, kept["folder"], fname)) == expect["bytes"]
+            for fname, expect in kept["files"].items()):
+        return True
+    frozen_set = None
+    return False
+
+
+def commit_frozen_set(root: str, tmp: str, world: int, units: dict, files: dict | None) -> dict | None:
+    """Rank 0, before the manifest that names it: the manifest's "frozen", None without frozen units. The set this
+    save wrote (`files`) is moved to checkpoints/frozen-<digest>/ and made durable first (a folder of that name holds
+    the same bytes: it is kept); else the save refers to the set frozen_set_kept found."""
+    global frozen_set
+    names = [name for name, saved in units.items() if not saved["trained"]]
+    if not names:
+        return None
+    if files is not None:
+        written = os.path.join(tmp, FROZEN_TMP)
+        check_written(written, files)
+        folder = "frozen-" + hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:16]
+        if os.path.isdir(os.path.join(root, folder)):
+            shutil.rmtree(written)
+        else:
+            fsync_dir(written)
+            os.replace(written, os.path.join(root, folder))
+            fsync_dir(root)  # on disk before any manifest names it: never a checkpoint without its frozen set
+        frozen_set = dict(root=os.path.realpath(root), world=world, units=names, folder=folder, files=files)
+    return {"folder": frozen_set["folder"], "files": frozen_set["files"]}
+
+
+def check_written(folder: str, files: dict):
+    for fname, expect in files.items():
+        if os.path.getsize(os.path.join(folder, fname)) != expect["bytes"]:
+            raise OSError(errno.EIO, f"{fname} has the wrong size on disk")
+
+
 def unit_records(units) -> dict:
     """The manifest's "units", taken with the snapshot (a background save commits after later steps)."""
     return {u.name: {"numel": u.numel, "shard_numel": u.shard_numel, "optimizer_state": list(u.optimizer_state),
                      "trained": u.trained, "optimizer_steps": u.optimizer_steps} for u in units}
 
 
-def checkpoint_manifest(cfg, mcfg, units: dict, step, world, data_state, files) -> dict:
+def checkpoint_manifest(cfg, mcfg, units: dict, step, world, data_state, files, frozen=None) -> dict:
     return {"format": CKPT_FORMAT, "step": step, "world_size": world, "model": asdict(mcfg),
             "train": asdict(cfg), "resolved": {key: flag_meaning(key, getattr(cfg, key)) for key in PATH_FLAGS},
-            "files": files, "units": units, "data": data_state}
+            "files": files, "units": units, "data": data_state, **({"frozen": frozen} if frozen else {})}
 
 
 def save_checkpoint(cfg, mcfg, units, step, rank, world, data_state):
     """Every rank writes its file into a temporary folder; rank 0 checks every file, writes the manifest, renames
     the folder and points `latest` at it. A failure anywhere leaves `latest` and the older checkpoints untouched.
     Three parts, which --async_save (BackgroundSave) runs apart: prepare, write, commit."""
-    tmp = prepare_save(cfg, step, rank)
-    report, my_error = write_rank_file(tmp, rank_file_tensors(units), step, rank, world)
-    return commit_save(cfg, mcfg, unit_records(units), step, rank, world, data_state, report, my_error)
+    tmp, writes_frozen = prepare_save(cfg, step, rank, world, [u.name for u in units if not u.trained])
+    own, frozen = split_frozen(units, rank_file_tensors(units), writes_frozen)
+    report, my_error = write_rank_file(tmp, own, step, rank, world, frozen)
+    return commit_save(cfg, mcfg, unit_records(units), step, rank, world, data_state, report, my_error, writes_frozen)
 
 
 def save_paths(cfg, step: int) -> tuple[str, str, str]:
@@ -547,17 +609,19 @@ def raise_unless_done(done: torch.Tensor, message: str, kept_in: str = ""):
         raise CheckpointError(message + (kept_note(kept_in) if kept_in else ""), os_errno=done[1].item() or None)
 
 
-def prepare_save(cfg, step: int, rank: int) -> str:
-    """Rank 0 checks the folder is still this run's and makes the temporary folder, which it returns; the broadcast
-    is the barrier no rank writes before."""
+def prepare_save(cfg, step: int, rank: int, world: int, frozen_names: list) -> tuple[str, bool]:
+    """Rank 0 checks the folder is still this run's, makes the temporary folder and decides whether the save writes
+    a frozen set (frozen_set_kept): (the folder, that decision) on every rank; the broadcast is the barrier no rank
+    writes before."""
     root, tmp, final = save_paths(cfg, step)
-    ready = torch.zeros(2, dtype=torch.int64)
+    ready = torch.zeros(3, dtype=torch.int64)  # raise_unless_done's two, and whether the save writes a frozen set
     error = f"checkpoint {final} was not saved: rank 0 could not prepare it (its error says why)"
     if rank == 0:
         try:
             check_out_dir_claim(cfg.out_dir, step)
             shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
+            ready[2] = bool(frozen_names) and not frozen_set_kept(root, world, frozen_names)
+            os.makedirs(os.path.join(tmp, FROZEN_TMP) if ready[2] else tmp)
             ready[0] = 1
         except CheckpointError as e:
             error = str(e)
@@ -565,17 +629,26 @@ def prepare_save(cfg, step: int, rank: int) -> str:
             error = f"checkpoint {final} was not saved: rank 0 could not create {write_error(tmp, e)}{kept_note(root)}"
             ready[1] = e.errno or errno.EIO
     raise_unless_done(ready, error)
-    return tmp
+    return tmp, bool(ready[2])
 
 
-def write_rank_file(tmp: str, tensors: list, step: int, rank: int, world: int) -> tuple[torch.Tensor, str]:
+REPORT_LEN = 68  # write_rank_file's numbers
+
+
+def write_rank_file(tmp: str, tensors: list, step: int, rank: int, world: int,
+                    frozen: list | None = None) -> tuple[torch.Tensor, str]:
     """This rank's file, and what it tells rank 0 as numbers (nothing is pickled): written or not, the size, the
-    SHA-256 as 32 bytes, a failed write's errno; the error's text stays here. No collective: a thread may run it."""
-    report, my_error = torch.zeros(35, dtype=torch.int64), ""
-    path = os.path.join(tmp, rank_file(rank, world))
+    SHA-256 as 32 bytes, a failed write's errno, then the size and SHA-256 of its file of the frozen set when the
+    save writes one (`frozen`: its tensors); the error's text stays here. No collective: a thread may run it."""
+    report, my_error = torch.zeros(REPORT_LEN, dtype=torch.int64), ""
+    writes = [(os.path.join(tmp, rank_file(rank, world)), tensors, 1)]
+    if frozen is not None:
+        writes.append((os.path.join(tmp, FROZEN_TMP, rank_file(rank, world)), frozen, 35))
     try:
-        sha256, nbytes = write_safetensors_streaming(path, tensors)
-        report[0], report[1], report[2:34] = 1, nbytes, torch.tensor(list(bytes.fromhex(sha256)))
+        for path, file_tensors, at in writes:
+            sha256, nbytes = write_safetensors_streaming(path, file_tensors)
+            report[at], report[at + 1:at + 33] = nbytes, torch.tensor(list(bytes.fromhex(sha256)))
+        report[0] = 1
         if fault_hook:
             fault_hook("save", step, rank)
     except Exception as e:  # an OSError by its errno; anything else as EIO (not shown to repeat: exit code 1)
@@ -586,11 +659,19 @@ def write_rank_file(tmp: str, tensors: list, step: int, rank: int, world: int) -
     return report, my_error
 
 
-def commit_save(cfg, mcfg, units: dict, step, rank, world, data_state, report: torch.Tensor, my_error: str) -> str:
-    """Rank 0 gathers every rank's report and, when all wrote, commits: each file's size checked, the manifest,
-    the rename to step_N, `latest`, retention. Returns the checkpoint's path on every rank."""
+def file_records(reports: torch.Tensor, world: int, at: int) -> dict:
+    """The manifest's size and SHA-256 of each rank's file, from the reports' numbers at `at`."""
+    return {rank_file(r, world): {"sha256": bytes(reports[r, at + 1:at + 33].tolist()).hex(), "bytes": int(reports[r, at])}
+            for r in range(world)}
+
+
+def commit_save(cfg, mcfg, units: dict, step, rank, world, data_state, report: torch.Tensor, my_error: str,
+                writes_frozen: bool) -> str:
+    """Rank 0 gathers every rank's report and, when all wrote, commits: each file's size checked, a frozen set
+    written (commit_frozen_set), the manifest, the rename to step_N, `latest`, retention. Returns the checkpoint's
+    path on every rank."""
     root, tmp, final = save_paths(cfg, step)
-    reports = torch.zeros(world, 35, dtype=torch.int64)
+    reports = torch.zeros(world, REPORT_LEN, dtype=torch.int64)
     all_gather_flat(reports.view(-1), report, group=group)
     unwritten = [r for r in range(world) if not reports[r, 0]]
     saved = torch.zeros(2, dtype=torch.int64)  # [saved, the errno of what stopped it], as raise_unless_done's
@@ -598,13 +679,11 @@ def commit_save(cfg, mcfg, units: dict, step, rank, world, data_state, report: t
         saved[1] = next((reports[r, 34] for r in unwritten if reports[r, 34]), 0)
         my_error = my_error or f"rank(s) {', '.join(map(str, unwritten))} could not write their files"
     elif rank == 0:
-        files = {rank_file(r, world): {"sha256": bytes(reports[r, 2:34].tolist()).hex(), "bytes": int(reports[r, 1])}
-                 for r in range(world)}
+        files = file_records(reports, world, 1)
         try:
-            for fname, expect in files.items():
-                if os.path.getsize(os.path.join(tmp, fname)) != expect["bytes"]:
-                    raise OSError(errno.EIO, f"{fname} has the wrong size on disk")
-            manifest = checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files)
+            check_written(tmp, files)
+            frozen = commit_frozen_set(root, tmp, world, units, file_records(reports, world, 35) if writes_frozen else None)
+            manifest = checkpoint_manifest(cfg, mcfg, units, step, world, data_state, files, frozen)
             write_atomic(os.path.join(tmp, "manifest.json"), json.dumps(manifest, indent=1))
             shutil.rmtree(final, ignore_errors=True)  # a re-save of a step (after a fallback)
             os.replace(tmp, final)
@@ -670,21 +749,24 @@ class BackgroundSave:
         if failed.item():  # the same on a restart (host memory, the locked-memory limit): exit 2, on every rank
             raise CheckpointError(f"--async_save: {failed.item()} rank(s) could not make the staging buffer"
                                   + (f": {self.prepare_error}" if self.prepare_error else ""))
-        tmp = prepare_save(cfg, step, rank)
+        tmp, writes_frozen = prepare_save(cfg, step, rank, world, [u.name for u in units if not u.trained])
         self.saves += 1
-        for (_, staged), (_, t) in zip(self.staged, rank_file_tensors(units)):
-            staged.copy_(t, non_blocking=True)
+        own, frozen = split_frozen(units, self.staged, writes_frozen)
+        written = {name for name, _ in own + (frozen or [])}  # a frozen set written before is not copied again
+        for (name, staged), (_, t) in zip(self.staged, rank_file_tensors(units)):
+            if name in written:
+                staged.copy_(t, non_blocking=True)
         if self.device.type == "cuda":  # the next optimizer step overwrites what is being copied
             torch.cuda.current_stream(self.device).synchronize()
-        self.pending = dict(step=step, data_state=data_state, units=unit_records(units))
+        self.pending = dict(step=step, data_state=data_state, units=unit_records(units), writes_frozen=writes_frozen)
         self.written = None
-        self.writer = threading.Thread(target=self.write, args=(tmp, step, rank, world), name="checkpoint-writer",
-                                       daemon=True)  # a rank that fails mid-write exits without waiting for it
-        self.writer.start()
+        self.writer = threading.Thread(target=self.write, args=(tmp, own, frozen, step, rank, world),
+                                       name="checkpoint-writer", daemon=True)  # a rank that fails mid-write exits
+        self.writer.start()                                                    # without waiting for it
 
-    def write(self, tmp: str, step: int, rank: int, world: int):
+    def write(self, tmp: str, own: list, frozen: list | None, step: int, rank: int, world: int):
         t0 = time.perf_counter()
-        report, error = write_rank_file(tmp, self.staged, step, rank, world)
+        report, error = write_rank_file(tmp, own, step, rank, world, frozen)
         self.written = (report, error, time.perf_counter() - t0)
 
     def writing(self) -> bool:
@@ -700,7 +782,8 @@ class BackgroundSave:
         self.writer.join()
         (report, error, write_s), pending = self.written, self.pending
         self.pending = self.writer = self.written = None
-        path = commit_save(cfg, mcfg, pending["units"], pending["step"], rank, world, pending["data_state"], report, error)
+        path = commit_save(cfg, mcfg, pending["units"], pending["step"], rank, world, pending["data_state"], report, error,
+                           pending["writes_frozen"])
         return path, time.perf_counter() - t0, write_s  # the wait: for this rank's write, then for the slowest's
 
 
@@ -807,13 +890,32 @@ def is_complete(path: str) -> bool:
 def remove_old_checkpoints(root: str, keep: int, just_saved: str):
     """Retention: keeps the checkpoint just saved and the newest complete ones, `keep` in all, and deletes older
     complete ones. Folders without a complete manifest are neither counted nor deleted, so they never push out the
-    save just made. A failure here (an NFS .nfsXXXX file open elsewhere) is a warning: the checkpoint is saved."""
+    save just made. Then the frozen sets no step_* folder left names (unless a manifest left cannot be read). A
+    failure here (an NFS .nfsXXXX file open elsewhere) is a warning: the checkpoint is saved."""
     complete = [p for p in list_checkpoints(root) if p != just_saved and is_complete(p)]
     for old in complete[keep - 1:]:
-        try:
-            shutil.rmtree(old)
-        except OSError as e:
-            print(f"warning: retention could not delete {old}: {e.strerror or e}; it stays", file=sys.stderr, flush=True)
+        remove_folder(old)
+    for old in unnamed_frozen_sets(root):  # after the checkpoints: one that could not be deleted keeps its set
+        remove_folder(old)
+
+
+def remove_folder(path: str):
+    try:
+        shutil.rmtree(path)
+    except OSError as e:
+        print(f"warning: retention could not delete {path}: {e.strerror or e}; it stays", file=sys.stderr, flush=True)
+
+
+def unnamed_frozen_sets(root: str) -> list[str]:
+    """The frozen-* folders no step_* folder's manifest names; none when a manifest cannot be read (it may name one)."""
+    named = set()
+    try:
+        for path in list_checkpoints(root):
+            with contextlib.suppress(FileNotFoundError):  # an unfinished save names none
+                named.add((load_json(os.path.join(path, "manifest.json")).get("frozen") or {}).get("folder"))
+        return [os.path.join(root, n) for n in sorted(os.listdir(root)) if n.startswith("frozen-") and n not in named]
+    except (OSError, ValueError, AttributeError):
+        return []
 
 
 # A mismatch is the operator's to resolve; nothing here suggests a command that deletes checkpoints.
@@ -938,9 +1040,15 @@ def check_manifest_numbers(path: str, manifest: dict):
     if not isinstance(files, dict) or set(files) != rank_files:
         refuse("files", sorted(files)[:2] if isinstance(files, dict) else files,
                f"the {world} files {rank_file(0, world)} to {rank_file(world - 1, world)}")
-    for fname, expect in files.items():
+    frozen = manifest.get("frozen")  # the frozen set it names (--freeze), a folder beside it: never a path elsewhere
+    if frozen is not None and not (isinstance(frozen, dict) and re.fullmatch(r"frozen-[0-9a-f]+", str(frozen.get("folder")))
+                                   and isinstance(frozen.get("files"), dict) and set(frozen["files"]) == rank_files):
+        refuse("frozen", frozen, f'{{"folder": "frozen-<hex digits>", "files": the {world} rank files}}')
+    listed = [(f"files.{f}", e) for f, e in files.items()] + [(f"frozen.files.{f}", e) for f, e in
+                                                              (frozen or {"files": {}})["files"].items()]
+    for field, expect in listed:
         if not (isinstance(expect, dict) and whole(expect.get("bytes"), 0) and isinstance(expect.get("sha256"), str)):
-            refuse(f"files.{fname}", expect, '{"sha256": "...", "bytes": a whole number}')
+            refuse(field, expect, '{"sha256": "...", "bytes": a whole number}')
 
 
 def trained_when_saved(manifest: dict, name: str) -> bool:
@@ -952,6 +1060,15 @@ def freeze_changes(manifest: dict, units: list) -> tuple[list[str], list[str]]:
     started = [u.name for u in units if u.trained and not trained_when_saved(manifest, u.name)]
     stopped = [u.name for u in units if not u.trained and trained_when_saved(manifest, u.name)]
     return started, stopped
+
+
+def unit_file(manifest: dict, name: str, fname: str) -> tuple[str, dict | None]:
+    """Where unit `name`'s part of rank file `fname` is, relative to the checkpoint's folder (load_checkpoint), and
+    the manifest's size and SHA-256 of it: in the frozen set the manifest names for a unit frozen when saved."""
+    frozen = manifest.get("frozen")
+    if frozen and not trained_when_saved(manifest, name):
+        return os.path.join("..", frozen["folder"], fname), frozen["files"].get(fname)
+    return fname, manifest["files"].get(fname)
 
 
 def check_file_size(path: str, fname: str, expect: dict | None):
@@ -1001,11 +1118,11 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
         old_shard = manifest["units"][unit.name]["shard_numel"]
         lo, hi = unit.shard_start, min(unit.shard_start + unit.shard_numel, unit.numel)
         for old_rank in range(lo // old_shard, -(-hi // old_shard)) if lo < hi else []:
-            fname = rank_file(old_rank, old_world)
+            fname, expect = unit_file(manifest, unit.name, rank_file(old_rank, old_world))
             fpath = os.path.join(path, fname)
             if fname not in verified:
-                check_file_size(path, fname, manifest["files"].get(fname))
-                if read_retrying(sha256_file, fpath) != manifest["files"][fname]["sha256"]:
+                check_file_size(path, fname, expect)
+                if read_retrying(sha256_file, fpath) != expect["sha256"]:
                     raise CheckpointError(f"checkpoint {path}: {fname} does not match its SHA-256 (damaged)")
                 verified.add(fname)
             a, b = max(lo, old_rank * old_shard), min(hi, (old_rank + 1) * old_shard)
@@ -1067,9 +1184,13 @@ def read_agreed(path: str, cfg, mcfg, windows, units, master_only: bool = False)
 def resume(cfg, mcfg, units, windows, rank, candidates: list[str]) -> tuple[int, int]:
     """Loads the newest intact checkpoint among `candidates`, agreed by every rank (read_agreed): (its step, data
     position). A damaged one is reported and the previous one tried."""
+    global frozen_set
     for path in candidates:
         manifest, error, failed = read_agreed(path, cfg, mcfg, windows, units)
         if not failed:
+            frozen = manifest.get("frozen")  # the frozen units' weights were read from it: later saves may name it
+            frozen_set = frozen and dict(frozen, root=os.path.realpath(os.path.dirname(path)), world=manifest["world_size"],
+                                         units=[n for n in manifest["units"] if not trained_when_saved(manifest, n)])
             if rank == 0:  # what goes on differently from here: a warning each
                 step, changed = manifest["step"] + 1, config_changes(manifest, cfg, mcfg)[1]
                 started, stopped = freeze_changes(manifest, units)
@@ -1149,13 +1270,17 @@ def check_units(path: str, manifest: dict, numels: dict, flag: str):
 
 
 def check_checkpoint_files(path: str, flag: str, numels: dict):
-    """What is cheap to check of a checkpoint before any work: its manifest, every rank file's size (their
-    SHA-256 as they are read: load_weights) and its units against this model's (`numels`, check_units)."""
+    """What is cheap to check of a checkpoint before any work: its manifest, every rank file's size, the frozen
+    set's it names too (their SHA-256 as they are read: load_weights), and its units against this model's
+    (`numels`, check_units)."""
     try:
         manifest = check_manifest(path, None, None, None)
         check_manifest_numbers(path, manifest)  # before a file name of its is joined to a path
+        frozen = manifest.get("frozen") or {"folder": "", "files": {}}
         for fname, expect in manifest["files"].items():
             check_file_size(path, fname, expect)
+        for fname, expect in frozen["files"].items():
+            check_file_size(path, os.path.join("..", frozen["folder"], fname), expect)
         check_units(path, manifest, numels, flag)
     except (KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{flag}: checkpoint {path}: manifest.json lacks {e}") from None
@@ -1180,6 +1305,8 @@ def init_weights(cfg, mcfg: M.ModelConfig, units: list, weights: dict | str | No
     {HF tensor name: file}); or of one of our checkpoints (`weights` its folder: a new phase, a fresh optimizer),
     where the units it lacks (a fork's adapter) are initialised as a run from scratch initialises them: returns
     which units were taken and which are new, for the phase's line."""
+    global frozen_set
+    frozen_set = None  # the first save writes the frozen units' set
     if weights is None:
         for i, unit in enumerate(units):
             init_unit_random(unit, i, cfg.seed, mcfg.init_std)
