@@ -450,11 +450,12 @@ def unit_state_bytes_per_param(mcfg: M.ModelConfig, cfg) -> list[float]:
     return [per_param[name in frozen] for name in unit_names(mcfg)]
 
 
-def staging_bytes_per_rank(mcfg: M.ModelConfig, world: int, frozen: list | tuple = ()) -> int:
-    """--async_save's staging buffer on each rank, exactly (docs/planning.md: async_save)."""
+def staging_bytes_per_rank(mcfg: M.ModelConfig, world: int, frozen: list | tuple = (), later: bool = False) -> int:
+    """--async_save's staging buffer on each rank, exactly (docs/planning.md: async_save); `later`: what a save after
+    the first copies into it (not the frozen units', written once: disk.py)."""
     align = disk.STAGING_ALIGN_BYTES
     return sum(-(-size * (padded(n, world) // world) // align) * align
-               for name, n in zip(unit_names(mcfg), unit_numels(mcfg))
+               for name, n in zip(unit_names(mcfg), unit_numels(mcfg)) if not (later and name in frozen)
                for size in saved_bytes_per_element(name in frozen))
 
 
@@ -773,13 +774,17 @@ def prompt_sizes(cfg) -> tuple[int, int]:
 # Checkpoints, and the stop before a time limit
 # ----------------------------------------------------------------------------------------------
 
-def checkpoint_bytes_per_rank(mcfg: M.ModelConfig, world: int, frozen: list | tuple = ()) -> int:
-    """The file disk.save_checkpoint writes on each rank: every unit's saved shards (saved_bytes_per_element;
-    gradients are not saved) and the safetensors header (checkpoint_header_bytes_per_tensor each, a bound)."""
-    sizes = [(n, saved_bytes_per_element(name in frozen)) for name, n in zip(unit_names(mcfg), unit_numels(mcfg))]
+def checkpoint_bytes_per_rank(mcfg: M.ModelConfig, world: int, frozen: list | tuple = (), later: bool = False) -> int:
+    """What disk.save_checkpoint writes on each rank: every unit's saved shards (saved_bytes_per_element;
+    gradients are not saved) and the safetensors headers (checkpoint_header_bytes_per_tensor each, a bound). Frozen
+    units' go into a file of their own (the frozen set), which only the run's first save writes: a `later` save
+    writes the trained units' alone."""
+    sizes = [(n, saved_bytes_per_element(name in frozen)) for name, n in zip(unit_names(mcfg), unit_numels(mcfg))
+             if not (later and name in frozen)]
     data = sum(sum(per_element) * padded(n, world) // world for n, per_element in sizes)
     tensors = sum(len(per_element) for _, per_element in sizes)
-    return 8 + ASSUMPTIONS["checkpoint_header_bytes_per_tensor"] * tensors + data
+    files = 2 if frozen and not later else 1
+    return 8 * files + ASSUMPTIONS["checkpoint_header_bytes_per_tensor"] * tensors + data
 
 
 def save_stall_s(asynchronous: bool, every: int, step_time_s: float, save_s: float, copy_s: float) -> float:
@@ -796,16 +801,18 @@ def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: flo
     (docs/planning.md: stop_worst_case, stop_margin), rounded up to a minute for launch.sbatch's --signal=USR1@N.
     `sampling_s`: what --sample_prompts adds to each evaluation. Also the final export, outside the lead."""
     gpu, world = GPUS[cfg.gpu], cfg.nnodes * cfg.nproc_per_node
-    asynchronous = async_save_planned(mcfg, cfg)
-    ckpt_bytes = checkpoint_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg))
-    save_s = ckpt_bytes / (1e9 * cfg.fs_write_gbps)
-    load_s = save_s  # a restart reads back what a save wrote, at the same rate per rank
+    asynchronous, frozen = async_save_planned(mcfg, cfg), frozen_unit_names(mcfg, cfg)
+    # The run's first save writes the frozen units' set (--freeze) too: the worst case here (a stop before any save)
+    ckpt_bytes = checkpoint_bytes_per_rank(mcfg, world, frozen)
+    later_bytes = checkpoint_bytes_per_rank(mcfg, world, frozen, later=True)  # each save after it
+    save_s, later_save_s = ckpt_bytes / (1e9 * cfg.fs_write_gbps), later_bytes / (1e9 * cfg.fs_write_gbps)
+    load_s = save_s  # a restart reads back what a save wrote, at the same rate per rank: the frozen set too
     # An asynchronous save's copy into the staging buffer (docs/planning.md: async_save_copy): host to host with
     # --offload_optimizer (each byte read and written), else over PCIe
-    staging = staging_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg))
     host_gbps = host_gbps_per_gpu(gpu, cfg.nproc_per_node)
-    copy_s = (2 * staging / (1e9 * host_gbps) if cfg.offload_optimizer
-              else staging / (1e9 * min(gpu["pcie_gbps"], host_gbps)))
+    copy_gbps = host_gbps / 2 if cfg.offload_optimizer else min(gpu["pcie_gbps"], host_gbps)
+    copy_s = staging_bytes_per_rank(mcfg, world, frozen) / (1e9 * copy_gbps)
+    later_copy_s = staging_bytes_per_rank(mcfg, world, frozen, later=True) / (1e9 * copy_gbps)
     periodic_save_s = (save_stall_s(asynchronous, cfg.ckpt_every, step_time_s, save_s, copy_s)
                        if cfg.ckpt_every else 0.0)
     state_bytes = host_bytes_per_gpu(mcfg, cfg, world, asynchronous)["state"]  # the staging buffer: beside step 1
@@ -817,6 +824,8 @@ def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: flo
     lead_s = ASSUMPTIONS["stop_margin"] * (before_step_s + step_time_s + eval_s + save_s)
     export_bytes = COMPUTE_BYTES * M.count_params(mcfg)["total"]
     return dict(checkpoint_gb_per_rank=ckpt_bytes / 1e9, save_s=save_s, load_s=load_s, async_save=asynchronous,
+                later_checkpoint_gb_per_rank=later_bytes / 1e9, later_save_s=later_save_s,
+                later_save_copy_s=later_copy_s,
                 save_copy_s=copy_s, periodic_save_s=periodic_save_s, page_locking_s=page_locking_s,
                 restart_setup_s=restart_setup_s, restart_s=restart_s,
                 before_step_s=before_step_s, eval_s=eval_s, stop_lead_s=lead_s,
@@ -825,10 +834,11 @@ def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: flo
 
 
 def checkpoint_interval(cfg, step_time_s: float, save_s: float, restart_s: float, copy_s: float,
-                        asynchronous: bool) -> dict:
+                        asynchronous: bool, once_s: float = 0.0) -> dict:
     """What the saves at --ckpt_every cost, synchronous and asynchronous (save_stall_s; the run's last write is
     waited for), and the interval that balances them against the work a failure loses, for the mode the run
-    uses (docs/planning.md: checkpoint_interval)."""
+    uses (docs/planning.md: checkpoint_interval). `save_s`, `copy_s`: a save after the first; `once_s`: what the
+    first writes besides (the frozen units' set, --freeze), counted once as a stall."""
     steps = math.ceil(cfg.train_tokens / (cfg.batch_size * cfg.seq_len)) if cfg.train_tokens else cfg.steps
     train_s = steps * step_time_s
     mtbf_s = 3600 * cfg.mtbf_hours
@@ -846,9 +856,10 @@ def checkpoint_interval(cfg, step_time_s: float, save_s: float, restart_s: float
         return math.ceil(steps / interval) if steps else 0
 
     def stalled_s(interval: int, mode: bool) -> float:  # the last save's write waited for
+        once = once_s if saves(interval) else 0.0
         if not mode or not saves(interval):
-            return saves(interval) * save_s
-        return (saves(interval) - 1) * save_stall_s(True, interval, step_time_s, save_s, copy_s) + save_s
+            return saves(interval) * save_s + once
+        return (saves(interval) - 1) * save_stall_s(True, interval, step_time_s, save_s, copy_s) + save_s + once
 
     def fraction(mode: bool) -> float:  # of the run spent saving
         return stalled_s(every, mode) / (train_s + stalled_s(every, mode)) if train_s else 0.0
@@ -955,8 +966,8 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
         host_gib_per_gpu=host_gib_per_gpu, host_gib_by_part_per_gpu={k: v / GIB for k, v in host.items()},
         host_gib_per_node=host_gib_per_gpu * cfg.nproc_per_node, host_usable_gib_per_node=host_usable_gib_per_node(cfg),
         host_fits=fits_host, async_save_drop=async_save_drop_hint(mcfg, cfg), **sampling, **stop,
-        **checkpoint_interval(cfg, time["step_time_s"], stop["save_s"], stop["restart_s"], stop["save_copy_s"],
-                              stop["async_save"]),
+        **checkpoint_interval(cfg, time["step_time_s"], stop["later_save_s"], stop["restart_s"],
+                              stop["later_save_copy_s"], stop["async_save"], stop["save_s"] - stop["later_save_s"]),
         partial_checkpointing=partial_checkpointing(mcfg, cfg), assumptions=assumptions)
 
 
@@ -1211,16 +1222,23 @@ def checkpoint_lines(p: dict, cfg) -> list[str]:
             + (f" and {waits:.0f} s waiting for the write before it" if waits else ""))
     raised = (f", raised to the {p['write_steps']} steps a write takes: at most one save in flight"
               if p["suggested_ckpt_every"] > round(p["young_daly_ckpt_every"]) else "")
-    write_lost = f"the write's {p['save_s']:.0f} s (a snapshot counts once written) + " if p["async_save"] else ""
-    lines = [f"checkpoint (predicted): {p['checkpoint_gb_per_rank']:.1f} GB per rank, {p['save_s']:.0f} s to save or "
-             f"load at {cfg.fs_write_gbps:g} GB/s per rank (--fs_write_gbps; bench/checkpoint_io.py --out_dir measures "
-             f"yours) | a stop request needs {p['stop_lead_s']:.0f} s before a time limit ({before}, the step "
+    write_lost = f"the write's {p['later_save_s']:.0f} s (a snapshot counts once written) + " if p["async_save"] else ""
+    size = f"{p['checkpoint_gb_per_rank']:.1f} GB per rank, {p['save_s']:.0f} s to save or load"
+    once = ""
+    if p["later_save_s"] < p["save_s"]:  # --freeze: the frozen units' set is written by the first save alone
+        size = (f"the run's first save {p['checkpoint_gb_per_rank']:.1f} GB per rank with the frozen units' set "
+                f"(--freeze: written once), {p['save_s']:.0f} s to save or load; each later save "
+                f"{p['later_checkpoint_gb_per_rank']:.1f} GB, {p['later_save_s']:.0f} s")
+        once = f"; the first save's frozen set {p['save_s'] - p['later_save_s']:.0f} s more, once"
+    lines = [f"checkpoint (predicted): {size} at {cfg.fs_write_gbps:g} GB/s per rank (--fs_write_gbps; "
+             f"bench/checkpoint_io.py --out_dir measures yours) | a stop request needs {p['stop_lead_s']:.0f} s before "
+             f"a time limit ({before}, the step "
              f"{p['step_time_s']:.0f} s, {evaluation}{write}, x {ASSUMPTIONS['stop_margin']}): "
              f"#SBATCH --signal=USR1@{p['signal_lead_s']}",
              f"save stall per save (predicted): synchronous {p['sync_save_stall_s']:.0f} s (every GPU waiting for the "
              f"write), asynchronous {seconds(p['async_save_stall_s'])} s (the copy of "
-             f"{p['checkpoint_gb_per_rank']:.1f} GB to host memory{wait}; the write goes on in the background); this "
-             f"run's saves are {mode} (--async_save {cfg.async_save}) | {every}: {p['saves']:,} saves in "
+             f"{p['later_checkpoint_gb_per_rank']:.1f} GB to host memory{wait}; the write goes on in the background"
+             f"{once}); this run's saves are {mode} (--async_save {cfg.async_save}) | {every}: {p['saves']:,} saves in "
              f"{p['run_steps']:,} steps = {100 * p['save_fraction']:.2f}% of the run spent saving at "
              f"{cfg.fs_write_gbps:g} GB/s per rank (synchronous {100 * p['sync_save_fraction']:.2f}%, asynchronous "
              f"{100 * p['async_save_fraction']:.2f}%, the last save's write waited for)",

@@ -462,18 +462,21 @@ def run_plan(*flags):
 
 @pytest.mark.parametrize("freeze", ["", r"embed|layers\.0\."])
 def test_checkpoint_bytes_per_rank_are_what_the_trainer_writes(tmp_path, freeze):
-    # Rank 0's file at a W whose padding is not zero, written by the trainer's own save function; frozen units
-    # (--freeze) save their master shard alone.
+    # Rank 0's files at a W whose padding is not zero, written by the trainer's own save functions; frozen units
+    # (--freeze) save their master shard alone, into the frozen set, which only the first save writes.
     mcfg, world = M.PRESETS["tiny"](), 3
     units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, freeze=freeze)
     frozen = P.frozen_unit_names(mcfg, config(model="tiny", freeze=freeze))
     assert sorted(u.name for u in units if not u.trained) == sorted(frozen) and (frozen or not freeze)
-    tensors = [(f"{u.name}.{kind}", t) for u in units for kind, t in disk.saved_tensors(u)]
-    _, written = disk.write_safetensors_streaming(str(tmp_path / "rank0.safetensors"), tensors)
-    assert written == (tmp_path / "rank0.safetensors").stat().st_size
-    predicted = P.checkpoint_bytes_per_rank(mcfg, world, frozen)
-    header_bound = P.ASSUMPTIONS["checkpoint_header_bytes_per_tensor"] * len(tensors)
-    assert predicted - header_bound < written <= predicted  # the data exactly, the header within its bound
+    for later in (False, True):
+        own, frozen_set = disk.split_frozen(units, disk.rank_file_tensors(units), writes_frozen=not later)
+        os.makedirs(tmp_path / f"{later}" / disk.FROZEN_TMP)
+        report, _ = disk.write_rank_file(str(tmp_path / f"{later}"), own, 1, 0, world, frozen_set if frozen else None)
+        written = int(report[1] + report[35])
+        assert written == sum(f.stat().st_size for f in (tmp_path / f"{later}").rglob("*.safetensors"))
+        predicted = P.checkpoint_bytes_per_rank(mcfg, world, frozen, later)
+        header_bound = P.ASSUMPTIONS["checkpoint_header_bytes_per_tensor"] * len(own + (frozen_set or []))
+        assert predicted - header_bound < written <= predicted  # the data exactly, the headers within their bound
 
 
 def test_stop_lead_time_covers_a_save_the_step_an_evaluation_and_the_stops_save(tmp_path):
@@ -859,6 +862,36 @@ def test_frozen_units_are_planned():
     tail = P.memory_by_phase(mcfg, config(**flags, freeze=r"(lm_head|model\.norm|model\.layers\.31)\."), 8)
     assert tail["head backward"]["gradients"] == tail["block gradient sum"]["gradients"] == 0
     assert plain["head backward"]["gradients"] > 0 and plain["block gradient sum"]["gradients"] > 0
+
+
+def test_a_frozen_base_is_saved_by_the_first_save_alone():
+    # --freeze: the frozen units' master shards are written once a run (disk.py: the frozen set), by its first save,
+    # which a restart reads back; each later save writes the trained units' master, m and v alone (12 B per
+    # parameter / W). Llama-3-70B with its embedding and 78 of 80 blocks frozen, 16 GPUs, a save every 200 steps.
+    mcfg, flags = M.PRESETS["llama3-70b"](), dict(SYNC_70B, ckpt_every=200)
+    frozen_flags = dict(flags, freeze=r"model\.(embed_tokens|layers\.([0-9]|[1-6][0-9]|7[0-7]))\.")
+    p, base = predict(**frozen_flags), predict(**flags)
+    frozen = P.frozen_unit_names(mcfg, config(**frozen_flags))
+    shards = {name: P.padded(n, 16) // 16 for name, n in zip(P.unit_names(mcfg), P.unit_numels(mcfg))}
+    trained_bytes = 12 * sum(n for name, n in shards.items() if name not in frozen)
+    frozen_bytes = 4 * sum(n for name, n in shards.items() if name in frozen)
+    assert p["later_checkpoint_gb_per_rank"] == pytest.approx(trained_bytes / 1e9, rel=1e-6)  # 1.4 GB
+    assert p["checkpoint_gb_per_rank"] == pytest.approx((trained_bytes + frozen_bytes) / 1e9, rel=1e-6)  # 18.6 GB
+    assert p["later_save_s"] == pytest.approx(trained_bytes / 0.45e9, rel=1e-6)
+    assert p["save_s"] == p["load_s"] == pytest.approx((trained_bytes + frozen_bytes) / 0.45e9, rel=1e-6)
+    # Each periodic save stalls for a later save; the run spends the frozen set's write once beside them. The stop's
+    # lead still counts a first save: a stop before the run's first save writes the frozen set.
+    assert p["sync_save_stall_s"] == p["later_save_s"] and p["periodic_save_s"] == p["save_s"]
+    saving_s = p["saves"] * p["later_save_s"] + p["save_s"] - p["later_save_s"]
+    train_s = p["run_steps"] * p["step_time_s"]
+    assert p["sync_save_fraction"] == pytest.approx(saving_s / (train_s + saving_s))
+    text = P.table(p, config(**frozen_flags))
+    assert (f"checkpoint (predicted): the run's first save {p['checkpoint_gb_per_rank']:.1f} GB per rank with the "
+            f"frozen units' set (--freeze: written once), {p['save_s']:.0f} s to save or load; each later save "
+            f"{p['later_checkpoint_gb_per_rank']:.1f} GB, {p['later_save_s']:.0f} s at 0.45 GB/s per rank") in text
+    # Without --freeze every save writes everything, as before frozen sets.
+    assert base["later_save_s"] == base["save_s"] == base["sync_save_stall_s"]
+    assert "the run's first save" not in P.table(base, config(**flags))
 
 
 def test_an_optimizers_temporary_is_planned(monkeypatch):
