@@ -129,9 +129,15 @@ def read_metrics(out_dir: str) -> list[dict]:
 
 def stopped_at(out, into, step: int):
     """An --out_dir as a run stopped after `step` leaves it: `out`'s step-`step` checkpoint, named by `latest`,
-    and `out`'s metrics.jsonl lines up to that step (the same command resumes from there). Returns `into`."""
+    with the frozen set it names (--freeze), and `out`'s metrics.jsonl lines up to that step (the same command
+    resumes from there). Returns `into`."""
     name = f"step_{step:08d}"
     shutil.copytree(os.path.join(out, "checkpoints", name), os.path.join(into, "checkpoints", name))
+    with open(os.path.join(out, "checkpoints", name, "manifest.json")) as f:
+        frozen = json.load(f).get("frozen")
+    if frozen:
+        shutil.copytree(os.path.join(out, "checkpoints", frozen["folder"]),
+                        os.path.join(into, "checkpoints", frozen["folder"]))
     with open(os.path.join(into, "checkpoints", "latest"), "w") as f:
         f.write(name + "\n")
     with open(os.path.join(out, "metrics.jsonl")) as f, open(os.path.join(into, "metrics.jsonl"), "w") as kept:

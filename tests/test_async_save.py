@@ -183,20 +183,32 @@ def test_background_saves_of_offloaded_state_are_the_synchronous_saves(data, mai
     assert losses(runs["true"]) == losses(runs["false"])
 
 
-def test_background_saves_of_frozen_units_are_the_synchronous_saves(data, main_in_process, tmp_path):
-    """--freeze: a frozen unit's staged state is its master shard alone; and the manifest's per-unit step counts
-    are the snapshot's, not those of the later step at which the background save commits."""
+def test_background_saves_of_frozen_units_are_the_synchronous_saves(data, main_in_process, tmp_path, monkeypatch):
+    """--freeze: a frozen unit's staged state is its master shard alone, written by the run's first save into the
+    frozen set every checkpoint names (and not again after a resume that keeps --freeze and W); and the manifest's
+    per-unit step counts are the snapshot's, not those of the later step at which the background save commits."""
+    frozen_writes, write = [], disk.write_safetensors_streaming
+
+    def counting_write(path, *args, **kwargs):  # a frozen set's files, as a save writes them
+        if f"{os.sep}{disk.FROZEN_TMP}{os.sep}" in path:
+            frozen_writes.append(path)
+        return write(path, *args, **kwargs)
+    monkeypatch.setattr(disk, "write_safetensors_streaming", counting_write)
     runs = {}
     for mode in ("false", "true"):
         runs[mode] = tmp_path / mode
-        extra = ["--ckpt_every=1", "--keep_ckpts=10", "--steps=4", r"--freeze=embed_tokens|layers\.0\.",
-                 f"--async_save={mode}"]
-        assert main_in_process(args(data, runs[mode], *extra)) == 0
-    for step in range(1, 5):
+        extra = ["--ckpt_every=1", "--keep_ckpts=10", r"--freeze=embed_tokens|layers\.0\.", f"--async_save={mode}"]
+        assert main_in_process(args(data, runs[mode], *extra, "--steps=4")) == 0
+        assert main_in_process(args(data, runs[mode], *extra, "--steps=6")) == 0  # resumes at step 4
+    assert len(frozen_writes) == 2  # one set a run, at its first save
+    for step in range(1, 7):
         assert manifest(runs["true"], step)["files"] == manifest(runs["false"], step)["files"], step
         assert manifest(runs["true"], step)["units"] == manifest(runs["false"], step)["units"], step
+        assert manifest(runs["true"], step)["frozen"] == manifest(runs["false"], step)["frozen"], step
         assert manifest(runs["true"], step)["units"]["layers.1"]["optimizer_steps"] == step
-    assert manifest(runs["true"], 4)["units"]["embed"] == dict(manifest(runs["true"], 4)["units"]["embed"],
+    assert [n for n in os.listdir(runs["true"] / "checkpoints") if n.startswith("frozen-")] == [
+        manifest(runs["true"], 1)["frozen"]["folder"]]
+    assert manifest(runs["true"], 6)["units"]["embed"] == dict(manifest(runs["true"], 6)["units"]["embed"],
                                                                trained=False, optimizer_state=[], optimizer_steps=0)
     assert losses(runs["true"]) == losses(runs["false"])
 

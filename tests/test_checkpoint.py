@@ -13,7 +13,7 @@ from dataclasses import asdict, fields, replace
 
 import pytest
 import torch
-from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config
+from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config, stopped_at
 from ranks import config_and_data, run_ranks, sharded_model
 
 from components import disk  # noqa: E402
@@ -184,6 +184,91 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(three_checkpoints,
     assert f"checkpoint {newest}" in stderr and message in stderr, stderr[-3000:]
     assert "trying the previous checkpoint" in stderr
     assert resumed[0] == resumed[1] and resumed[0][0] == 4
+
+
+FREEZE = r"--freeze=embed_tokens|layers\."  # every block and the embedding frozen: the head alone trains
+
+
+@pytest.fixture(scope="module")
+def frozen_run(files, tmp_path_factory):
+    """A W=2 run with every unit but the head frozen, saving every 2 steps and keeping 2 checkpoints, exported."""
+    out = tmp_path_factory.mktemp("frozen")
+    run_train(args(files, out, FREEZE, "--ckpt_every=2", "--keep_ckpts=2", f"--export_hf={out / 'hf'}"), nproc=2)
+    return out
+
+
+def frozen_set_of(out) -> str:
+    (name,) = [n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("frozen-")]
+    return name
+
+
+def test_frozen_units_are_saved_once_and_resume_bit_for_bit(files, frozen_run, tmp_path):
+    """--freeze: the frozen units' master shards are written by the first save into a frozen-* folder, which
+    each later checkpoint names instead of holding them; retention keeps it while a kept checkpoint names it.
+    Resumed from step 4 (with that folder), the run is the uninterrupted one bit for bit, its step-6 state included."""
+    from safetensors import safe_open
+    root, the_set = frozen_run / "checkpoints", frozen_set_of(frozen_run)
+    assert ckpts(frozen_run) == ["step_00000004", "step_00000006"]  # step 2 wrote the set and is gone; the set stays
+    manifests = {step: json.load(open(root / f"step_{step:08d}" / "manifest.json")) for step in (4, 6)}
+    for step, manifest in manifests.items():
+        assert manifest["frozen"]["folder"] == the_set and manifest["frozen"] == manifests[6]["frozen"]
+        with safe_open(root / f"step_{step:08d}" / "rank00001-of-00002.safetensors", framework="pt") as f:
+            assert sorted(f.keys()) == ["head.exp_avg", "head.exp_avg_sq", "head.master_shard"]
+    with safe_open(root / the_set / "rank00001-of-00002.safetensors", framework="pt") as f:
+        assert sorted(f.keys()) == ["embed.master_shard", "layers.0.master_shard", "layers.1.master_shard"]
+    rank_bytes = sum(e["bytes"] for e in manifests[6]["files"].values())
+    frozen_bytes = sum(e["bytes"] for e in manifests[6]["frozen"]["files"].values())
+    assert rank_bytes < 0.6 * frozen_bytes  # 12 B x 3,136 head parameters vs 4 B x 18,592 frozen ones
+    resumed = stopped_at(frozen_run, tmp_path / "resumed", 4)
+    run_train(args(files, resumed, FREEZE, "--ckpt_every=2", "--keep_ckpts=2", f"--export_hf={resumed / 'hf'}"),
+              nproc=2)
+    same_losses(read_metrics(resumed), read_metrics(frozen_run))
+    a, b = exported(resumed / "hf"), exported(frozen_run / "hf")
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    again = json.load(open(resumed / "checkpoints" / "step_00000006" / "manifest.json"))
+    assert again["files"] == manifests[6]["files"] and again["frozen"] == manifests[6]["frozen"]
+    assert frozen_set_of(resumed) == the_set
+
+
+def test_a_damaged_or_missing_frozen_file_is_refused_naming_it(files, frozen_run, tmp_path, monkeypatch, capsys):
+    """Each checkpoint that names a damaged frozen set is passed by as a damaged rank file makes it, naming the
+    file; here both name it, so nothing is left to resume from. --init_from checks its files' sizes first."""
+    out = copy_of(frozen_run, tmp_path)
+    the_set, newest = frozen_set_of(out), out / "checkpoints" / "step_00000006"
+    flip_byte(out / "checkpoints" / the_set / "rank00001-of-00002.safetensors")
+    monkeypatch.setattr(disk, "group", None)  # each rank thread's own default group
+    resumed = resume_on_two_ranks(args(files, out, FREEZE, "--steps=7"))
+    stderr = capsys.readouterr().err
+    assert (f"checkpoint {newest}: ../{the_set}/rank00001-of-00002.safetensors does not match its SHA-256 (damaged)"
+            in stderr), stderr[-3000:]
+    assert f"not using {newest}; trying the previous checkpoint" in stderr
+    assert all(isinstance(e, disk.CheckpointError) and str(e).startswith("no intact checkpoint") for e in resumed)
+    os.remove(out / "checkpoints" / the_set / "rank00000-of-00002.safetensors")
+    with pytest.raises(disk.CheckpointError) as e:
+        disk.check_checkpoint_files(str(newest), "--init_from")
+    assert str(e.value) == f"--init_from: checkpoint {newest}: ../{the_set}/rank00000-of-00002.safetensors is missing"
+
+
+def test_a_frozen_sets_checkpoint_exports_at_another_world_size_as_the_format_before_it(frozen_run, tmp_path,
+                                                                                        main_in_process):
+    """--from_ckpt (the master shards alone, as --init_from reads a checkpoint) at W=1 reads each unit from the two
+    W=2 files that cover it, the frozen set's too: the export is the run's own. A checkpoint of the format before
+    frozen sets (every unit in the rank files, no "frozen") exports the same."""
+    from safetensors.torch import load_file, save_file
+    step6 = frozen_run / "checkpoints" / "step_00000006"
+    old = tmp_path / "old" / "checkpoints" / "step_00000006"
+    shutil.copytree(step6, old)
+    manifest = json.load(open(old / "manifest.json"))
+    the_set = step6.parent / manifest.pop("frozen")["folder"]
+    for fname in manifest["files"]:
+        save_file({**load_file(old / fname), **load_file(the_set / fname)}, old / fname)
+        manifest["files"][fname] = {"sha256": disk.sha256_file(old / fname), "bytes": os.path.getsize(old / fname)}
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    for name, checkpoint in (("new", step6), ("old", old)):
+        assert main_in_process(["--dtype=float32", f"--from_ckpt={checkpoint}", f"--export_hf={tmp_path / name}-hf",
+                                f"--out_dir={tmp_path / name}-convert"]) == 0
+        a, b = exported(f"{tmp_path / name}-hf"), exported(frozen_run / "hf")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b), name
 
 
 class Planted:

@@ -350,6 +350,9 @@ MANIFEST_EDITS = {  # what is changed, and the line that names it
     "a file outside": (lambda m: m.update(files={"../rank00000-of-00001.safetensors": {}}),
                        "files is ['../rank00000-of-00001.safetensors'], expected the 1 files "
                        "rank00000-of-00001.safetensors to rank00000-of-00001.safetensors"),
+    "a frozen set outside": (lambda m: m.update(frozen={"folder": "../elsewhere", "files": {}}),
+                             "frozen is {'folder': '../elsewhere', 'files': {}}, expected {\"folder\": "
+                             "\"frozen-<hex digits>\", \"files\": the 1 rank files}"),
     "bytes negative": (lambda m: m["files"]["rank00000-of-00001.safetensors"].update(bytes=-1),
                        "files.rank00000-of-00001.safetensors is {'sha256': '{sha}', 'bytes': -1}, expected "
                        "{\"sha256\": \"...\", \"bytes\": a whole number}"),

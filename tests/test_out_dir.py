@@ -119,6 +119,24 @@ def test_a_retention_error_is_a_warning(tmp_path, monkeypatch, capsys):
     assert "warning: retention could not delete" in err and "step_00000001" in err, err
 
 
+def test_retention_deletes_a_frozen_set_once_no_checkpoint_left_names_it(tmp_path):
+    """--freeze's frozen sets (disk.py): one a kept checkpoint names stays; one named only by deleted checkpoints,
+    or by none (a save that stopped before its commit), goes; a manifest that cannot be read may name any: all stay."""
+    for step, frozen in ((1, "frozen-a"), (2, "frozen-b"), (3, "frozen-b"), (4, None)):
+        os.makedirs(tmp_path / f"step_{step:08d}")
+        (tmp_path / f"step_{step:08d}" / "manifest.json").write_text(
+            json.dumps({"format": disk.CKPT_FORMAT, **({"frozen": {"folder": frozen}} if frozen else {})}))
+    for name in ("frozen-a", "frozen-b", "frozen-c", "step_00000005"):  # step 5: an unfinished save
+        os.makedirs(tmp_path / name)
+    disk.remove_old_checkpoints(str(tmp_path), 3, str(tmp_path / "step_00000004"))
+    assert sorted(os.listdir(tmp_path)) == ["frozen-b", "step_00000002", "step_00000003", "step_00000004",
+                                            "step_00000005"]
+    (tmp_path / "step_00000003" / "manifest.json").write_text("{")
+    os.makedirs(tmp_path / "frozen-d")
+    disk.remove_old_checkpoints(str(tmp_path), 3, str(tmp_path / "step_00000004"))
+    assert "frozen-d" in os.listdir(tmp_path)
+
+
 def test_latest_is_where_resume_starts(files, finished, tmp_path):
     cmd = copy_of_finished(finished, files, tmp_path)
     first = read_metrics(tmp_path)
