@@ -55,11 +55,17 @@ def ours_from_hf(cfg: M.ModelConfig, ref) -> M.Llama:
     return ours
 
 
-def learnable_tokens(path: str, vocab_size: int, n: int = 4000, seed: int = 0) -> str:
+def learnable_tokens(path: str, vocab_size: int, n: int = 4000, seed: int = 0, eos_id: int | None = None) -> str:
     """A .npy token file a small model learns quickly (a walk through the vocabulary with random steps
-    of 1-3), so a few steps move the loss enough for comparisons to mean something."""
+    of 1-3), so a few steps move the loss enough for comparisons to mean something. The walk passes any one id
+    every ~vocab_size tokens; with `eos_id`, a document also ends every 24-72 tokens whatever the vocabulary,
+    so windows pack several documents (--doc_mask's oracle) for a fork's larger vocabulary too."""
     rng = np.random.default_rng(seed)
-    np.save(path, (np.cumsum(rng.integers(1, 4, size=n)) % vocab_size).astype(np.uint16))
+    tokens = np.cumsum(rng.integers(1, 4, size=n)) % vocab_size
+    if eos_id is not None:
+        ends = np.cumsum(rng.integers(24, 73, size=n // 24))
+        tokens[ends[ends < n]] = eos_id
+    np.save(path, tokens.astype(np.uint16))
     return path
 
 

@@ -95,7 +95,7 @@ def reference_run(init_dir, data_path, doc_mask: bool, optimizer: str = "adamw",
 def family_setup(root, cfg: M.ModelConfig):
     """A folder of `cfg`'s family as transformers saves it, tokens and the oracle's run on them."""
     init_dir = save_hf(hf_model(cfg, seed=5), str(root / "init"))
-    data_path = learnable_tokens(str(root / "tokens.npy"), cfg.vocab_size, n=3000)
+    data_path = learnable_tokens(str(root / "tokens.npy"), cfg.vocab_size, n=3000, eos_id=cfg.eos_id)
     return root, init_dir, data_path, reference_run(init_dir, data_path, doc_mask=True)
 
 
@@ -379,14 +379,16 @@ def with_adapters(weights: dict):
 
 
 def checkpoint_weights(ckpt: str, units: list) -> dict:
-    """Hugging Face name -> fp32 master weight, read from the rank files of a checkpoint saved at any W, laid out as
-    `units` (one process's Units of the same model) lay them out."""
+    """Hugging Face name -> fp32 master weight, read from the rank files of a checkpoint saved at any W (a frozen
+    unit's from the frozen set it names: disk.unit_file), laid out as `units` (one process's Units of the same
+    model) lay them out."""
     from safetensors.torch import load_file
-    world = json.load(open(os.path.join(ckpt, "manifest.json")))["world_size"]
-    files = [load_file(os.path.join(ckpt, disk.rank_file(r, world))) for r in range(world)]
+    manifest = json.load(open(os.path.join(ckpt, "manifest.json")))
+    files = functools.cache(lambda fname: load_file(os.path.join(ckpt, fname)))
     state = {}
     for unit in units:
-        flat = torch.cat([f[f"{unit.name}.master_shard"] for f in files])
+        flat = torch.cat([files(disk.unit_file(manifest, unit.name, disk.rank_file(r, manifest["world_size"]))[0])
+                          [f"{unit.name}.master_shard"] for r in range(manifest["world_size"])])
         state |= {M.hf_name(s.name): flat[s.offset:s.offset + math.prod(s.shape)].view(s.shape) for s in unit.slots}
     return state
 
@@ -394,8 +396,9 @@ def checkpoint_weights(ckpt: str, units: list) -> dict:
 BASE = r"layers\.\d+\.(?!lora)|norm|lm_head"  # the blocks (not their adapters) and the head: all but the embedding
 
 
-def test_a_phase_that_adds_an_adapter_unit_takes_the_checkpoint_and_trains_as_its_oracle(llama_setup, monkeypatch):
-    """A plain run at W=2 with the embedding frozen saves a checkpoint; a new phase from it (--init_from) in a fork
+def test_a_phase_that_adds_an_adapter_unit_takes_the_checkpoint_and_trains_as_its_oracle(llama_setup, monkeypatch,
+                                                                                       main_in_process):
+    """A plain run at W=1 (in this process) with the embedding frozen saves a checkpoint; a new phase from it (--init_from) in a fork
     that adds an adapter unit to each block (tests/dist_worker.py, LoraBlock) trains the embedding and the adapters
     with the rest frozen: --freeze changed both ways (the embedding's optimizer state was never saved). One line
     names the units taken and new; at W=2 it trains as the oracle does from the exported checkpoint with the adapters
@@ -406,9 +409,9 @@ def test_a_phase_that_adds_an_adapter_unit_takes_the_checkpoint_and_trains_as_it
     from dist_worker import BLOCK_UNITS, LoraBlock, lora_units
     root, init_dir, data_path, _ = llama_setup
     plain, phase = root / "phase-plain", str(root / "phase-lora")
-    run_train([f"--{k}={v}" for k, v in ARGS.items()] + [
+    assert main_in_process([f"--{k}={v}" for k, v in ARGS.items()] + [
         f"--init_from={init_dir}", f"--data={data_path}", "--micro_batch_size=2", "--steps=1", "--freeze=embed_tokens",
-        f"--out_dir={plain}", f"--export_hf={plain / 'hf'}"], nproc=2)
+        f"--out_dir={plain}", f"--export_hf={plain / 'hf'}"]) == 0
     ckpt = str(plain / "checkpoints" / "step_00000001")
     args = [f"--{k}={v}" for k, v in ARGS.items()] + [f"--init_from={ckpt}", f"--data={data_path}",
                                                       "--micro_batch_size=2", f"--freeze={BASE}", f"--out_dir={phase}"]
@@ -453,6 +456,8 @@ def test_a_phase_that_adds_an_adapter_unit_takes_the_checkpoint_and_trains_as_it
         [f"--init_from: checkpoint {os.path.join(phase, 'checkpoints', f'step_{STEPS:08d}')} holds unit(s) "
          f"layers.0-1.lora, which this model does not have: their trained weights would be dropped; run the code "
          f"(the fork) that saved them"])
+
+
 FREEZE_THEN, FREEZE_NOW = r"embed_tokens|layers\.0\.", "embed_tokens"  # progressive unfreezing: block 0 from step 3
 LR_MULT = r"lm_head=0.5,layers\.1\.mlp=2"  # the second splits block 1: factors work element by element
 
