@@ -245,7 +245,8 @@ def test_a_damaged_or_missing_frozen_file_is_refused_naming_it(files, frozen_run
     assert all(isinstance(e, disk.CheckpointError) and str(e).startswith("no intact checkpoint") for e in resumed)
     os.remove(out / "checkpoints" / the_set / "rank00000-of-00002.safetensors")
     with pytest.raises(disk.CheckpointError) as e:
-        disk.check_checkpoint_files(str(newest), "--init_from")
+        disk.check_checkpoint_files(str(newest), "--init_from", {name: unit["numel"] for name, unit in json.load(
+            open(newest / "manifest.json"))["units"].items()})  # this model's units: the checkpoint's
     assert str(e.value) == f"--init_from: checkpoint {newest}: ../{the_set}/rank00000-of-00002.safetensors is missing"
 
 
