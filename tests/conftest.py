@@ -49,8 +49,8 @@ def main_in_process(monkeypatch):
 
 
 # The SLURM tier (tests/test_slurm.py, marker `slurm`): launch.sbatch under a real slurmctld, two slurmd and
-# munge on this machine. It runs on its own, after the main suite (`.ci/run`), so the README's command stays
-# within its time and never needs SLURM; it is skipped with one line that says how to run it.
+# munge on this machine. It is a pytest run of its own (`.ci/run` starts it beside the main suite: it mostly waits
+# on SLURM's time limits), so the README's command never needs SLURM; it skips the tier with one line saying how.
 SLURM_TIER = "python -m pytest -q -m slurm tests"
 
 
@@ -86,7 +86,7 @@ def pytest_collection_modifyitems(config, items):
     if not tier:
         return
     if "slurm" not in expression or "not slurm" in expression:
-        reason = f"the SLURM tier runs on its own, after the main suite: {SLURM_TIER} (bash .ci/run does)"
+        reason = f"the SLURM tier is a run of its own: {SLURM_TIER} (bash .ci/run runs it beside the main suite)"
     else:
         reason = slurm_missing()
     for item in tier if reason else []:

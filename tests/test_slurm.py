@@ -1,7 +1,7 @@
 """launch.sbatch under a real SLURM: munge, slurmctld and two slurmd (nodes n1 and n2) on this machine, and
 a copy of launch.sbatch whose training is a small CPU run (one process per node, as tests/test_launch.py runs
-launch.sh). The tier runs on its own, after the main suite: `python -m pytest -q -m slurm tests` (as root,
-with slurm-wlm and munge installed; `bash .ci/run` installs them). Without them it is skipped.
+launch.sh). The tier is a pytest run of its own: `python -m pytest -q -m slurm tests` (as root, with slurm-wlm
+and munge installed; `bash .ci/run` installs them and runs it beside the main suite). Without them it is skipped.
 
 The jobs are submitted together at the start and run side by side (each node has 4 CPUs to SLURM, each job
 asks 1 per node), so the tier takes about as long as its longest job: a 2-minute allocation that ends at its
