@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from components import disk  # noqa: E402
 from components import plan  # noqa: E402
 import train as T  # noqa: E402
-from common import with_built_sample  # noqa: E402
+from common import run_train, with_built_sample  # noqa: E402
 
 plan.use_trainer(T)  # the planner runs train.py's blocks, Unit and optimizer: handed over, as train.main does
 
@@ -47,6 +47,18 @@ def main_in_process(monkeypatch):
         disk.out_dir_lock.close()
     disk.out_dir_lock = disk.out_dir_claim = None
 
+
+
+@pytest.fixture
+def train_at(main_in_process, capfd):
+    """train.py at `world` ranks: (its exit code, its stderr). One rank runs train.main in this process (no python
+    start-up: main_in_process), more under torchrun (run_train), where the processes are what is tested."""
+    def run(args, world=1, timeout=600):
+        if world > 1:
+            proc = run_train(args, nproc=world, check=False, timeout=timeout)
+            return proc.returncode, proc.stderr
+        return main_in_process(args), capfd.readouterr().err
+    return run
 
 # The SLURM tier (tests/test_slurm.py, marker `slurm`): launch.sbatch under a real slurmctld, two slurmd and
 # munge on this machine. It is a pytest run of its own (`.ci/run` starts it beside the main suite: it mostly waits

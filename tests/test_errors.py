@@ -38,15 +38,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("flags,message", CASES, ids=[c[0][0].split("=")[0] for c in CASES])
-def test_bad_flags(tmp_path, flags, message, main_in_process, capfd):
+def test_bad_flags(tmp_path, flags, message, train_at):
     """One rank in this process (W=2 only where the line names W: each rank checks the flags itself before any
     collective, the same code at any W; launch and torchrun are tested elsewhere)."""
     out = [] if any(f.startswith("--out_dir") for f in flags) else [f"--out_dir={tmp_path}"]
-    if "world size" in message:
-        proc = run_train(flags + out, nproc=2, check=False, timeout=120)
-        code, stderr = proc.returncode, proc.stderr
-    else:
-        code, stderr = main_in_process(flags + out), capfd.readouterr().err
+    code, stderr = train_at(flags + out, 2 if "world size" in message else 1, timeout=120)
     assert code != 0
     # torchrun stops the other rank as soon as one exits, so one or two ranks get to print -- the same line.
     lines = [line for line in stderr.splitlines() if line.startswith("error:")]
@@ -55,23 +51,23 @@ def test_bad_flags(tmp_path, flags, message, main_in_process, capfd):
 
 
 # A token file train.py cannot use: one rank in this process (test_bad_flags says why).
-def test_token_beyond_vocabulary(tmp_path, tokens, main_in_process, capfd):
+def test_token_beyond_vocabulary(tmp_path, tokens, train_at):
     path = tokens(np.r_[np.zeros(100, np.int32), 700, np.zeros(100, np.int32)])
-    assert main_in_process([f"--data={path}", f"--out_dir={tmp_path}"]) != 0
-    assert (f"--data: {path} has token id 700 at position 100, outside the model's vocabulary [0, 512)"
-            in capfd.readouterr().err)
+    code, stderr = train_at([f"--data={path}", f"--out_dir={tmp_path}"])
+    assert code != 0
+    assert f"--data: {path} has token id 700 at position 100, outside the model's vocabulary [0, 512)" in stderr
 
 
-def test_data_shorter_than_one_window(tmp_path, tokens, main_in_process, capfd):
+def test_data_shorter_than_one_window(tmp_path, tokens, train_at):
     path = tokens(np.arange(10, dtype=np.uint16))
-    assert main_in_process([f"--data={path}", "--seq_len=16", f"--out_dir={tmp_path}"]) != 0
-    assert "has 10 tokens; at least seq_len + 1 = 17 are needed" in capfd.readouterr().err
+    code, stderr = train_at([f"--data={path}", "--seq_len=16", f"--out_dir={tmp_path}"])
+    assert code != 0 and "has 10 tokens; at least seq_len + 1 = 17 are needed" in stderr
 
 
-def test_not_a_token_array(tmp_path, tokens, main_in_process, capfd):
+def test_not_a_token_array(tmp_path, tokens, train_at):
     path = tokens(np.zeros((4, 4), np.float32))
-    assert main_in_process([f"--data={path}", f"--out_dir={tmp_path}"]) != 0
-    assert "must be a 1-D integer array" in capfd.readouterr().err
+    code, stderr = train_at([f"--data={path}", f"--out_dir={tmp_path}"])
+    assert code != 0 and "must be a 1-D integer array" in stderr
 
 
 # -- the command line, as a newcomer meets it (in-process: train.parse_args, checks.config_warnings) ------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common import hf_model, run_train, save_hf, small_config
+from common import hf_model, save_hf, small_config
 
 from components import disk
 import model as M
@@ -89,17 +89,13 @@ CASES = [  # (id, which folder, edit, what the one line says)
 
 
 @pytest.mark.parametrize("which,edit,message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_refused_with_one_line(tmp_path, llama_folders, which, edit, message, main_in_process, capfd):
+def test_refused_with_one_line(tmp_path, llama_folders, which, edit, message, train_at):
     """Every rank checks before any process group exists, the same code at any W: one case runs two ranks under
     torchrun, the others one rank in this process."""
     folder = shutil.copytree(llama_folders[which], tmp_path / "model")
     edit(str(folder))
     flags = [f"--init_from={folder}", "--steps=0", f"--out_dir={tmp_path / 'out'}"]
-    if edit is qwen2:
-        proc = run_train(flags, nproc=2, check=False, timeout=180)
-        code, stderr = proc.returncode, proc.stderr
-    else:
-        code, stderr = main_in_process(flags), capfd.readouterr().err
+    code, stderr = train_at(flags, 2 if edit is qwen2 else 1, timeout=180)
     assert code != 0, "a folder that is not a plain Llama was loaded as one"
     # torchrun stops the other rank as soon as one exits: one or two lines.
     lines = [line for line in stderr.splitlines() if line.startswith("error:")]

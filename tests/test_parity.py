@@ -140,14 +140,6 @@ def check_weights(state: dict, reference: Reference, floor: float = 1e-4):
             assert rel < 2 * own, (name, rel, own)
 
 
-def train(args: list[str], world: int, main_in_process):
-    """train.py at `world` ranks: one in this process (train.main: a start-up less), more under torchrun."""
-    if world == 1:
-        assert main_in_process(args) == 0
-    else:
-        run_train(args, nproc=world)
-
-
 # Each world size also runs one option that must not change the arithmetic: cross-entropy in chunks that do
 # not divide the micro-batch, selective checkpointing, no prefetch. One launch each, as each costs seconds.
 @pytest.mark.parametrize("world,micro,flags", [pytest.param(1, 2, ["--ac=none"], marks=pytest.mark.fork),
@@ -155,12 +147,13 @@ def train(args: list[str], world: int, main_in_process):
                                                (3, 1, ["--ce_chunk=5", "--ac=none"]),
                                                (4, 1, ["--ac=selective", "--ce_chunk=7", "--prefetch=false"])],
                          ids=["w1", "w2", "w3-chunked-ce", "w4-selective-noprefetch"])
-def test_training_matches_hf(setup, world, micro, flags, main_in_process):
+def test_training_matches_hf(setup, world, micro, flags, train_at):
     root, init_dir, data_path, reference = setup
     out = str(root / f"w{world}")
     args = [f"--{k}={v}" for k, v in ARGS.items()]
-    train(args + [f"--init_from={init_dir}", f"--data={data_path}", f"--micro_batch_size={micro}",
-                  f"--out_dir={out}", f"--export_hf={out}/hf", *flags], world, main_in_process)
+    code, stderr = train_at(args + [f"--init_from={init_dir}", f"--data={data_path}", f"--micro_batch_size={micro}",
+                                    f"--out_dir={out}", f"--export_hf={out}/hf", *flags], world)
+    assert code == 0, stderr[-6000:]
     check_against_reference(out, reference)
 
 
@@ -184,15 +177,16 @@ FAMILIES = ["llama", "qwen3", "olmo2"]  # each with its NAME_setup fixture: the 
 @pytest.mark.fork
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("family", FAMILIES[1:])  # Llama's: test_training_matches_hf
-def test_each_family_trains_as_its_oracle(family, world, request, main_in_process):
+def test_each_family_trains_as_its_oracle(family, world, request, train_at):
     """The same tolerances as Llama's; the export is a folder of the family that from_pretrained loads with exactly
     the oracle's tensors (check_against_reference: the same names, the same values) and the config the run started
     from (Qwen3's head_dim 12 included)."""
     root, init_dir, data_path, reference = request.getfixturevalue(f"{family}_setup")
     out = str(root / f"w{world}")
     args = [f"--{k}={v}" for k, v in ARGS.items()]
-    train(args + [f"--init_from={init_dir}", f"--data={data_path}", "--micro_batch_size=2", "--ac=selective",
-                  f"--out_dir={out}", f"--export_hf={out}/hf"], world, main_in_process)
+    code, stderr = train_at(args + [f"--init_from={init_dir}", f"--data={data_path}", "--micro_batch_size=2",
+                                    "--ac=selective", f"--out_dir={out}", f"--export_hf={out}/hf"], world)
+    assert code == 0, stderr[-6000:]
     check_against_reference(out, reference)
     with open(os.path.join(out, "hf", "config.json")) as f, open(os.path.join(init_dir, "config.json")) as g:
         exported, started = json.load(f), json.load(g)
