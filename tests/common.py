@@ -6,12 +6,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 
 import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DIST_WORKER = os.path.join(ROOT, "tests", "dist_worker.py")  # train.py's pieces under a test's own loop (run_script)
 sys.path.insert(0, ROOT)
 
 from components import disk  # noqa: E402
@@ -114,18 +116,57 @@ def with_built_sample(args: list[str]):
                 f.write(text.replace(json.dumps(SAMPLE[0])[1:-1], json.dumps(target)[1:-1]))
 
 
+WARM = []  # the session's warm_start process, started by the first run_script
+WARM_LOCK = threading.Lock()
+
+
 def run_train(args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 600, check=True):
-    """Runs train.py under torchrun (gloo, CPU) and returns the CompletedProcess. One rank runs as plain
-    `python train.py` (a one-process group, as processes.init_processes makes it): torchrun would add ~2 s of
-    start-up and nothing a one-rank run tests; launch.sh and the W >= 2 tests cover torchrun."""
+    """Runs train.py at `nproc` ranks (gloo, CPU) as run_script does and returns its CompletedProcess. One rank is
+    plain `python train.py` (a one-process group, as processes.init_processes makes it)."""
     with_built_sample(args)
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
-    cmd = [sys.executable, *launcher, os.path.join(ROOT, "train.py"), *args]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    proc = run_script(os.path.join(ROOT, "train.py"), args, nproc, env, timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_script(script: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 600):
+    """`python script *args`, or `torchrun --standalone --nproc_per_node=nproc script *args` when nproc > 1, with
+    OMP_NUM_THREADS=1 and `env`, from the repository: its CompletedProcess, with `first_failure` ({"rank",
+    "exit_code"}: what torchrun's summary calls the root cause) when a rank failed; TimeoutExpired past `timeout`.
+    Its processes are forked from a python that has imported train.py's modules once (tests/warm_start.py): the
+    ~3 s of imports each python start-up spends is most of a small run. Real torchrun and launch.sh are what
+    test_launch, test_faults and the SLURM tier start."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [sys.executable, script, *args]
+    with tempfile.TemporaryDirectory(prefix="zero3_run_") as folder:
+        files = {name: os.path.join(folder, name) for name in ("stdout", "stderr", "report")}
+        returncode = warm_run(dict(script=script, args=args, nproc=nproc, env=full_env, cwd=ROOT, **files), timeout)
+        with open(files["stdout"]) as out, open(files["stderr"]) as err:
+            proc = subprocess.CompletedProcess(cmd, returncode, out.read(), err.read())
+        proc.first_failure = None
+        if os.path.exists(files["report"]):
+            with open(files["report"]) as f:
+                proc.first_failure = json.load(f)
+    if returncode is None:
+        raise subprocess.TimeoutExpired(cmd, timeout, proc.stdout, proc.stderr)
+    return proc
+
+
+def warm_run(request: dict, timeout: float) -> int | None:
+    """One run in the warm process: its exit code, or None when it ran past `timeout` (its processes killed). One
+    run at a time: a second thread's run waits for the first to end."""
+    with WARM_LOCK:
+        if not WARM or WARM[0].poll() is not None:
+            WARM[:] = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "warm_start.py")], text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT,
+                                        env=dict(os.environ, OMP_NUM_THREADS="1"))]
+        WARM[0].stdin.write(json.dumps(dict(request, timeout=timeout)) + "\n")
+        WARM[0].stdin.flush()
+        reply = WARM[0].stdout.readline()
+    if not reply:
+        raise RuntimeError(f"tests/warm_start.py ended (exit code {WARM[0].wait()}) before it ran train.py")
+    return json.loads(reply)["returncode"]
 
 
 def read_metrics(out_dir: str) -> list[dict]:

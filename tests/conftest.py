@@ -52,7 +52,8 @@ def main_in_process(monkeypatch):
 @pytest.fixture
 def train_at(main_in_process, capfd):
     """train.py at `world` ranks: (its exit code, its stderr). One rank runs train.main in this process (no python
-    start-up: main_in_process), more under torchrun (run_train), where the processes are what is tested."""
+    start-up: main_in_process), more as processes (run_train: forked as torchrun would start them), where the
+    processes are what is tested."""
     def run(args, world=1, timeout=600):
         if world > 1:
             proc = run_train(args, nproc=world, check=False, timeout=timeout)

@@ -7,13 +7,11 @@ two runs under torchrun show the whole path, each rank patched to see its own ma
 facts): a refusal before step 1 on every rank, and a resume where rank 1's view of the out_dir is stale."""
 import errno
 import json
-import os
 import shutil
 import subprocess
-import sys
 
 import pytest
-from common import ROOT, model_and_tokens, read_metrics, run_train, stopped_at
+from common import DIST_WORKER, model_and_tokens, read_metrics, run_script, run_train, stopped_at
 from ranks import run_ranks
 
 from components import agree  # noqa: E402
@@ -303,10 +301,8 @@ FLAGS = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=floa
 
 
 def run_facts(flags, out_dir, rank_facts: dict, **env) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "tests", "dist_worker.py"), "facts", str(out_dir), *flags, f"--out_dir={out_dir}"]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", ZERO3_TEST_FACTS=json.dumps(rank_facts), **env))
+    return run_script(DIST_WORKER, ["facts", str(out_dir), *flags, f"--out_dir={out_dir}"], nproc=2, timeout=240,
+                      env=dict(ZERO3_TEST_FACTS=json.dumps(rank_facts), **env))
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +323,7 @@ def test_what_one_node_sees_differently_is_said_on_every_rank_before_step_1(file
                   "error: rank 1 (node1): the hostname node1 resolves to 127.0.1.1, a loopback address"):
         assert sum(line.startswith(start) for line in lines) == 2, (start, proc.stderr[-3000:])  # each rank's
     assert "step 1" not in proc.stdout and "resumed" not in proc.stdout
-    assert "exitcode  : 2" in proc.stderr  # torchrun's summary: the refusal's code
+    assert proc.first_failure["exit_code"] == 2  # the refusal's code, as torchrun's summary would show it
 
 
 def test_a_rank_with_a_stale_view_of_the_out_dir_resumes_with_the_others_and_the_settings_are_launch_shs(files, tmp_path):
@@ -395,4 +391,4 @@ def test_before_step_1_the_fabric_and_the_memory_outside_the_allocator_are_measu
     assert len(lines) == 2 and lines[0] == lines[1], proc.stderr[-3000:]  # said on each rank
     assert "its GPU holds outside it (CUDA context, NCCL, other processes: measured after set-up), needs " in lines[0]
     assert lines[0].endswith("; no configuration --plan tries fits at that figure"), lines[0]
-    assert "step 1" not in proc.stdout and "exitcode  : 2" in proc.stderr
+    assert "step 1" not in proc.stdout and proc.first_failure["exit_code"] == 2

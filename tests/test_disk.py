@@ -8,14 +8,12 @@ import json
 import errno
 import os
 import socket
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from common import ROOT, learnable_tokens, read_metrics, small_config
+from common import ROOT, learnable_tokens, read_metrics, run_script, small_config
 
 from components import disk
 from components import checks
@@ -297,10 +295,10 @@ def test_a_network_error_while_starting_exits_1_for_torchrun_to_retry(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     fatal = tmp_path / "fatal"
-    env = dict(os.environ, RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               ZERO3_FATAL_FILE=str(fatal), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--steps=0", "--timeout_min=0.02",
-                           f"--out_dir={tmp_path / 'out'}"], env=env, capture_output=True, text=True, timeout=120)
+    env = dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               ZERO3_FATAL_FILE=str(fatal))
+    proc = run_script(os.path.join(ROOT, "train.py"), ["--steps=0", "--timeout_min=0.02", f"--out_dir={tmp_path / 'out'}"],
+                      env=env, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert ours == [f"error: DistNetworkError while starting: The client socket has timed out after 1200ms while "

@@ -6,7 +6,6 @@ Run as a script under torchrun by the test (one JSON file per rank):
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -18,6 +17,7 @@ from torch.utils._pytree import tree_leaves
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import run_script  # noqa: E402
 
 # The moments the hook holds the most: right after the cast, and as it allocates the reduce-scatter's output.
 HOOK_MOMENTS = {torch.ops.aten._to_copy.default, torch.ops.aten.empty.memory_format}
@@ -82,9 +82,7 @@ def test_gradients_alive_in_the_reduce_hook_are_what_the_planner_counts(tmp_path
     flags = ["--model=tiny", f"--data={tmp_path / 'tok.npy'}", "--seq_len=16", "--batch_size=4",
              "--micro_batch_size=1", "--ac=none", "--eval_every=0", f"--dtype={dtype}",
              f"--reduce_dtype={reduce_dtype}", f"--out_dir={tmp_path}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.abspath(__file__), str(tmp_path), *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run_script(os.path.abspath(__file__), [str(tmp_path), *flags], nproc=2)
     assert proc.returncode == 0, proc.stderr[-5000:]
     compute_bytes, reduce_bytes = (getattr(torch, d).itemsize for d in (dtype, reduce_dtype))
     for rank in range(2):

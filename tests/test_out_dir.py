@@ -216,17 +216,13 @@ def file_times(root) -> dict:
 
 def test_rerunning_a_finished_run_says_so_and_touches_nothing(files, tmp_path):
     """launch.sh again, or a requeued job, after the last step: one line, exit 0, and no step, save, metrics
-    line or export over the first one. One process (python train.py), the cheapest run there is. The first
+    line or export over the first one. One process (`python train.py`), the cheapest run there is. The first
     run's --warmup_steps is above --steps: rank 0 warns, once."""
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *BASE, *files, "--steps=2", "--warmup_steps=20",
-           f"--out_dir={tmp_path}", f"--export_hf={tmp_path / 'hf'}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert first.returncode == 0, first.stderr[-3000:]
+    cmd = [*BASE, *files, "--steps=2", "--warmup_steps=20", f"--out_dir={tmp_path}", f"--export_hf={tmp_path / 'hf'}"]
+    first = run_train(cmd, timeout=300)
     assert first.stderr.count("warning: --warmup_steps 20 is not below --steps 2: the whole run is warmup") == 1
     before = file_times(tmp_path)
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert again.returncode == 0, again.stderr[-3000:]
+    again = run_train(cmd, timeout=300)
     assert again.stdout.splitlines() == [f"already at step 2 of 2 ({tmp_path / 'checkpoints' / 'step_00000002'}); "
                                          f"raise --steps to continue"]
     assert file_times(tmp_path) == before

@@ -8,14 +8,12 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 from typing import Callable, NamedTuple
 
 import pytest
 import torch
 import torch.nn.functional as F
-from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config, stopped_at
+from common import DIST_WORKER, hf_model, learnable_tokens, read_metrics, run_script, run_train, save_hf, small_config, stopped_at
 
 import data as D
 import model as M
@@ -291,10 +289,8 @@ def test_a_second_optimizer_swapped_in_one_place_trains_like_torch(tmp_path):
     reference = reference_run(init_dir, data_path, doc_mask=True, optimizer="sgd", args=sgd_args)
     out = str(tmp_path / "sgd")
     args = [f"--{k}={v}" for k, v in sgd_args.items()]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "tests", "dist_worker.py"), "sgd", out, *args, f"--init_from={init_dir}",
-           f"--data={data_path}", "--micro_batch_size=2", f"--out_dir={out}", f"--export_hf={out}/hf"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run_script(DIST_WORKER, ["sgd", out, *args, f"--init_from={init_dir}", f"--data={data_path}",
+                                    "--micro_batch_size=2", f"--out_dir={out}", f"--export_hf={out}/hf"], nproc=2)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert reference[0][-1] < reference[0][0] - 0.05  # SGD learns here, so matching it means something
     check_against_reference(out, reference)
@@ -317,11 +313,9 @@ def test_a_loss_term_a_fork_adds_is_trained_and_logged_by_name(tmp_path):
     reference = reference_run(init_dir, data_path, doc_mask=True, z_loss=Z_LOSS)
     out = str(tmp_path / "zloss")
     args = [f"--{k}={v}" for k, v in ARGS.items()]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "tests", "dist_worker.py"), "zloss", out, *args, f"--init_from={init_dir}",
-           f"--data={data_path}", "--micro_batch_size=2", "--log_every=1", "--tensorboard=true",
-           f"--out_dir={out}", f"--export_hf={out}/hf"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run_script(DIST_WORKER, ["zloss", out, *args, f"--init_from={init_dir}", f"--data={data_path}",
+                                    "--micro_batch_size=2", "--log_every=1", "--tensorboard=true", f"--out_dir={out}",
+                                    f"--export_hf={out}/hf"], nproc=2)
     assert proc.returncode == 0, proc.stderr[-5000:]
     check_against_reference(out, reference)
     rows = read_metrics(out)
@@ -351,10 +345,8 @@ def test_a_fork_with_two_units_per_block_trains_as_its_oracle_and_is_planned_exa
                                                       "--micro_batch_size=2", f"--freeze={ATTENTION}", "--ac=full"]
     for world in (1, 2):
         out = str(root / f"two-units-w{world}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               os.path.join(ROOT, "tests", "dist_worker.py"), "two_units", out, *args, f"--out_dir={out}",
-               f"--export_hf={out}/hf"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        proc = run_script(DIST_WORKER, ["two_units", out, *args, f"--out_dir={out}", f"--export_hf={out}/hf"],
+                          nproc=world)
         assert proc.returncode == 0, proc.stderr[-5000:]
         check_against_reference(out, reference)
     monkeypatch.setattr(M, "sharding_units", two_units_per_block)
@@ -417,9 +409,7 @@ def test_a_phase_that_adds_an_adapter_unit_takes_the_checkpoint_and_trains_as_it
     ckpt = str(plain / "checkpoints" / "step_00000001")
     args = [f"--{k}={v}" for k, v in ARGS.items()] + [f"--init_from={ckpt}", f"--data={data_path}",
                                                       "--micro_batch_size=2", f"--freeze={BASE}", f"--out_dir={phase}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "tests", "dist_worker.py"), "lora", phase, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run_script(DIST_WORKER, ["lora", phase, *args], nproc=2)
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert [line for line in proc.stdout.splitlines() if "started from the weights" in line] == [
         f"started from the weights of checkpoint {ckpt} (a new phase: step 1, a fresh optimizer and data position); "

@@ -5,7 +5,6 @@ the run's data. Multi-process gloo on CPU."""
 import json
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -22,11 +21,10 @@ TINY = ["--model=tiny", "--dtype=float32", "--eval_every=0", "--micro_batch_size
 
 @pytest.fixture(scope="module")
 def phase_one(tmp_path_factory):
-    """Data prepared with a data.py sentencepiece tokenizer; run A: 2 steps at W=2, exported; then, side by
-    side (each one process, independent: 2 cores), A's step-2 checkpoint converted at W=1 with --from_ckpt
-    given A's --out_dir, and run B: --init_from A's step folder at W=1 with --seq_len 32 and a learning rate
-    too small to move any weight (Adam moves a weight by about lr; 1e-30 is far below a float32 weight's last
-    bit), exported."""
+    """Data prepared with a data.py sentencepiece tokenizer; run A: 2 steps at W=2, exported; then A's step-2
+    checkpoint converted at W=1 with --from_ckpt given A's --out_dir, and run B: --init_from A's step folder at
+    W=1 with --seq_len 32 and a learning rate too small to move any weight (Adam moves a weight by about lr;
+    1e-30 is far below a float32 weight's last bit), exported."""
     root = tmp_path_factory.mktemp("phases")
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in TEXTS * 40), encoding="utf-8")
@@ -38,13 +36,11 @@ def phase_one(tmp_path_factory):
     run_train(TINY + [f"--data={data}", "--steps=2", "--seq_len=16", "--batch_size=4", "--warmup_steps=1",
                       f"--out_dir={a}", f"--export_hf={a / 'hf'}"], nproc=2)
     step_folder = os.path.join(a, "checkpoints", "step_00000002")
-    with ThreadPoolExecutor(2) as pool:
-        convert = pool.submit(run_train, ["--dtype=float32", f"--from_ckpt={a}", f"--export_hf={root / 'a_converted'}",
-                                          f"--out_dir={root / 'convert'}"], nproc=1)
-        phase_b = pool.submit(run_train, TINY[1:] + [
-            f"--init_from={step_folder}", f"--data={data}", "--steps=1", "--seq_len=32", "--batch_size=2", "--lr=1e-30",
-            "--weight_decay=0", "--warmup_steps=0", f"--out_dir={b}", f"--export_hf={b / 'hf'}"], nproc=1)
-        convert, phase_b = convert.result(), phase_b.result()
+    convert = run_train(["--dtype=float32", f"--from_ckpt={a}", f"--export_hf={root / 'a_converted'}",
+                         f"--out_dir={root / 'convert'}"], nproc=1)
+    phase_b = run_train(TINY[1:] + [f"--init_from={step_folder}", f"--data={data}", "--steps=1", "--seq_len=32",
+                                    "--batch_size=2", "--lr=1e-30", "--weight_decay=0", "--warmup_steps=0",
+                                    f"--out_dir={b}", f"--export_hf={b / 'hf'}"], nproc=1)
     return dict(root=root, data=data, tokenizer=tokenizer, a=a, convert=convert, b=b, phase_b=phase_b)
 
 

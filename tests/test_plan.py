@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from common import planner_assumptions
+from common import planner_assumptions, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -456,8 +456,7 @@ def test_gradient_peak_of_a_unit_matches_autograd(n_params):
 
 
 def run_plan(*flags):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--plan", "true", *flags],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return run_script(os.path.join(ROOT, "train.py"), ["--plan", "true", *flags], timeout=120)
 
 
 @pytest.mark.parametrize("freeze", ["", r"embed|layers\.0\."])

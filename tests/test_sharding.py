@@ -2,14 +2,12 @@
 import gc
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from common import ROOT, hf_model, learnable_tokens, live_tensor_bytes, read_metrics, run_train, save_hf, small_config
+from common import DIST_WORKER, hf_model, learnable_tokens, live_tensor_bytes, run_script, run_train, save_hf, small_config
 from ranks import config_and_data, run_ranks, sharded_model
 import model as M
 import train as T
@@ -25,9 +23,7 @@ def tiny_tokens(tmp_path_factory) -> str:
 
 
 def run_worker(mode, tmp_path, nproc, flags):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(ROOT, "tests", "dist_worker.py"), mode, str(tmp_path), *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = run_script(DIST_WORKER, [mode, str(tmp_path), *flags], nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(nproc)]
 
