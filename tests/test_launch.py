@@ -119,15 +119,16 @@ def test_two_nodes_equal_one_node_bit_for_bit(files, reference, tmp_path):
 
 def test_the_tests_forked_runs_end_as_torchruns_do(files, tmp_path):
     """The suite forks its W >= 2 runs from a warm python (tests/warm_start.py); `reference` is one, and the test
-    above matches it with real torchrun's losses. Here a refusal under both: the same error lines, the first rank to
-    end exits with 2 (torchrun's root cause), and the run with 1."""
+    above matches it with real torchrun's losses. Here a refusal under both: the same error line (from each rank that
+    says it before the launcher stops the others), the first rank to end exits with 2 (torchrun's root cause), and
+    the run with 1."""
     flags = BASE + files + ["--lr=-1", f"--out_dir={tmp_path}"]
     real = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            os.path.join(ROOT, "train.py"), *flags], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     forked = run_train(flags, nproc=2, check=False)
-    errors = [[line for line in proc.stderr.splitlines() if line.startswith("error:")] for proc in (real, forked)]
-    assert errors[0] == errors[1] and len(errors[0]) >= 1, (real.stderr[-2000:], forked.stderr[-2000:])
+    errors = [{line for line in proc.stderr.splitlines() if line.startswith("error:")} for proc in (real, forked)]
+    assert errors[0] == errors[1] and len(errors[0]) == 1, (real.stderr[-2000:], forked.stderr[-2000:])
     assert real.returncode == forked.returncode == 1
     assert re.search(r"exitcode\s*: 2\b", real.stderr) and forked.first_failure["exit_code"] == 2
 

@@ -26,7 +26,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-AGENT_STOP_GRACE_S = 30  # torchrun's agent: SIGTERM to every worker, SIGKILL after this
+AGENT_MONITOR_INTERVAL_S = 0.1  # torchrun's agent looks at its workers this often (--monitor-interval)
+AGENT_STOP_GRACE_S = 30  # then SIGTERM to every worker left, SIGKILL after this
 
 
 def warm_up():
@@ -70,7 +71,7 @@ def agent(script: str, args: list[str], nproc: int, env: dict, report: str) -> i
     the others (SIGTERM, SIGKILL after the grace) and the run exits 1. Its rank and exit code (torchrun's "root
     cause") go to the file `report`."""
     port, run_id = free_port(), f"warm{os.getpid()}"
-    ranks = {}
+    rank_of = {}  # pid: rank
     for rank in range(nproc):
         rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                         GROUP_RANK="0", GROUP_WORLD_SIZE="1", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc),
@@ -80,16 +81,20 @@ def agent(script: str, args: list[str], nproc: int, env: dict, report: str) -> i
         pid = os.fork()
         if pid == 0:
             run_script(script, args, rank_env)
-        ranks[pid] = rank
-    rank_of = dict(ranks)
-    while ranks:
-        pid, status = os.wait()
-        del ranks[pid]
-        if os.waitstatus_to_exitcode(status) != 0:
-            with open(report, "w") as f:
-                json.dump(dict(rank=rank_of[pid], exit_code=os.waitstatus_to_exitcode(status)), f)
-            stop(list(ranks))
-            return 1
+        rank_of[pid] = rank
+    running = list(rank_of)
+    while running:
+        time.sleep(AGENT_MONITOR_INTERVAL_S)
+        for pid in list(running):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if not done:
+                continue
+            running.remove(pid)
+            if os.waitstatus_to_exitcode(status) != 0:
+                with open(report, "w") as f:
+                    json.dump(dict(rank=rank_of[pid], exit_code=os.waitstatus_to_exitcode(status)), f)
+                stop(running)
+                return 1
     return 0
 
 
