@@ -230,6 +230,25 @@ def test_frozen_units_are_saved_once_and_resume_bit_for_bit(files, frozen_run, t
     assert frozen_set_of(resumed) == the_set
 
 
+def test_a_frozen_set_resumes_at_another_world_size_and_the_next_save_writes_a_set_for_it(files, frozen_run,
+                                                                                          tmp_path):
+    """The W=2 run resumed from step 4 at W=3: new shards straddle the set's files; the frozen weights come out
+    bit for bit and the losses within float32 noise. Its first save writes a set of W=3 files; retention keeps the
+    W=2 set while step 4, which names it, is kept."""
+    resumed = stopped_at(frozen_run, tmp_path / "resumed", 4)
+    resumes_within_float32_noise(args(files, resumed, FREEZE, "--ckpt_every=2", "--keep_ckpts=2",
+                                      f"--export_hf={resumed / 'hf'}"), read_metrics(frozen_run), resumed, 3, 4)
+    a, b = exported(resumed / "hf"), exported(frozen_run / "hf")
+    frozen_names = [k for k in b if k.startswith(("model.embed_tokens.", "model.layers."))]
+    assert frozen_names and all(torch.equal(a[k], b[k]) for k in frozen_names)
+    root = resumed / "checkpoints"
+    manifests = {step: json.load(open(root / f"step_{step:08d}" / "manifest.json")) for step in (4, 6)}
+    assert manifests[4]["frozen"]["folder"] == frozen_set_of(frozen_run) != manifests[6]["frozen"]["folder"]
+    assert sorted(manifests[6]["frozen"]["files"]) == [f"rank{r:05d}-of-00003.safetensors" for r in range(3)]
+    assert sorted(n for n in os.listdir(root) if n.startswith("frozen-")) == sorted(
+        m["frozen"]["folder"] for m in manifests.values())
+
+
 def test_a_damaged_or_missing_frozen_file_is_refused_naming_it(files, frozen_run, tmp_path, monkeypatch, capsys):
     """Each checkpoint that names a damaged frozen set is passed by as a damaged rank file makes it, naming the
     file; here both name it, so nothing is left to resume from. --init_from checks its files' sizes first."""
