@@ -165,7 +165,7 @@ def warm_run(request: dict, timeout: float) -> int | None:
         WARM[0].stdin.flush()
         reply = WARM[0].stdout.readline()
     if not reply:
-        raise RuntimeError(f"tests/warm_start.py ended (exit code {WARM[0].wait()}) before it ran train.py")
+        raise RuntimeError(f"tests/warm_start.py ended (exit code {WARM[0].wait()}) before {request['script']} did")
     return json.loads(reply)["returncode"]
 
 
