@@ -18,6 +18,7 @@ sys.path.insert(0, ROOT)
 
 from components import disk  # noqa: E402
 import model as M  # noqa: E402
+from warm_start import free_port  # noqa: E402,F401  (a port nothing listens on: the tests' launcher's own)
 
 # The tests inject faults (ZERO3_FAULT, faults.py); train.py honours them only with this allowance, which
 # every process the tests start inherits from here.

@@ -48,7 +48,6 @@ def main_in_process(monkeypatch):
     disk.out_dir_lock = disk.out_dir_claim = None
 
 
-
 @pytest.fixture
 def train_at(main_in_process, capfd):
     """train.py at `world` ranks: (its exit code, its stderr). One rank runs train.main in this process (no python
@@ -60,6 +59,7 @@ def train_at(main_in_process, capfd):
             return proc.returncode, proc.stderr
         return main_in_process(args), capfd.readouterr().err
     return run
+
 
 # The SLURM tier (tests/test_slurm.py, marker `slurm`): launch.sbatch under a real slurmctld, two slurmd and
 # munge on this machine. It is a pytest run of its own (`.ci/run` starts it beside the main suite: it mostly waits

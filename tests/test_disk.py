@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from common import ROOT, learnable_tokens, read_metrics, run_script, small_config
+from common import ROOT, free_port, learnable_tokens, read_metrics, run_script, small_config
 
 from components import disk
 from components import checks
@@ -291,14 +291,11 @@ def test_a_network_error_while_starting_exits_1_for_torchrun_to_retry(tmp_path):
     """Rank 1 of 2 whose MASTER_ADDR:MASTER_PORT has no store yet (the first node still starting): torch
     raises DistNetworkError after --timeout_min. Exit code 1, and nothing in ZERO3_FATAL_FILE (which would
     stop launch.sh's restarts)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    fatal = tmp_path / "fatal"
+    port, fatal = free_port(), tmp_path / "fatal"
     env = dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                ZERO3_FATAL_FILE=str(fatal))
-    proc = run_script(os.path.join(ROOT, "train.py"), ["--steps=0", "--timeout_min=0.02", f"--out_dir={tmp_path / 'out'}"],
-                      env=env, timeout=120)
+    proc = run_script(os.path.join(ROOT, "train.py"), ["--steps=0", "--timeout_min=0.02",
+                                                       f"--out_dir={tmp_path / 'out'}"], env=env, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert ours == [f"error: DistNetworkError while starting: The client socket has timed out after 1200ms while "

@@ -90,8 +90,8 @@ CASES = [  # (id, which folder, edit, what the one line says)
 
 @pytest.mark.parametrize("which,edit,message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_refused_with_one_line(tmp_path, llama_folders, which, edit, message, train_at):
-    """Every rank checks before any process group exists, the same code at any W: one case runs two ranks under
-    torchrun, the others one rank in this process."""
+    """Every rank checks before any process group exists, the same code at any W: one case runs two ranks as
+    processes (run_train), the others one rank in this process."""
     folder = shutil.copytree(llama_folders[which], tmp_path / "model")
     edit(str(folder))
     flags = [f"--init_from={folder}", "--steps=0", f"--out_dir={tmp_path / 'out'}"]

@@ -29,7 +29,7 @@ import sys
 import time
 
 import pytest
-from common import ROOT, model_and_tokens, read_metrics, run_train
+from common import ROOT, free_port, model_and_tokens, read_metrics, run_train
 
 from components import checks  # noqa: E402
 from components import disk  # noqa: E402
@@ -53,12 +53,6 @@ def reference(files, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     run_train(BASE + files + [f"--out_dir={out}"], nproc=2)
     return [m["loss"] for m in read_metrics(out)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_launch(args, log, **env) -> subprocess.Popen:

@@ -13,7 +13,8 @@ from typing import Callable, NamedTuple
 import pytest
 import torch
 import torch.nn.functional as F
-from common import DIST_WORKER, hf_model, learnable_tokens, read_metrics, run_script, run_train, save_hf, small_config, stopped_at
+from common import (DIST_WORKER, hf_model, learnable_tokens, read_metrics, run_script, run_train, save_hf, small_config,
+                    stopped_at)
 
 import data as D
 import model as M
@@ -392,14 +393,14 @@ BASE = r"layers\.\d+\.(?!lora)|norm|lm_head"  # the blocks (not their adapters) 
 
 def test_a_phase_that_adds_an_adapter_unit_takes_the_checkpoint_and_trains_as_its_oracle(llama_setup, monkeypatch,
                                                                                        main_in_process):
-    """A plain run at W=1 (in this process) with the embedding frozen saves a checkpoint; a new phase from it (--init_from) in a fork
-    that adds an adapter unit to each block (tests/dist_worker.py, LoraBlock) trains the embedding and the adapters
-    with the rest frozen: --freeze changed both ways (the embedding's optimizer state was never saved). One line
-    names the units taken and new; at W=2 it trains as the oracle does from the exported checkpoint with the adapters
-    at the fork's init (what a run of the fork from scratch makes, built here); the frozen units keep the
-    checkpoint's master weights bit for bit. Refused before any work, in one line: the phase's checkpoint by the
-    plain model (the adapters would be dropped), the plain one by the fork as an export, and by a fork that puts
-    the adapter inside each block's unit (another size)."""
+    """A plain run at W=1 (in this process) with the embedding frozen saves a checkpoint; a new phase from it
+    (--init_from) in a fork that adds an adapter unit to each block (tests/dist_worker.py, LoraBlock) trains the
+    embedding and the adapters with the rest frozen: --freeze changed both ways (the embedding's optimizer state was
+    never saved). One line names the units taken and new; at W=2 it trains as the oracle does from the exported
+    checkpoint with the adapters at the fork's init (what a run of the fork from scratch makes, built here); the
+    frozen units keep the checkpoint's master weights bit for bit. Refused before any work, in one line: the phase's
+    checkpoint by the plain model (the adapters would be dropped), the plain one by the fork as an export, and by a
+    fork that puts the adapter inside each block's unit (another size)."""
     from dist_worker import BLOCK_UNITS, LoraBlock, lora_units
     root, init_dir, data_path, _ = llama_setup
     plain, phase = root / "phase-plain", str(root / "phase-lora")

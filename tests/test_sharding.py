@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from common import DIST_WORKER, hf_model, learnable_tokens, live_tensor_bytes, run_script, run_train, save_hf, small_config
+from common import (DIST_WORKER, hf_model, learnable_tokens, live_tensor_bytes, run_script, run_train, save_hf,
+                    small_config)
 from ranks import config_and_data, run_ranks, sharded_model
 import model as M
 import train as T

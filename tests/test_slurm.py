@@ -23,7 +23,7 @@ import tempfile
 import time
 
 import pytest
-from common import ROOT, model_and_tokens, read_metrics, run_train
+from common import ROOT, free_port, model_and_tokens, read_metrics, run_train
 
 pytestmark = pytest.mark.slurm
 
@@ -32,12 +32,6 @@ FLAGS = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=floa
 HOSTS_LINE = "127.0.0.1 n1 n2  # tests/test_slurm.py"
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                 "DEADLINE", "PREEMPTED"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def free_port_pair() -> int:
