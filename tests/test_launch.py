@@ -572,9 +572,13 @@ def test_exit_code_2_survives_the_job_steps_sigterm_while_launch_exits(tmp_path)
     trap's rm. Under set -e the killed rm made the exit code 143, srun reported 143, and launch.sbatch
     retried an error a restart repeats (seen in tests/test_slurm.py). Here torchrun's stand-in writes the
     fatal file, and an rm that waits lets SIGTERM reach the group at that moment: the exit code stays 2."""
-    python = tmp_path / "python"
-    python.write_text('#!/bin/bash\ncase "$*" in *device_count*) echo "0 1"; exit 0 ;; esac\n'
-                      'echo "error: a fatal error" > "$ZERO3_FATAL_FILE"\nsleep 30\n')
+    python = tmp_path / "python"  # torchrun's stand-in; like torchrun it stops on SIGHUP, even if the suite was
+    # started with SIGHUP ignored (nohup, some CI runners): a bash stand-in cannot undo that, and launch.sh then
+    # waited out its sleep, past this test's deadline on a loaded machine
+    python.write_text(f'#!{sys.executable}\nimport os, signal, sys, time\n'
+                      'if "device_count" in " ".join(sys.argv):\n    print("0 1")\n    sys.exit(0)\n'
+                      'signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))\n'
+                      'open(os.environ["ZERO3_FATAL_FILE"], "w").write("error: a fatal error\\n")\ntime.sleep(30)\n')
     (tmp_path / "rm").write_text(f'#!/bin/bash\ntouch {tmp_path}/in_rm\nsleep 3\nexec /bin/rm "$@"\n')
     for stand_in in (python, tmp_path / "rm"):
         stand_in.chmod(0o755)
