@@ -4,14 +4,16 @@
     python data.py prepare --input corpus/*.jsonl --tokenizer /models/Llama-3-70B-Instruct --out data/ --workers 16
 
 Inputs: `.txt` (a document per file), `.jsonl` of `{"text": ...}` or of chats `{"messages": [{"role": ...,
-"content": ...}, ...]}` (a document per line). Output: shards of BOS + tokens + EOS per document, a loss mask for
-chats, and meta.json, written last. Training reads windows of `seq_len + 1` tokens in a seeded order whose whole
+"content": ...}, ...]}` (a document per line). Output: token shards, each with the positions where its documents
+start (a text is the family's BOS + tokens + document end; a chat is its template's rendering, as is), a loss mask
+for chats (each assistant reply and the marker that closes it), and meta.json, written last. Training reads windows of `seq_len + 1` tokens in a seeded order whose whole
 state is one position P, the same for any world size; mixes interleave sources by weight (MixedWindows). The
 formats, the order and the mixes in full: docs/data.md. Around this data path, in components/: a run's data
 from its flags (run_data.py), the built-in sample (sample_corpus.py), an export's tokenizer (tokenizer_export.py).
 """
 
 import argparse
+import bisect
 import collections
 import concurrent.futures
 import fractions
@@ -28,47 +30,88 @@ import time
 
 import numpy as np
 
-META_FORMAT = "llama-zero3-tokens/1"
-CHAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
-CONTENT_PLACEHOLDER = "\x00content\x00"  # rendered in a message's place to find where its content goes
+META_FORMAT = "llama-zero3-tokens/2"  # document starts are data: each shard's docs-*.npy (docs/data.md)
+EOS_FORMAT = "llama-zero3-tokens/1"   # before: a document started after each eos_id (still read, so still trained)
+CHAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")  # the header format of our own tokenizers
+# What a family's pretraining put after a document (Llama 3; Qwen and GPT-2; Gemma, whose eos_token in an instruct
+# tokenizer is <end_of_turn>), found by name; else the eos_token, unless that closes a chat turn (these).
+DOC_END_PIECES = ("<|end_of_text|>", "<|endoftext|>", "<eos>")
+TURN_END_PIECES = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "<|eom_id|>")
+PLACEHOLDER = "\x00{}\x00"  # rendered in message i's place to find where its content goes
+GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 class DataError(ValueError):
     """Bad data: the message names the flag or file (and line) and what is wrong."""
 
 
-# -- tokenizers: a sentencepiece .model, or a Hugging Face folder / tokenizer.json (Llama 3) ---------------
+# -- tokenizers: a sentencepiece .model, or a Hugging Face folder / tokenizer.json ------------------------------
 
 class Tokenizer:
-    """The few things prepare and sampling need from either kind of tokenizer."""
+    """The few things prepare and sampling need from either kind of tokenizer, and the family's conventions:
+    `prefix_ids` (what the tokenizer puts before a text: BOS, or nothing, as Qwen), `doc_end_id` (what its
+    pretraining put after a document, or None) and `eos_id` (the model's end of text: doc_end_id, else eos)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, doc_end: str | None = None):
         self.path, self.jinja2_checked = path, False
         if path.endswith(".model") and os.path.isfile(path):
             import sentencepiece as spm
             self.kind, self.sp = "sentencepiece", spm.SentencePieceProcessor(model_file=path)
-            self.vocab_size, self.bos_id, self.eos_id = self.sp.get_piece_size(), self.sp.bos_id(), self.sp.eos_id()
-            self.chat_template, self.id_file = None, path
+            self.vocab_size, self.chat_template, self.id_file = self.sp.get_piece_size(), None, path
             self.markup = sentencepiece_markup(self.sp)
+            self.prefix_ids, suffix = ([self.sp.bos_id()] if self.sp.bos_id() >= 0 else []), []
+            self.eos_token_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+            self.special_ids = {i for i in range(self.vocab_size) if self.sp.is_control(i)}
         else:
             folder = path if os.path.isdir(path) else os.path.dirname(path)
-            self.id_file = os.path.join(folder, "tokenizer.json")  # the ids; the chat template aside
-            if not (os.path.isfile(self.id_file) and (os.path.isdir(path) or path.endswith("tokenizer.json"))):
+            # the ids (the chat template aside): tokenizer.json, or a folder's sentencepiece tokenizer.model alone,
+            # which transformers converts (Mistral 7B v0.1's published folder)
+            self.id_file = next((os.path.join(folder, name) for name in ("tokenizer.json", "tokenizer.model")
+                                 if os.path.isfile(os.path.join(folder, name))), "")
+            if not (self.id_file and (os.path.isdir(path) or path.endswith("tokenizer.json"))):
                 raise DataError(f"--tokenizer: {path} is not a sentencepiece .model, a tokenizer.json, "
                                 f"or a folder holding one")
             from transformers import AutoTokenizer
             self.kind, self.hf = "huggingface", AutoTokenizer.from_pretrained(folder)
-            self.vocab_size, self.bos_id, self.eos_id = len(self.hf), self.hf.bos_token_id, self.hf.eos_token_id
-            # Llama 3 Instruct's eos_token, <|eot_id|>, closes a chat turn: a document ends with <|end_of_text|>.
-            self.eos_id = self.hf.get_vocab().get("<|end_of_text|>", self.eos_id)
+            self.vocab_size, self.eos_token_id = len(self.hf), self.hf.eos_token_id
             self.chat_template = getattr(self.hf, "chat_template", None)
-        if self.bos_id is None or self.eos_id is None or self.bos_id < 0 or self.eos_id < 0:
-            raise DataError(f"--tokenizer: {path} defines no BOS or EOS token")
+            self.prefix_ids, suffix = added_around(self.hf("a")["input_ids"], self.encode(["a"], False)[0])
+            self.special_ids = set(self.hf.all_special_ids) | {
+                i for i, t in self.hf.added_tokens_decoder.items() if getattr(t, "special", False)}
+        self.bos_id = self.prefix_ids[-1] if self.prefix_ids else None
+        self.doc_end_id = self.find_doc_end(doc_end, suffix)
+        self.eos_id = self.doc_end_id if self.doc_end_id is not None else self.eos_token_id
         with open(self.id_file, "rb") as f:  # the tokenizer's identity, recorded in meta.json
             self.sha256 = hashlib.sha256(f.read()).hexdigest()
 
+    def find_doc_end(self, doc_end: str | None, suffix: list) -> int | None:
+        """--doc_end's token ("none": no token), else the family's document end (DOC_END_PIECES), else what the
+        tokenizer appends to a text, else its eos_token unless that closes a chat turn."""
+        if doc_end == "none":
+            return None
+        if doc_end:
+            if self.piece_id(doc_end) is None:
+                raise DataError(f"--doc_end: {doc_end!r} is not a token of --tokenizer {self.path}")
+            return self.piece_id(doc_end)
+        found = [self.piece_id(p) for p in DOC_END_PIECES if self.piece_id(p) is not None]
+        if found or suffix:
+            return (found or suffix)[0]
+        eos = self.eos_token_id
+        return eos if eos is not None and self.piece(eos) not in TURN_END_PIECES else None
+
+    def check_plain_text(self):
+        """Packed plain-text documents need a token between them that the model was taught to read as one."""
+        if not self.prefix_ids and self.doc_end_id is None:
+            eos = f"; its eos_token {self.piece(self.eos_token_id)!r} closes a chat turn" if self.eos_token_id is not None else ""
+            raise DataError(f"--tokenizer: {self.path} has neither a BOS nor a document-end token{eos}, so packed "
+                            f"plain-text documents would run into each other: name the token its pretraining put "
+                            f"after a document with --doc_end TOKEN (or --doc_end none to pack them bare)")
+
+    def piece(self, i: int) -> str:
+        return self.sp.id_to_piece(i) if self.kind == "sentencepiece" else self.hf.convert_ids_to_tokens(i)
+
     def encode(self, texts: list, specials: bool) -> list:
-        """Token ids of each text, no BOS/EOS. `specials=False` reads a literal "<|eot_id|>" as text, so a
+        """Token ids of each text, nothing added. `specials=False` reads a literal "<|eot_id|>" as text, so a
         document can never forge a control token; only chat markup is encoded with True."""
         if self.kind == "sentencepiece":
             ids = self.sp.encode(texts, num_threads=1)
@@ -94,58 +137,146 @@ class Tokenizer:
         return self.hf.get_vocab().get(piece)
 
     def end_ids(self) -> list:
-        """Where generation stops: EOS (a document ends), then <|eot_id|> (a chat turn ends) when it has one."""
-        eot = self.piece_id(CHAT_TOKENS[2])
-        return [self.eos_id] + ([eot] if eot is not None and eot != self.eos_id else [])
+        """Where generation stops: the model's end of text, the tokenizer's eos_token, and the markers that close a
+        chat turn which its template writes (<|im_end|>, <|eot_id|>, <end_of_turn>; the header format's <|eot_id|>)."""
+        template = self.chat_template or "".join(CHAT_TOKENS)
+        turns = [self.piece_id(p) for p in TURN_END_PIECES if p in template]
+        return list(dict.fromkeys(i for i in [self.eos_id, self.eos_token_id, *turns] if i is not None))
 
     def decode(self, ids) -> str:
         return self.sp.decode(list(ids)) if self.kind == "sentencepiece" else self.hf.decode(list(ids))
 
-    def chat_segments(self, messages: list) -> list:
-        """(text, is_target, is_markup) pieces of one conversation, in order: only markup (the template's own
-        text) is encoded with special tokens, so a message cannot forge a control token."""
-        if not self.chat_template:  # the Llama 3 header format
-            out = []
-            for m in messages:
-                target = m["role"] == "assistant"
-                out += [("<|start_header_id|>", False, True), (m["role"], False, False),
-                        ("<|end_header_id|>\n\n", False, True), (m["content"], target, False),
-                        ("<|eot_id|>", target, True)]
-            return out
-        # A template: render growing prefixes; message i's text is what it adds to the rendering.
-        out, before = [], ""
-        for i, m in enumerate(messages):
-            text = self.render_chat(messages[:i + 1])
-            if not text.startswith(before):
-                raise DataError(f"--tokenizer: {self.path}: its chat template renders a conversation's "
-                                f"prefix differently from the whole; assistant spans cannot be masked")
-            piece = text[len(before):]
-            span = self.content_span(messages, i, before, piece)
-            before, target = text, m["role"] == "assistant"
+    def text_ids(self, texts: list) -> list:
+        """Each plain-text document as the family's pretraining saw one: its BOS (if any), tokens, its end (if any)."""
+        end = [self.doc_end_id] if self.doc_end_id is not None else []
+        return [self.prefix_ids + ids + end for ids in self.encode(texts, specials=False)]
+
+    def chat_ids(self, messages: list) -> tuple[list, list]:
+        """(ids, targets) of one conversation, rendered whole by its chat template (else the header format) and
+        stored as rendered; targets are 1 on each assistant turn's content and the marker that closes it."""
+        if not self.chat_template:
+            return self.header_format_ids(messages)
+        for m in messages:
             if self.encode([m["role"]], True) != self.encode([m["role"]], False):  # the role is inside markup
                 raise DataError(f"a chat message's role {m['role']!r} holds a control token of --tokenizer {self.path}")
-            skip = len(self.hf.bos_token) if i == 0 and self.hf.bos_token and piece.startswith(self.hf.bos_token) else 0
-            if span is None:  # the template rewrites the content: keep it whole, if it hides no control token
-                if self.encode([m["content"]], True) != self.encode([m["content"]], False):
-                    raise DataError(f"--tokenizer: {self.path}: its chat template changes a message's content, "
-                                    f"so a control token written in it cannot be kept as text")
-                out.append((piece[skip:], target, True))  # prepare adds BOS itself
+        text = self.render_chat(messages)
+        spans = self.content_spans(messages, text)
+        for i, (m, span) in enumerate(zip(messages, spans)):
+            if m["role"] == "assistant" and m["content"].strip() and span is None:
+                raise DataError(f"message {i + 1} (assistant): the chat template of {self.path} drops or rewrites its "
+                                f"content, so its reply cannot be found in the rendering to be trained on")
+        found = [span for span in spans if span is not None]
+        # One encode of the whole rendering gives exactly apply_chat_template's ids; a control token typed inside a
+        # message is kept as text instead: then the markup and each message's content are encoded apart.
+        contents = [text[lo:hi] for lo, hi in found]
+        forged = contents and self.encode(contents, True) != self.encode(contents, False)
+        cuts = sorted({0, len(text), *(x for span in found for x in span)}) if forged else [0, len(text)]
+        ids, starts = [], []
+        for lo, hi in zip(cuts, cuts[1:]):
+            enc = self.hf(text[lo:hi], add_special_tokens=False, split_special_tokens=(lo, hi) in found,
+                          return_offsets_mapping=True)
+            ids += enc["input_ids"]
+            starts += [lo + a for a, _ in enc["offset_mapping"]]
+        if GENERATION_TAG.search(self.chat_template):
+            target_spans = self.generation_spans(messages, text)
+        else:
+            target_spans = [span for m, span in zip(messages, spans) if span and m["role"] == "assistant"]
+        targets = self.targets(ids, starts, target_spans, closed=not GENERATION_TAG.search(self.chat_template))
+        if self.prefix_ids and ids[:len(self.prefix_ids)] != self.prefix_ids:  # BOS, never doubled
+            ids, targets = self.prefix_ids + ids, [0] * len(self.prefix_ids) + targets
+        return ids, targets
+
+    def targets(self, ids: list, starts: list, spans: list, closed: bool) -> list:
+        """1 for each token that starts inside a span, and (`closed`) the markup after it up to and including
+        its first control token (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>): what ends the reply is learned."""
+        targets = [0] * len(ids)
+        for lo, hi in spans:
+            k = bisect.bisect_left(starts, lo)
+            while k < len(ids) and starts[k] < hi:
+                targets[k], k = 1, k + 1
+            j = k
+            while closed and j < len(ids) and ids[j] not in self.special_ids:
+                j += 1
+            if closed and j < len(ids) and "".join(self.decode([i]) for i in ids[k:j]).strip() == "":
+                targets[k:j + 1] = [1] * (j + 1 - k)
+        return targets
+
+    def content_spans(self, messages: list, text: str) -> list:
+        """(start, end) of each message's content in the whole rendering `text`, None where it is not there.
+        Rendering a placeholder in each message's place gives the markup around the contents exactly (the content
+        itself may also occur in the markup: a reply "user"); where the template changes its markup with the
+        content, each content is found in order instead."""
+        probe = self.render_chat([dict(m, content=PLACEHOLDER.format(i)) for i, m in enumerate(messages)])
+        parts = re.split("\x00(\\d+)\x00", probe)  # markup, index, markup, index, ..., markup
+        order = [int(i) for i in parts[1::2]]
+        spans, cursor = [None] * len(messages), 0
+        if order == sorted(set(order)):
+            for k, markup in enumerate(parts[0::2]):
+                if not text.startswith(markup, cursor):
+                    break
+                cursor += len(markup)
+                if k == len(order):
+                    return spans if cursor == len(text) else self.find_contents(messages, text)
+                i, after = order[k], parts[2 * k + 2]
+                content = next((c for c in trimmed(messages[i]["content"])
+                                if text.startswith(c, cursor) and text.startswith(after, cursor + len(c))), None)
+                if content is None:
+                    break
+                spans[i], cursor = (cursor, cursor + len(content)), cursor + len(content)
+        return self.find_contents(messages, text)
+
+    @staticmethod
+    def find_contents(messages: list, text: str) -> list:
+        """Each message's content (or its trimmed form) found in order in `text`, None where it is not."""
+        spans, cursor = [], 0
+        for m in messages:
+            hits = [(text.find(c, cursor), c) for c in trimmed(m["content"]) if c]
+            hits = [(at, c) for at, c in hits if at >= 0]
+            if not hits:
+                spans.append(None)
                 continue
-            lo, hi = span  # the template's header is context; the content and what closes it are targets
-            out += [(piece[skip:lo], False, True), (piece[lo:hi], target, False), (piece[hi:], target, True)]
-        return out
+            at, c = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+            spans.append((at, at + len(c)))
+            cursor = at + len(c)
+        return spans
+
+    def generation_spans(self, messages: list, text: str) -> list:
+        """The character spans of `text` (the rendering) that the template's own {% generation %} blocks mark, as
+        transformers finds them for apply_chat_template(return_assistant_tokens_mask=True)."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+        try:
+            rendered, indices = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
+                                                      return_assistant_tokens_mask=True, **self.hf.special_tokens_map)
+        except Exception as e:  # noqa: BLE001 (any error of the template's code)
+            raise DataError(f"the chat template of {self.path} failed on this chat ({type(e).__name__}: {e})") from None
+        if rendered[0] != text or not indices[0]:
+            raise DataError(f"the {{% generation %}} blocks of {self.path}'s chat template mark no reply in this chat")
+        return [tuple(span) for span in indices[0]]
+
+    def header_format_ids(self, messages: list) -> tuple[list, list]:
+        """The Llama 3 header format (tokenizer_export.HEADER_FORMAT_TEMPLATE) for a tokenizer without a template:
+        BOS, then per message a header, its content and <|eot_id|>; markup only is encoded with special tokens."""
+        ids, targets = list(self.prefix_ids), [0] * len(self.prefix_ids)
+        for m in messages:
+            target = int(m["role"] == "assistant")
+            for text, is_target, markup in (("<|start_header_id|>", 0, True), (m["role"], 0, False),
+                                            ("<|end_header_id|>\n\n", 0, True), (m["content"], target, False),
+                                            ("<|eot_id|>", target, True)):
+                piece = self.encode([text], markup)[0]
+                ids, targets = ids + piece, targets + [is_target] * len(piece)
+        return ids, targets
 
     def prompt_ids(self, record: dict) -> list:
         """A prompt to sample from: a text as a prepared document starts; a chat rendered for a reply (as
         apply_chat_template(add_generation_prompt=True) encodes it, else in the header format prepare writes)."""
         if "text" in record:
-            return [self.bos_id] + self.encode([record["text"]], specials=False)[0]
+            return self.prefix_ids + self.encode([record["text"]], specials=False)[0]
         if self.chat_template:
-            text = self.render_chat(record["messages"], add_generation_prompt=True)
-            return self.encode([text], specials=True)[0]
-        # the header of a reply: an empty assistant message's segments without its content and end of turn
-        segments = self.chat_segments(record["messages"] + [{"role": "assistant", "content": ""}])[:-2]
-        return [self.bos_id] + [i for text, _, markup in segments for i in self.encode([text], markup)[0]]
+            ids = self.encode([self.render_chat(record["messages"], add_generation_prompt=True)], specials=True)[0]
+            return ids if ids[:len(self.prefix_ids)] == self.prefix_ids else self.prefix_ids + ids
+        # the header of a reply: an empty assistant message's ids without its content and end of turn
+        ids, _ = self.header_format_ids(record["messages"] + [{"role": "assistant", "content": ""}])
+        return ids[:-len(self.encode(["<|eot_id|>"], True)[0])]
 
     def render_chat(self, messages: list, add_generation_prompt: bool = False) -> str:
         """The chat template's text: code that comes with the tokenizer, run in jinja2's sandbox, so whatever
@@ -159,18 +290,19 @@ class Tokenizer:
             why = " ".join(f"{type(e).__name__}: {e}".split())
             raise DataError(f"the chat template of {self.path} failed on this chat ({why})") from None
 
-    def content_span(self, messages: list, i: int, before: str, piece: str):
-        """(start, end) of message i's content in its rendered piece, found by rendering a placeholder in its
-        place (the content itself may also occur in the markup); None if the template changes it beyond trimming."""
-        probe = self.render_chat(messages[:i] + [dict(messages[i], content=CONTENT_PLACEHOLDER)])
-        if not probe.startswith(before) or probe.count(CONTENT_PLACEHOLDER) != 1:
-            return None
-        head, tail = probe[len(before):].split(CONTENT_PLACEHOLDER)
-        lo, hi = len(head), len(piece) - len(tail)
-        if not (piece.startswith(head) and piece.endswith(tail) and lo <= hi
-                and piece[lo:hi] in (messages[i]["content"], messages[i]["content"].strip())):
-            return None
-        return lo, hi
+
+def added_around(with_specials: list, plain: list) -> tuple[list, list]:
+    """(what a tokenizer adds before a text, what after): `with_specials` is its encoding of a text with them,
+    `plain` without."""
+    for k in range(len(with_specials) - len(plain) + 1):
+        if with_specials[k:k + len(plain)] == plain:
+            return with_specials[:k], with_specials[k + len(plain):]
+    return [], []
+
+
+def trimmed(content: str) -> list:
+    """A message's content as a template may print it: whole, or trimmed as templates do (`| trim`, strip)."""
+    return list(dict.fromkeys([content, content.strip(), content.strip("\n"), content.lstrip(), content.rstrip()]))
 
 
 def version_tuple(version: str) -> tuple:
@@ -310,53 +442,46 @@ def parse_records(records, skip_bad: bool, counts: collections.Counter):
 _worker_tokenizer = None
 
 
-def _init_worker(tokenizer_path: str):
+def _init_worker(tokenizer_path: str, doc_end: str | None):
     global _worker_tokenizer
-    _worker_tokenizer = Tokenizer(tokenizer_path)
+    _worker_tokenizer = Tokenizer(tokenizer_path, doc_end)
 
 
 def encode_batch(records: list, with_mask: bool, skip_bad: bool, tok: Tokenizer | None = None):
-    """Parse and tokenize a batch of raw records (a worker's job). Returns the documents' tokens, each BOS + ids +
-    EOS, their mask when with_mask (a text's tokens are all targets, a chat's its assistant pieces), and the
-    counts of documents kept and skipped."""
+    """Parse and tokenize a batch of raw records (a worker's job). Returns the documents' tokens (a text as
+    Tokenizer.text_ids writes it, a chat as its template renders it), their mask when with_mask (a text's tokens
+    are all targets, a chat's its assistant replies), each kept document's length, and the counts kept and skipped."""
     tok = tok or _worker_tokenizer
     counts = collections.Counter()
     docs = list(parse_records(records, skip_bad, counts))
-    pieces, ids = [], []  # (document index, text, is_target, is_markup: encoded with special tokens), their ids
+    encoded = [None] * len(docs)  # (ids, targets: None for all) of each document, None if skipped
+    texts = [i for i, (_, doc) in enumerate(docs) if "text" in doc]
+    for i, ids in zip(texts, tok.text_ids([docs[i][1]["text"] for i in texts]) if texts else []):
+        encoded[i] = ids, None
     for i, (where, doc) in enumerate(docs):
         if "text" in doc:
-            segments = [(doc["text"], True, False)]
-        elif not with_mask:
+            continue
+        if not with_mask:
             raise DataError(f"{where}: a chat, but the first record of every input is plain text, so no "
                             f"loss mask is being written; give chats their own .jsonl file")
-        else:
-            try:
-                segments = tok.chat_segments(doc["messages"])
-            except DataError as e:
+        try:
+            encoded[i] = tok.chat_ids(doc["messages"])
+        except DataError as e:
+            if not skip_bad:
                 raise DataError(f"{where}: {e}") from None
-        is_text = "text" in doc
-        pieces += [(i, "", is_text, True)] + [(i, *segment) for segment in segments] + [(i, "", is_text, True)]
-        ids += [[tok.bos_id]] + [None] * len(segments) + [[tok.eos_id]]
-    for specials in (False, True):  # one batched encode call per kind
-        chosen = [k for k, piece in enumerate(pieces) if ids[k] is None and piece[3] == specials]
-        for k, piece_ids in zip(chosen, tok.encode([pieces[k][1] for k in chosen], specials) if chosen else []):
-            ids[k] = piece_ids
-    # Vectorized from here: one flat array of every piece's ids, and the document each token belongs to.
-    lengths = [len(piece_ids) for piece_ids in ids]
-    tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.uint32, count=sum(lengths))
-    token_doc = np.repeat(np.array([piece[0] for piece in pieces], dtype=np.int64), lengths)
-    outside = np.flatnonzero(tokens >= tok.vocab_size)  # an id the model will not have: never write it
-    if len(outside):
-        raise DataError(f"{docs[token_doc[outside[0]]][0]}: --tokenizer {tok.path} encodes it to id "
-                        f"{tokens[outside[0]]}, outside its own vocabulary [0, {tok.vocab_size})")
-    # A document holds its own BOS and EOS; one more would cut it in two.
-    ends = np.bincount(token_doc[(tokens == tok.bos_id) | (tokens == tok.eos_id)], minlength=len(docs))
-    bad = np.flatnonzero(ends > 2)
-    if len(bad) and not skip_bad:
-        raise DataError(f"{docs[bad[0]][0]}: the document encodes to the tokenizer's BOS or EOS id")
-    keep = ~np.isin(token_doc, bad)
-    mask = np.repeat(np.array([piece[2] for piece in pieces], dtype=np.uint8), lengths)[keep] if with_mask else None
-    return tokens[keep], mask, len(docs) - len(bad), len(bad) + counts["skipped_bad"]
+            counts["skipped_bad"] += 1
+    for (where, _), enc in zip(docs, encoded):  # an id the model will not have: never write it
+        if enc and enc[0] and max(enc[0]) >= tok.vocab_size:
+            raise DataError(f"{where}: --tokenizer {tok.path} encodes it to id {max(enc[0])}, outside its own "
+                            f"vocabulary [0, {tok.vocab_size})")
+    kept = [enc for enc in encoded if enc is not None]
+    lengths = [len(ids) for ids, _ in kept]
+    tokens = np.fromiter(itertools.chain.from_iterable(ids for ids, _ in kept), dtype=np.uint32, count=sum(lengths))
+    mask = None
+    if with_mask:
+        mask = np.fromiter(itertools.chain.from_iterable([1] * len(ids) if targets is None else targets
+                                                         for ids, targets in kept), dtype=np.uint8, count=sum(lengths))
+    return tokens, mask, lengths, counts["skipped_bad"]
 
 
 def is_chat_input(path: str) -> bool:
@@ -395,16 +520,20 @@ def write_atomic(path: str, write):
 
 
 class ShardWriter:
-    """Cuts the token stream into shards of exactly `shard_tokens` (the last one shorter)."""
+    """Cuts the token stream into shards of exactly `shard_tokens` (the last one shorter); beside each, where the
+    documents that start in it start (docs-*.npy: positions within the shard, as Megatron's document index)."""
 
     def __init__(self, out: str, dtype, shard_tokens: int, with_mask: bool):
         self.out, self.dtype, self.shard_tokens, self.with_mask = out, dtype, shard_tokens, with_mask
         self.tokens, self.masks, self.n_buffered, self.shards = [], [], 0, []
+        self.written, self.doc_starts = 0, []  # tokens in shards so far; starts (absolute) not yet written
 
-    def add(self, tokens: np.ndarray, mask):
+    def add(self, tokens: np.ndarray, mask, lengths: list):
         if len(tokens) and int(tokens.max()) > np.iinfo(self.dtype).max:  # astype would wrap it silently
             raise DataError(f"--out: token id {int(tokens.max())} does not fit the shards' "
                             f"{np.dtype(self.dtype).name}; the tokenizer's vocabulary is larger than it says")
+        first = self.written + self.n_buffered
+        self.doc_starts += (first + np.cumsum([0] + lengths[:-1])).tolist() if lengths else []
         self.tokens.append(tokens.astype(self.dtype))
         self.masks.append(mask)
         self.n_buffered += len(tokens)
@@ -415,12 +544,17 @@ class ShardWriter:
         tokens = np.concatenate(self.tokens)
         name = f"tokens-{len(self.shards):05d}.npy"
         write_atomic(os.path.join(self.out, name), lambda f: np.save(f, tokens[:n]))
-        record = dict(tokens=name, mask=None, n_tokens=int(n), max_token_id=int(tokens[:n].max()))
+        starts = np.array([p for p in self.doc_starts if p < self.written + n], dtype=np.int64) - self.written
+        self.doc_starts = [p for p in self.doc_starts if p >= self.written + n]
+        docs = name.replace("tokens-", "docs-")
+        write_atomic(os.path.join(self.out, docs), lambda f: np.save(f, starts))
+        record = dict(tokens=name, mask=None, docs=docs, n_tokens=int(n), n_documents=len(starts),
+                      max_token_id=int(tokens[:n].max()))
         if self.with_mask:
             mask, record["mask"] = np.concatenate(self.masks), name.replace("tokens-", "mask-")
             write_atomic(os.path.join(self.out, record["mask"]), lambda f: np.save(f, mask[:n]))
             self.masks = [mask[n:]]
-        self.tokens, self.n_buffered = [tokens[n:]], len(tokens) - n
+        self.tokens, self.n_buffered, self.written = [tokens[n:]], len(tokens) - n, self.written + n
         self.shards.append(record)
 
     def close(self):
@@ -442,9 +576,12 @@ def show_progress(counts, total_bytes: int, t0: float, state: dict, final: bool 
 
 def prepare(inputs: list, tokenizer: str, out: str, workers: int = 1, skip_bad: bool = False,
             overwrite: bool = False, shard_tokens: int = 100_000_000, quiet: bool = False,
-            max_document_mb: float = 64) -> dict:
+            max_document_mb: float = 64, doc_end: str | None = None) -> dict:
     """Tokenizes `inputs` into shards under `out`, in input order whatever `workers` is; returns meta.json's content."""
-    tok = Tokenizer(tokenizer)
+    tok = Tokenizer(tokenizer, doc_end)
+    if tok.eos_id is None:
+        raise DataError(f"--tokenizer: {tokenizer} has no end-of-text token (no eos_token and no document end); "
+                        f"name one with --doc_end TOKEN")
     for path in inputs:
         if not os.path.isfile(path):
             raise DataError(f"--input: {path} does not exist")
@@ -456,10 +593,12 @@ def prepare(inputs: list, tokenizer: str, out: str, workers: int = 1, skip_bad: 
         if os.path.exists(os.path.join(out, "meta.json")):
             os.remove(os.path.join(out, "meta.json"))  # first: from here on the folder is incomplete
         for name in os.listdir(out):
-            if name.startswith(("tokens-", "mask-")) and name.endswith((".npy", ".tmp")):
+            if name.startswith(("tokens-", "mask-", "docs-")) and name.endswith((".npy", ".tmp")):
                 os.remove(os.path.join(out, name))
     os.makedirs(out, exist_ok=True)
     with_mask = any(is_chat_input(p) for p in inputs)
+    if not all(is_chat_input(p) for p in inputs):
+        tok.check_plain_text()
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     writer = ShardWriter(out, dtype, shard_tokens, with_mask)
     counts, state, t0 = collections.Counter(), {}, time.perf_counter()
@@ -470,12 +609,12 @@ def prepare(inputs: list, tokenizer: str, out: str, workers: int = 1, skip_bad: 
     else:  # fork: workers start in milliseconds; each loads its own tokenizer. Not multiprocessing.Pool:
         # it replaces a worker that dies (killed for memory) and waits forever for the batch it held.
         pool = concurrent.futures.ProcessPoolExecutor(workers, multiprocessing.get_context("fork"),
-                                                      _init_worker, (tokenizer,))
+                                                      _init_worker, (tokenizer, doc_end))
         results = ordered_results(pool, batches, with_mask, skip_bad, max_in_flight=2 * workers)
     try:
-        for tokens, mask, kept, skipped in results:
-            writer.add(tokens, mask)
-            counts["documents"] += kept
+        for tokens, mask, lengths, skipped in results:
+            writer.add(tokens, mask, lengths)
+            counts["documents"] += len(lengths)
             counts["skipped_bad"] += skipped
             counts["tokens"] += len(tokens)
             counts["target_tokens"] += int(mask.sum()) if mask is not None else len(tokens)
@@ -488,9 +627,11 @@ def prepare(inputs: list, tokenizer: str, out: str, workers: int = 1, skip_bad: 
         raise DataError(f"--input: no documents in {', '.join(inputs)}")
     writer.close()
     meta = dict(format=META_FORMAT, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id,
-                dtype=np.dtype(dtype).name, documents=counts["documents"], tokens=counts["tokens"],
-                target_tokens=counts["target_tokens"], skipped_bad=counts["skipped_bad"],
-                convention="each document is BOS + tokens + EOS; a new document starts after each EOS",
+                doc_end_id=tok.doc_end_id, dtype=np.dtype(dtype).name, documents=counts["documents"],
+                tokens=counts["tokens"], target_tokens=counts["target_tokens"], skipped_bad=counts["skipped_bad"],
+                convention=("documents start where each shard's docs file says (positions within the shard); a "
+                            "text is its BOS (bos_id, if any) + tokens + its end (doc_end_id, if any), a chat its "
+                            "template's rendering as is; eos_id is the model's end of text"),
                 tokenizer=dict(path=tokenizer, kind=tok.kind, sha256=tok.sha256),
                 inputs=list(inputs), shards=writer.shards)
     # last: its presence means the folder is complete
@@ -530,17 +671,30 @@ class TokenData:
     def __init__(self, path: str, flag: str = "--data"):
         self.path, self.flag = path, flag
         self.meta = read_meta(path, flag) if os.path.isdir(path) else None
-        self.eos_id = self.meta["eos_id"] if self.meta else None
+        # Where documents start: each shard's docs file (format 2), else after each EOS (format 1; a bare .npy
+        # after the model's EOS, which run_data.open_data sets here)
+        self.eos_id = self.meta["eos_id"] if self.meta and self.meta["format"] == EOS_FORMAT else None
         records = self.meta["shards"] if self.meta else [dict(tokens=path, mask=None, n_tokens=None)]
         folder = path if self.meta else ""
-        self.shards, self.shard_paths = [], [os.path.join(folder, r["tokens"]) for r in records]
+        self.shards, self.shard_paths, self.doc_starts = [], [os.path.join(folder, r["tokens"]) for r in records], []
         for record, tokens_path in zip(records, self.shard_paths):
             tokens = self._open(tokens_path, flag)
             mask = self._open(os.path.join(folder, record["mask"]), flag) if record["mask"] else None
             if record["n_tokens"] not in (None, len(tokens)) or (mask is not None and len(mask) != len(tokens)):
                 raise DataError(f"{flag}: {tokens_path} has {len(tokens)} tokens, meta.json says {record['n_tokens']}")
+            if record.get("docs"):
+                self.doc_starts.append(self._doc_starts(os.path.join(folder, record["docs"]), record, len(tokens)))
             self.shards.append((tokens, mask))
         self.starts = np.cumsum([0] + [len(t) for t, _ in self.shards])
+
+    def _doc_starts(self, path: str, record: dict, n_tokens: int) -> np.ndarray:
+        """A shard's document starts, held to what meta.json records: sorted positions inside the shard."""
+        starts = np.asarray(self._open(path, self.flag))
+        if len(starts) != record["n_documents"] or (len(starts) and (starts[0] < 0 or starts[-1] >= n_tokens
+                                                                       or (np.diff(starts) <= 0).any())):
+            raise DataError(f"{self.flag}: {path} does not hold {record['n_documents']} increasing positions "
+                            f"within its shard's {n_tokens} tokens: it changed after prepare (run data.py prepare again)")
+        return starts
 
     @staticmethod
     def _open(path: str, flag: str) -> np.ndarray:
@@ -558,8 +712,9 @@ class TokenData:
         return int(self.starts[-1])
 
     def read(self, start: int, n: int):
-        """Tokens [start, start + n) as int64, and their mask (None without one), across shards."""
-        tokens, masks, end = [], [], start + n
+        """Tokens [start, start + n) as int64, their mask (None without one), and where documents start in them
+        (bool), across shards."""
+        tokens, masks, doc_starts, end, first = [], [], np.zeros(n, dtype=bool), start + n, start
         k = int(np.searchsorted(self.starts, start, side="right")) - 1
         while start < end:
             lo, hi = start - self.starts[k], min(end, self.starts[k + 1]) - self.starts[k]
@@ -567,8 +722,20 @@ class TokenData:
             tokens.append(np.asarray(shard_tokens[lo:hi], dtype=np.int64))
             if shard_mask is not None:
                 masks.append(np.asarray(shard_mask[lo:hi]))
+            if self.doc_starts:
+                docs = self.doc_starts[k]
+                inside = docs[np.searchsorted(docs, lo):np.searchsorted(docs, hi)]
+                doc_starts[inside + self.starts[k] - first] = True
             start, k = self.starts[k] + hi, k + 1
-        return np.concatenate(tokens), (np.concatenate(masks) if masks else None)
+        tokens = np.concatenate(tokens)
+        if not self.doc_starts and self.eos_id is not None:  # the EOS convention: a document after each EOS
+            doc_starts[1:] = tokens[:-1] == self.eos_id
+            if first > 0:
+                k = int(np.searchsorted(self.starts, first - 1, side="right")) - 1
+                doc_starts[0] = self.shards[k][0][first - 1 - self.starts[k]] == self.eos_id
+            else:
+                doc_starts[0] = True
+        return tokens, (np.concatenate(masks) if masks else None), doc_starts
 
     def check_vocab(self, vocab_size: int):
         """An id outside [0, vocab_size) would index past the embedding mid-step: refuse it before training, in
@@ -621,10 +788,12 @@ def read_meta(folder: str, flag: str) -> dict:
         raise bad(f"is not valid JSON ({e})") from None
     if not isinstance(meta, dict):
         raise bad("is not a JSON object")
-    if meta.get("format") != META_FORMAT:
+    if meta.get("format") not in (META_FORMAT, EOS_FORMAT):
         raise bad(f"has format {meta.get('format')!r}, not {META_FORMAT}")
-    for key in ("vocab_size", "bos_id", "eos_id"):
-        if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool):
+    old = meta["format"] == EOS_FORMAT  # its documents end at eos_id, which it must name
+    for key in ("vocab_size", "bos_id", "eos_id"):  # a tokenizer without BOS (Qwen) prepares format 2
+        value = meta.get(key)
+        if not (isinstance(value, int) and not isinstance(value, bool) or value is None and key == "bos_id" and not old):
             raise bad(f"has no integer {key!r}")
     tokenizer = meta.get("tokenizer")
     if not (isinstance(tokenizer, dict) and all(isinstance(tokenizer.get(k), str) for k in ("path", "kind", "sha256"))):
@@ -638,7 +807,9 @@ def read_meta(folder: str, flag: str) -> dict:
                 and all(isinstance(record.get(k), int) for k in ("n_tokens", "max_token_id"))):
             raise bad(f"shard {i} needs 'tokens' (a file name), 'mask' (a file name or null), "
                       f"'n_tokens' and 'max_token_id' (integers)")
-        for key, name in (("tokens", record["tokens"]), ("mask", record["mask"])):
+        if not old and not (isinstance(record.get("docs"), str) and isinstance(record.get("n_documents"), int)):
+            raise bad(f"shard {i} needs 'docs' (a file name) and 'n_documents' (an integer)")
+        for key, name in (("tokens", record["tokens"]), ("mask", record["mask"]), ("docs", record.get("docs"))):
             if name is not None and not is_plain_name(name):
                 raise bad(f"shard {i} names {name!r} as its {key} file, which is not a file name in {folder} "
                           f"(a '/' or '..')")
@@ -662,16 +833,19 @@ class Windows:
     """What TokenWindows and MixedWindows share: a micro-batch from `window(position)`."""
 
     def micro_batch(self, position: int, accum_index: int, rank: int, world: int, micro: int):
-        """(inputs, targets) int64 (micro, seq_len): this rank's rows of the global batch at `position`, the m
-        windows at P + (j*W + r)*m for rank r; targets a mask excludes are -100."""
+        """(inputs, targets, doc_starts) (micro, seq_len): this rank's rows of the global batch at `position`, the m
+        windows at P + (j*W + r)*m for rank r; targets a mask excludes are -100; doc_starts True where an input
+        token begins a document (--doc_mask's boundaries)."""
         first = position + (accum_index * world + rank) * micro
         rows = [self.window(first + i) for i in range(micro)]
-        tokens = np.stack([t for t, _ in rows])
+        tokens = np.stack([t for t, _, _ in rows])
         inputs, targets = tokens[:, :-1], tokens[:, 1:].copy()
-        for row, (_, mask) in enumerate(rows):
+        for row, (_, mask, _) in enumerate(rows):
             if mask is not None:
                 targets[row, mask[1:] == 0] = -100
-        return inputs, targets
+        doc_starts = np.stack([starts[:-1] for _, _, starts in rows])
+        doc_starts[:, 0] = True  # each row starts a document of its own: it sees nothing before it
+        return inputs, targets, doc_starts
 
 
 class TokenWindows(Windows):
@@ -788,8 +962,6 @@ class MixedWindows(Windows):
         self.shares = [int(w * denominator) for w in self.weights]  # integers: exact rounding on any machine
         self.rest = [sum(self.shares[k:]) for k in range(len(self.shares))]
         self.seq_len = sources[0].seq_len
-        # the batch's EOS id: a prepared source's (all share one tokenizer), else the model's
-        self.data = next((s.data for s in sources if s.data.meta), sources[0].data)
 
     def counts(self, n: int) -> list[int]:
         """Windows of each source among the first n positions of the mix."""
@@ -863,6 +1035,8 @@ def main(argv=None):
     p.add_argument("--overwrite", action="store_true", help="replace the prepared folder at --out")
     p.add_argument("--shard_tokens", type=int, default=100_000_000)
     p.add_argument("--max_document_mb", type=float, default=64, help="refuse a document larger than this")
+    p.add_argument("--doc_end", default=None, help="the token after each plain-text document (default: the family's, "
+                   "<|end_of_text|>, <|endoftext|> or a non-chat eos_token); 'none' for no token")
     args = parser.parse_args(argv)
     try:
         if args.command == "train-tokenizer":
@@ -870,7 +1044,7 @@ def main(argv=None):
             print(f"wrote {args.out} ({args.vocab_size:,} pieces)", file=sys.stderr)
         else:
             meta = prepare(args.input, args.tokenizer, args.out, args.workers, args.skip_bad, args.overwrite,
-                           args.shard_tokens, max_document_mb=args.max_document_mb)
+                           args.shard_tokens, max_document_mb=args.max_document_mb, doc_end=args.doc_end)
             print(f"wrote {len(meta['shards'])} shard(s) to {args.out}: {meta['documents']:,} documents, "
                   f"{meta['tokens']:,} tokens, {meta['skipped_bad']:,} bad documents skipped", file=sys.stderr)
     except DataError as e:

@@ -213,13 +213,6 @@ class RMSNorm(nn.Module):
         return (self.weight * x32).to(x.dtype) if self.weight_fp32 else self.weight * x32.to(x.dtype)
 
 
-def document_starts(tokens: np.ndarray, eos_id: int) -> np.ndarray:
-    """(B, T) bool, True where a packed document begins: at t = 0 and after each EOS."""
-    starts = np.ones(tokens.shape, dtype=bool)
-    starts[:, 1:] = tokens[:, :-1] == eos_id
-    return starts
-
-
 class DocumentLayout(NamedTuple):
     """Packed documents, as attention reads them: RoPE positions restarting at 0 in each document, and either
     the documents' boundaries in the flattened B*T tokens (flash_attn_varlen_func) or SDPA's document_mask."""
@@ -230,7 +223,7 @@ class DocumentLayout(NamedTuple):
 
 
 def document_layout(starts, device="cpu", dtype: torch.dtype = torch.bool) -> DocumentLayout:
-    """The layout on `device` for `starts` (document_starts, numpy or CPU), in the form the kernel for the
+    """The layout on `device` for `starts` ((B, T) bool, numpy or CPU: data.TokenData's document starts), in the form the kernel for the
     compute `dtype` reads (uses_flash). Computed on the host, which has the token ids: on the GPU, nonzero()
     and int() would make the host wait. Only the T x T mask is built on the device, from each token's
     document index: copying it would move B*T*T elements instead of B*T."""
@@ -259,14 +252,15 @@ def document_mask(doc: torch.Tensor, dtype: torch.dtype = torch.bool) -> torch.T
     return padded_rows[..., :T].masked_fill_(allowed[:, None], 0.0)
 
 
-def make_batch(cfg: ModelConfig, inputs: np.ndarray, targets: np.ndarray, eos_id: int, doc_mask: bool, device,
-               dtype: torch.dtype) -> dict:
+def make_batch(cfg: ModelConfig, inputs: np.ndarray, targets: np.ndarray, doc_starts: np.ndarray, doc_mask: bool,
+               device, dtype: torch.dtype) -> dict:
     """One micro-batch's forward inputs besides the weights: tokens, RoPE's cos/sin at each token's position,
-    the document layout (with doc_mask: a document starts after each EOS), targets. Built on the host and
-    copied with to_device, so the host never waits for the GPU: it queues this micro-batch as the last runs."""
+    the document layout (with doc_mask: a document starts where `doc_starts`, the data's own record, says; no token
+    id is read as a boundary), targets. Built on the host and copied with to_device, so the host never waits for
+    the GPU: it queues this micro-batch as the last runs."""
     layout = None
     if doc_mask:
-        starts = document_starts(inputs, eos_id)
+        starts = np.asarray(doc_starts, dtype=bool)
         if starts[:, 1:].any():  # one document per row: plain causal attention is the same and faster
             layout = document_layout(starts, device, dtype)
     tokens = to_device(inputs, device)

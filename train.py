@@ -390,12 +390,10 @@ def micro_batches(cfg, sharded: ShardedModel, windows, position: int) -> list[di
     arrays = [windows.micro_batch(position, j, sharded.rank, sharded.world, cfg.micro_batch_size) for j in range(accum)]
     # The loss is the mean over every target token of the global batch, so each rank divides its summed
     # loss by the global count -- not by the number of micro-batches, which would make results depend on W.
-    n_tokens = M.to_device(np.array(sum((t != -100).sum() for _, t in arrays), dtype=np.float32), sharded.device)
+    n_tokens = M.to_device(np.array(sum((t != -100).sum() for _, t, _ in arrays), dtype=np.float32), sharded.device)
     dist.all_reduce(n_tokens)
-    mcfg = sharded.model.cfg
-    eos_id = windows.data.eos_id if windows.data.eos_id is not None else mcfg.eos_id  # a new document after each
-    return [dict(M.make_batch(mcfg, inputs, targets, eos_id, cfg.doc_mask, sharded.device, sharded.compute_dtype),
-                 n_tokens=n_tokens) for inputs, targets in arrays]
+    return [dict(M.make_batch(sharded.model.cfg, inputs, targets, doc_starts, cfg.doc_mask, sharded.device,
+                              sharded.compute_dtype), n_tokens=n_tokens) for inputs, targets, doc_starts in arrays]
 
 
 class ShardedModel:

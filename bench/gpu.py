@@ -205,7 +205,7 @@ def oracle_steps(init: str, tokens: str, batch: int, device) -> list:
     steps = []
     for step in range(CHECK_STEPS):
         inputs, targets = (torch.from_numpy(a.astype(np.int64)).to(device)
-                           for a in windows.micro_batch(step * batch, 0, 0, 1, batch))
+                           for a in windows.micro_batch(step * batch, 0, 0, 1, batch)[:2])
         loss = 0.0
         for row in range(batch):
             cuts = [0] + [t + 1 for t in range(CHECK_SEQ - 1) if inputs[row, t] == CHECK_MODEL["eos_id"]] + [CHECK_SEQ]

@@ -93,7 +93,7 @@ def build_theirs(cfg, init: str, tokens: str):
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def step_fn(step: int):
-        inputs, targets = windows.micro_batch(step * cfg.batch_size, 0, rank, world, MICRO)
+        inputs, targets, _ = windows.micro_batch(step * cfg.batch_size, 0, rank, world, MICRO)
         for g in opt.param_groups:
             g["lr"] = T.lr_at(cfg, step + 1)
         logits = model(input_ids=torch.from_numpy(inputs), use_cache=False).logits

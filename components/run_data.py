@@ -23,8 +23,12 @@ def open_data(cfg, mcfg):
     held_out = sources(cfg, "--eval_data") if cfg.eval_every else []
     eval_data = [(name, D.TokenData(path, "--eval_data"), weight) for name, path, weight in held_out]
     first = next((data for _, data, _ in train_data if data.meta), None)  # it names the tokenizer
-    if first and not cfg.init_from:
-        mcfg = dataclasses.replace(mcfg, **{key: first.meta[key] for key in ("vocab_size", "bos_id", "eos_id")})
+    if first and not cfg.init_from:  # a tokenizer without BOS (Qwen) leaves the model's
+        mcfg = dataclasses.replace(mcfg, **{key: first.meta[key] for key in ("vocab_size", "bos_id", "eos_id")
+                                            if first.meta[key] is not None})
+    for _, data, _ in train_data + eval_data:  # bare token ids: a document starts after the model's EOS
+        if data.meta is None:
+            data.eos_id = mcfg.eos_id
     for _, data, _ in train_data + eval_data:  # one tokenizer for the whole run
         if first and data.meta and data.meta["tokenizer"]["sha256"] != first.meta["tokenizer"]["sha256"]:
             raise D.DataError(f"{data.flag}: {data.path} was tokenized with {data.meta['tokenizer']['path']}, --data "

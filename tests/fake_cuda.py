@@ -644,27 +644,23 @@ VARIANTS = {"soft-capped attention": soft_capped_attention, "sgd momentum": sgd_
 # ------------------------------------------------------------------------------------------------
 
 class Windows:
-    """train.micro_batches' view of the data: (inputs, targets) of (micro, seq_len) token ids. With
-    `documents` > 1, each row packs that many documents (an EOS ends each), so --doc_mask builds a layout."""
+    """train.micro_batches' view of the data: (inputs, targets, doc_starts) of (micro, seq_len). With
+    `documents` > 1, each row packs that many documents, starting at irregular places (the data's own record of
+    where documents start, as data.TokenData gives it), so --doc_mask builds a layout."""
 
-    class Data:
-        def __init__(self, eos_id):
-            self.eos_id = eos_id
-
-    def __init__(self, seq_len: int, vocab_size: int, eos_id: int, documents: int):
+    def __init__(self, seq_len: int, vocab_size: int, documents: int):
         self.seq_len, self.vocab_size, self.documents = seq_len, vocab_size, documents
-        self.data = Windows.Data(eos_id)
 
     def micro_batch(self, position, accum_index, rank, world, micro):
         import numpy as np
         rng = np.random.default_rng([position, accum_index, rank])
         tokens = rng.integers(0, self.vocab_size, size=(micro, self.seq_len + 1))
-        tokens[tokens == self.data.eos_id] = (self.data.eos_id + 1) % self.vocab_size
-        if self.documents > 1:  # document ends at irregular places, the first well inside the row
+        doc_starts = np.zeros((micro, self.seq_len), dtype=bool)
+        doc_starts[:, 0] = True
+        if self.documents > 1:  # document starts at irregular places, the first well inside the row
             for row in range(micro):
-                ends = np.sort(rng.choice(np.arange(8, self.seq_len - 8), self.documents - 1, replace=False))
-                tokens[row, ends] = self.data.eos_id
-        return tokens[:, :-1], tokens[:, 1:].copy()
+                doc_starts[row, np.sort(rng.choice(np.arange(8, self.seq_len - 8), self.documents - 1, replace=False))] = True
+        return tokens[:, :-1], tokens[:, 1:].copy(), doc_starts
 
 
 def label_phases(sharded, memory: DeviceMemory):
@@ -765,7 +761,7 @@ def child(argv):
             O.refresh_compute_shards(sharded.units)
         state_bytes = memory.current
         label_phases(sharded, memory)
-        windows = Windows(cfg.seq_len, mcfg.vocab_size, mcfg.eos_id, args.documents if cfg.doc_mask else 1)
+        windows = Windows(cfg.seq_len, mcfg.vocab_size, args.documents if cfg.doc_mask else 1)
         memory.where = "step"
         T.train_step(cfg, sharded, windows, 1, 0)
     dtype = T.compute_dtype(cfg.dtype, device)

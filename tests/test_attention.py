@@ -182,6 +182,13 @@ class OpRecorder(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def eos_starts(inputs: np.ndarray, eos_id: int) -> np.ndarray:
+    """Document starts by the EOS convention (data.TokenData's for EOS-ended data): row starts and after each EOS."""
+    starts = np.ones(inputs.shape, dtype=bool)
+    starts[:, 1:] = inputs[:, :-1] == eos_id
+    return starts
+
+
 def reference_layout(inputs: np.ndarray, eos_id: int):
     """Per-token positions, document ids and the flattened boundaries, by walking the rows."""
     positions, doc_ids, boundaries = np.zeros(inputs.shape, int), np.zeros(inputs.shape, int), []
@@ -213,7 +220,7 @@ def test_make_batch_builds_the_layout_on_the_host_without_syncs(monkeypatch, fla
     targets = np.roll(inputs, -1, axis=1)
     recorder = OpRecorder()
     with recorder:
-        ctx = M.make_batch(mcfg, inputs, targets, 2, True, torch.device("cpu"), torch.float32)
+        ctx = M.make_batch(mcfg, inputs, targets, eos_starts(inputs, 2), True, torch.device("cpu"), torch.float32)
     assert not SYNCING_OPS & set(recorder.ops), SYNCING_OPS & set(recorder.ops)
     assert handed == [np.ndarray]
     positions, doc_ids, boundaries = reference_layout(inputs, eos_id=2)
@@ -235,7 +242,7 @@ def test_make_batch_of_whole_rows_has_no_layout_and_no_syncs():
     inputs = np.arange(3, 27, dtype=np.int64).reshape(2, 12)  # no EOS: one document per row
     recorder = OpRecorder()
     with recorder:
-        ctx = M.make_batch(small_config(), inputs, inputs, 2, True, torch.device("cpu"), torch.float32)
+        ctx = M.make_batch(small_config(), inputs, inputs, eos_starts(inputs, 2), True, torch.device("cpu"), torch.float32)
     assert not SYNCING_OPS & set(recorder.ops), SYNCING_OPS & set(recorder.ops)
     assert ctx["layout"] is None
     cos, _ = M.rope_cos_sin(small_config(), torch.arange(12).expand(2, 12), torch.float32)

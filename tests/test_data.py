@@ -55,14 +55,17 @@ def corpus(tmp_path_factory):
 
 
 def hf_tokenizer(folder):
-    """A small byte-level BPE in the Hugging Face format, with Llama 3's special tokens and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """A small byte-level BPE in the Hugging Face format, with Llama 3's special tokens, its BOS post-processor and a
+    chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
     tok.train_from_iterator(TEXTS * 5, trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(  # BOS before a text, as Llama 3's tokenizer.json adds it
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", tok.token_to_id("<|begin_of_text|>"))])
     os.makedirs(folder)
     tok.save(str(folder / "tokenizer.json"))
     template = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
@@ -74,11 +77,11 @@ def hf_tokenizer(folder):
 
 
 def documents(folder):
-    """(tokens, mask) of each document of a prepared folder, split at EOS."""
+    """(tokens, mask) of each document of a prepared folder, split where its record says documents start."""
     data = D.TokenData(folder)
-    tokens, mask = data.read(0, len(data))
-    ends = np.flatnonzero(tokens == data.eos_id) + 1
-    return [(t, m) for t, m in zip(np.split(tokens, ends[:-1]), np.split(mask if mask is not None else tokens, ends[:-1]))]
+    tokens, mask, starts = data.read(0, len(data))
+    cuts = np.flatnonzero(starts)[1:]
+    return [(t, m) for t, m in zip(np.split(tokens, cuts), np.split(mask if mask is not None else tokens, cuts))]
 
 
 # -- tokenizers -----------------------------------------------------------------------------------
@@ -137,7 +140,8 @@ def test_chat_masks_cover_exactly_the_assistant_replies(corpus, tmp_path, kind):
     docs = documents(out)
     assert len(docs) == 2 * 10
     for (tokens, mask), chat in zip(docs, CHATS * 10):
-        assert tokens[0] == tok.bos_id and mask[0] == 0 and mask[-1] == 0
+        # stored as rendered: BOS, and nothing after the last reply's <|eot_id|> (a target: the reply's end)
+        assert tokens[0] == tok.bos_id and mask[0] == 0 and mask[-1] == 1 and tokens[-1] == tok.piece_id("<|eot_id|>")
         replies = "".join(m["content"] + "<|eot_id|>" for m in chat if m["role"] == "assistant")
         assert tok.decode(tokens[mask == 1]) == replies
         assert "Traduis" in tok.decode(tokens) or "lease" in tok.decode(tokens)  # the prompt is there, unmasked
@@ -307,9 +311,9 @@ def test_masked_targets_are_excluded(corpus, tmp_path):
     run_data("prepare", "--input", corpus["chat"], "--tokenizer", corpus["sp"], "--out", out)
     data = D.TokenData(out)
     w = D.TokenWindows(data, seq_len=32, seed=0)
-    inputs, targets = w.micro_batch(0, 0, 0, 1, 4)
+    inputs, targets, _ = w.micro_batch(0, 0, 0, 1, 4)
     for row in range(4):
-        tokens, mask = data.read(w._window_start(row) + 1, 32)
+        tokens, mask, _ = data.read(w._window_start(row) + 1, 32)
         assert np.array_equal(targets[row], np.where(mask == 1, tokens, -100))
     assert (targets == -100).any() and (targets != -100).any()
 

@@ -91,7 +91,7 @@ def test_prepare_refuses_an_id_the_tokenizer_says_it_does_not_have(corpus, tmp_p
 def test_the_shard_writer_never_casts_an_id_that_does_not_fit(tmp_path):
     writer = D.ShardWriter(str(tmp_path), np.uint16, 10, with_mask=False)
     with pytest.raises(D.DataError, match="token id 70000 does not fit the shards' uint16"):
-        writer.add(np.array([1, 70000, 2], dtype=np.uint32), None)
+        writer.add(np.array([1, 70000, 2], dtype=np.uint32), None, [3])
     assert writer.n_buffered == 0
 
 
@@ -164,7 +164,7 @@ def test_a_literal_marker_in_a_chat_message_stays_text(corpus, tmp_path, kind):
     D.prepare([path], corpus[kind], out, quiet=True)
     tok = D.Tokenizer(corpus[kind])
     data = D.TokenData(out)
-    tokens, mask = data.read(0, len(data))
+    tokens, mask, _ = data.read(0, len(data))
     markers = [t for t in tokens.tolist() if t in control_ids(tok)]
     assert len(markers) == 3 * len(chat)  # each message's header and <|eot_id|>, from the markup only
     assert tok.decode(tokens[mask == 1]) == f"Voici : {FORGERY}<|eot_id|>"  # the reply, as text, is the target

@@ -95,10 +95,10 @@ def test_chat_masks_work_in_a_mix(corpus, tmp_path):  # noqa: F811
     D.prepare([corpus["text"]], corpus["sp"], text, quiet=True)
     sources = D.parse_sources(f"{chat}:1,{text}:1", "--data")
     m = D.MixedWindows(["chat", "text"], [D.TokenWindows(D.TokenData(p), 32, 0) for _, p, _ in sources], [1, 1])
-    _, targets = m.micro_batch(0, 0, 0, 1, 8)
+    _, targets, _ = m.micro_batch(0, 0, 0, 1, 8)
     for row in range(8):
         k, own = m.source_of(row)
-        tokens, mask = m.sources[k].window(own)
+        tokens, mask, _ = m.sources[k].window(own)
         assert np.array_equal(targets[row], tokens[1:] if mask is None else np.where(mask[1:] == 1, tokens[1:], -100))
         assert (targets[row] == -100).any() == (k == 0)  # the chat's prompts are masked, the text's nothing
 

@@ -8,8 +8,10 @@ import json
 import math
 import os
 import re
+import shutil
 from typing import Callable, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,24 @@ ARGS = dict(seq_len=SEQ, batch_size=BATCH, steps=STEPS, lr=1e-2, warmup_steps=2,
 def split_at_eos(row: torch.Tensor, eos_id: int) -> list:
     """The documents of one packed row: a new one starts after each EOS."""
     cuts = [0] + [t + 1 for t in range(len(row) - 1) if row[t] == eos_id] + [len(row)]
+    return [(a, b) for a, b in zip(cuts, cuts[1:])]
+
+
+def prepared_document_starts(folder: str) -> set:
+    """Every position where a document of a prepared folder starts, read from its meta.json and docs files
+    directly (not through data.TokenData, which the trainer uses)."""
+    with open(os.path.join(folder, "meta.json")) as f:
+        shards = json.load(f)["shards"]
+    starts, offset = set(), 0
+    for shard in shards:
+        starts.update(offset + int(p) for p in np.load(os.path.join(folder, shard["docs"])))
+        offset += shard["n_tokens"]
+    return starts
+
+
+def split_at_starts(window_start: int, length: int, starts: set) -> list:
+    """The documents of one packed row that begins at `window_start` of the sequence, cut where documents start."""
+    cuts = [0] + [t for t in range(1, length) if window_start + t in starts] + [length]
     return [(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
@@ -62,22 +82,29 @@ def reference_run(init_dir, data_path, doc_mask: bool, optimizer: str = "adamw",
     else:  # tests/dist_worker.py's sgd_momentum_step
         opt = torch.optim.SGD(ref.parameters(), lr=args["lr"], momentum=0.9)
     cfg = T.TrainConfig(**args)
-    windows = D.TokenWindows(D.TokenData(data_path), SEQ, args["seed"])
+    seq, batch = args["seq_len"], args["batch_size"]
+    windows = D.TokenWindows(D.TokenData(data_path), seq, args["seed"])
+    starts = prepared_document_starts(data_path) if os.path.isdir(data_path) else None
     losses, norms, n_split = [], [], 0
-    for step in range(STEPS):
-        inputs, targets = (torch.from_numpy(a) for a in windows.micro_batch(step * BATCH, 0, 0, 1, BATCH))
+    for step in range(args["steps"]):
+        inputs, targets, _ = (torch.from_numpy(a) for a in windows.micro_batch(step * batch, 0, 0, 1, batch))
         loss = 0.0
         for name, p in params.items():
             p.requires_grad_(not frozen(step + 1, name))
-        for row in range(BATCH):
-            docs = split_at_eos(inputs[row], ref.config.eos_token_id) if doc_mask else [(0, SEQ)]
+        for row in range(batch):
+            if not doc_mask:
+                docs = [(0, seq)]
+            elif starts is not None:  # a prepared folder: where its record says documents start
+                docs = split_at_starts(windows._window_start(step * batch + row), seq, starts)
+            else:  # bare token ids: after each EOS
+                docs = split_at_eos(inputs[row], ref.config.eos_token_id)
             n_split += len(docs) > 1
             for a, b in docs:
                 logits = ref(inputs[row:row + 1, a:b]).logits[0]
                 loss = loss + torch.nn.functional.cross_entropy(logits.float(), targets[row, a:b], reduction="sum")
                 kept = targets[row, a:b] != -100
                 loss = loss + z_loss * torch.logsumexp(logits.float(), -1)[kept].square().sum()
-        loss = loss / targets.numel()
+        loss = loss / (targets != -100).sum()  # the mean over the global batch's target tokens
         opt.zero_grad()  # to None: a frozen parameter has no gradient, so AdamW and the clip skip it
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), args["grad_clip"]).item())
@@ -207,6 +234,50 @@ def test_each_family_resumes_at_another_world_size_and_trains_as_its_oracle(fami
     stopped_at(first, resumed, 2)
     assert main_in_process(args + [f"--out_dir={resumed}", f"--export_hf={resumed}/hf"]) == 0
     check_against_reference(resumed, reference)
+
+
+QWEN3_CHATS = [  # multi-turn: each reply must see its question, and nothing of the conversation packed before it
+    [{"role": "user", "content": f"Article {i} ?"}, {"role": "assistant", "content": f"Bail {i % 7}."},
+     {"role": "user", "content": "Et ensuite ?"}, {"role": "assistant", "content": f"Loyer {i % 5} euros."}]
+    for i in range(40)]
+
+
+def test_qwen3_trains_on_chats_prepared_with_its_own_tokenizer_as_its_oracle(tmp_path, train_at):
+    """Issue 49: multi-turn chats prepared with Qwen3's published tokenizer (no BOS; <|im_end|>, its EOS, closes every
+    turn) train a tiny Qwen3 at W=2 as Qwen3ForCausalLM + AdamW does running each conversation alone: its turns
+    attend to each other, no two conversations attend across, the loss is on the replies only. The export stops
+    generation where the template ends a reply, and so do the samples."""
+    import published_tokenizers
+    from components import sample
+    folder = published_tokenizers.folder("qwen3")
+    if folder is None:
+        pytest.skip("the published qwen3 tokenizer could not be fetched (python3 tests/published_tokenizers.py fetch)")
+    tok = D.Tokenizer(folder)
+    chats, data_dir = tmp_path / "chats.jsonl", str(tmp_path / "data")
+    chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in QWEN3_CHATS), encoding="utf-8")
+    D.prepare([str(chats)], folder, data_dir, quiet=True)
+    im_end = tok.piece_id("<|im_end|>")
+    cfg = small_config(family="qwen3", qk_norm=True, head_dim=12, norm_eps=1e-6, vocab_size=tok.vocab_size,
+                       bos_id=tok.piece_id("<|endoftext|>"), eos_id=im_end, max_seq_len=128)
+    init_dir = save_hf(hf_model(cfg, seed=5), str(tmp_path / "init"))  # a published folder: weights and tokenizer
+    for name in os.listdir(folder):
+        shutil.copyfile(os.path.join(folder, name), os.path.join(init_dir, name))
+    args = dict(ARGS, seq_len=48, batch_size=4, grad_clip=0.05)
+    reference = reference_run(init_dir, data_dir, doc_mask=True, args=args)
+    out = str(tmp_path / "w2")
+    code, stderr = train_at([f"--{k}={v}" for k, v in args.items()] + [
+        f"--init_from={init_dir}", f"--data={data_dir}", "--micro_batch_size=1", "--eval_every=0", f"--out_dir={out}",
+        f"--export_hf={out}/hf"], 2)
+    assert code == 0, stderr[-6000:]
+    check_against_reference(out, reference, clip=args["grad_clip"])
+    # each document the oracle ran is one whole conversation: it starts the template's way
+    starts = sorted(prepared_document_starts(data_dir))
+    tokens = D.TokenData(data_dir).read(0, len(D.TokenData(data_dir)))[0]
+    assert len(starts) == len(QWEN3_CHATS) and all(tok.decode(tokens[p:p + 1]) == "<|im_start|>" for p in starts)
+    with open(os.path.join(out, "hf", "generation_config.json")) as f:
+        eos = json.load(f)["eos_token_id"]
+    assert im_end in (eos if isinstance(eos, list) else [eos])
+    assert im_end in sample.end_ids(T.TrainConfig(init_from=init_dir), cfg, tok)
 
 
 def test_a_pad_token_id_leaves_its_embedding_row_as_transformers_does(tmp_path, main_in_process):

@@ -97,7 +97,7 @@ def test_sharded_decoding_equals_generate_stops_at_end_ids_and_leaves_nothing_be
         raw = json.dumps({"messages": PROMPTS[1]["messages"] + [reply]}).encode()
         prepared = D.encode_batch([("chat.jsonl", 1, raw)], with_mask=True, skip_bad=False, tok=tok)[0].tolist()
         n = len(sampler.prompts[1])
-        assert prepared[:n] == sampler.prompts[1] and tok.decode(prepared[n:-2]) == reply["content"]
+        assert prepared[:n] == sampler.prompts[1] and tok.decode(prepared[n:-1]) == reply["content"]  # then <|eot_id|>
         assert sampler.stop_ids == [2, tok.sp.piece_to_id("<|eot_id|>")]  # end of text, end of a chat turn
 
         before = live_tensor_bytes()
