@@ -56,7 +56,7 @@ def rendezvous(cfg):
         store, rank, world = dist.HashStore(), 0, 1
     store.set_timeout(timeout)  # every get and wait on it: a rank that never comes is waited for this long
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"zero3/attempt_{attempt}/", store), rank, world
+    return dist.PrefixStore(f"zero3/attempt_{attempt}", store), rank, world
 
 
 def make_group(cfg, store, rank: int, world: int, device: torch.device, hosts: list[str]):
