@@ -7,8 +7,8 @@ splits the job: a rank that saves in the background skips the all-gather that a 
 (a hang at the first save, hours in); a rank that still reads the previous `latest` loads step 400 while
 the others load 500, and the run trains on from both.
 
-So each such fact is read on every rank (read_facts), gathered in one all-gather (gather_json), and decided
-from the whole list by the same function on every rank (decide): the same decision everywhere, or the same
+So each such fact is read on every rank (read_facts), gathered over the rendezvous store before NCCL exists
+(gather_over_store), and decided from the whole list by the same function on every rank (decide): the same decision everywhere, or the same
 refusal on every rank, one line per problem naming the ranks and hosts, before any weights are read. The
 checkpoint to resume from is agreed the same way once the out_dir is claimed (resume_candidates).
 docs/operations.md, "What every rank agrees on", lists the facts and the rule for each.
