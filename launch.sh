@@ -210,6 +210,12 @@ while kill -0 "$TORCHRUN" 2>/dev/null; do
   if [ -s "$ZERO3_FATAL_FILE" ]; then  # train.py failed in a way a restart repeats: stop torchrun's restarts
     kill -HUP "$TORCHRUN" 2>/dev/null || true  # torchrun handles SIGHUP as it would SIGTERM: stops its workers
     wait "$TORCHRUN" 2>/dev/null || true
+    # A node to leave out (a GPU that is broken or another job's: the line says `sbatch --exclude=HOST`), kept in
+    # OUT_DIR/exclude_hosts, which every node shares, for launch.sbatch's message.
+    EXCLUDE=$(grep -o 'sbatch --exclude=[^ );,]*' "$ZERO3_FATAL_FILE" | sed 's/.*=//' | sort -u || true)
+    if [ -n "$EXCLUDE" ]; then
+      { mkdir -p "$OUT_DIR" && echo "$EXCLUDE" >> "$OUT_DIR/exclude_hosts"; } || true
+    fi
     echo "launch.sh: train.py stopped with an error a restart would repeat (above); not restarting" >&2
     exit 2
   fi

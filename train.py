@@ -53,6 +53,7 @@ from components import run_data  # the run's data from --data and --eval_data (d
 from components import config  # the flags: TrainConfig
 from components.checks import check_run, config_warnings, flash_attn_unsaved_warning, param_group_warnings  # inputs
 from components.config import TrainConfig
+from components import processes  # the ranks met, the process group made on the store they met in
 from components.processes import catch_stop_signals, compute_dtype, error_line, exit_code, fail, init_processes
 
 
@@ -749,19 +750,21 @@ def setup(cfg: TrainConfig):
     if cfg.steps > 0 and not cfg.from_ckpt:
         mcfg, windows, eval_windows = run_data.open_data(cfg, mcfg)
 
-    rank, world, device = init_processes(cfg)
-    # What each rank reads from its own machine (host memory, packages, limits, its GPU), gathered and decided the
-    # same on every rank: one line per problem on every rank before any weights are read (agree.py).
+    device = processes.pick_device(cfg)
+    store, rank, world = processes.rendezvous(cfg)  # torchrun's store: the ranks met, NCCL not yet touched
+    # What each rank reads from its own machine (host memory, packages, limits, its GPU), gathered over the store and
+    # decided the same on every rank: one line per problem on every rank before NCCL or any weights (agree.py).
     warnings = config_warnings(cfg) + param_group_warnings(cfg, mcfg)  # allowed, but probably not meant
     unsaved = flash_attn_unsaved_warning(SAVED_OPS) if "selective" in (cfg.ac, cfg.ac_rest) else None
-    facts = agree.gather_json(agree.read_facts(cfg, mcfg, world, device, state_bytes_per_param,
-                                               warnings + ([unsaved] if unsaved else []), windows), device)
+    facts = agree.gather_over_store(store, "facts", agree.read_facts(cfg, mcfg, world, device, state_bytes_per_param,
+                                    warnings + ([unsaved] if unsaved else []), windows), rank, world, device)
     problems, warnings, async_save = agree.decide(facts)
     if problems:
-        fail("\nerror: ".join(problems), together=True)
+        processes.fail_before_group("\nerror: ".join(problems), store, rank, world)
     for warning in warnings if rank == 0 else []:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     agreed = dict(async_save=async_save, hosts=[f["host"] for f in facts])
+    processes.make_group(cfg, store, rank, world, device, agreed["hosts"])  # its first contact under --first_contact_s
     disk.make_group(cfg.ckpt_timeout_min)  # saves and resumes wait longer: their own group (disk.py)
     threads = O.optimizer_threads(cfg, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(os.sched_getaffinity(0)))
     if threads:
@@ -778,7 +781,7 @@ def setup(cfg: TrainConfig):
     # After --overwrite, what is left is this run's own: a restart's checkpoints (overwrite_once).
     resumes = not cfg.from_ckpt and (cfg.resume == "auto" or cfg.overwrite)
     candidates = agree.resume_candidates(ckpt_root, rank, agreed["hosts"], device) if resumes else []  # every rank's
-    step = position = 0
+    step, position, load_started_s = 0, 0, time.perf_counter()
     if cfg.from_ckpt:  # weights to export, not to train
         step = disk.load_weights(weights, sharded.units, "--from_ckpt")["step"]
         if rank == 0:
@@ -790,6 +793,9 @@ def setup(cfg: TrainConfig):
         if taken_and_new and rank == 0:
             print(f"started from the weights of checkpoint {weights} (a new phase: step 1, a fresh optimizer and data "
                   f"position); {taken_and_new}", flush=True)
+    slow_load = agree.loads_waited(load_started_s, rank, agreed["hosts"])  # every rank's weights read: --ckpt_timeout_min
+    if slow_load and rank == 0:
+        print(f"warning: {slow_load}", file=sys.stderr, flush=True)
     if cfg.offload_optimizer:  # the device copies of the host master shards just filled
         O.refresh_compute_shards(sharded.units)
     return sharded, windows, eval_windows, step, position, agreed

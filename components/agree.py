@@ -7,8 +7,8 @@ splits the job: a rank that saves in the background skips the all-gather that a 
 (a hang at the first save, hours in); a rank that still reads the previous `latest` loads step 400 while
 the others load 500, and the run trains on from both.
 
-So each such fact is read on every rank (read_facts), gathered in one all-gather (gather_json), and decided
-from the whole list by the same function on every rank (decide): the same decision everywhere, or the same
+So each such fact is read on every rank (read_facts), gathered over the rendezvous store before NCCL exists
+(gather_over_store), and decided from the whole list by the same function on every rank (decide): the same decision everywhere, or the same
 refusal on every rank, one line per problem naming the ranks and hosts, before any weights are read. The
 checkpoint to resume from is agreed the same way once the out_dir is claimed (resume_candidates).
 docs/operations.md, "What every rank agrees on", lists the facts and the rule for each.
@@ -47,6 +47,15 @@ SHM_LEAST_BYTES = 1 * GIB
 # every rank looks again. Past it, the newest checkpoint every rank sees is used, with one line saying so.
 CHECKPOINT_WAIT_S = 90.0
 CHECKPOINT_POLL_S = 3.0
+# A GPU short of free memory at start-up is looked at again for this long before decide refuses it: a previous
+# attempt's process (torchrun's restart, a requeue onto the same node) still exiting gives its memory back within
+# seconds of its end; still held after a minute, it is another job's, or a process that cannot exit.
+GPU_RELEASE_WAIT_S = 60.0
+GPU_RELEASE_POLL_S = 2.0
+# A rank whose weights took longer than this many times the other ranks' median, and at least LOAD_NOTE_LEAST_S longer,
+# is named after the load (loads_waited): its node's disk or mount is worth a look before the next restart.
+LOAD_NOTE_FACTOR = 2.0
+LOAD_NOTE_LEAST_S = 5.0
 
 
 # Flags that name files or folders: a node may reach the same ones by another path (its own mount point, a copy
@@ -72,6 +81,24 @@ def gather_json(value, device) -> list:
     disk.all_gather_flat(everyone, padded)
     rows = everyone.view(world, longest).cpu()
     return [json.loads(bytes(rows[r, :n].tolist())) for r, n in enumerate(sizes.tolist())]
+
+
+def gather_over_store(store, name: str, value, rank: int, world: int, device) -> list:
+    """`value` from every rank, in rank order, through the rendezvous store (processes.rendezvous): a key per rank,
+    each rank waiting for all of them for the store's timeout (--timeout_min). No process group, so no NCCL: what
+    the ranks read reaches every rank whatever NCCL's state. Without a store (a caller's group: bench/), over the
+    group (gather_json). A rank that never sends is named; the line's exit code is 1 (it may come on a restart)."""
+    if store is None:
+        return gather_json(value, device)
+    store.set(f"{name}/{rank}", json.dumps(value, sort_keys=True))
+    keys = [f"{name}/{r}" for r in range(world)]
+    try:
+        store.wait(keys)
+    except (RuntimeError, dist.DistError) as e:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise RuntimeError(f"rank(s) {', '.join(map(str, missing))} of {world} did not reach start-up's agreement "
+                           f"({name}) within --timeout_min ({type(e).__name__}): their own output says why") from None
+    return [json.loads(store.get(key)) for key in keys]
 
 
 def who(ranks: list[int], hosts: list[str]) -> str:
@@ -176,14 +203,21 @@ def gpu_memory(cfg, mcfg, world: int, device) -> dict | None:
     what the run will ask PyTorch's allocator for at its peak (the planner's, less its allowance for the context)."""
     if device.type != "cuda":
         return None
-    try:
-        free, total = torch.cuda.mem_get_info(device)
-    except RuntimeError as e:  # a GPU in a bad state: said by decide on every rank, not raised on this one alone
-        return dict(index=device.index, error=next(iter(str(e).splitlines()), type(e).__name__))
-    figures = P.run_memory_gib(mcfg, cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                               torch.cuda.get_device_name(device))
-    need = None if figures is None else (figures["peak_gib"] - figures["context_gib"]) * GIB
-    return dict(index=device.index, free=free, total=total, reserved=torch.cuda.memory_reserved(device), need=need)
+    need = None
+    deadline_s = time.monotonic() + GPU_RELEASE_WAIT_S
+    while True:
+        try:
+            free, total = torch.cuda.mem_get_info(device)
+        except RuntimeError as e:  # a GPU in a bad state: said by decide on every rank, not raised on this one alone
+            return dict(index=device.index, error=next(iter(str(e).splitlines()), type(e).__name__))
+        if need is None:
+            figures = P.run_memory_gib(mcfg, cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                                       torch.cuda.get_device_name(device))
+            need = None if figures is None else (figures["peak_gib"] - figures["context_gib"]) * GIB
+        reserved = torch.cuda.memory_reserved(device)
+        if need is None or free + reserved >= need or time.monotonic() >= deadline_s:
+            return dict(index=device.index, free=free, total=total, reserved=reserved, need=need)
+        time.sleep(GPU_RELEASE_POLL_S)  # a previous attempt's process still exiting (processes.py's policy)
 
 
 def code_sha256() -> str:
@@ -259,13 +293,15 @@ def decide(facts: list[dict]) -> tuple[list[str], list[str], bool]:
         gpu = f["gpu"]
         if gpu and "error" in gpu:
             problems.append(f"{who([rank], hosts)}: GPU {gpu['index']} cannot say its free memory ({gpu['error']}): "
-                            f"nvidia-smi -q shows its state; leave the node out (sbatch --exclude)")
+                            f"nvidia-smi -q shows its state; leave the node out (sbatch --exclude={hosts[rank]})")
         elif gpu and gpu["need"] is not None and gpu["free"] + gpu["reserved"] < gpu["need"]:
             held = (gpu["total"] - gpu["free"] - gpu["reserved"]) / GIB
             problems.append(f"{who([rank], hosts)}: GPU {gpu['index']} has {gpu['free'] / GIB:.1f} GiB free of "
                             f"{gpu['total'] / GIB:.1f}, and the run needs {gpu['need'] / GIB:.1f} GiB for PyTorch at its "
                             f"peak (--plan's, less the context); {held:.1f} GiB are held outside this process's "
-                            f"allocator: another process on the GPU? (nvidia-smi)")
+                            f"allocator, still after {GPU_RELEASE_WAIT_S:g} s: another job's process on the GPU "
+                            f"(nvidia-smi names it), or one that cannot exit; leave the node out (sbatch "
+                            f"--exclude={hosts[rank]})")
     warnings = said_by([f["warnings"] for f in facts], hosts)
     return problems, warnings, all(f["async_save"] for f in facts)
 
@@ -332,6 +368,28 @@ def resume_candidates(root: str, rank: int, hosts: list[str], device) -> list[st
     if note and rank == 0:
         print(f"warning: {note}", file=sys.stderr, flush=True)
     return paths
+
+
+# -- after the weights are read --------------------------------------------------------------------------
+
+def loads_waited(started_s: float, rank: int, hosts: list[str]) -> str | None:
+    """Every rank waits here for the others' weights (--init_from, a resume), on the checkpoint group, whose
+    timeout is --ckpt_timeout_min: a node that reads slowly (a cold network filesystem, a slow disk) is waited for,
+    not cut off by the step's --timeout_min at the first collective after it. Each rank's load seconds (since
+    `started_s`, time.perf_counter) are gathered in that wait; the line naming the slowest rank when it took more
+    than LOAD_NOTE_FACTOR x the other ranks' median, or None."""
+    seconds = torch.zeros(len(hosts), dtype=torch.float64)
+    disk.all_gather_flat(seconds, torch.tensor([time.perf_counter() - started_s], dtype=torch.float64),
+                         group=disk.group)
+    seconds = seconds.tolist()
+    slowest = max(range(len(seconds)), key=lambda r: seconds[r])
+    others = seconds[:slowest] + seconds[slowest + 1:]  # beside the rest: at W = 2 the median holds the slowest
+    median = statistics.median(others) if others else seconds[slowest]
+    if seconds[slowest] < max(LOAD_NOTE_FACTOR * median, median + LOAD_NOTE_LEAST_S):
+        return None
+    return (f"{who([slowest], hosts)} read its weights in {seconds[slowest]:.1f} s, the other ranks' median "
+            f"{median:.1f} s: the others waited for it (--ckpt_timeout_min); its node's disk or filesystem mount is "
+            f"worth a look")
 
 
 # -- before step 1: the plan's assumptions measured on the run's own GPUs and fabric ---------------------------

@@ -85,6 +85,8 @@ def check_config(cfg, world: int) -> list[str]:
         errors.append("--max_skipped_steps and --gpu_hour_usd must be >= 0, --timeout_min > 0")
     if cfg.ckpt_timeout_min <= 0:
         errors.append(f"--ckpt_timeout_min: must be > 0, got {cfg.ckpt_timeout_min}")
+    if cfg.first_contact_s <= 0:
+        errors.append(f"--first_contact_s: must be > 0, got {cfg.first_contact_s:g}")
     if cfg.keep_ckpts < 2 or cfg.ckpt_every < 0:
         errors.append(f"--keep_ckpts must be >= 2 and --ckpt_every >= 0, got {cfg.keep_ckpts}, {cfg.ckpt_every}")
     for flag, path in (("--init_from", cfg.init_from), ("--from_ckpt", cfg.from_ckpt)):

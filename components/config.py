@@ -76,6 +76,11 @@ class TrainConfig:
     timeout_min: float = opt(10.0, "a collective waiting longer than this (a dead or hung rank) ends the run")
     ckpt_timeout_min: float = opt(60.0, "the same for the collectives around a checkpoint save or resume, which wait for "
                                         "every rank's file (12 B per parameter / W, 53 GB per rank for 70B on 16 GPUs)")
+    # NCCL forms a 16-GPU communicator in seconds and thousands of GPUs' in about a minute (its bootstrap, then the
+    # rings and trees); three minutes is ample for a healthy start, and a hang (a wrong interface, PCIe ACS) is said
+    # 7 minutes before --timeout_min's default would end it, after which a restart would hang the same way.
+    first_contact_s: float = opt(180.0, "the process group's first contact (NCCL's set-up and one all-reduce) not done "
+                                        "within this many seconds: every rank says what to check and exits 2")
     gpu_hour_usd: float = opt(0.0, "price of one GPU-hour: the step line and metrics.jsonl add dollars")
     tensorboard: bool = opt(False, "also log to OUT_DIR/tensorboard (needs the tensorboard package)")
     plot: str = opt("", "only plot: write DIR/metrics.png from DIR/metrics.jsonl (needs matplotlib)")

@@ -68,11 +68,16 @@ def make_group(timeout_min: float):
         dist.destroy_process_group(probe)
     except (RuntimeError, dist.DistError) as e:
         cause = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise RuntimeError(f"the checkpoint group (gloo: TCP between every pair of ranks) did not connect within "
+        raise GroupUnreachable(f"the checkpoint group (gloo: TCP between every pair of ranks) did not connect within "
                            f"{GLOO_CONNECT_TIMEOUT_S:g} s ({cause}): gloo listens on the address this host's name "
                            f"resolves to unless GLOO_SOCKET_IFNAME names the interface between the nodes; every node "
                            f"must reach the others on any TCP port") from None
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_min))
+
+
+class GroupUnreachable(RuntimeError):
+    """The checkpoint group's gloo could not connect, after every rank met in the store: an interface or a firewall,
+    which a restart meets again (processes.exit_code: 2)."""
 
 
 class CheckpointError(Exception):

@@ -1,5 +1,5 @@
-"""Fault injection, for the tests only: train.py and disk.py call `hook` at two points (the start of each step,
-each rank's checkpoint file written) when ZERO3_FAULT is set together with ZERO3_ALLOW_FAULTS=1 (the tests set
+"""Fault injection, for the tests only: train.py, disk.py and processes.py call `hook` at three points (the start
+of each step, each rank's checkpoint file written, the process group's first contact) when ZERO3_FAULT is set together with ZERO3_ALLOW_FAULTS=1 (the tests set
 both), and not at all otherwise. The step itself holds no seam: the mid-step faults strike from a forward hook
 (PyTorch's own extension point) on the model's final norm, the head's first module.
 
@@ -11,6 +11,8 @@ both), and not at all otherwise. The step itself holds no seam: the mid-step fau
                      (--async_save: in the writer thread, while the next steps train)
       slow_save      that file takes SECONDS longer to write (--async_save: the writer thread sleeps)
     ZERO3_FAULT=slow:SECONDS                 every step takes SECONDS longer (at its start)
+    ZERO3_FAULT=late_contact:RANK:SECONDS    this rank reaches the process group's first contact SECONDS late
+                                             (processes.make_group: a rank hung before NCCL's set-up)
     ZERO3_FAULT_ONCE=FILE                    a fault fires once: FILE records that it did, so a restarted
                                              job runs clean
     ZERO3_ALLOW_FAULTS=1                     the test-only allowance: without it a ZERO3_FAULT left over in
@@ -29,10 +31,13 @@ IN_SAVE = ("kill_in_save", "slow_save")
 def spec_error(value: str) -> str | None:
     """What is wrong with a ZERO3_FAULT value, as one line, or None when hook can read it."""
     spec = value.split(":")
-    usage = f"ZERO3_FAULT={value!r} is not KIND:STEP[:RANK[:SECONDS]] or slow:SECONDS (components/faults.py)"
+    usage = (f"ZERO3_FAULT={value!r} is not KIND:STEP[:RANK[:SECONDS]], slow:SECONDS or late_contact:RANK:SECONDS "
+             f"(components/faults.py)")
     try:
         if spec[0] == "slow":
             return None if len(spec) == 2 and float(spec[1]) >= 0 else usage
+        if spec[0] == "late_contact":
+            return None if len(spec) == 3 and int(spec[1]) >= 0 and float(spec[2]) >= 0 else usage
         if spec[0] not in MID_STEP + IN_SAVE or not 2 <= len(spec) <= 4 or int(spec[1]) < 1:
             return usage
         if len(spec) > 2 and spec[2]:
@@ -63,9 +68,16 @@ def allowed_hook(env=os.environ):
 
 
 def hook(where: str, step: int, rank: int, model=None):
-    """where: 'step' (train.main, as each step starts; `model`: the sharded model's modules) or 'save'."""
+    """where: 'step' (train.main, as each step starts; `model`: the sharded model's modules), 'save' or 'contact'
+    (processes.make_group, before the first contact; `step` is 0)."""
     spec = os.environ.get("ZERO3_FAULT", "").split(":")
     kind = spec[0]
+    if kind == "late_contact":
+        if where == "contact" and int(spec[1]) == rank:
+            time.sleep(float(spec[2]))
+        return
+    if where == "contact":
+        return
     if kind == "slow":
         if where == "step":
             time.sleep(float(spec[1]))

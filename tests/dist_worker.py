@@ -147,8 +147,11 @@ def facts(overrides: dict):
     hostname resolves to), netns (another machine's loopback), memlock (bytes), host_memory (bytes), flash_attn (a
     version installed), and checkpoints_up_to (a name: this rank does not see the newer step_* folders, and reads an
     older `latest`, as a node whose NFS or Lustre client still caches the listing before the last save), gpu_now (its
-    GPU's name and memory outside PyTorch's allocator, as agree.before_step_one reads them). What the
-    code reads is replaced where it reads it, so the same patches apply to the code before components/agree.py too."""
+    GPU's name and memory outside PyTorch's allocator, as agree.before_step_one reads them), read (values merged into
+    what agree.read_facts returns: {"nccl": "2.21.5"} makes a CPU rank report NCCL as a GPU rank does),
+    init_fails (a message: init_process_group raises it, as NCCL's set-up does when ibv_reg_mr fails), and
+    slow_load_s (this rank's --init_from or resume takes that many seconds longer). What the code reads is
+    replaced where it reads it, so the same patches apply to the code before components/agree.py too."""
     import types
     from components import checks, disk
     try:
@@ -172,6 +175,20 @@ def facts(overrides: dict):
         M.flash_attn_func = M.flash_attn_varlen_func = lambda *a, **k: None  # CPU: never called (model.uses_flash)
     if "gpu_now" in overrides and agree:  # {"name": a CUDA device name, "outside": bytes, "total": bytes}
         agree.gpu_now = lambda device: overrides["gpu_now"]
+    if "read" in overrides and agree:
+        read_facts = agree.read_facts
+        agree.read_facts = lambda *a, **k: {**read_facts(*a, **k), **overrides["read"]}
+    if "init_fails" in overrides:
+        def init_process_group(*args, **kwargs):
+            raise RuntimeError(overrides["init_fails"])
+        torch.distributed.init_process_group = init_process_group
+    if "slow_load_s" in overrides:
+        import time
+        for name in ("init_weights", "resume"):
+            def slow(*args, load=getattr(disk, name), **kwargs):
+                time.sleep(overrides["slow_load_s"])
+                return load(*args, **kwargs)
+            setattr(disk, name, slow)
     if "checkpoints_up_to" in overrides:
         newest, list_checkpoints = overrides["checkpoints_up_to"], disk.list_checkpoints
         disk.list_checkpoints = lambda root: [p for p in list_checkpoints(root) if os.path.basename(p) <= newest]

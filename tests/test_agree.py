@@ -9,6 +9,7 @@ import errno
 import json
 import shutil
 import subprocess
+import time
 
 import pytest
 from common import DIST_WORKER, model_and_tokens, read_metrics, run_script, run_train, stopped_at
@@ -200,7 +201,45 @@ def test_a_gpu_that_cannot_say_its_memory_is_named():
     facts[1]["gpu"] = dict(index=1, error="CUDA error: an illegal memory access was encountered")
     assert agree.decide(facts)[0] == ["rank 1 (node0): GPU 1 cannot say its free memory (CUDA error: an illegal memory "
                                       "access was encountered): nvidia-smi -q shows its state; leave the node out "
-                                      "(sbatch --exclude)"]
+                                      "(sbatch --exclude=node0)"]
+
+
+def held_gpu(monkeypatch, free_gib_by_look: list[float]) -> list[float]:
+    """agree.gpu_memory's readings of an 80 GiB GPU whose free memory is the next of `free_gib_by_look` at each
+    look (the last one from then on), for a run that needs 70 GiB; no waiting between looks. Returns the times
+    it looked."""
+    looks = []
+
+    def mem_get_info(device):
+        looks.append(agree.time.monotonic())
+        return free_gib_by_look[min(len(looks), len(free_gib_by_look)) - 1] * GIB, 80 * GIB
+    monkeypatch.setattr(agree.torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(agree.torch.cuda, "memory_reserved", lambda device: 0)
+    monkeypatch.setattr(agree.torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(agree.P, "run_memory_gib", lambda *a: dict(peak_gib=71.25, context_gib=1.25))
+    monkeypatch.setattr(agree, "GPU_RELEASE_POLL_S", 0.01)
+    return looks
+
+
+def test_a_gpu_still_held_by_a_previous_attempt_is_waited_for_and_one_held_past_the_wait_names_its_node(monkeypatch):
+    """The exit-code policy (processes.py): a GPU short of free memory because a previous attempt's process is still
+    exiting is transient, so it is looked at again until it is given back (the run goes on, no restart spent); one
+    still held after GPU_RELEASE_WAIT_S is another job's or a process that cannot exit, refused with exit 2 (as
+    every refusal of decide) and a line naming the node to leave out. Before, the first look refused it."""
+    cfg, device = T.parse_args([]), T.torch.device("cuda", 0)
+    looks = held_gpu(monkeypatch, [2.0, 2.0, 75.0])
+    gpu = agree.gpu_memory(cfg, None, 8, device)
+    assert len(looks) == 3 and gpu == dict(index=0, free=75 * GIB, total=80 * GIB, reserved=0, need=70 * GIB)
+    assert agree.decide(two_nodes(gpu=gpu))[0] == []
+    monkeypatch.setattr(agree, "GPU_RELEASE_WAIT_S", 0.3)
+    looks = held_gpu(monkeypatch, [2.0])
+    gpu = agree.gpu_memory(cfg, None, 8, device)
+    assert gpu["free"] == 2 * GIB and looks[-1] - looks[0] >= 0.3 and len(looks) > 3
+    problems = agree.decide(two_nodes(gpu=gpu))[0]
+    assert problems == [f"rank {r} (node1): GPU 0 has 2.0 GiB free of 80.0, and the run needs 70.0 GiB for PyTorch at "
+                        f"its peak (--plan's, less the context); 78.0 GiB are held outside this process's allocator, "
+                        f"still after 0.3 s: another job's process on the GPU (nvidia-smi names it), or one that cannot "
+                        f"exit; leave the node out (sbatch --exclude=node1)" for r in (2, 3)]
 
 
 def test_a_view_that_catches_up_within_the_wait_resumes_from_the_newest(monkeypatch, capsys):
@@ -349,6 +388,84 @@ def test_a_rank_with_a_stale_view_of_the_out_dir_resumes_with_the_others_and_the
         env = json.loads((out / f"env_rank{rank}.json").read_text())
         assert env == dict(NCCL_NVLS_ENABLE="1", PYTORCH_ALLOC_CONF="expandable_segments:True", TORCH_FR_BUFFER_SIZE="2000",
                            TORCH_NCCL_DUMP_ON_TIMEOUT="1", TORCH_FR_DUMP_TEMP_FILE=f"{out}/nccl_trace/rank_")
+
+
+# -- start-up's facts before NCCL; the first contact under a deadline; the load waited for (issue 51) -----------
+
+def test_decides_refusals_reach_every_rank_before_a_process_group_that_cannot_form(files, tmp_path):
+    """Two GPU nodes (as their facts say), node1's locked-memory limit 64 KiB, and a process group whose creation
+    fails as NCCL's does when ibv_reg_mr cannot lock its buffers. The facts travel over the rendezvous store, so
+    decide's refusal is every rank's line, exit 2, and the process group is never tried. Before, the group was made
+    first: its error (exit 1, restarted into the same failure) was all anyone saw, and the memlock line never came."""
+    nccl = "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error\nLast error:\nCall to ibv_reg_mr failed"
+    node = lambda host, **more: dict(host=host, netns=host, gloo=None, read={"nccl": "2.21.5"},  # noqa: E731
+                                     init_fails=nccl, **more)
+    proc = run_facts(FLAGS + files, tmp_path, {"0": node("node0", memlock=-1), "1": node("node1", memlock=64 * 1024)})
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    memlock = "error: rank 1 (node1): the locked-memory limit is 0.0625 MiB (ulimit -l): NCCL cannot register"
+    assert len(lines) == 2 and all(line.startswith(memlock) for line in lines), proc.stderr[-3000:]
+    assert "ibv_reg_mr" not in proc.stderr and proc.first_failure["exit_code"] == 2
+
+
+def test_a_rank_that_never_reaches_the_first_contact_is_named_by_every_other_rank_within_the_deadline(files, tmp_path):
+    """Rank 2 of 3 reaches the process group's first contact 120 s late (as a rank hung in its set-up would). The
+    others, past --first_contact_s 8, each print one line naming it and what to check, and exit 2, long before
+    --timeout_min's minute: a restart would hang the same way. Before, they waited for --timeout_min (exit 1, and
+    torchrun restarted into the same hang)."""
+    t0 = time.monotonic()
+    proc = run_train(FLAGS + files + [f"--out_dir={tmp_path}", "--first_contact_s=8", "--batch_size=6"], nproc=3, check=False,
+                     env={"ZERO3_FAULT": "late_contact:2:120"}, timeout=200)
+    elapsed_s = time.monotonic() - t0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    host = agree.host_name()
+    assert sorted(line.split(":")[1] for line in lines) == [f" rank 0 ({host})", f" rank 1 ({host})"], proc.stderr[-3000:]
+    for line in lines:
+        assert line.endswith(f"the process group's first contact (gloo: init_process_group and one all-reduce) did not "
+                             f"complete within --first_contact_s 8: rank 2 ({host}) never reached it (hung or slow before "
+                             f"it: its own output says where); check GLOO_SOCKET_IFNAME (the interface between the "
+                             f"nodes) and the firewall between them. A restart would hang the same way"), line
+    assert proc.first_failure["exit_code"] == 2 and proc.first_failure["rank"] in (0, 1)
+    assert elapsed_s < 50, elapsed_s  # 8 s, the set-up before it, and the agent's stop of rank 2; not 60 s nor 120
+
+
+def test_the_nccl_first_contact_line_names_what_to_check():
+    cfg = T.parse_args(["--out_dir=/shared/run"])
+    line = T.processes.first_contact_line(cfg, "nccl", 3, ["node0"] * 8 + ["node1"] * 8, [])
+    assert line.startswith("rank 3 (node0): the process group's first contact (nccl: init_process_group and one "
+                           "all-reduce) did not complete within --first_contact_s 180: every rank reached it, so the "
+                           "ranks could not connect; check the interface NCCL chose"), line
+    for what in ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "PCIe ACS", "GPUDirect", "NCCL_DEBUG=INFO", "/shared/run/nccl_trace",
+                 "A restart would hang the same way"):
+        assert what in line, what
+
+
+def test_a_rank_that_loads_slowly_is_waited_for_past_the_step_timeout_and_named(files, tmp_path):
+    """Rank 1 reads --init_from 15 s longer than rank 0; --timeout_min is 6 s. Every rank waits for the others'
+    weights on the checkpoint group (--ckpt_timeout_min), so the run trains, and rank 0 names the slow rank with
+    its seconds beside the median's. Before, rank 0 went on to its next collective and timed out after 6 s."""
+    flags = [f for f in FLAGS if not f.startswith("--timeout_min")] + ["--timeout_min=0.1", "--steps=2",
+                                                                        "--ckpt_every=0"]
+    proc = run_facts(flags + files, tmp_path, {"1": {"slow_load_s": 15}})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [line] = [line for line in proc.stderr.splitlines() if "read its weights" in line]
+    assert line.startswith(f"warning: rank 1 ({agree.host_name()}) read its weights in 1"), line
+    assert line.endswith("the others waited for it (--ckpt_timeout_min); its node's disk or filesystem mount is "
+                         "worth a look"), line
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_the_slowest_load_is_named_only_well_past_the_median(monkeypatch):
+    """Over LOAD_NOTE_FACTOR x the other ranks' median and LOAD_NOTE_LEAST_S past it: named; a spread of a few
+    seconds is not."""
+    def loads(seconds):
+        def all_gather_flat(out, mine, group):
+            out.copy_(T.torch.tensor(seconds, dtype=T.torch.float64))
+        monkeypatch.setattr(agree.disk, "all_gather_flat", all_gather_flat)
+        return agree.loads_waited(agree.time.perf_counter(), 0, ["node0", "node0", "node1", "node1"])
+    assert loads([10.0, 11.0, 12.0, 19.0]) is None  # not twice the median
+    assert loads([1.0, 1.2, 1.1, 4.0]) is None  # twice, but 3 s: noise at this scale
+    assert loads([10.0, 11.0, 12.0, 40.0]).startswith("rank 3 (node1) read its weights in 40.0 s, the other ranks' median "
+                                                      "11.0 s")
 
 
 # -- before step 1: the plan's assumptions measured (issue: the plan's assumptions measured) -------------------

@@ -298,7 +298,8 @@ def test_a_network_error_while_starting_exits_1_for_torchrun_to_retry(tmp_path):
                                                        f"--out_dir={tmp_path / 'out'}"], env=env, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
     ours = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert ours == [f"error: DistNetworkError while starting: The client socket has timed out after 1200ms while "
+    assert ours == [f"error: DistNetworkError while starting on rank 1 ({socket.gethostname()}): The client socket has "
+                    f"timed out after 1200ms while "
                     f"trying to connect to (127.0.0.1, {port}); a restart may succeed"], proc.stderr[-3000:]
     assert not fatal.exists()
 

@@ -4,6 +4,7 @@ in-process at W=1 (tests/conftest.py's main_in_process) or on two rank threads (
 one line on stderr, no traceback; only exit code 2 writes ZERO3_FATAL_FILE."""
 import errno
 import os
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -53,21 +54,43 @@ def raise_(e):
 
 OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is "
        "free. Process 4242 has 77.80 GiB memory in use.\nOf the allocated memory 0 bytes is allocated by PyTorch")
-START_UP = {  # where set-up meets it (train.py's name), the exception, the exit code, the line
+# NCCL's error as torch raises it when ibv_reg_mr cannot lock the InfiniBand buffers: the cause on its last line.
+IBV_REG_MR = ("NCCL error in: /opt/pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1970, unhandled system error "
+              "(run with NCCL_DEBUG=INFO for details), NCCL version 2.21.5\nncclSystemError: System call (e.g. socket, "
+              "malloc) or external library call failed or device error. \nLast error:\nCall to ibv_reg_mr failed with "
+              "error Cannot allocate memory")
+GLOO = ("the checkpoint group (gloo: TCP between every pair of ranks) did not connect within 120 s (Timed out connecting "
+        "to 10.0.0.2:41233): gloo listens on the address this host's name resolves to unless GLOO_SOCKET_IFNAME names "
+        "the interface between the nodes; every node must reach the others on any TCP port")
+HERE = f"rank 0 ({socket.gethostname()})"  # RANK unset: one process
+# The exit-code policy (processes.py), case by case: where set-up meets it (a name train.setup calls), the exception,
+# the exit code, the line.
+START_UP = {
     "CUDA OOM, the GPU still held": ("build_sharded_model", torch.cuda.OutOfMemoryError(OOM), 1,
-                                     "OutOfMemoryError while starting: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 "
-                                     "has a total capacity of 79.19 GiB of which 1.06 GiB is free. Process 4242 has 77.80 "
-                                     "GiB memory in use (at train.py:{line}); a restart may succeed"),
-    "process group init": ("init_processes", RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system "
-                                                          "error (run with NCCL_DEBUG=INFO for details)"), 1,
-                           "RuntimeError while starting: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system "
-                           "error (run with NCCL_DEBUG=INFO for details) (at train.py:{line}); a restart may succeed"),
+                                     f"OutOfMemoryError while starting on {HERE}: CUDA out of memory. Tried to allocate "
+                                     "2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.06 GiB is free. Process "
+                                     "4242 has 77.80 GiB memory in use (at train.py:{line}); a restart may succeed"),
+    "process group init": ("processes.make_group", RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled "
+                                                                "system error (run with NCCL_DEBUG=INFO for details)"), 1,
+                           f"RuntimeError while starting on {HERE}: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled "
+                           "system error (run with NCCL_DEBUG=INFO for details) (at train.py:{line}); a restart may succeed"),
+    "NCCL's cause on a later line": ("processes.make_group", RuntimeError(IBV_REG_MR), 1,
+                                     f"RuntimeError while starting on {HERE}: NCCL error in: /opt/pytorch/torch/csrc/"
+                                     "distributed/c10d/ProcessGroupNCCL.cpp:1970, unhandled system error (run with "
+                                     "NCCL_DEBUG=INFO for details), NCCL version 2.21.5: Call to ibv_reg_mr failed with "
+                                     "error Cannot allocate memory (at train.py:{line}); a restart may succeed"),
+    "NCCL with no cause given": ("processes.make_group", RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:2023, internal "
+                                                                      "error, NCCL version 2.21.5"), 1,
+                                 f"RuntimeError while starting on {HERE}: NCCL error in: ProcessGroupNCCL.cpp:2023, "
+                                 "internal error, NCCL version 2.21.5; run with NCCL_DEBUG=INFO for NCCL's own account "
+                                 "of it (at train.py:{line}); a restart may succeed"),
     "an ECC error": ("build_sharded_model", RuntimeError("CUDA error: uncorrectable ECC error encountered\nCUDA kernel errors "
                                                   "might be asynchronously reported"), 1,
-                     "RuntimeError while starting: CUDA error: uncorrectable ECC error encountered (at train.py:{line}); "
-                     "a restart may succeed"),
+                     f"RuntimeError while starting on {HERE}: CUDA error: uncorrectable ECC error encountered (at "
+                     "train.py:{line}); a restart may succeed"),
     "a type nobody listed": ("build_sharded_model", NobodyListed("something new"), 1,
-                             "NobodyListed while starting: something new (at train.py:{line}); a restart may succeed"),
+                             f"NobodyListed while starting on {HERE}: something new (at train.py:{{line}}); a restart may "
+                             "succeed"),
     "an I/O error": ("build_sharded_model", OSError(errno.EIO, os.strerror(errno.EIO), "/shared/x"), 1,
                      "OSError while starting: /shared/x: Input/output error; a restart may succeed"),
     # Shown to repeat: a restart would meet them again.
@@ -82,6 +105,7 @@ START_UP = {  # where set-up meets it (train.py's name), the exception, the exit
     "a missing package": ("build_sharded_model", ImportError("--tensorboard needs the tensorboard package: pip install "
                                                       "tensorboard"), 2,
                           "--tensorboard needs the tensorboard package: pip install tensorboard"),
+    "an unreachable gloo address": ("disk.make_group", disk.GroupUnreachable(GLOO), 2, GLOO),  # configuration, not luck
 }
 
 
@@ -96,7 +120,9 @@ def call_line(name: str) -> int:
 def test_a_start_up_fault_is_one_line_and_only_what_repeats_stops_for_good(main_in_process, tmp_path, monkeypatch,
                                                                            capsys, fatal_file, case):
     where, exception, code, line = START_UP[case]
-    monkeypatch.setattr(T, where, raise_(exception))
+    monkeypatch.delenv("NCCL_DEBUG", raising=False)
+    owner, _, name = where.rpartition(".")
+    monkeypatch.setattr(getattr(T, owner) if owner else T, name, raise_(exception))
     assert main_in_process(tiny_run(tmp_path)) == code
     assert only_line(capsys.readouterr().err) == f"error: {line.format(line=call_line(where))}"
     assert fatal_file.exists() == (code == 2)

@@ -5,6 +5,7 @@ import types
 
 import pytest
 import torch
+import torch.distributed as dist
 from common import planner_assumptions, small_config
 
 import model as M
@@ -57,12 +58,14 @@ def test_the_gpu_memory_is_printed_by_rank_0_on_cuda_beside_the_planners_figure(
 @pytest.mark.parametrize("device,rank_env", [("cuda", True), ("cuda", False), ("cpu", True)])
 def test_the_nccl_group_is_bound_to_the_ranks_gpu_so_its_set_up_fails_at_start(monkeypatch, device, rank_env):
     """init_process_group(device_id=cuda:LOCAL_RANK) makes NCCL connect at once (a broken set-up fails before
-    the first step, not at its first collective); gloo on CPU gets no device."""
-    calls = []
+    the first step, not at its first collective); gloo on CPU gets no device. The group is made on the store the
+    ranks met in (processes.rendezvous: torchrun's, under RANK)."""
+    calls, met = [], dist.HashStore()
     monkeypatch.setattr(T.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(T.dist, "rendezvous", lambda url, timeout: iter([(met, 3, 8)]))
     monkeypatch.setattr(T.dist, "init_process_group", lambda backend, **kwargs: calls.append((backend, kwargs)))
-    monkeypatch.setattr(T.dist, "get_rank", lambda: 3)
-    monkeypatch.setattr(T.dist, "get_world_size", lambda: 8)
+    monkeypatch.setattr(T.dist, "all_reduce", lambda tensor: None)  # the first contact's
+    monkeypatch.setattr(T.torch, "ones", lambda n, device: torch.zeros(n))  # no CUDA here
     monkeypatch.setattr(T.torch.cuda, "set_device", lambda d: None)
     monkeypatch.setattr(T.disk, "make_group", lambda timeout_min: None)
     monkeypatch.setenv("LOCAL_RANK", "3")
@@ -72,6 +75,9 @@ def test_the_nccl_group_is_bound_to_the_ranks_gpu_so_its_set_up_fails_at_start(m
         monkeypatch.delenv("RANK", raising=False)
     rank, world, got = T.init_processes(T.parse_args(["--device", device]))
     [(backend, kwargs)] = calls
+    assert (rank, world) == ((3, 8) if rank_env else (0, 1)) == (kwargs["rank"], kwargs["world_size"])
+    kwargs["store"].set("k", "v")  # the store the ranks met in, under this attempt's prefix
+    assert met.check(["zero3/attempt_0/k"]) == rank_env
     if device == "cuda":
         assert backend == "nccl" and kwargs["device_id"] == torch.device("cuda", 3) == got
     else:
