@@ -76,6 +76,11 @@ class TrainConfig:
     timeout_min: float = opt(10.0, "a collective waiting longer than this (a dead or hung rank) ends the run")
     ckpt_timeout_min: float = opt(60.0, "the same for the collectives around a checkpoint save or resume, which wait for "
                                         "every rank's file (12 B per parameter / W, 53 GB per rank for 70B on 16 GPUs)")
+    allow_low_memlock: bool = opt(False, "start although a node's locked-memory limit (ulimit -l) is under 1 GiB and its "
+                                         "processes lack CAP_IPC_LOCK (the nodes talk without InfiniBand, or you know "
+                                         "NCCL registers less)")
+    allow_small_shm: bool = opt(False, "start although a node's /dev/shm has under 1 GiB free (NCCL_SHM_DISABLE=1 keeps "
+                                       "NCCL out of it)")
     gpu_hour_usd: float = opt(0.0, "price of one GPU-hour: the step line and metrics.jsonl add dollars")
     tensorboard: bool = opt(False, "also log to OUT_DIR/tensorboard (needs the tensorboard package)")
     plot: str = opt("", "only plot: write DIR/metrics.png from DIR/metrics.jsonl (needs matplotlib)")

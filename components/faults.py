@@ -11,6 +11,11 @@ both), and not at all otherwise. The step itself holds no seam: the mid-step fau
                      (--async_save: in the writer thread, while the next steps train)
       slow_save      that file takes SECONDS longer to write (--async_save: the writer thread sleeps)
     ZERO3_FAULT=slow:SECONDS                 every step takes SECONDS longer (at its start)
+    ZERO3_FAULT=busy:RANK:SECONDS            every step, rank RANK burns SECONDS of CPU in its forward (its own
+                                             compute time rises; the step line names it)
+    ZERO3_FAULT=slow_matmul:RANK:SECONDS     before step 1, rank RANK's health-check matmul burns SECONDS of CPU
+                                             more each time (agree.read_health)
+    ZERO3_FAULT=wrong_matmul:RANK            before step 1, one entry of rank RANK's health-check product is off by 1
     ZERO3_FAULT_ONCE=FILE                    a fault fires once: FILE records that it did, so a restarted
                                              job runs clean
     ZERO3_ALLOW_FAULTS=1                     the test-only allowance: without it a ZERO3_FAULT left over in
@@ -24,15 +29,27 @@ import time
 
 MID_STEP = ("kill_mid_step", "nan", "hang")
 IN_SAVE = ("kill_in_save", "slow_save")
+ON_RANK = dict(busy=2, slow_matmul=2, wrong_matmul=1)  # KIND:RANK[:SECONDS]: how many fields after KIND
+
+
+def burn_cpu(seconds: float):
+    """Busy for `seconds` of this thread's CPU time: a slower GPU or CPU, as a rank's own compute time sees it
+    (a sleep would add wall time only, which collectives equalise across ranks)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
 
 
 def spec_error(value: str) -> str | None:
     """What is wrong with a ZERO3_FAULT value, as one line, or None when hook can read it."""
     spec = value.split(":")
-    usage = f"ZERO3_FAULT={value!r} is not KIND:STEP[:RANK[:SECONDS]] or slow:SECONDS (components/faults.py)"
+    usage = (f"ZERO3_FAULT={value!r} is not KIND:STEP[:RANK[:SECONDS]], slow:SECONDS, busy:RANK:SECONDS, "
+             f"slow_matmul:RANK:SECONDS or wrong_matmul:RANK (components/faults.py)")
     try:
         if spec[0] == "slow":
             return None if len(spec) == 2 and float(spec[1]) >= 0 else usage
+        if spec[0] in ON_RANK:
+            return None if len(spec) == 1 + ON_RANK[spec[0]] and int(spec[1]) >= 0 and float(spec[-1]) >= 0 else usage
         if spec[0] not in MID_STEP + IN_SAVE or not 2 <= len(spec) <= 4 or int(spec[1]) < 1:
             return usage
         if len(spec) > 2 and spec[2]:
@@ -63,12 +80,27 @@ def allowed_hook(env=os.environ):
 
 
 def hook(where: str, step: int, rank: int, model=None):
-    """where: 'step' (train.main, as each step starts; `model`: the sharded model's modules) or 'save'."""
+    """where: 'step' (train.main, as each step starts; `model`: the sharded model's modules), 'save', or 'matmul'
+    (agree.timed_matmul; `model`: the product, on that rank)."""
     spec = os.environ.get("ZERO3_FAULT", "").split(":")
     kind = spec[0]
     if kind == "slow":
         if where == "step":
             time.sleep(float(spec[1]))
+        return
+    if kind in ON_RANK:
+        if int(spec[1]) != rank:
+            return
+        if where == "matmul" and kind == "slow_matmul":
+            burn_cpu(float(spec[2]))
+        if where == "matmul" and kind == "wrong_matmul":
+            model.view(-1)[0] += 1
+        if where == "step" and kind == "busy":  # in the forward, as the step's own compute
+
+            def busy(module, args, output):
+                handle.remove()
+                burn_cpu(float(spec[2]))
+            handle = model.norm.register_forward_hook(busy)
         return
     if kind not in (MID_STEP if where == "step" else IN_SAVE) or int(spec[1]) != step:
         return
