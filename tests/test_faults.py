@@ -87,7 +87,8 @@ def test_a_leftover_fault_is_ignored_without_the_tests_allowance(files, tmp_path
     proc = subprocess.run(cmd + [f"--out_dir={tmp_path / 'malformed'}"], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1", ZERO3_FAULT="nan:three"))
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("error: ZERO3_FAULT='nan:three' is not KIND:STEP[:RANK[:SECONDS]] or slow:SECONDS "
+    assert proc.stderr.strip() == ("error: ZERO3_FAULT='nan:three' is not KIND:STEP[:RANK[:SECONDS]], slow:SECONDS, "
+                                   "busy:RANK:SECONDS, slow_matmul:RANK:SECONDS or wrong_matmul:RANK "
                                    "(components/faults.py)"), proc.stderr[-3000:]
     assert not os.path.exists(tmp_path / "malformed" / "metrics.jsonl")
 
