@@ -9,7 +9,8 @@
 #                                        under SLURM: NNODES and MASTER_ADDR come from the job (launch.sbatch)
 #   ./launch.sh --check                  all-reduce bus bandwidth across the same ranks, in the training backend
 #                                        (NCCL on GPUs) and in gloo, the checkpoint group's (bench/comm_check.py)
-# Overridable: NPROC_PER_NODE, NNODES, MASTER_ADDR, MASTER_PORT (29500), RDZV_ID, MAX_RESTARTS (3), PYTHON.
+# Overridable: NPROC_PER_NODE, NNODES, MASTER_ADDR, MASTER_PORT (29500), RDZV_ID, MAX_RESTARTS (3), PYTHON,
+# RDZV_JOIN_TIMEOUT_S (1800), RDZV_READ_TIMEOUT_S (300).
 # Under SLURM, NNODES is the job's (an exported NNODES that differs from SLURM_NNODES is an error: each node
 # would otherwise wait for a different number of nodes), as are MASTER_ADDR (an exported one that is not a
 # node of the job is ignored, with a warning) and RDZV_ID (always SLURM_JOB_ID), and one task per node is
@@ -102,7 +103,14 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
 fi
 NNODES=${NNODES:-1}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
-for name in NNODES MAX_RESTARTS ${NPROC_PER_NODE:+NPROC_PER_NODE}; do
+# torchrun's c10d rendezvous waits join_timeout (600 s by default) for every node and each store read
+# read_timeout (60 s; torch/distributed/elastic/rendezvous: dynamic_rendezvous.create_handler,
+# c10d_rendezvous_backend): a node that starts late (a container image pulled, a virtualenv imported from a
+# busy shared filesystem, a node booted by the scheduler) fails the others' rendezvous at 60 s or 10 min,
+# and each restart meets the same late node. Longer waits cost nothing when every node is on time.
+RDZV_JOIN_TIMEOUT_S=${RDZV_JOIN_TIMEOUT_S:-1800}
+RDZV_READ_TIMEOUT_S=${RDZV_READ_TIMEOUT_S:-300}
+for name in NNODES MAX_RESTARTS RDZV_JOIN_TIMEOUT_S RDZV_READ_TIMEOUT_S ${NPROC_PER_NODE:+NPROC_PER_NODE}; do
   [[ "${!name}" =~ ^[0-9]+$ ]] || { echo "launch.sh: $name must be a whole number, got '${!name}'" >&2; exit 2; }
 done
 read -r GPUS NUMA_OK < <("$PYTHON" -c "import importlib.util, torch
@@ -141,7 +149,8 @@ if [ "$NNODES" -gt 1 ]; then
     RDZV_ID=llama-zero3-$(printf '%s' "$OUT_DIR" | cksum | cut -d ' ' -f 1)
   fi
   RENDEZVOUS=(--nnodes "$NNODES" --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:${MASTER_PORT:-29500}"
-              --rdzv_id "$RDZV_ID")
+              --rdzv_id "$RDZV_ID"
+              --rdzv_conf "join_timeout=$RDZV_JOIN_TIMEOUT_S,read_timeout=$RDZV_READ_TIMEOUT_S")
 else
   RENDEZVOUS=(--standalone)
 fi

@@ -902,6 +902,7 @@ def main(argv=None):
             gc.collect()
         if fault_hook:  # the tests' faults: a rank killed, hung, slowed or given a NaN loss in this step
             fault_hook("step", step, rank, sharded.model)
+        compute_from = metrics.compute_clock(device)  # this rank's own compute, not the wall time collectives equalise
         try:
             with metrics.profile_step(cfg, step, rank, device):  # --profile STEP: a trace of this one
                 record = train_step(cfg, sharded, windows, step, position)
@@ -917,6 +918,7 @@ def main(argv=None):
             if rank == 0:
                 print(f"warning: {e} ({skipped} of at most {cfg.max_skipped_steps})", file=sys.stderr, flush=True)
             record = dict(loss=None, grad_norm=None)  # null in metrics.jsonl
+        compute_s = metrics.compute_seconds(compute_from, device)
         leftover = left_behind(sharded, step)  # a fork's bug, named here rather than training on stale weights
         if leftover:
             fail(leftover)
@@ -928,8 +930,9 @@ def main(argv=None):
         eval_loss = None
         if eval_windows is not None and (step % cfg.eval_every == 0 or step == steps):
             eval_loss = eval_windows.losses(partial(evaluate, cfg, sharded))  # each source's, and their weighted mean
-        step_times_s = metrics.step_times_by_rank(step_time_s, device)  # the slowest rank is named, not averaged away
-        log.step(step, record, lr_at(cfg, step), step_time_s, mem_gb, eval_loss, windows.progress(position), step_times_s)
+        compute_s_by_rank = metrics.compute_s_by_rank(compute_s, device)  # the slowest rank is named, not averaged away
+        log.step(step, record, lr_at(cfg, step), step_time_s, mem_gb, eval_loss, windows.progress(position),
+                 compute_s_by_rank)
         if step == start_step + 1:
             metrics.print_device_memory(cfg, sharded, f"after step {step}", "peak_gib")
         if sampler and (step % cfg.eval_every == 0 or step == steps):

@@ -148,7 +148,7 @@ def expected_per_step(mcfg: M.ModelConfig, world: int) -> dict:
     out[("step", "all_reduce", "scalar", "float32")] = (3, 3 * FP32_BYTES)  # n_tokens, loss, grad norm^2
     # stop signal, rank 0 cannot write metrics, a rank still writing / failed to write a background save
     out[("loop", "all_reduce", "4 elements", "float32")] = (1, 4 * FP32_BYTES)
-    # every rank's step time (metrics.step_times_by_rank: the step line names the slowest rank)
+    # every rank's step time (metrics.compute_s_by_rank: the step line names the slowest rank by its own compute time)
     out[("loop", "all_gather_flat", f"{world} elements", "float64")] = (1, world * 8)
     return out
 

@@ -20,8 +20,10 @@ import ipaddress
 import json
 import os
 import resource
+import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import time
 import dataclasses
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import model as M
-from components import checks, disk
+from components import checks, disk, run_data
 from components import plan as P
 
 GIB = 2**30
@@ -56,6 +58,21 @@ GPU_RELEASE_POLL_S = 2.0
 # is named after the load (loads_waited): its node's disk or mount is worth a look before the next restart.
 LOAD_NOTE_FACTOR = 2.0
 LOAD_NOTE_LEAST_S = 5.0
+# Environment variables every rank must hold alike: NCCL reads NCCL_* (and /etc/nccl.conf, NCCL_CONF_FILE's
+# default) when a communicator is made, torch's process group TORCH_NCCL_*, the allocator its setting. One node
+# with another NCCL_PROTO, NCCL_IB_HCA or NCCL_ALGO is a hang or a crash at the first collective (NVIDIA/nccl#1328).
+NCCL_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_")
+ALLOC_CONF_NAMES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+NCCL_CONF = "/etc/nccl.conf"
+# What a content digest reads of a large file: SAMPLED_CHUNKS pieces of SAMPLED_CHUNK_BYTES at evenly spaced
+# offsets, the first and the last included (1 MiB per file: 30 MiB for a 70B folder's 30 files, not 140 GB);
+# a file up to SAMPLED_WHOLE_BYTES is read whole.
+SAMPLED_CHUNKS = 16
+SAMPLED_CHUNK_BYTES = 64 * 2**10
+SAMPLED_WHOLE_BYTES = 4 * 2**20
+# The capability that lets a process lock memory past ulimit -l (capabilities(7): CAP_IPC_LOCK, bit 14; the
+# kernel's mlock and InfiniBand's ib_umem_get both skip the limit for it): root containers often have it.
+CAP_IPC_LOCK_BIT = 14
 
 
 # Flags that name files or folders: a node may reach the same ones by another path (its own mount point, a copy
@@ -183,12 +200,112 @@ def memlock_bytes() -> int:
     return -1 if soft == resource.RLIM_INFINITY else soft
 
 
-def shm_bytes(path: str = "/dev/shm") -> int | None:
+def shm_free_bytes(path: str = "/dev/shm") -> int | None:
+    """What /dev/shm has free now. Free, not its size: NCCL's segments need free space, and a /dev/shm of 64 GiB
+    that earlier jobs' leftover segments fill fails as a 64 MiB one does; the size only bounds what is free."""
     try:
         stats = os.statvfs(path)
     except OSError:
         return None
-    return stats.f_frsize * stats.f_blocks
+    return stats.f_frsize * stats.f_bavail
+
+
+def can_lock_any_memory(status: str = "/proc/self/status") -> bool:
+    """Whether this process holds CAP_IPC_LOCK in its effective set (CapEff, hex), which lifts ulimit -l."""
+    try:
+        with open(status) as f:
+            line = next((line for line in f if line.startswith("CapEff:")), "CapEff: 0")
+    except OSError:
+        return False
+    return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK_BIT & 1)
+
+
+def nccl_settings(env=os.environ) -> dict:
+    """Every NCCL_*, TORCH_NCCL_* and allocator variable this rank runs with, by name."""
+    return {name: value for name, value in sorted(env.items())
+            if name.startswith(NCCL_ENV_PREFIXES) or name in ALLOC_CONF_NAMES}
+
+
+def file_sha256(path: str) -> str | None:
+    """A small file's SHA-256 (16 hex digits), or None when it is absent."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError:
+        return None
+
+
+def files_under(path: str) -> list[str]:
+    """A file, or every file in a folder (recursively), sorted."""
+    if not os.path.isdir(path):
+        return [path]
+    return sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+
+
+def sampled_sha256(paths: list[str]) -> str | None:
+    """What these files hold, without reading them whole: per file, its name (relative to its folder), size and
+    SAMPLED_CHUNKS pieces at evenly spaced offsets (the whole file up to SAMPLED_WHOLE_BYTES). A copy cut short,
+    another revision or another file under the same name differs; a flipped byte between the pieces does not.
+    None when a file cannot be read (the run's own checks say which)."""
+    digest = hashlib.sha256()
+    try:
+        for path in paths:
+            size = os.path.getsize(path)
+            digest.update(f"{os.path.basename(path)}\0{size}\0".encode())
+            with open(path, "rb") as f:
+                if size <= SAMPLED_WHOLE_BYTES:
+                    digest.update(f.read())
+                    continue
+                for i in range(SAMPLED_CHUNKS):
+                    f.seek(i * (size - SAMPLED_CHUNK_BYTES) // (SAMPLED_CHUNKS - 1))
+                    digest.update(f.read(SAMPLED_CHUNK_BYTES))
+    except OSError:
+        return None
+    return digest.hexdigest()[:16]
+
+
+def safetensors_header(path: str) -> bytes:
+    """A .safetensors file's header: its first 8 bytes give the JSON's length (little-endian), the JSON names
+    every tensor with its dtype, shape and byte offsets (the safetensors format)."""
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        return f.read(min(length, 100 * 2**20))
+
+
+def weights_digests(folder: str) -> dict | None:
+    """--init_from's weights as a Hugging Face folder holds them: its *.safetensors files' headers, whole (every
+    tensor's name, dtype, shape and offsets), and a sampled digest of the files (sampled_sha256). None for a
+    folder without safetensors (a checkpoint of ours: its config and manifests are compared when it is read)."""
+    paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    if not paths:
+        return None
+    try:
+        headers = hashlib.sha256(b"".join(os.path.basename(p).encode() + b"\0" + safetensors_header(p)
+                                          for p in paths)).hexdigest()[:16]
+    except OSError:
+        headers = None
+    return dict(headers=headers, sampled=sampled_sha256(paths))
+
+
+def input_digests(cfg) -> dict:
+    """What --eval_data, --sample_prompts and --init_from hold, as this rank reads them (FILE_FLAGS: their paths
+    are not compared)."""
+    eval_paths = [p for _, path, _ in run_data.sources(cfg, "--eval_data") for p in files_under(path)] \
+        if cfg.eval_every and cfg.steps else []
+    return dict(eval_data=sampled_sha256(eval_paths) if eval_paths else None,
+                sample_prompts=file_sha256(cfg.sample_prompts) if cfg.sample_prompts else None,
+                init_from=weights_digests(cfg.init_from) if cfg.init_from and os.path.isdir(cfg.init_from) else None)
+
+
+def gpu_driver(version_file: str = "/proc/driver/nvidia/version") -> str | None:
+    """The NVIDIA kernel driver's version ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  ..."), or
+    None where no NVIDIA driver is loaded."""
+    try:
+        with open(version_file) as f:
+            words = f.readline().split()
+    except OSError:
+        return None
+    return next((w for w in words if w[:1].isdigit() and "." in w), None)
 
 
 def flash_attn_version() -> str | None:
@@ -240,12 +357,15 @@ def read_facts(cfg, mcfg, world: int, device, state_bytes_per_param: int, warnin
     async_fits, async_note = checks.async_save_on(cfg, mcfg, world, limit)
     problems = checks.check_flash_attn(cfg) + checks.check_host_memory(cfg, mcfg, world, state_bytes_per_param, limit)
     host = host_name()
+    cuda = device.type == "cuda"
     return dict(host=host, netns=network_namespace(), code=code_sha256(), flags=asdict(cfg), model=asdict(mcfg),
-                data=windows and [source.n_windows for source in windows.sources],
+                data=windows and [source.n_windows for source in windows.sources], inputs=input_digests(cfg),
                 torch=torch.__version__, flash_attn=flash_attn_version(),
-                nccl=".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
-                gloo=gloo_address(host), memlock=memlock_bytes(), shm=shm_bytes(),
-                gpu=gpu_memory(cfg, mcfg, world, device), async_save=async_fits,
+                nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+                driver=gpu_driver() if cuda else None, gpu_model=torch.cuda.get_device_name(device) if cuda else None,
+                env=nccl_settings(), nccl_conf=file_sha256(NCCL_CONF),
+                gloo=gloo_address(host), memlock=memlock_bytes(), ipc_lock=can_lock_any_memory(),
+                shm_free=shm_free_bytes(), gpu=gpu_memory(cfg, mcfg, world, device), async_save=async_fits,
                 problems=problems, warnings=warnings + ([async_note] if async_note else []))
 
 
@@ -263,12 +383,30 @@ def decide(facts: list[dict]) -> tuple[list[str], list[str], bool]:
     for name in facts[0]["model"]:
         other_job += differing(f"the model's {name}", [f["model"].get(name) for f in facts], hosts,
                                "the same --init_from (config.json) and data (its tokenizer) on every node")
+    for what, key in (("--eval_data (a sampled digest of its files)", "eval_data"),
+                      ("--sample_prompts (its SHA-256)", "sample_prompts")):
+        other_job += differing(what, [f["inputs"][key] for f in facts], hosts, "the same files on every node")
+    weights = [f["inputs"]["init_from"] or {} for f in facts]
+    other_job += differing("--init_from's safetensors headers (tensor names, dtypes, shapes, offsets)",
+                           [w.get("headers") for w in weights], hosts, "the same model files on every node")
+    other_job += differing(f"--init_from's weights (a digest of {SAMPLED_CHUNKS} pieces of each file)",
+                           [w.get("sampled") for w in weights], hosts, "the same model files on every node (a copy "
+                           "cut short or another revision?)")
     problems = said_by([f["problems"] for f in facts], hosts)
     if other_job:  # a node running another job: the rest of what it read is not comparable
         return other_job + problems, [], False
     for key, what in (("torch", "torch"), ("nccl", "NCCL"), ("flash_attn", "flash-attn")):
         problems += differing(what, [f[key] or "not installed" for f in facts], hosts, f"install the same {what} on every node")
+    problems += differing("the GPU driver", [f["driver"] for f in facts], hosts, "the same NVIDIA driver on every node")
+    problems += differing("the GPU model", [f["gpu_model"] for f in facts], hosts,
+                          "one GPU model for the whole job (sbatch --constraint, or --exclude the other nodes)")
+    for name in sorted({name for f in facts for name in f["env"]}):
+        problems += differing(f"the environment variable {name}", [f["env"].get(name, "unset") for f in facts], hosts,
+                              "export the same NCCL and allocator settings on every node")
+    problems += differing(f"{NCCL_CONF} (its SHA-256)", [f["nccl_conf"] or "absent" for f in facts], hosts,
+                          f"the same {NCCL_CONF} on every node, or none")
     cuda = all(f["nccl"] for f in facts)
+    allowed = facts[0]["flags"]
     ranks_on = {host: hosts.count(host) for host in hosts}
     apart = len({f["netns"] for f in facts}) > 1  # some ranks reach others only over the network
     for rank, f in enumerate(facts):
@@ -280,15 +418,19 @@ def decide(facts: list[dict]) -> tuple[list[str], list[str], bool]:
                             f"gloo (the checkpoint group: every save and resume) would listen there and no rank on "
                             f"another node could connect; set GLOO_SOCKET_IFNAME to the interface between the nodes "
                             f"(as NCCL_SOCKET_IFNAME, e.g. eth0), or map the hostname to its address in /etc/hosts")
-        if cuda and apart and 0 <= f["memlock"] < MEMLOCK_LEAST_BYTES:
-            problems.append(f"{who(mine, hosts)}: the locked-memory limit is {f['memlock'] / 2**20:g} MiB (ulimit -l): "
-                            f"NCCL cannot register its InfiniBand buffers; run with `ulimit -l unlimited` (SLURM: "
-                            f"LimitMEMLOCK=infinity in slurmd's systemd unit, or PropagateResourceLimitsExcept=MEMLOCK "
-                            f"in slurm.conf; containers: --ulimit memlock=-1)")
-        if cuda and ranks_on[f["host"]] > 1 and f["shm"] is not None and f["shm"] < SHM_LEAST_BYTES:
-            problems.append(f"{who(mine, hosts)}: /dev/shm holds {f['shm'] / 2**20:g} MiB: NCCL's shared memory between "
-                            f"the node's {ranks_on[f['host']]} ranks needs more (a container: --shm-size=1g or more, "
-                            f"or --ipc=host)")
+        low_memlock = 0 <= f["memlock"] < MEMLOCK_LEAST_BYTES and not f["ipc_lock"]  # CAP_IPC_LOCK lifts the limit
+        if cuda and apart and low_memlock and not allowed.get("allow_low_memlock"):
+            problems.append(f"{who(mine, hosts)}: the locked-memory limit is {f['memlock'] / 2**20:g} MiB (ulimit -l) "
+                            f"and the process lacks CAP_IPC_LOCK: NCCL cannot register its InfiniBand buffers; run with "
+                            f"`ulimit -l unlimited` (SLURM: LimitMEMLOCK=infinity in slurmd's systemd unit, or "
+                            f"PropagateResourceLimitsExcept=MEMLOCK in slurm.conf; containers: --ulimit memlock=-1), "
+                            f"or --allow_low_memlock if the nodes talk without InfiniBand")
+        small_shm = f["shm_free"] is not None and f["shm_free"] < SHM_LEAST_BYTES
+        if cuda and ranks_on[f["host"]] > 1 and small_shm and not allowed.get("allow_small_shm"):
+            problems.append(f"{who(mine, hosts)}: /dev/shm has {f['shm_free'] / 2**20:g} MiB free: NCCL's shared memory "
+                            f"between the node's {ranks_on[f['host']]} ranks needs more (a container: --shm-size=1g or "
+                            f"more, or --ipc=host; a full one: earlier jobs' leftover files, ls /dev/shm), or "
+                            f"--allow_small_shm if NCCL_SHM_DISABLE=1 keeps NCCL out of it")
     for rank, f in enumerate(facts):
         gpu = f["gpu"]
         if gpu and "error" in gpu:
@@ -452,17 +594,20 @@ def gpu_now(device) -> dict | None:
 
 
 def before_step_one(cfg, sharded, hosts: list[str]) -> list[str]:
-    """What --plan assumed, measured on the run's own GPUs and fabric after set-up (its collectives have made
-    NCCL's buffers), printed by rank 0 beside the plan's figures: the bus bandwidth of a unit's all-gather (a
+    """Each GPU's health (read_health: a GPU that computes wrongly or reports uncorrectable errors is a problem
+    naming its host; a slow one, skewed clocks, the allocator setting not in effect are warnings), then what --plan
+    assumed, measured on the run's own GPUs and fabric after set-up (its collectives have made NCCL's buffers),
+    printed by rank 0 beside the plan's figures: the bus bandwidth of a unit's all-gather (a
     warning under FABRIC_LEAST_FRACTION of the plan's), and what each GPU holds outside PyTorch's allocator (the
     largest of the ranks). Returns the problems, the same on every rank: a GPU that cannot hold the planned peak
     beside what it holds, with the nearest configuration that fits at the measured figure."""
     device, world = sharded.device, sharded.world
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    unhealthy, health_warnings = decide_health(gather_json(read_health(device, sharded.rank), device), hosts)
     gpu = gpu_now(device)
     name = gpu["name"] if gpu else ""
     planned = P.run_memory_gib(sharded.model.cfg, cfg, world, local_world, name) if gpu else None
-    lines, problems = [], []
+    lines, problems = [f"warning: {warning}" for warning in health_warnings], []
     if world > 1:
         unit, gbps = gather_bus_gbps(sharded)
         what = f"the all-gather of {unit} over {world} ranks"
@@ -489,12 +634,203 @@ def before_step_one(cfg, sharded, hosts: list[str]) -> list[str]:
                              "; no configuration --plan tries fits at that figure")
     for line in lines if sharded.rank == 0 else []:
         print(line, file=sys.stderr if line.startswith("warning") else sys.stdout, flush=True)
-    return problems
+    return unhealthy + problems
+
+
+# -- before step 1: each GPU's health, the clocks, the allocator's setting --------------------------------------
+
+# A GPU whose check matmul is this fraction slower than the ranks' median is named: every collective waits for
+# it, so one throttled GPU (power or thermal capping, a degraded PCIe link) slows every rank's every step.
+HEALTH_SLOWER_FRACTION = 0.2
+HEALTH_MATMUL_N = dict(cuda=8192, cpu=384)  # about 20 ms on an H100 in TF32/fp32; a few ms on a CPU core
+HEALTH_REPEATS = 5  # timed, after one to warm up; the fastest counts (interference only ever adds time)
+# torchrun's rendezvous stamps each node's heartbeat with that node's clock and drops a node whose last heartbeat
+# looks older than keep_alive_interval x keep_alive_max_attempt (5 s x 3 in torch 2.13's dynamic_rendezvous):
+# clocks 10 s apart make a live node look dead at the next restart. Named from a few seconds on.
+CLOCK_SKEW_MOST_S = 5.0
+
+
+def exact_matmul_inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two n x n matrices of integers in [-8, 8], the same on every rank (a seeded CPU generator). Their product's
+    entries are integers under 2^24, which fp32 (and TF32's 10-bit mantissa for the inputs) holds exactly in any
+    summation order: a correct GPU's result is exact, so a wrong one is told from it, not from the other ranks."""
+    generator = torch.Generator().manual_seed(0)
+    return (torch.randint(-8, 9, (n, n), generator=generator), torch.randint(-8, 9, (n, n), generator=generator))
+
+
+def timed_matmul(a, b, device, rank: int) -> tuple[torch.Tensor, float]:
+    """(a @ b, its milliseconds): CUDA events on a GPU; on a CPU this thread's CPU time, which a loaded machine
+    does not inflate as it does wall time."""
+    hook = disk.fault_hook  # tests only (faults.py): this rank's matmul slowed, or its result made wrong
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        product = a @ b
+        hook and hook("matmul", 0, rank, product)
+        end.record()
+        end.synchronize()
+        return product, start.elapsed_time(end)
+    t0 = time.thread_time()
+    product = a @ b
+    hook and hook("matmul", 0, rank, product)
+    return product, (time.thread_time() - t0) * 1e3
+
+
+def check_matmul(device, rank: int) -> dict:
+    """This rank's check matmul: the fastest of HEALTH_REPEATS (ms), and whether its row and column sums equal the
+    exact ones (computed in int64 on the CPU: A (B 1) and (1 A) B, n^2 each, not another n^3 matmul)."""
+    n = HEALTH_MATMUL_N["cuda" if device.type == "cuda" else "cpu"]
+    a, b = exact_matmul_inputs(n)
+    on_device = a.to(device, torch.float32), b.to(device, torch.float32)
+    times_ms = []
+    for _ in range(1 + HEALTH_REPEATS):
+        product, ms = timed_matmul(*on_device, device, rank)
+        times_ms.append(ms)
+    rows, cols = product.double().sum(1).cpu(), product.double().sum(0).cpu()
+    right = torch.equal(rows, (a @ b.sum(1)).double()) and torch.equal(cols, (a.sum(0) @ b).double())
+    return dict(n=n, matmul_ms=min(times_ms[1:]), wrong=not right)
+
+
+def ecc_state(report: str) -> dict:
+    """From `nvidia-smi -q -d ECC,ROW_REMAPPER` (one GPU): uncorrectable ECC errors since the driver loaded
+    (Volatile: "DRAM Uncorrectable", "SRAM Uncorrectable" on H100; "Double Bit ... Total" on older drivers), and the
+    row remapper's state (A100 and later: a remap pending until the GPU is reset, a remap that failed). Unknown lines
+    and N/A values are skipped: what the driver does not report is no fact."""
+    state = dict(volatile_uncorrectable=0, remap_pending=False, remap_failed=False)
+    section = sub = ""
+    for line in report.splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if not value:  # a heading: Volatile, Aggregate, Double Bit, Remapped Rows, ...
+            section = key.lower() if key.lower() in ("volatile", "aggregate", "remapped rows") else section
+            sub = key.lower()
+            continue
+        if section == "volatile" and value.isdigit() and ("uncorrectable" in key.lower()
+                                                           or sub == "double bit" and key == "Total"):
+            state["volatile_uncorrectable"] += int(value)
+        if section == "remapped rows" and key == "Pending":
+            state["remap_pending"] = value.lower() == "yes"
+        if section == "remapped rows" and key == "Remapping Failure Occurred":
+            state["remap_failed"] = value.lower() == "yes"
+    return state
+
+
+def gpu_ecc(device) -> dict | None:
+    """ecc_state of this rank's GPU (named by its UUID: CUDA_VISIBLE_DEVICES renumbers GPUs, nvidia-smi does not);
+    None on a CPU or without nvidia-smi."""
+    if device.type != "cuda" or not shutil.which("nvidia-smi"):
+        return None
+    try:
+        uuid = f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+        report = subprocess.run(["nvidia-smi", "-q", "-d", "ECC,ROW_REMAPPER", "-i", uuid], capture_output=True,
+                                text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError, AttributeError, RuntimeError):
+        return None
+    return ecc_state(report)
+
+
+def alloc_conf_warning(env, settings: dict | None, torch_version: str) -> str | None:
+    """A warning when the allocator setting asks for expandable segments and the CUDA allocator runs without them
+    (`settings`: its allocator_settings as read back; None where it cannot be read: no warning)."""
+    asked = [name for name in ALLOC_CONF_NAMES if "expandable_segments:true" in env.get(name, "").replace(" ", "").lower()]
+    if not asked or settings is None or settings.get("expandable_segments"):
+        return None
+    return (f"{' and '.join(asked)} asks for expandable_segments:True, but torch {torch_version}'s CUDA allocator runs "
+            f"without it (read back from torch.cuda.memory._snapshot()): freed gathered units can strand reserved "
+            f"memory, and the plan's peak assumes they do not. Some torch versions read only one of the names "
+            f"(pytorch/pytorch#183387: 2.9 ignores PYTORCH_ALLOC_CONF's expandable_segments); export both, or check "
+            f"that the driver supports CUDA's virtual memory management (expandable segments need it)")
+
+
+def allocator_settings(device) -> dict | None:
+    """What the CUDA caching allocator runs with, read back after CUDA started; None on a CPU or where this torch
+    does not report it."""
+    if device.type != "cuda":
+        return None
+    try:
+        return torch.cuda.memory._snapshot(device).get("allocator_settings")
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
+def meet(device):
+    """One all-reduce of one number, waited for: every rank leaves it after the last one arrived."""
+    token = torch.zeros(1, device=device)
+    dist.all_reduce(token)
+    token.item()
+
+
+def read_clock(device) -> dict:
+    """This rank's wall clock, read at (nearly) the same moment on every rank: after one meeting that lines the
+    ranks up, and right after a second, timed one. A rank leaves a meeting after the last rank arrived and at most
+    the meeting's own duration later than any other, so the readings are simultaneous to within the second
+    meeting's longest duration (meet_s, gathered): what a skew is measured to within."""
+    meet(device)
+    t0 = time.perf_counter()
+    meet(device)
+    meet_s = time.perf_counter() - t0
+    return dict(clock_s=time.time(), meet_s=meet_s)
+
+
+def read_health(device, rank: int) -> dict:
+    """What this rank says of its GPU (or CPU) before step 1: the check matmul, ECC and row remapping, the
+    allocator setting in effect (a warning when not), its clock."""
+    settings = allocator_settings(device)
+    note = alloc_conf_warning(os.environ, settings, torch.__version__)
+    return dict(what=f"GPU {device.index}" if device.type == "cuda" else "CPU", **check_matmul(device, rank),
+                ecc=gpu_ecc(device), warnings=[note] if note else [], **read_clock(device))
+
+
+def decide_health(health: list[dict], hosts: list[str]) -> tuple[list[str], list[str]]:
+    """(problems, warnings) from every rank's read_health: a wrong result, uncorrectable ECC errors or a row remap
+    pending or failed is a problem naming the rank, host and device (leave the node out: it fails every attempt);
+    a matmul more than HEALTH_SLOWER_FRACTION slower than the median, a clock skew over CLOCK_SKEW_MOST_S beyond
+    what the reading can tell, and the allocator setting not in effect are warnings."""
+    problems, warnings = [], []
+    exclude = lambda r: f"leave the node out (sbatch --exclude={hosts[r]})"  # noqa: E731
+    for r, h in enumerate(health):
+        if h["wrong"]:
+            problems.append(f"{who([r], hosts)}: {h['what']}'s check matmul ({h['n']} x {h['n']}, exact integers) gave "
+                            f"a wrong result: the device computes wrongly; {exclude(r)} and have it tested (dcgmi diag)")
+        ecc = h["ecc"] or {}
+        if ecc.get("volatile_uncorrectable"):
+            problems.append(f"{who([r], hosts)}: {h['what']} reports {ecc['volatile_uncorrectable']} uncorrectable ECC "
+                            f"error(s) since the driver loaded (nvidia-smi -q -d ECC): it will crash this run as it did "
+                            f"the last; {exclude(r)} and reset the GPU")
+        if ecc.get("remap_pending") or ecc.get("remap_failed"):
+            state = "a row remapping failed" if ecc.get("remap_failed") else "a row remapping is pending until a reset"
+            problems.append(f"{who([r], hosts)}: {h['what']}: {state} (nvidia-smi -q -d ROW_REMAPPER); {exclude(r)} "
+                            f"and reset the GPU (a failed remapping: replace it)")
+    median_ms = statistics.median(h["matmul_ms"] for h in health)
+    for r, h in enumerate(health):
+        if h["matmul_ms"] > (1 + HEALTH_SLOWER_FRACTION) * median_ms:
+            warnings.append(f"{who([r], hosts)}: {h['what']}'s check matmul took {h['matmul_ms']:.1f} ms, "
+                            f"{h['matmul_ms'] / median_ms - 1:.0%} over the ranks' median {median_ms:.1f} ms: every "
+                            f"collective waits for it, so every step runs at its pace; {exclude(r)}, or see its "
+                            f"throttle reasons (nvidia-smi -q -d PERFORMANCE)")
+    clocks = [h["clock_s"] for h in health]
+    skew_s, within_s = max(clocks) - min(clocks), max(h["meet_s"] for h in health)
+    if skew_s - within_s > CLOCK_SKEW_MOST_S:
+        nodes = ", ".join(f"{host} {clocks[hosts.index(host)] - min(clocks):+.1f} s" for host in dict.fromkeys(hosts))
+        warnings.append(f"the ranks' clocks differ by {skew_s:.1f} s (measured to within {within_s:.2f} s): {nodes} "
+                        f"(each node's first rank, from the earliest clock); torchrun's rendezvous compares heartbeats "
+                        f"stamped by each node's clock and drops a node whose last one looks 15 s old, so a restart "
+                        f"can lose a live node; sync the clocks (chronyc tracking, timedatectl)")
+    return problems, warnings + said_by([h["warnings"] for h in health], hosts)
 
 
 # -- the settings launch.sh used to make, made by train.py itself ---------------------------------------------
 
-def launch_settings(out_dir: str, env=os.environ):
+# The first torch release that honours PYTORCH_ALLOC_CONF alone for CUDA's expandable segments (launch_settings).
+ALLOC_CONF_ONE_NAME_FROM = (2, 11)
+
+
+def torch_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string: '2.9.1+cu128' -> (2, 9)."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def launch_settings(out_dir: str, env=os.environ, torch_version: str = torch.__version__):
     """GPU memory and diagnosis settings, in train.py's own environment before CUDA or NCCL read them, so that the
     design card's plain `torchrun ... train.py` runs as launch.sh does. A value the user exported is kept.
     - NCCL_NVLS_ENABLE=0. NVLS (NVLink SHARP, on NVSwitch systems: H100/H200 HGX) binds multicast buffers outside
@@ -505,7 +841,11 @@ def launch_settings(out_dir: str, env=os.environ):
       blocks of one size no longer strand reserved memory the next size cannot use. Safe with train.py's storage
       resize_(0)/resize_: a CUDA storage's resize_ allocates, copies and frees through the same allocator; FSDP2
       frees its unsharded parameters the same way and torchtitan runs with this setting. Read when CUDA's
-      allocator starts (the first CUDA tensor), after this. PYTORCH_CUDA_ALLOC_CONF is its deprecated name.
+      allocator starts (the first CUDA tensor), after this. PYTORCH_CUDA_ALLOC_CONF is its deprecated name, and
+      the only one some torch versions the requirements allow honour for expandable segments (pytorch/pytorch#183387:
+      2.9.1 ignores the new name's expandable_segments; verified fixed in 2.11): below ALLOC_CONF_ONE_NAME_FROM the
+      value is set under both names (torch then warns once that the old name is deprecated). read_health reads the
+      setting back once CUDA has started and warns when it is not in effect.
     - NCCL's flight recorder: the last 2000 collectives per rank, dumped when the watchdog times one out, into
       OUT_DIR/nccl_trace/rank_<N> (every node shares it, and it outlives the job) instead of torch's default
       /tmp/nccl_trace_rank_<N>, which many sites wipe; `torchfrtrace OUT_DIR/nccl_trace` names the collective and
@@ -515,6 +855,8 @@ def launch_settings(out_dir: str, env=os.environ):
             env[name] = value
     default("NCCL_NVLS_ENABLE", "0")
     default("PYTORCH_ALLOC_CONF", "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF")
+    if torch_release(torch_version) < ALLOC_CONF_ONE_NAME_FROM and env.get("PYTORCH_ALLOC_CONF"):
+        default("PYTORCH_CUDA_ALLOC_CONF", env["PYTORCH_ALLOC_CONF"])
     default("TORCH_FR_BUFFER_SIZE", "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE")
     default("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     trace = os.path.join(os.path.abspath(out_dir), "nccl_trace")

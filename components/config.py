@@ -81,6 +81,11 @@ class TrainConfig:
     # 7 minutes before --timeout_min's default would end it, after which a restart would hang the same way.
     first_contact_s: float = opt(180.0, "the process group's first contact (NCCL's set-up and one all-reduce) not done "
                                         "within this many seconds: every rank says what to check and exits 2")
+    allow_low_memlock: bool = opt(False, "start although a node's locked-memory limit (ulimit -l) is under 1 GiB and its "
+                                         "processes lack CAP_IPC_LOCK (the nodes talk without InfiniBand, or you know "
+                                         "NCCL registers less)")
+    allow_small_shm: bool = opt(False, "start although a node's /dev/shm has under 1 GiB free (NCCL_SHM_DISABLE=1 keeps "
+                                       "NCCL out of it)")
     gpu_hour_usd: float = opt(0.0, "price of one GPU-hour: the step line and metrics.jsonl add dollars")
     tensorboard: bool = opt(False, "also log to OUT_DIR/tensorboard (needs the tensorboard package)")
     plot: str = opt("", "only plot: write DIR/metrics.png from DIR/metrics.jsonl (needs matplotlib)")

@@ -1,5 +1,6 @@
-"""Fault injection, for the tests only: train.py, disk.py and processes.py call `hook` at three points (the start
-of each step, each rank's checkpoint file written, the process group's first contact) when ZERO3_FAULT is set together with ZERO3_ALLOW_FAULTS=1 (the tests set
+"""Fault injection, for the tests only: train.py, disk.py, agree.py and processes.py call `hook` at four points (the
+start of each step, each rank's checkpoint file written, the health check's matmul, the process group's first
+contact) when ZERO3_FAULT is set together with ZERO3_ALLOW_FAULTS=1 (the tests set
 both), and not at all otherwise. The step itself holds no seam: the mid-step faults strike from a forward hook
 (PyTorch's own extension point) on the model's final norm, the head's first module.
 
@@ -11,7 +12,12 @@ both), and not at all otherwise. The step itself holds no seam: the mid-step fau
                      (--async_save: in the writer thread, while the next steps train)
       slow_save      that file takes SECONDS longer to write (--async_save: the writer thread sleeps)
     ZERO3_FAULT=slow:SECONDS                 every step takes SECONDS longer (at its start)
-    ZERO3_FAULT=late_contact:RANK:SECONDS    this rank reaches the process group's first contact SECONDS late
+    ZERO3_FAULT=busy:RANK:SECONDS            every step, rank RANK burns SECONDS of CPU in its forward (its own
+                                             compute time rises; the step line names it)
+    ZERO3_FAULT=slow_matmul:RANK:SECONDS     before step 1, rank RANK's health-check matmul burns SECONDS of CPU
+                                             more each time (agree.read_health)
+    ZERO3_FAULT=wrong_matmul:RANK            before step 1, one entry of rank RANK's health-check product is off by 1
+    ZERO3_FAULT=late_contact:RANK:SECONDS    rank RANK reaches the process group's first contact SECONDS late
                                              (processes.make_group: a rank hung before NCCL's set-up)
     ZERO3_FAULT_ONCE=FILE                    a fault fires once: FILE records that it did, so a restarted
                                              job runs clean
@@ -26,18 +32,27 @@ import time
 
 MID_STEP = ("kill_mid_step", "nan", "hang")
 IN_SAVE = ("kill_in_save", "slow_save")
+ON_RANK = dict(busy=2, slow_matmul=2, wrong_matmul=1, late_contact=2)  # KIND:RANK[:SECONDS]: fields after KIND
+
+
+def burn_cpu(seconds: float):
+    """Busy for `seconds` of this thread's CPU time: a slower GPU or CPU, as a rank's own compute time sees it
+    (a sleep would add wall time only, which collectives equalise across ranks)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
 
 
 def spec_error(value: str) -> str | None:
     """What is wrong with a ZERO3_FAULT value, as one line, or None when hook can read it."""
     spec = value.split(":")
-    usage = (f"ZERO3_FAULT={value!r} is not KIND:STEP[:RANK[:SECONDS]], slow:SECONDS or late_contact:RANK:SECONDS "
-             f"(components/faults.py)")
+    usage = (f"ZERO3_FAULT={value!r} is not KIND:STEP[:RANK[:SECONDS]], slow:SECONDS, busy:RANK:SECONDS, "
+             f"slow_matmul:RANK:SECONDS, wrong_matmul:RANK or late_contact:RANK:SECONDS (components/faults.py)")
     try:
         if spec[0] == "slow":
             return None if len(spec) == 2 and float(spec[1]) >= 0 else usage
-        if spec[0] == "late_contact":
-            return None if len(spec) == 3 and int(spec[1]) >= 0 and float(spec[2]) >= 0 else usage
+        if spec[0] in ON_RANK:
+            return None if len(spec) == 1 + ON_RANK[spec[0]] and int(spec[1]) >= 0 and float(spec[-1]) >= 0 else usage
         if spec[0] not in MID_STEP + IN_SAVE or not 2 <= len(spec) <= 4 or int(spec[1]) < 1:
             return usage
         if len(spec) > 2 and spec[2]:
@@ -68,19 +83,32 @@ def allowed_hook(env=os.environ):
 
 
 def hook(where: str, step: int, rank: int, model=None):
-    """where: 'step' (train.main, as each step starts; `model`: the sharded model's modules), 'save' or 'contact'
-    (processes.make_group, before the first contact; `step` is 0)."""
+    """where: 'step' (train.main, as each step starts; `model`: the sharded model's modules), 'save', 'matmul'
+    (agree.timed_matmul; `model`: the product, on that rank) or 'contact' (processes.make_group, before the first
+    contact; `step` is 0)."""
     spec = os.environ.get("ZERO3_FAULT", "").split(":")
     kind = spec[0]
-    if kind == "late_contact":
-        if where == "contact" and int(spec[1]) == rank:
-            time.sleep(float(spec[2]))
-        return
     if where == "contact":
+        if kind == "late_contact" and int(spec[1]) == rank:
+            time.sleep(float(spec[2]))
         return
     if kind == "slow":
         if where == "step":
             time.sleep(float(spec[1]))
+        return
+    if kind in ON_RANK:
+        if int(spec[1]) != rank:
+            return
+        if where == "matmul" and kind == "slow_matmul":
+            burn_cpu(float(spec[2]))
+        if where == "matmul" and kind == "wrong_matmul":
+            model.view(-1)[0] += 1
+        if where == "step" and kind == "busy":  # in the forward, as the step's own compute
+
+            def busy(module, args, output):
+                handle.remove()
+                burn_cpu(float(spec[2]))
+            handle = model.norm.register_forward_hook(busy)
         return
     if kind not in (MID_STEP if where == "step" else IN_SAVE) or int(spec[1]) != step:
         return

@@ -26,11 +26,35 @@ from components import plan
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as in train.py
 
 
-def step_times_by_rank(step_time_s: float, device) -> list[float]:
-    """Every rank's step time, one all-gather: the step line names the slowest rank beside the median, so a slow
-    GPU or node is named rather than averaged away."""
+def compute_clock(device):
+    """Where a rank's own compute time starts: a CUDA event on its stream, or on a CPU this thread's CPU time.
+    Not wall time: every collective waits for the slowest rank, so every rank's step takes as long as the slowest
+    one's and the wall times name a rank at random (a rank slowed 1.2 s per step was named in 3 of 6 steps)."""
+    if device.type == "cuda":
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+    return time.thread_time()
+
+
+def compute_seconds(start, device) -> float:
+    """Seconds of this rank's own compute since compute_clock's `start`. On a CPU, CPU time: a rank blocked in a
+    collective spends none. On a GPU, the events' elapsed time on the compute stream, which still counts the time
+    that stream waits for a collective (a gather a slower rank holds up): a slow GPU, always busy, shows its whole
+    time; the others less than theirs wherever prefetching hides their waits."""
+    if device.type == "cuda":
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    return time.thread_time() - start
+
+
+def compute_s_by_rank(compute_s: float, device) -> list[float]:
+    """Every rank's own compute time of the step, one all-gather: the step line names the slowest rank beside the
+    median, so a slow GPU or node is named rather than averaged away."""
     by_rank = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
-    all_gather_flat(by_rank, torch.tensor([step_time_s], dtype=torch.float64, device=device))
+    all_gather_flat(by_rank, torch.tensor([compute_s], dtype=torch.float64, device=device))
     return by_rank.tolist()
 
 
@@ -203,8 +227,8 @@ def log_step(cfg, metrics: dict, f, epochs_by_source: dict | None = None, shown:
               f"grad_norm {grad_norm} | {metrics['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | "
               f"mfu {mfu} | mem {metrics['mem_gb']:.2f} GB | elapsed {fmt_time(metrics['elapsed_s'])} | "
               f"eta {fmt_time(metrics['eta_s'])}" +
-              (f" | slowest rank {metrics['slowest_rank']} ({metrics['slowest_host']}) {metrics['step_time_max_s']:.2f} s, "
-               f"median {metrics['step_time_median_s']:.2f} s" if "slowest_rank" in metrics else "") +
+              (f" | slowest rank {metrics['slowest_rank']} ({metrics['slowest_host']}) computes {metrics['compute_max_s']:.2f} "
+               f"s, median {metrics['compute_median_s']:.2f} s" if "slowest_rank" in metrics else "") +
               (f" | ${metrics['cost_usd']:,.2f} of ${metrics['projected_cost_usd']:,.2f}" if "cost_usd" in metrics else "") +
               (f" | eval_loss {metrics['eval_loss']:.4f}" if "eval_loss" in metrics else "") +
               "".join(f" | {key} {value:.4f}" for key, value in metrics.items() if key.startswith("eval_loss/")) +
@@ -240,12 +264,12 @@ class MetricsLog:
         self.start = time.perf_counter()
 
     def step(self, step: int, record: dict, lr: float, step_time_s: float, mem_gb: float, eval_loss=None,
-             progress=None, step_times_s=None):
+             progress=None, compute_s_by_rank=None):
         """Logs 1-based `step`. record: train_step's numbers by name, each logged (loss and grad_norm None for
         a skipped step). eval_loss: a number, or
         {"eval_loss": ..., "eval_loss/SOURCE": ...} (data.MixedWindows.losses); progress: the loader's
-        windows_by_source and epochs_by_source (data.MixedWindows.progress); step_times_s: every rank's
-        (step_times_by_rank), whose slowest rank and median join the row when W > 1."""
+        windows_by_source and epochs_by_source (data.MixedWindows.progress); compute_s_by_rank: every
+        rank's own compute time (compute_s_by_rank), whose slowest rank and median join the row when W > 1."""
         if self.file is None:
             return
         now = time.perf_counter() - self.start
@@ -255,11 +279,11 @@ class MetricsLog:
             step=step, **record, lr=lr, tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
             mfu=None if self.peak is None else tokens_per_sec_per_gpu * self.flops_per_token / self.peak,
             mem_gb=mem_gb, step_time_s=step_time_s, elapsed_s=self.elapsed_before + now, eta_s=eta)
-        if step_times_s and len(step_times_s) > 1:
-            slowest = max(range(len(step_times_s)), key=step_times_s.__getitem__)
+        if compute_s_by_rank and len(compute_s_by_rank) > 1:
+            slowest = max(range(len(compute_s_by_rank)), key=compute_s_by_rank.__getitem__)
             metrics.update(slowest_rank=slowest, slowest_host=self.hosts[slowest] if self.hosts else "?",
-                           step_time_max_s=step_times_s[slowest],
-                           step_time_median_s=statistics.median(step_times_s))
+                           compute_max_s=compute_s_by_rank[slowest],
+                           compute_median_s=statistics.median(compute_s_by_rank))
         if progress is not None:
             metrics["windows_by_source"] = progress["windows_by_source"]
         if eval_loss is not None:

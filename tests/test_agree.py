@@ -26,8 +26,12 @@ def node_facts(host, **changes) -> dict:
     """One rank's facts as read_facts reports them on a healthy GPU node."""
     facts = dict(host=host, netns=f"boot-of-{host}/4026531840", code="5e1f0c2a9b7d3e41", flags=dict(lr=1e-4, steps=1000, out_dir="/shared/run"),
                  model=dict(dim=8192, vocab_size=128256), data=[1200000, 300000],
-                 torch="2.13.0", flash_attn="2.7.4", nccl="2.27.3", gloo="10.0.0.1", memlock=-1,
-                 shm=64 * GIB, gpu=dict(index=0, free=78 * GIB, total=80 * GIB, reserved=0, need=70 * GIB),
+                 torch="2.13.0", flash_attn="2.7.4", nccl="2.27.3", gloo="10.0.0.1", memlock=-1, ipc_lock=False,
+                 shm_free=64 * GIB, gpu=dict(index=0, free=78 * GIB, total=80 * GIB, reserved=0, need=70 * GIB),
+                 driver="550.54.15", gpu_model="NVIDIA H100 80GB HBM3", nccl_conf=None,
+                 env=dict(NCCL_NVLS_ENABLE="0", PYTORCH_ALLOC_CONF="expandable_segments:True"),
+                 inputs=dict(eval_data="9a1b2c3d4e5f6071", sample_prompts=None,
+                             init_from=dict(headers="0f1e2d3c4b5a6978", sampled="1122334455667788")),
                  async_save=True, problems=[], warnings=[])
     facts.update(changes)
     return facts
@@ -100,8 +104,8 @@ def test_the_code_fingerprint_reads_the_trainers_files():
 
 def test_a_64_kib_memlock_limit_is_refused_on_a_gpu_job_across_nodes():
     [line] = agree.decide(two_nodes(memlock=64 * 1024))[0]
-    assert line.startswith("ranks 2-3 (node1): the locked-memory limit is 0.0625 MiB (ulimit -l): NCCL cannot "
-                           "register its InfiniBand buffers; run with `ulimit -l unlimited`"), line
+    assert line.startswith("ranks 2-3 (node1): the locked-memory limit is 0.0625 MiB (ulimit -l) and the process lacks "
+                           "CAP_IPC_LOCK: NCCL cannot register its InfiniBand buffers; run with `ulimit -l unlimited`"), line
     one_node = [node_facts("node0", memlock=64 * 1024) for _ in range(2)]
     assert agree.decide(one_node)[0] == []  # NVLink within a node: nothing registered with an HCA
     on_cpu = [node_facts(h, memlock=64 * 1024, nccl=None, gpu=None) for h in ("node0", "node1")]
@@ -128,8 +132,8 @@ def test_the_address_gloo_binds_is_read_as_gloo_reads_it(monkeypatch):
 
 
 def test_a_small_dev_shm_and_a_gpu_another_process_holds_are_refused():
-    [line] = agree.decide(two_nodes(shm=64 * 2**20))[0]
-    assert line.startswith("ranks 2-3 (node1): /dev/shm holds 64 MiB: NCCL's shared memory between the node's 2 "
+    [line] = agree.decide(two_nodes(shm_free=64 * 2**20))[0]
+    assert line.startswith("ranks 2-3 (node1): /dev/shm has 64 MiB free: NCCL's shared memory between the node's 2 "
                            "ranks needs more"), line
     held = dict(index=1, free=30 * GIB, total=80 * GIB, reserved=GIB, need=70 * GIB)
     facts = two_nodes()
@@ -144,6 +148,250 @@ def test_a_rank_s_own_problem_is_named_with_its_rank_and_host():
     facts[2]["problems"] = ["flash_attn is installed but does not import (ImportError: undefined symbol)"]
     assert agree.decide(facts)[0] == ["rank 2 (node1): flash_attn is installed but does not import (ImportError: "
                                       "undefined symbol)"]
+
+
+# -- more facts compared, the overrides (issue 51) -----------------------------------------------------------
+
+@pytest.mark.parametrize("node1, line", [
+    (dict(env=dict(NCCL_NVLS_ENABLE="0", PYTORCH_ALLOC_CONF="expandable_segments:True", NCCL_IB_HCA="mlx5_0")),
+     "the environment variable NCCL_IB_HCA differs between ranks: unset on ranks 0-1 (node0); mlx5_0 on ranks 2-3 "
+     "(node1); export the same NCCL and allocator settings on every node"),
+    (dict(env=dict(NCCL_NVLS_ENABLE="1", PYTORCH_ALLOC_CONF="expandable_segments:True")),
+     "the environment variable NCCL_NVLS_ENABLE differs between ranks: 0 on ranks 0-1 (node0); 1 on ranks 2-3 (node1); "
+     "export the same NCCL and allocator settings on every node"),
+    (dict(env=dict(NCCL_NVLS_ENABLE="0", PYTORCH_ALLOC_CONF="expandable_segments:True", TORCH_NCCL_BLOCKING_WAIT="1")),
+     "the environment variable TORCH_NCCL_BLOCKING_WAIT differs between ranks: unset on ranks 0-1 (node0); 1 on ranks "
+     "2-3 (node1); export the same NCCL and allocator settings on every node"),
+    (dict(env=dict(NCCL_NVLS_ENABLE="0", PYTORCH_ALLOC_CONF="max_split_size_mb:512")),
+     "the environment variable PYTORCH_ALLOC_CONF differs between ranks: expandable_segments:True on ranks 0-1 (node0); "
+     "max_split_size_mb:512 on ranks 2-3 (node1); export the same NCCL and allocator settings on every node"),
+    (dict(nccl_conf="77aa88bb99cc00dd"), "/etc/nccl.conf (its SHA-256) differs between ranks: absent on ranks 0-1 "
+     "(node0); 77aa88bb99cc00dd on ranks 2-3 (node1); the same /etc/nccl.conf on every node, or none"),
+    (dict(driver="535.161.08"), "the GPU driver differs between ranks: 550.54.15 on ranks 0-1 (node0); 535.161.08 on "
+     "ranks 2-3 (node1); the same NVIDIA driver on every node"),
+    (dict(gpu_model="NVIDIA H100 PCIe"), "the GPU model differs between ranks: NVIDIA H100 80GB HBM3 on ranks 0-1 "
+     "(node0); NVIDIA H100 PCIe on ranks 2-3 (node1); one GPU model for the whole job (sbatch --constraint, or "
+     "--exclude the other nodes)")])
+def test_each_setting_that_differs_on_one_node_is_one_line_naming_it(node1, line):
+    assert agree.decide(two_nodes(**node1)) == ([line], [], True)
+
+
+WEIGHTS = dict(headers="0f1e2d3c4b5a6978", sampled="1122334455667788")
+
+
+@pytest.mark.parametrize("inputs, line", [
+    (dict(eval_data="0000aaaa1111bbbb", sample_prompts=None, init_from=WEIGHTS),
+     "--eval_data (a sampled digest of its files) differs between ranks: 9a1b2c3d4e5f6071 on ranks 0-1 (node0); "
+     "0000aaaa1111bbbb on ranks 2-3 (node1); the same files on every node"),
+    (dict(eval_data="9a1b2c3d4e5f6071", sample_prompts="5555666677778888", init_from=WEIGHTS),
+     "--sample_prompts (its SHA-256) differs between ranks: None on ranks 0-1 (node0); 5555666677778888 on ranks 2-3 "
+     "(node1); the same files on every node"),
+    (dict(eval_data="9a1b2c3d4e5f6071", sample_prompts=None, init_from=dict(WEIGHTS, headers="ffffeeeeddddcccc")),
+     "--init_from's safetensors headers (tensor names, dtypes, shapes, offsets) differs between ranks: 0f1e2d3c4b5a6978 "
+     "on ranks 0-1 (node0); ffffeeeeddddcccc on ranks 2-3 (node1); the same model files on every node"),
+    (dict(eval_data="9a1b2c3d4e5f6071", sample_prompts=None, init_from=dict(WEIGHTS, sampled="9999999999999999")),
+     "--init_from's weights (a digest of 16 pieces of each file) differs between ranks: 1122334455667788 on ranks 0-1 "
+     "(node0); 9999999999999999 on ranks 2-3 (node1); the same model files on every node (a copy cut short or another "
+     "revision?)")])
+def test_a_file_a_node_reads_otherwise_is_refused_by_its_content(inputs, line):
+    """Before, --eval_data, --sample_prompts and --init_from's weights were excluded from the comparison by path
+    (FILE_FLAGS) and compared by nothing else: a node with another copy trained another job."""
+    assert agree.decide(two_nodes(inputs=inputs)) == ([line], [], False)
+
+
+def test_the_weights_digests_read_the_safetensors_headers_and_sampled_pieces(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+    monkeypatch.setattr(agree, "SAMPLED_WHOLE_BYTES", 1024)  # the pieces, not the whole file, at this size
+    monkeypatch.setattr(agree, "SAMPLED_CHUNK_BYTES", 256)
+    tensors = {"model.embed_tokens.weight": T.torch.arange(4096, dtype=T.torch.float32).reshape(64, 64)}
+    for name in ("a", "b", "bf16", "cut"):
+        (tmp_path / name).mkdir()
+    save_file(tensors, str(tmp_path / "a" / "model.safetensors"))
+    save_file(tensors, str(tmp_path / "b" / "model.safetensors"))  # the same bytes under another path
+    save_file({k: v.bfloat16() for k, v in tensors.items()}, str(tmp_path / "bf16" / "model.safetensors"))
+    data = bytearray((tmp_path / "a" / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF  # the last piece always sampled: a file cut short or corrupted at its end
+    (tmp_path / "cut" / "model.safetensors").write_bytes(bytes(data))
+    a, b, bf16, cut = (agree.weights_digests(str(tmp_path / n)) for n in ("a", "b", "bf16", "cut"))
+    assert a == b and a["headers"] and a["sampled"]
+    assert bf16["headers"] != a["headers"]  # another dtype: the header says so
+    assert cut["headers"] == a["headers"] and cut["sampled"] != a["sampled"]
+    assert agree.weights_digests(str(tmp_path)) is None  # no safetensors: a checkpoint of ours
+
+
+def test_the_settings_facts_are_read_from_the_environment_and_the_files(tmp_path):
+    env = dict(NCCL_IB_HCA="mlx5", TORCH_NCCL_BLOCKING_WAIT="1", PYTORCH_CUDA_ALLOC_CONF="x", PATH="/bin",
+               GLOO_SOCKET_IFNAME="eth0", MY_NCCL_NOTE="no")
+    assert agree.nccl_settings(env) == dict(NCCL_IB_HCA="mlx5", PYTORCH_CUDA_ALLOC_CONF="x", TORCH_NCCL_BLOCKING_WAIT="1")
+    version = tmp_path / "version"
+    version.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024\n")
+    assert agree.gpu_driver(str(version)) == "550.54.15"
+    assert agree.gpu_driver(str(tmp_path / "absent")) is None
+    (tmp_path / "prompts.jsonl").write_text('{"text": "Bonjour"}\n')
+    assert agree.file_sha256(str(tmp_path / "prompts.jsonl")) == agree.hashlib.sha256(b'{"text": "Bonjour"}\n').hexdigest()[:16]
+
+
+@pytest.mark.parametrize("cap_eff, can", [("00000000a80425fb", False),  # docker's default set
+                                          ("00000000a80465fb", True),   # --cap-add IPC_LOCK
+                                          ("000001ffffffffff", True)])  # a privileged root container
+def test_cap_ipc_lock_is_read_from_the_effective_capabilities(tmp_path, cap_eff, can):
+    status = tmp_path / "status"
+    status.write_text(f"Name:\tpython\nCapInh:\t0000000000000000\nCapEff:\t{cap_eff}\n")
+    assert agree.can_lock_any_memory(str(status)) is can
+
+
+def test_a_low_memlock_is_not_refused_with_cap_ipc_lock_or_its_override():
+    """A root container with CAP_IPC_LOCK locks any amount whatever ulimit -l says (the kernel's mlock and
+    InfiniBand's ib_umem_get skip the limit for it): refusing it was wrong. --allow_low_memlock, named in the line,
+    overrides the refusal otherwise."""
+    assert agree.decide(two_nodes(memlock=64 * 1024, ipc_lock=True))[0] == []
+    [line] = agree.decide(two_nodes(memlock=64 * 1024))[0]
+    assert line.endswith("or --allow_low_memlock if the nodes talk without InfiniBand"), line
+    allowed = [dict(f, flags=dict(f["flags"], allow_low_memlock=True)) for f in two_nodes(memlock=64 * 1024)]
+    assert agree.decide(allowed)[0] == []
+
+
+def test_dev_shm_is_judged_by_what_it_has_free_with_an_override(monkeypatch):
+    """A large /dev/shm that earlier jobs' leftovers fill fails NCCL as a small one does: the fact is what is free
+    (statvfs f_bavail), not the size; --allow_small_shm, named in the line, overrides it."""
+    monkeypatch.setattr(agree.os, "statvfs", lambda path: agree.os.statvfs_result((4096, 4096, 2**24, 2**23, 1000,
+                                                                                   0, 0, 0, 0, 255)))
+    assert agree.shm_free_bytes() == 1000 * 4096  # 64 GiB in size, 4 MB free
+    [line] = agree.decide(two_nodes(shm_free=1000 * 4096))[0]
+    assert line.startswith("ranks 2-3 (node1): /dev/shm has 3.90625 MiB free") and line.endswith(
+        "or --allow_small_shm if NCCL_SHM_DISABLE=1 keeps NCCL out of it"), line
+    allowed = [dict(f, flags=dict(f["flags"], allow_small_shm=True)) for f in two_nodes(shm_free=1000 * 4096)]
+    assert agree.decide(allowed)[0] == []
+
+
+def test_the_override_flags_parse():
+    cfg = T.parse_args(["--allow_low_memlock", "--allow_small_shm"])
+    assert cfg.allow_low_memlock and cfg.allow_small_shm
+    assert not T.parse_args([]).allow_low_memlock
+
+
+# -- each GPU's health, the clocks, the allocator's setting (issue 51) ---------------------------------------
+
+H100_ECC = """
+==============NVSMI LOG==============
+GPU 00000000:18:00.0
+    ECC Mode
+        Current                           : Enabled
+        Pending                           : Enabled
+    ECC Errors
+        Volatile
+            SRAM Correctable              : 0
+            SRAM Uncorrectable Parity     : 0
+            SRAM Uncorrectable SEC-DED    : 0
+            DRAM Correctable              : 12
+            DRAM Uncorrectable            : {dram}
+        Aggregate
+            SRAM Correctable              : 0
+            DRAM Uncorrectable            : 7
+    Remapped Rows
+        Correctable Error                 : 0
+        Uncorrectable Error               : 1
+        Pending                           : {pending}
+        Remapping Failure Occurred        : No
+        Bank Remap Availability Histogram
+            Max                           : 639 bank(s)
+"""
+
+V100_ECC = """
+    ECC Errors
+        Volatile
+            Single Bit
+                Device Memory             : 3
+                Total                     : 3
+            Double Bit
+                Device Memory             : 2
+                Register File             : N/A
+                Total                     : 2
+        Aggregate
+            Double Bit
+                Total                     : 9
+"""
+
+
+def test_ecc_and_row_remapping_are_read_from_nvidia_smi_as_it_prints_them():
+    assert agree.ecc_state(H100_ECC.format(dram=0, pending="No")) == dict(volatile_uncorrectable=0, remap_pending=False,
+                                                                         remap_failed=False)
+    assert agree.ecc_state(H100_ECC.format(dram=2, pending="Yes")) == dict(volatile_uncorrectable=2, remap_pending=True,
+                                                                          remap_failed=False)
+    assert agree.ecc_state(V100_ECC)["volatile_uncorrectable"] == 2  # Double Bit's volatile total; aggregate is history
+    assert agree.ecc_state("") == dict(volatile_uncorrectable=0, remap_pending=False, remap_failed=False)
+
+
+def health(what="GPU 0", ms=20.0, wrong=False, ecc=None, clock_s=1000.0, meet_s=0.01, warnings=()):
+    return dict(what=what, n=8192, matmul_ms=ms, wrong=wrong, ecc=ecc, clock_s=clock_s, meet_s=meet_s,
+                warnings=list(warnings))
+
+
+def test_a_gpu_that_computes_wrongly_or_reports_uncorrectable_errors_is_a_problem_naming_the_node_to_exclude():
+    healthy = dict(volatile_uncorrectable=0, remap_pending=False, remap_failed=False)
+    ranks = [health(), health(wrong=True, what="GPU 1"), health(ecc=dict(healthy, volatile_uncorrectable=2), what="GPU 0"),
+             health(ecc=dict(healthy, remap_pending=True), what="GPU 1")]
+    problems, warnings = agree.decide_health(ranks, HOSTS)
+    assert problems == [
+        "rank 1 (node0): GPU 1's check matmul (8192 x 8192, exact integers) gave a wrong result: the device computes "
+        "wrongly; leave the node out (sbatch --exclude=node0) and have it tested (dcgmi diag)",
+        "rank 2 (node1): GPU 0 reports 2 uncorrectable ECC error(s) since the driver loaded (nvidia-smi -q -d ECC): it "
+        "will crash this run as it did the last; leave the node out (sbatch --exclude=node1) and reset the GPU",
+        "rank 3 (node1): GPU 1: a row remapping is pending until a reset (nvidia-smi -q -d ROW_REMAPPER); leave the node "
+        "out (sbatch --exclude=node1) and reset the GPU (a failed remapping: replace it)"]
+    assert warnings == []
+
+
+def test_a_gpu_more_than_20_percent_slower_than_the_median_is_named_and_one_within_it_is_not():
+    problems, warnings = agree.decide_health([health(ms=20.0), health(ms=20.2), health(ms=20.4), health(ms=25.0)],
+                                             HOSTS)
+    assert problems == [] and len(warnings) == 1
+    assert warnings[0].startswith("rank 3 (node1): GPU 0's check matmul took 25.0 ms, 23% over the ranks' median "
+                                  "20.3 ms"), warnings[0]
+    assert "leave the node out (sbatch --exclude=node1)" in warnings[0]
+    assert agree.decide_health([health(ms=20.0)] * 3 + [health(ms=23.9)], HOSTS) == ([], [])  # 19.5% over
+
+
+def test_a_clock_skew_is_named_beyond_what_the_reading_can_tell():
+    """The readings follow a meeting every rank leaves within its duration (meet_s): a skew within
+    CLOCK_SKEW_MOST_S plus that is not named."""
+    ranks = [health(clock_s=1000.0), health(clock_s=1000.2), health(clock_s=1012.0), health(clock_s=1012.1)]
+    [line] = agree.decide_health(ranks, HOSTS)[1]
+    assert line.startswith("the ranks' clocks differ by 12.1 s (measured to within 0.01 s): node0 +0.0 s, node1 "
+                           "+12.0 s (each node's first rank, from the earliest clock)"), line
+    assert "chronyc tracking" in line
+    slow_meeting = [dict(h, meet_s=8.0) for h in ranks]
+    assert agree.decide_health(slow_meeting, HOSTS)[1] == []  # 12.1 s apart, but known only to within 8 s
+
+
+def test_the_check_matmul_is_exact_and_a_wrong_entry_is_found(monkeypatch):
+    assert agree.check_matmul(T.torch.device("cpu"), 0)["wrong"] is False
+    monkeypatch.setattr(agree.disk, "fault_hook", lambda where, step, rank, product: product.view(-1).__setitem__(
+        5, product.view(-1)[5] + 1))
+    assert agree.check_matmul(T.torch.device("cpu"), 0)["wrong"] is True
+
+
+def test_an_allocator_setting_not_in_effect_is_a_warning():
+    env = dict(PYTORCH_ALLOC_CONF="expandable_segments:True")
+    line = agree.alloc_conf_warning(env, dict(expandable_segments=False), "2.9.1+cu128")
+    assert line.startswith("PYTORCH_ALLOC_CONF asks for expandable_segments:True, but torch 2.9.1+cu128's CUDA allocator "
+                           "runs without it"), line
+    assert "pytorch/pytorch#183387" in line
+    assert agree.alloc_conf_warning(env, dict(expandable_segments=True), "2.13.0") is None
+    assert agree.alloc_conf_warning(env, None, "2.13.0") is None  # not readable here: no fact
+    assert agree.alloc_conf_warning({}, dict(expandable_segments=False), "2.13.0") is None  # not asked for
+
+
+@pytest.mark.parametrize("version, both", [("2.8.0+cu128", True), ("2.9.1+cu128", True), ("2.10.0", True),
+                                           ("2.11.0", False), ("2.13.0+cpu", False)])
+def test_the_allocator_setting_is_set_under_both_names_where_torch_reads_only_the_old_one(tmp_path, version, both):
+    env = {}
+    agree.launch_settings(str(tmp_path), env, torch_version=version)
+    assert env["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    assert env.get("PYTORCH_CUDA_ALLOC_CONF") == ("expandable_segments:True" if both else None)
+    mine = dict(PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:512")  # the user's, under the old name: kept, alone
+    agree.launch_settings(str(tmp_path), mine, torch_version=version)
+    assert "PYTORCH_ALLOC_CONF" not in mine and mine["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
 
 
 # -- the checkpoint to resume from --------------------------------------------------------------------------
@@ -381,8 +629,8 @@ def test_a_rank_with_a_stale_view_of_the_out_dir_resumes_with_the_others_and_the
     assert "resumed from" in proc.stdout and "at step 2" in proc.stdout
     losses = {m["step"]: m["loss"] for m in read_metrics(out)}
     assert [losses[s] for s in range(3, 7)] == [m["loss"] for m in read_metrics(whole)][2:]
-    for row in read_metrics(out)[2:]:  # every rank's step time gathered: the slowest named beside the median
-        assert row["slowest_rank"] in (0, 1) and row["slowest_host"] and row["step_time_max_s"] >= row["step_time_median_s"]
+    for row in read_metrics(out)[2:]:  # every rank's own compute time gathered: the slowest named beside the median
+        assert row["slowest_rank"] in (0, 1) and row["slowest_host"] and row["compute_max_s"] >= row["compute_median_s"]
     assert " | slowest rank " in proc.stdout
     for rank in (0, 1):
         env = json.loads((out / f"env_rank{rank}.json").read_text())

@@ -87,6 +87,45 @@ def test_a_leftover_fault_is_ignored_without_the_tests_allowance(files, tmp_path
     proc = subprocess.run(cmd + [f"--out_dir={tmp_path / 'malformed'}"], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1", ZERO3_FAULT="nan:three"))
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("error: ZERO3_FAULT='nan:three' is not KIND:STEP[:RANK[:SECONDS]], slow:SECONDS or "
+    assert proc.stderr.strip() == ("error: ZERO3_FAULT='nan:three' is not KIND:STEP[:RANK[:SECONDS]], slow:SECONDS, "
+                                   "busy:RANK:SECONDS, slow_matmul:RANK:SECONDS, wrong_matmul:RANK or "
                                    "late_contact:RANK:SECONDS (components/faults.py)"), proc.stderr[-3000:]
     assert not os.path.exists(tmp_path / "malformed" / "metrics.jsonl")
+
+
+# -- a slow or broken rank named (issue 51) ---------------------------------------------------------------------
+
+def test_a_rank_slowed_in_its_own_compute_is_named_the_slowest_in_every_step(files, tmp_path):
+    """Rank 1 burns 0.4 s of CPU in every step's forward. The collectives make both ranks' wall times equal, so the
+    wall time named a rank at random (a rank slowed 1.2 s per step was named in 3 of 6 steps); each rank's own
+    compute time (CPU time of its training thread here; CUDA events on a GPU) names rank 1 in every step."""
+    proc = run_train(BASE + files + [f"--out_dir={tmp_path}", "--eval_every=0"], nproc=2,
+                     env={"ZERO3_FAULT": "busy:1:0.4"})
+    rows = read_metrics(tmp_path)
+    assert [row["slowest_rank"] for row in rows] == [1] * 6, [(row["compute_max_s"], row["compute_median_s"]) for row in rows]
+    assert all(row["compute_max_s"] >= 0.4 for row in rows)
+    named = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(named) == 6 and all(" | slowest rank 1 (" in line for line in named), proc.stdout[-2000:]
+
+
+def test_a_rank_whose_check_matmul_is_wrong_stops_every_rank_before_step_1_naming_it(files, tmp_path):
+    """One entry of rank 1's health-check product is off by one, as a faulty GPU's would be: every rank prints the
+    line naming rank 1, its host and the node to exclude, and exits 2 (a restart would run on the same device)."""
+    proc = run_train(BASE + files + [f"--out_dir={tmp_path}"], nproc=2, env={"ZERO3_FAULT": "wrong_matmul:1"},
+                     check=False)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: rank 1 (")]
+    assert len(lines) == 2 and lines[0] == lines[1], proc.stderr[-3000:]  # said on each rank
+    assert "CPU's check matmul (384 x 384, exact integers) gave a wrong result" in lines[0]
+    assert "leave the node out (sbatch --exclude=" in lines[0]
+    assert "step 1" not in proc.stdout and proc.first_failure["exit_code"] == 2
+
+
+def test_a_rank_whose_check_matmul_is_slower_than_the_median_is_named_with_its_host(files, tmp_path):
+    """Rank 1's health-check matmul burns 50 ms of CPU more each time: rank 0 warns, naming rank 1 and the node to
+    exclude, before step 1; the run goes on (a slow GPU slows the job, it does not break it)."""
+    proc = run_train(BASE + files + [f"--out_dir={tmp_path}", "--steps=1"], nproc=2,
+                     env={"ZERO3_FAULT": "slow_matmul:1:0.05"})
+    [line] = [line for line in proc.stderr.splitlines() if "check matmul took" in line]
+    assert line.startswith("warning: rank 1 (") and "over the ranks' median" in line, line
+    assert "leave the node out (sbatch --exclude=" in line
+    assert "step 1/1" in proc.stdout

@@ -448,6 +448,19 @@ def test_rendezvous_is_one_per_run_and_nodes_are_the_jobs(tmp_path):
                                         "NNODES (under SLURM it comes from the job) or submit the job with --nodes 1"]
 
 
+def test_the_rendezvous_waits_for_a_node_that_starts_late(tmp_path):
+    """torchrun's defaults (a 60 s store read, 600 s to join) fail every node when one starts late (an image
+    pulled, a virtualenv read from a busy filesystem), at every restart: launch.sh passes longer ones, by hand and
+    under SLURM (launch.sbatch runs launch.sh), and a malformed override is refused before torchrun starts."""
+    for env in (dict(NNODES="2", MASTER_ADDR="127.0.0.1"), slurm_job(tmp_path, "n1 n2")):
+        code, err, torchrun = launch_dry(tmp_path, [], **env)
+        assert code == 0, err
+        assert flag_value(torchrun, "--rdzv_conf") == "join_timeout=1800,read_timeout=300"
+    code, err, torchrun = launch_dry(tmp_path, [], NNODES="2", MASTER_ADDR="127.0.0.1", RDZV_JOIN_TIMEOUT_S="3600")
+    assert code == 0 and flag_value(torchrun, "--rdzv_conf") == "join_timeout=3600,read_timeout=300", err
+    code, err, torchrun = launch_dry(tmp_path, [], NNODES="2", MASTER_ADDR="127.0.0.1", RDZV_READ_TIMEOUT_S="5m")
+    assert code == 2 and torchrun == [] and "RDZV_READ_TIMEOUT_S must be a whole number, got '5m'" in err, err
+
 def slurm_job(tmp_path, nodes: str, **env) -> dict:
     """The environment of one task of SLURM job 4242 on `nodes` (a stand-in scontrol lists them), one task
     per node, and `env` (what the submitting shell exported)."""
