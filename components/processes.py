@@ -45,8 +45,11 @@ def rendezvous(cfg):
     (MASTER_ADDR:MASTER_PORT, rank 0's); plain `python train.py` gets a one-process store, so the code below never
     special-cases W = 1. The store reaches every rank whatever NCCL's state: start-up's facts travel over it
     (agree.gather_over_store) before NCCL is touched, and the process group is then made on it (make_group).
-    Each attempt's keys sit under its own prefix: a restarted attempt on torchrun's shared store never reads the
-    previous attempt's. A caller that made the group itself (bench/) gets no store: the facts use its group."""
+    Each attempt meets in a store of its own: torchrun makes a new one for every rendezvous round (torch's
+    distributed/rendezvous.py says so), so no key of an earlier attempt is there. Not a prefix by
+    TORCHELASTIC_RESTART_COUNT: that is each node's own count, and a node whose workers were restarted only
+    because another node's failed (its agent does not count those) would wait under another prefix than the
+    failed node's, forever. A caller that made the group itself (bench/) gets no store: the facts use its group."""
     if dist.is_initialized():
         return None, dist.get_rank(), dist.get_world_size()
     timeout = datetime.timedelta(minutes=cfg.timeout_min)
@@ -55,8 +58,7 @@ def rendezvous(cfg):
     else:
         store, rank, world = dist.HashStore(), 0, 1
     store.set_timeout(timeout)  # every get and wait on it: a rank that never comes is waited for this long
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"zero3/attempt_{attempt}", store), rank, world
+    return dist.PrefixStore("zero3", store), rank, world
 
 
 def make_group(cfg, store, rank: int, world: int, device: torch.device, hosts: list[str]):

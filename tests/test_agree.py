@@ -646,11 +646,13 @@ def test_decides_refusals_reach_every_rank_before_a_process_group_that_cannot_fo
     decide's refusal is every rank's line, exit 2, and the process group is never tried. Before, the group was made
     first: its error (exit 1, restarted into the same failure) was all anyone saw, and the memlock line never came."""
     nccl = "NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error\nLast error:\nCall to ibv_reg_mr failed"
-    node = lambda host, **more: dict(host=host, netns=host, gloo=None, read={"nccl": "2.21.5"},  # noqa: E731
+    node = lambda host, **more: dict(host=host, netns=host, gloo=None,  # noqa: E731  (CAP_IPC_LOCK would lift the limit)
+                                     read={"nccl": "2.21.5", "ipc_lock": False},
                                      init_fails=nccl, **more)
     proc = run_facts(FLAGS + files, tmp_path, {"0": node("node0", memlock=-1), "1": node("node1", memlock=64 * 1024)})
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    memlock = "error: rank 1 (node1): the locked-memory limit is 0.0625 MiB (ulimit -l): NCCL cannot register"
+    memlock = ("error: rank 1 (node1): the locked-memory limit is 0.0625 MiB (ulimit -l) and the process lacks "
+               "CAP_IPC_LOCK: NCCL cannot register")
     assert len(lines) == 2 and all(line.startswith(memlock) for line in lines), proc.stderr[-3000:]
     assert "ibv_reg_mr" not in proc.stderr and proc.first_failure["exit_code"] == 2
 
