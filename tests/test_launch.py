@@ -608,3 +608,24 @@ def test_exit_code_2_survives_the_job_steps_sigterm_while_launch_exits(tmp_path)
         os.killpg(proc.pid, signal.SIGTERM)
         codes = wait_all([proc], 30)
     assert codes == [2], (tmp_path / "log").read_text()
+
+
+def test_a_node_an_exit_2_line_says_to_leave_out_is_kept_for_launch_sbatch(tmp_path):
+    """An error line that says `sbatch --exclude=HOST` (a GPU broken or held by another job, agree.py) leaves HOST in
+    OUT_DIR/exclude_hosts, which launch.sbatch names instead of requeueing onto the same node; launch.sh exits 2."""
+    python = tmp_path / "python"  # torchrun's stand-in: train.py's fatal line, then a wait that SIGHUP ends
+    python.write_text(f'#!{sys.executable}\nimport os, signal, sys, time\n'
+                      'if "device_count" in " ".join(sys.argv):\n    print("0 1")\n    sys.exit(0)\n'
+                      'signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))\n'
+                      'open(os.environ["ZERO3_FATAL_FILE"], "w").write("error: rank 3 (node7): GPU 3 cannot say its '
+                      'free memory (CUDA error); leave the node out (sbatch --exclude=node7)\\n")\ntime.sleep(30)\n')
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("SLURM_") and k not in ("NNODES", "MASTER_ADDR", "RDZV_ID", "NPROC_PER_NODE")}
+    out = tmp_path / "out"
+    proc = subprocess.run([LAUNCH, "--steps=5", f"--out_dir={out}"], env=dict(env, PYTHON=str(python)), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert (out / "exclude_hosts").read_text().split() == ["node7"]
+    script = open(os.path.join(ROOT, "launch.sbatch")).read()  # and launch.sbatch reads that file, by that name
+    assert 'exclude_file="$(train_flag out_dir out)/exclude_hosts"' in script and "sbatch --exclude=$excluded" in script
