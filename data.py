@@ -61,7 +61,6 @@ class Tokenizer:
             self.markup = sentencepiece_markup(self.sp)
             self.prefix_ids, suffix = ([self.sp.bos_id()] if self.sp.bos_id() >= 0 else []), []
             self.eos_token_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
-            self.special_ids = {i for i in range(self.vocab_size) if self.sp.is_control(i)}
         else:
             folder = path if os.path.isdir(path) else os.path.dirname(path)
             # the ids (the chat template aside): tokenizer.json, or a folder's sentencepiece tokenizer.model alone,
@@ -76,7 +75,7 @@ class Tokenizer:
             self.vocab_size, self.eos_token_id = len(self.hf), self.hf.eos_token_id
             self.chat_template = getattr(self.hf, "chat_template", None)
             self.prefix_ids, suffix = added_around(self.hf("a")["input_ids"], self.encode(["a"], False)[0])
-            self.special_ids = set(self.hf.all_special_ids) | {
+            self.special_ids = set(self.hf.all_special_ids) | {  # what closes a reply (targets)
                 i for i, t in self.hf.added_tokens_decoder.items() if getattr(t, "special", False)}
         self.bos_id = self.prefix_ids[-1] if self.prefix_ids else None
         self.doc_end_id = self.find_doc_end(doc_end, suffix)
@@ -177,14 +176,18 @@ class Tokenizer:
                           return_offsets_mapping=True)
             ids += enc["input_ids"]
             starts += [lo + a for a, _ in enc["offset_mapping"]]
-        if GENERATION_TAG.search(self.chat_template):
-            target_spans = self.generation_spans(messages, text)
+        if GENERATION_TAG.search(self.chat_template):  # the template marks the replies itself, closers included
+            targets = self.targets(ids, starts, self.generation_spans(messages, text), closed=False)
         else:
-            target_spans = [span for m, span in zip(messages, spans) if span and m["role"] == "assistant"]
-        targets = self.targets(ids, starts, target_spans, closed=not GENERATION_TAG.search(self.chat_template))
-        if self.prefix_ids and ids[:len(self.prefix_ids)] != self.prefix_ids:  # BOS, never doubled
-            ids, targets = self.prefix_ids + ids, [0] * len(self.prefix_ids) + targets
-        return ids, targets
+            replies = [span for m, span in zip(messages, spans) if span and m["role"] == "assistant"]
+            targets = self.targets(ids, starts, replies, closed=True)
+        bos = self.missing_bos(ids)
+        return bos + ids, [0] * len(bos) + targets
+
+    def missing_bos(self, ids: list) -> list:
+        """The BOS a rendering needs in front: the tokenizer's, unless the rendering already begins with it (never
+        doubled; none for a tokenizer without one)."""
+        return self.prefix_ids if ids[:len(self.prefix_ids)] != self.prefix_ids else []
 
     def targets(self, ids: list, starts: list, spans: list, closed: bool) -> list:
         """1 for each token that starts inside a span, and (`closed`) the markup after it up to and including
@@ -197,7 +200,7 @@ class Tokenizer:
             j = k
             while closed and j < len(ids) and ids[j] not in self.special_ids:
                 j += 1
-            if closed and j < len(ids) and "".join(self.decode([i]) for i in ids[k:j]).strip() == "":
+            if closed and j < len(ids) and self.decode(ids[k:j]).strip() == "":
                 targets[k:j + 1] = [1] * (j + 1 - k)
         return targets
 
@@ -273,7 +276,7 @@ class Tokenizer:
             return self.prefix_ids + self.encode([record["text"]], specials=False)[0]
         if self.chat_template:
             ids = self.encode([self.render_chat(record["messages"], add_generation_prompt=True)], specials=True)[0]
-            return ids if ids[:len(self.prefix_ids)] == self.prefix_ids else self.prefix_ids + ids
+            return self.missing_bos(ids) + ids
         # the header of a reply: an empty assistant message's ids without its content and end of turn
         ids, _ = self.header_format_ids(record["messages"] + [{"role": "assistant", "content": ""}])
         return ids[:-len(self.encode(["<|eot_id|>"], True)[0])]
@@ -544,8 +547,9 @@ class ShardWriter:
         tokens = np.concatenate(self.tokens)
         name = f"tokens-{len(self.shards):05d}.npy"
         write_atomic(os.path.join(self.out, name), lambda f: np.save(f, tokens[:n]))
-        starts = np.array([p for p in self.doc_starts if p < self.written + n], dtype=np.int64) - self.written
-        self.doc_starts = [p for p in self.doc_starts if p >= self.written + n]
+        inside = bisect.bisect_left(self.doc_starts, self.written + n)  # sorted: the starts in this shard come first
+        starts = np.array(self.doc_starts[:inside], dtype=np.int64) - self.written
+        del self.doc_starts[:inside]
         docs = name.replace("tokens-", "docs-")
         write_atomic(os.path.join(self.out, docs), lambda f: np.save(f, starts))
         record = dict(tokens=name, mask=None, docs=docs, n_tokens=int(n), n_documents=len(starts),

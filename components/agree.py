@@ -32,8 +32,9 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
+import data as D
 import model as M
-from components import checks, disk, run_data
+from components import checks, disk, metrics, run_data
 from components import plan as P
 
 GIB = 2**30
@@ -227,10 +228,9 @@ def nccl_settings(env=os.environ) -> dict:
 
 
 def file_sha256(path: str) -> str | None:
-    """A small file's SHA-256 (16 hex digits), or None when it is absent."""
+    """A file's SHA-256 (16 hex digits, disk.sha256_file's), or None when it is absent."""
     try:
-        with open(path, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()[:16]
+        return disk.sha256_file(path)[:16]
     except OSError:
         return None
 
@@ -662,18 +662,10 @@ def timed_matmul(a, b, device, rank: int) -> tuple[torch.Tensor, float]:
     """(a @ b, its milliseconds): CUDA events on a GPU; on a CPU this thread's CPU time, which a loaded machine
     does not inflate as it does wall time."""
     hook = disk.fault_hook  # tests only (faults.py): this rank's matmul slowed, or its result made wrong
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        product = a @ b
-        hook and hook("matmul", 0, rank, product)
-        end.record()
-        end.synchronize()
-        return product, start.elapsed_time(end)
-    t0 = time.thread_time()
+    start = metrics.compute_clock(device)  # the step line's own-compute clock
     product = a @ b
     hook and hook("matmul", 0, rank, product)
-    return product, (time.thread_time() - t0) * 1e3
+    return product, metrics.compute_seconds(start, device) * 1e3
 
 
 def check_matmul(device, rank: int) -> dict:
@@ -824,12 +816,6 @@ def decide_health(health: list[dict], hosts: list[str]) -> tuple[list[str], list
 ALLOC_CONF_ONE_NAME_FROM = (2, 11)
 
 
-def torch_release(version: str) -> tuple[int, int]:
-    """(major, minor) of a torch version string: '2.9.1+cu128' -> (2, 9)."""
-    major, minor = version.split("+")[0].split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
-
-
 def launch_settings(out_dir: str, env=os.environ, torch_version: str = torch.__version__):
     """GPU memory and diagnosis settings, in train.py's own environment before CUDA or NCCL read them, so that the
     design card's plain `torchrun ... train.py` runs as launch.sh does. A value the user exported is kept.
@@ -855,7 +841,7 @@ def launch_settings(out_dir: str, env=os.environ, torch_version: str = torch.__v
             env[name] = value
     default("NCCL_NVLS_ENABLE", "0")
     default("PYTORCH_ALLOC_CONF", "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF")
-    if torch_release(torch_version) < ALLOC_CONF_ONE_NAME_FROM and env.get("PYTORCH_ALLOC_CONF"):
+    if D.version_tuple(torch_version)[:2] < ALLOC_CONF_ONE_NAME_FROM and env.get("PYTORCH_ALLOC_CONF"):
         default("PYTORCH_CUDA_ALLOC_CONF", env["PYTORCH_ALLOC_CONF"])
     default("TORCH_FR_BUFFER_SIZE", "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE")
     default("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")

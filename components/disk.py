@@ -393,8 +393,8 @@ RESUME_NOT_COMPARED = (  # how the run runs (memory, speed, logs, where it write
     # --model, whose model (manifest "model") is compared field by field instead
     "model", "micro_batch_size", "ac", "ac_blocks", "ac_rest", "offload_optimizer", "offload_activations", "ce_chunk",
     "prefetch", "out_dir", "ckpt_every", "keep_ckpts", "resume", "overwrite", "from_ckpt", "max_skipped_steps",
-    "timeout_min", "ckpt_timeout_min", "first_contact_s", "allow_low_memlock", "allow_small_shm", "gpu_hour_usd", "tensorboard", "plot", "export_hf", "export_shard_gb",
-    "log_every", "device", "sample_prompts", "sample_tokens", "plan", "nnodes", "nproc_per_node", "gpu",
+    "timeout_min", "ckpt_timeout_min", "first_contact_s", "allow_low_memlock", "allow_small_shm", "gpu_hour_usd",
+    "tensorboard", "plot", "export_hf", "export_shard_gb", "log_every", "device", "sample_prompts", "sample_tokens", "plan", "nnodes", "nproc_per_node", "gpu",
     "train_tokens", "plan_json", "fs_write_gbps", "mtbf_hours", "nics_per_node", "nic_gbps", "outside_gib", "async_save",
     "profile",
     "deterministic",  # which kernels compute the same sums (in what order), not what is trained

@@ -5,6 +5,7 @@ the replies and the markers that close them, plain text round-trips with the fam
 marker typed inside a message stays text. Then one family through prepare: Qwen3, whose tokenizer has no BOS."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -139,6 +140,18 @@ def test_qwen3_chats_and_texts_prepare_without_a_bos_and_keep_each_conversation_
 
 # -- bad input: one line naming the file and record, nothing half-written ------------------------------
 
+def with_template(name: str, tmp_path, template: str):
+    """A copy of family `name`'s published tokenizer folder with another chat template (skipped if not fetched)."""
+    folder = published_tokenizers.folder(name)
+    if folder is None:
+        pytest.skip(f"the published {name} tokenizer could not be fetched")
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(folder, tok_dir)
+    config = json.load(open(tok_dir / "tokenizer_config.json"))
+    json.dump(dict(config, chat_template=template), open(tok_dir / "tokenizer_config.json", "w"))
+    return tok_dir
+
+
 def write_chats(path, records) -> str:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     return str(path)
@@ -147,17 +160,9 @@ def write_chats(path, records) -> str:
 def test_an_assistant_turn_the_template_drops_is_one_line_naming_the_record(tmp_path):
     """A template that leaves out assistant replies (here: all but the last) would train on nothing for them; the
     record is named and no meta.json is written."""
-    folder = published_tokenizers.folder("qwen3")
-    if folder is None:
-        pytest.skip("the published qwen3 tokenizer could not be fetched")
-    tok_dir = tmp_path / "tok"
-    tok_dir.mkdir()
-    for name in os.listdir(folder):
-        (tok_dir / name).write_bytes(open(os.path.join(folder, name), "rb").read())
-    config = json.load(open(tok_dir / "tokenizer_config.json"))
-    config["chat_template"] = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}<|im_start|>"
-                               "{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}")
-    json.dump(config, open(tok_dir / "tokenizer_config.json", "w"))
+    tok_dir = with_template("qwen3", tmp_path, (
+        "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}<|im_start|>{{ m['role'] }}\n"
+        "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"))
     path = write_chats(tmp_path / "c.jsonl", [{"messages": ONE_TURN}, {"messages": MULTI_TURN}])
     out = str(tmp_path / "p")
     with pytest.raises(D.DataError) as e:
@@ -228,19 +233,10 @@ def test_a_folder_prepared_before_document_starts_trains_with_the_boundaries_its
 def test_a_templates_own_generation_blocks_are_its_targets(tmp_path):
     """A template that marks replies with {% generation %} (as SmolLM3's and OLMo's do) decides the targets itself:
     ours are transformers' own assistant mask for the same chat, on the same ids."""
-    folder = published_tokenizers.folder("chatml")
-    if folder is None:
-        pytest.skip("the published chatml tokenizer could not be fetched")
-    tok_dir = tmp_path / "tok"
-    tok_dir.mkdir()
-    for name in os.listdir(folder):
-        (tok_dir / name).write_bytes(open(os.path.join(folder, name), "rb").read())
-    config = json.load(open(tok_dir / "tokenizer_config.json"))
-    config["chat_template"] = (
+    tok_dir = with_template("chatml", tmp_path, (
         "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}"
         "{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-        "<|im_end|>\n{% endif %}{% endfor %}")
-    json.dump(config, open(tok_dir / "tokenizer_config.json", "w"))
+        "<|im_end|>\n{% endif %}{% endfor %}"))
     tok = D.Tokenizer(str(tok_dir))
     for chat in (ONE_TURN, WITH_SYSTEM):
         ids, targets = tok.chat_ids(chat)
