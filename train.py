@@ -375,8 +375,7 @@ def forward_backward(cfg, sharded: ShardedModel, windows, step: int, position: i
     for batch in micro_batches(cfg, sharded, windows, position):
         loss, terms = sharded.loss(batch)
         loss.backward()  # the reduce-scatters start inside, unit by unit (reduce_scatter_grad)
-        for unit in sharded.stages[sharded.first_trained].backward_units:  # on_backward frees a stage as backward
-            unit.free()  # leaves it, but backward ends in the first trained stage (after a frozen prefix: --freeze)
+        sharded.end_backward()
         finish_reduces(sharded.reduces_in_flight)
         terms = terms if len(terms) > 1 else {}  # a lone term is the loss itself
         sums = sums + torch.stack([loss.detach(), *terms.values()]).float()
@@ -406,9 +405,10 @@ class ShardedModel:
                  world: int, device: torch.device):
         self.model, self.units, self.stages = model, units, stages
         self.rank, self.world, self.device, self.compute_dtype = rank, world, device, units[0].gathered.dtype
+        self.trained_units = [u for u in units if u.trained]  # those with a gradient and an optimizer (--freeze)
         self.reduces_in_flight = []
-        for unit in [u for u in units if u.trained]:  # each unit's gradient is reduce-scattered as soon as
-            unit.gathered.register_post_accumulate_grad_hook(  # autograd completes it (a frozen unit has none)
+        for unit in self.trained_units:  # each unit's gradient is reduce-scattered as soon as autograd completes it
+            unit.gathered.register_post_accumulate_grad_hook(
                 partial(reduce_scatter_grad, unit, self.reduces_in_flight, getattr(torch, cfg.reduce_dtype)))
         self.first_trained = first_trained_stage(stages)
         self.prefetch, self.ce_chunk = cfg.prefetch, cfg.ce_chunk
@@ -460,13 +460,20 @@ class ShardedModel:
                 for unit in self.stages[k - 1].backward_units:
                     unit.start_gather()
 
+    def end_backward(self):
+        """After a micro-batch's backward: frees the stage it ended in. on_backward frees each stage as backward
+        leaves it, but nothing leaves the first trained stage: the embedding's (no backward units), or after a
+        frozen prefix (--freeze) the first block that trains, which backward gathered and no boundary frees."""
+        for unit in self.stages[self.first_trained].backward_units:
+            unit.free()
+
     def grad_norm(self) -> torch.Tensor:
         """The global norm of this step's gradient shards."""
         return global_grad_norm(self.units, self.device)
 
     def update(self, cfg: TrainConfig, lr: float, step: int):
         """The optimizer's step on the shards of every unit that trains (a frozen one has no state: --freeze)."""
-        optimizer_step([u for u in self.units if u.trained], cfg, lr, step)
+        optimizer_step(self.trained_units, cfg, lr, step)
 
 
 class Stage(NamedTuple):
@@ -629,7 +636,7 @@ def make_stages(model: M.Llama, units: list[Unit], ac: str, offload: bool = Fals
     stages = ([Stage([embed], [])] + [Stage(block, block, policy, offload and policy == "full")
                                        for block, policy in zip(blocks, policies)] + [Stage(head_units, head_units)])
     # A frozen prefix (--freeze) has no backward: nothing in it or before it requires grad, so autograd never
-    # reaches it (and forward_backward frees the first trained stage, which no boundary then frees).
+    # reaches it (and ShardedModel.end_backward frees the first trained stage, which no boundary then frees).
     first = first_trained_stage(stages)
     return [stage._replace(backward_units=[]) for stage in stages[:first]] + stages[first:]
 
@@ -836,26 +843,7 @@ def finish_background_save(cfg, sharded: ShardedModel, saving):
 
 
 def main(argv=None):
-    # launch.sh starts torchrun with SIGTERM and SIGINT blocked, so that torchrun never acts on them, and the
-    # workers inherit the mask: unblocked, they end a worker still starting up, as under a plain torchrun.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM, signal.SIGINT])
-    try:
-        cfg = parse_args(argv)
-    except ValueError as e:
-        fail(str(e))
-    agree.launch_settings(cfg.out_dir)  # NVLS off, expandable segments, NCCL's flight recorder: before CUDA starts
-    if cfg.plot:
-        try:
-            print(f"wrote {metrics.plot_metrics(cfg.plot)}")
-        except RuntimeError as e:
-            fail(str(e))
-        return
-    if cfg.plan:  # the planner (components/plan.py): memory, speed and cost per GPU, from the flags alone
-        error = plan.main(cfg, trainer=sys.modules[__name__])  # it runs this file's blocks and optimizer, never imports it
-        if error:
-            fail(error)
-        return
-    cfg = disk.unless_finished(cfg)  # a finished run's command again: say so and stop, or make its missing export
+    cfg = start(argv)  # the flags; --plan, --plot and a finished run's command again end here
     if cfg is None:
         return
     owns_group = not dist.is_initialized()  # a caller's group (bench/) is the caller's to destroy
@@ -874,8 +862,67 @@ def main(argv=None):
         sampler = sample.Sampler(cfg, sharded.model.cfg, sharded.rank, start_step) if cfg.sample_prompts and steps else None
     except Exception as e:  # a node or its port not up yet, a GPU still held, bad data: one line, exit_code's code
         fail(error_line(e, "while starting"), exit_code(e))
-    rank, device = sharded.rank, sharded.device
-    if rank == 0:
+    saving = before_step_one(cfg, sharded, agreed, start_step, steps)
+    stop_signals, skipped = catch_stop_signals(), []
+
+    for step in range(start_step + 1, steps + 1):
+        t0 = time.perf_counter()
+        record, compute_s = timed_step(cfg, sharded, windows, step, position, fault_hook, skipped)
+        position += cfg.batch_size  # windows consumed: the data loader's state
+        step_time_s, mem_gb = time.perf_counter() - t0, metrics.peak_mem_bytes(sharded.device) / 1e9
+        eval_loss = None
+        if eval_windows is not None and (step % cfg.eval_every == 0 or step == steps):
+            eval_loss = eval_windows.losses(partial(evaluate, cfg, sharded))  # each source's, and their weighted mean
+        compute_s_by_rank = metrics.compute_s_by_rank(compute_s, sharded.device)  # the slowest rank named, not averaged
+        log.step(step, record, lr_at(cfg, step), step_time_s, mem_gb, eval_loss, windows.progress(position),
+                 compute_s_by_rank)
+        if step == start_step + 1:
+            metrics.print_device_memory(cfg, sharded, f"after step {step}", "peak_gib")
+        if sampler and (step % cfg.eval_every == 0 or step == steps):
+            sampler.sample(sharded, step)  # greedy completions of --sample_prompts (sample.py)
+        if save_or_stop(cfg, sharded, saving, step, steps, windows.state(position) if windows else None,
+                        stop_signals, log, sampler):
+            break
+    else:  # not stopped by a signal
+        export(cfg, sharded)
+    log.close()
+    gc.unfreeze()
+    gc.enable()
+    if owns_group:
+        dist.destroy_process_group()  # every group, the checkpoint group too
+        disk.group = None
+
+
+def start(argv=None):
+    """The run's flags, after what ends before any process group: --plot and --plan print and return None, and so
+    does a finished run's command again (disk.unless_finished: said, or its missing export made)."""
+    # launch.sh starts torchrun with SIGTERM and SIGINT blocked, so that torchrun never acts on them, and the
+    # workers inherit the mask: unblocked, they end a worker still starting up, as under a plain torchrun.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM, signal.SIGINT])
+    try:
+        cfg = parse_args(argv)
+    except ValueError as e:
+        fail(str(e))
+    agree.launch_settings(cfg.out_dir)  # NVLS off, expandable segments, NCCL's flight recorder: before CUDA starts
+    if cfg.plot:
+        try:
+            print(f"wrote {metrics.plot_metrics(cfg.plot)}")
+        except RuntimeError as e:
+            fail(str(e))
+        return None
+    if cfg.plan:  # the planner (components/plan.py): memory, speed and cost per GPU, from the flags alone
+        error = plan.main(cfg, trainer=sys.modules[__name__])  # it runs this file's blocks and optimizer, never imports it
+        if error:
+            fail(error)
+        return None
+    return disk.unless_finished(cfg)  # a finished run's command again: say so and stop, or make its missing export
+
+
+def before_step_one(cfg, sharded: ShardedModel, agreed: dict, start_step: int, steps: int):
+    """What the first step waits for: the start-up line, what --plan assumed measured on the run's own GPUs and
+    fabric, --async_save's staging buffer (returned: a disk.BackgroundSave, or None), the garbage collector's
+    schedule."""
+    if sharded.rank == 0:
         print(metrics.startup_line(cfg, sharded, start_step), flush=True)
     # What --plan assumed, measured before step 1: the fabric's bandwidth, the GPU memory outside the allocator
     problems = agree.before_step_one(cfg, sharded, agreed["hosts"]) if steps > start_step else []
@@ -883,10 +930,9 @@ def main(argv=None):
         fail("\nerror: ".join(problems), together=True)
     # --async_save: the staging buffer, taken now ('auto' is on for GPUs where every node fits it: agree.decide);
     # only periodic saves are written in the background, so a run without them needs none.
-    background = agreed["async_save"]
-    saving = disk.BackgroundSave(sharded.units, device) if background and cfg.ckpt_every and steps > start_step else None
+    background = agreed["async_save"] and cfg.ckpt_every and steps > start_step
+    saving = disk.BackgroundSave(sharded.units, sharded.device) if background else None
     metrics.print_page_locking(sharded, agreed["hosts"])  # --offload_optimizer's state, the staging buffer: timed
-    stop_signals, skipped = catch_stop_signals(), 0
     # Python's garbage collector runs when allocations pass a threshold: at another moment on each rank, and every
     # collective then waits for the rank that paused. Off while training; a collection every GC_EVERY_STEPS steps,
     # at the same step on every rank instead (torchtitan does the same). What set-up made is frozen out of those
@@ -894,93 +940,86 @@ def main(argv=None):
     gc.collect()
     gc.freeze()
     gc.disable()
+    return saving
 
-    for step in range(start_step + 1, steps + 1):
-        metrics.reset_peak_mem(device)
-        t0 = time.perf_counter()
-        if step % GC_EVERY_STEPS == 0:
-            gc.collect()
-        if fault_hook:  # the tests' faults: a rank killed, hung, slowed or given a NaN loss in this step
-            fault_hook("step", step, rank, sharded.model)
-        compute_from = metrics.compute_clock(device)  # this rank's own compute, not the wall time collectives equalise
-        try:
-            with metrics.profile_step(cfg, step, rank, device):  # --profile STEP: a trace of this one
-                record = train_step(cfg, sharded, windows, step, position)
-        except torch.OutOfMemoryError as e:  # the same step runs out again after a restart: exit 2, and what to change
-            fail(metrics.out_of_memory_line(e, step, [u.name for u in sharded.units if u.state() != "free"],
-                                            metrics.allocator_held(device), metrics.planned_memory(cfg, sharded)))
-        except NonFiniteStep as nonfinite:
-            e = metrics.nonfinite_line(nonfinite, sharded)  # which rank's loss went bad: an all-gather, on every rank
-            skipped += 1
-            if skipped > cfg.max_skipped_steps:
-                fail(f"{e}; stopping after {skipped} such step(s) (--max_skipped_steps {cfg.max_skipped_steps}); "
-                     f"nothing from this step was saved")
-            if rank == 0:
-                print(f"warning: {e} ({skipped} of at most {cfg.max_skipped_steps})", file=sys.stderr, flush=True)
-            record = dict(loss=None, grad_norm=None)  # null in metrics.jsonl
-        compute_s = metrics.compute_seconds(compute_from, device)
-        leftover = left_behind(sharded, step)  # a fork's bug, named here rather than training on stale weights
-        if leftover:
-            fail(leftover)
-        position += cfg.batch_size  # windows consumed: the data loader's state
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        step_time_s = time.perf_counter() - t0
-        mem_gb = metrics.peak_mem_bytes(device) / 1e9  # before evaluation, which is not the step
-        eval_loss = None
-        if eval_windows is not None and (step % cfg.eval_every == 0 or step == steps):
-            eval_loss = eval_windows.losses(partial(evaluate, cfg, sharded))  # each source's, and their weighted mean
-        compute_s_by_rank = metrics.compute_s_by_rank(compute_s, device)  # the slowest rank is named, not averaged away
-        log.step(step, record, lr_at(cfg, step), step_time_s, mem_gb, eval_loss, windows.progress(position),
-                 compute_s_by_rank)
-        if step == start_step + 1:
-            metrics.print_device_memory(cfg, sharded, f"after step {step}", "peak_gib")
-        if sampler and (step % cfg.eval_every == 0 or step == steps):
-            sampler.sample(sharded, step)  # greedy completions of --sample_prompts (sample.py)
 
-        # One all-reduce: a stop signal on any rank; rank 0 unable to write metrics.jsonl or samples.jsonl (the
-        # exit code of its error, so that every rank exits with it); --async_save: a rank still writing the save
-        # in flight, a rank whose write failed. Every rank then takes the same decisions below.
-        unwritten = log if log.error else sampler if sampler and sampler.error else None
-        stop = torch.tensor([bool(stop_signals), exit_code(unwritten.error_cause) if unwritten else 0,
-                             bool(saving and saving.writing()), bool(saving and saving.failed())],
-                            dtype=torch.float32, device=device)
-        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        signalled, unwritable, writing, write_failed = stop.tolist()
-        if unwritable:
-            fail(unwritten.error if unwritten else "--out_dir: rank 0 cannot write its metrics (its error says why); the "
-                 "run stops without saving", int(unwritable))
-        save_due = bool(signalled) or step == steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0)
-        in_flight = saving is not None and saving.pending is not None
-        if in_flight and (not writing or write_failed or save_due):  # its write is done, failed, or must be
-            finish_background_save(cfg, sharded, saving)
-        # A stop while a rank still writes keeps that save (docs/operations.md, "The stop save"): the steps since
-        # its snapshot took less time than its write, so redoing them after the restart costs less than saving
-        # again now. Otherwise the stop saves now. Either way at most one write follows the signal (the planner's
-        # lead counts one). The last step always saves: it ends the run.
-        stop_save_skipped = signalled and writing and step < steps
-        if save_due and not stop_save_skipped:
-            save(cfg, sharded, saving, step, windows.state(position) if windows else None,
-                 background=saving is not None and not signalled and step < steps)
-        if signalled:
-            if rank == 0:
-                print(metrics.stop_line(step, steps, stop_signals, stop_save_skipped, cfg.export_hf), flush=True)
-            break
-    else:  # not stopped by a signal
-        if cfg.export_hf:
-            try:
-                note = disk.export_hf(sharded.units, sharded.model.cfg, cfg.export_hf, sharded.compute_dtype,
-                                   cfg.export_shard_gb, rank, disk.export_origin(asdict(cfg)))
-            except disk.CheckpointError as e:
-                fail(str(e), exit_code(e))
-            if rank == 0:
-                print(f"exported a Hugging Face folder to {cfg.export_hf} ({note})", flush=True)
-    log.close()
-    gc.unfreeze()
-    gc.enable()
-    if owns_group:
-        dist.destroy_process_group()  # every group, the checkpoint group too
-        disk.group = None
+def timed_step(cfg, sharded: ShardedModel, windows, step: int, position: int, fault_hook, skipped: list):
+    """train_step with what surrounds it in the loop: the garbage collection due, the tests' faults, --profile, the
+    one-line ends of a step that runs out of memory or leaves a unit gathered, and a non-finite step skipped (counted
+    in `skipped`, up to --max_skipped_steps). Returns (the step's record, this rank's own compute seconds)."""
+    rank, device = sharded.rank, sharded.device
+    metrics.reset_peak_mem(device)
+    if step % GC_EVERY_STEPS == 0:
+        gc.collect()
+    if fault_hook:  # the tests' faults: a rank killed, hung, slowed or given a NaN loss in this step
+        fault_hook("step", step, rank, sharded.model)
+    compute_from = metrics.compute_clock(device)  # this rank's own compute, not the wall time collectives equalise
+    try:
+        with metrics.profile_step(cfg, step, rank, device):  # --profile STEP: a trace of this one
+            record = train_step(cfg, sharded, windows, step, position)
+    except torch.OutOfMemoryError as e:  # the same step runs out again after a restart: exit 2, and what to change
+        fail(metrics.out_of_memory_line(e, step, [u.name for u in sharded.units if u.state() != "free"],
+                                        metrics.allocator_held(device), metrics.planned_memory(cfg, sharded)))
+    except NonFiniteStep as nonfinite:
+        e = metrics.nonfinite_line(nonfinite, sharded)  # which rank's loss went bad: an all-gather, on every rank
+        skipped.append(step)
+        if len(skipped) > cfg.max_skipped_steps:
+            fail(f"{e}; stopping after {len(skipped)} such step(s) (--max_skipped_steps {cfg.max_skipped_steps}); "
+                 f"nothing from this step was saved")
+        if rank == 0:
+            print(f"warning: {e} ({len(skipped)} of at most {cfg.max_skipped_steps})", file=sys.stderr, flush=True)
+        record = dict(loss=None, grad_norm=None)  # null in metrics.jsonl
+    compute_s = metrics.compute_seconds(compute_from, device)
+    leftover = left_behind(sharded, step)  # a fork's bug, named here rather than training on stale weights
+    if leftover:
+        fail(leftover)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return record, compute_s
+
+
+def save_or_stop(cfg, sharded: ShardedModel, saving, step: int, steps: int, data_state, stop_signals, log,
+                 sampler) -> bool:
+    """The end of each step: saves what is due and returns whether the run stops (a stop signal on any rank).
+    One all-reduce first, so that every rank takes the same decisions: a stop signal on any rank; rank 0 unable to
+    write metrics.jsonl or samples.jsonl (the exit code of its error, so that every rank exits with it);
+    --async_save: a rank still writing the save in flight, a rank whose write failed."""
+    unwritten = log if log.error else sampler if sampler and sampler.error else None
+    stop = torch.tensor([bool(stop_signals), exit_code(unwritten.error_cause) if unwritten else 0,
+                         bool(saving and saving.writing()), bool(saving and saving.failed())],
+                        dtype=torch.float32, device=sharded.device)
+    dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+    signalled, unwritable, writing, write_failed = stop.tolist()
+    if unwritable:
+        fail(unwritten.error if unwritten else "--out_dir: rank 0 cannot write its metrics (its error says why); the "
+             "run stops without saving", int(unwritable))
+    save_due = bool(signalled) or step == steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0)
+    in_flight = saving is not None and saving.pending is not None
+    if in_flight and (not writing or write_failed or save_due):  # its write is done, failed, or must be
+        finish_background_save(cfg, sharded, saving)
+    # A stop while a rank still writes keeps that save (docs/operations.md, "The stop save"): the steps since
+    # its snapshot took less time than its write, so redoing them after the restart costs less than saving
+    # again now. Otherwise the stop saves now. Either way at most one write follows the signal (the planner's
+    # lead counts one). The last step always saves: it ends the run.
+    stop_save_skipped = signalled and writing and step < steps
+    if save_due and not stop_save_skipped:
+        save(cfg, sharded, saving, step, data_state, background=saving is not None and not signalled and step < steps)
+    if signalled and sharded.rank == 0:
+        print(metrics.stop_line(step, steps, stop_signals, stop_save_skipped, cfg.export_hf), flush=True)
+    return bool(signalled)
+
+
+def export(cfg, sharded: ShardedModel):
+    """--export_hf after the last step: a Hugging Face folder of the trained weights (disk.export_hf)."""
+    if not cfg.export_hf:
+        return
+    try:
+        note = disk.export_hf(sharded.units, sharded.model.cfg, cfg.export_hf, sharded.compute_dtype,
+                              cfg.export_shard_gb, sharded.rank, disk.export_origin(asdict(cfg)))
+    except disk.CheckpointError as e:
+        fail(str(e), exit_code(e))
+    if sharded.rank == 0:
+        print(f"exported a Hugging Face folder to {cfg.export_hf} ({note})", flush=True)
 
 
 if __name__ == "__main__":
