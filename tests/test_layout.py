@@ -93,3 +93,31 @@ def test_the_readmes_table_of_layers_is_the_import_graph():
     for name, imports in graph.items():
         for imported in imports - {"components"}:
             assert layer[imported] > layer[name], f"{name} imports {imported}, which the README's table puts above it"
+
+
+def test_tools_sit_above_the_trainer():
+    """tools/ (the planner's report, data preparation, the demo corpus, the plot, the sizes) may import train.py;
+    the trainer never imports a tool, so what a run is (its import closure) holds none of them."""
+    files = module_files()
+    for name, path in files.items():
+        imported = project_imports(path, {"tools"} | {f"tools.{t}" for t in tool_names()})
+        assert not imported, f"{name} imports {sorted(imported)}: a tool sits above the trainer"
+    assert tool_names(), "tools/ holds the tools"
+
+
+def tool_names() -> list[str]:
+    return sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "tools", "*.py")))
+
+
+def test_the_sizes_tool_counts_the_closure_the_import_graph_gives():
+    """tools/sizes.py (README.md's sizes table) counts every module train.py reaches in the import graph."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sizes", os.path.join(ROOT, "tools", "sizes.py"))
+    sizes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sizes)
+    graph, reached, todo = import_graph(), {"train"}, ["train"]
+    while todo:
+        for name in graph[todo.pop()] - reached:
+            reached.add(name)
+            todo.append(name)
+    assert set(sizes.closure()) == reached, sorted(set(sizes.closure()) ^ reached)
