@@ -17,7 +17,7 @@ import sysconfig
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: data.py, tools/
 import data as D  # noqa: E402
 from components.run_data import SAMPLE_SOURCES, sample_is_built  # noqa: E402  (what a run reads of the sample)
-from tools import prepare as P  # noqa: E402
+from tools import prepare as prep  # noqa: E402
 
 
 def message_catalogs(locale_dir: str = "/usr/share/locale/fr/LC_MESSAGES"):
@@ -98,11 +98,11 @@ def build_sample(folder: str, vocab_size: int = 4096, quiet: bool = True) -> str
         if not sample_is_built(folder):
             write_sample_corpus(folder)
             text, tokenizer = os.path.join(folder, "text.jsonl"), os.path.join(folder, "tokenizer.model")
-            P.train_tokenizer([text], vocab_size, tokenizer)
+            prep.train_tokenizer([text], vocab_size, tokenizer)
             for name, _ in SAMPLE_SOURCES:
                 for part, prefix in (("train", ""), ("eval", "eval_")):
-                    P.prepare([os.path.join(folder, f"{prefix}{name}.jsonl")], tokenizer,
-                              os.path.join(folder, part, name), overwrite=True, quiet=quiet)
+                    prep.prepare([os.path.join(folder, f"{prefix}{name}.jsonl")], tokenizer,
+                                 os.path.join(folder, part, name), overwrite=True, quiet=quiet)
     return folder
 
 
