@@ -1,4 +1,4 @@
-"""data.py prepare throughput (tokens/s) with 1 and 2 workers vs a plain single-process encode loop.
+"""tools/prepare.py prepare throughput (tokens/s) with 1 and 2 workers vs a plain single-process encode loop.
 
     python bench/prepare_throughput.py [--mb 50] [--workers 1 2] [--repeats 2]
 
@@ -15,8 +15,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data as D  # noqa: E402
-from components import sample_corpus  # noqa: E402
+from tools import prepare as prep  # noqa: E402
+from tools import sample_corpus  # noqa: E402
 
 
 def encode_loop(path, tokenizer_path):
@@ -51,7 +51,7 @@ def main():
         best["loop"] = max(best.get("loop", 0), n / (time.perf_counter() - t0))
         for w in args.workers:
             t0 = time.perf_counter()
-            meta = D.prepare([corpus], tokenizer, os.path.join(args.dir, f"out-w{w}"), workers=w, overwrite=True, quiet=True)
+            meta = prep.prepare([corpus], tokenizer, os.path.join(args.dir, f"out-w{w}"), workers=w, overwrite=True, quiet=True)
             best[f"prepare w{w}"] = max(best.get(f"prepare w{w}", 0), meta["tokens"] / (time.perf_counter() - t0))
             assert meta["tokens"] == n, (meta["tokens"], n)
     print(f"corpus {size_mb:.0f} MB, {n:,} tokens, {os.cpu_count()} CPU cores")

@@ -18,7 +18,7 @@ class TrainConfig:
     init_from: str = opt("", "weights to start from: a Hugging Face Llama folder (config.json + *.safetensors), or one of "
                              "our checkpoints (a step_* folder, or an --out_dir: its latest) for a new phase: its "
                              "weights only, step 1, a fresh optimizer and data position, any world size")
-    data: str = opt("sample", "a folder from data.py prepare, a 1-D .npy token file, or several weighted, "
+    data: str = opt("sample", "a folder from tools/prepare.py, a 1-D .npy token file, or several weighted, "
                               "DIR[:WEIGHT][,DIR[:WEIGHT]...] (each global batch in those proportions); or 'sample' (the "
                               "built-in English + French corpus and tokenizer, built once under OUT_DIR/sample: two sources)")
     doc_mask: bool = opt(True, "packed documents do not attend to each other and RoPE restarts in each")

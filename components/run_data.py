@@ -1,13 +1,18 @@
 """A run's data from its flags: data.py reads tokens; here a run's --data and --eval_data meet its model
 (open_data, with the built-in sample built first when --data is `sample`), and the other components learn
 what --data names (sources; first_prepared_folder: where its tokenizer is recorded; run_tokenizer; resolved_mix:
-its meaning)."""
+its meaning). The built-in sample is built by its tool, tools/sample_corpus.py, in a subprocess (build_sample):
+a run knows only where it lies (SAMPLE_SOURCES, sample_sources, sample_is_built), which the tool reads here."""
 import dataclasses
 import fractions
 import os
+import subprocess
+import sys
 
 import data as D
-from components import sample_corpus
+
+SAMPLE_SOURCES = (("messages", 0.6), ("docstrings", 0.4))  # the built-in sample's two sources and weights
+SAMPLE_TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "sample_corpus.py")
 
 
 def open_data(cfg, mcfg):
@@ -16,9 +21,10 @@ def open_data(cfg, mcfg):
     --init_from must match it."""
     if cfg.data == "sample":
         folder = os.path.join(cfg.out_dir, "sample")
-        if not sample_corpus.sample_is_built(folder) and os.environ.get("RANK", "0") == "0":
-            print(f"building the built-in sample (corpus, tokenizer, shards) in {folder}", flush=True)
-        sample_corpus.build_sample(folder)  # every rank: the first builds it, the others wait on its lock
+        if not sample_is_built(folder):
+            if os.environ.get("RANK", "0") == "0":
+                print(f"building the built-in sample (corpus, tokenizer, shards) in {folder}", flush=True)
+            build_sample(folder)  # every rank that finds it unbuilt: the first builds it, the others wait on its lock
     train_data = [(name, D.TokenData(path, "--data"), weight) for name, path, weight in sources(cfg, "--data")]
     held_out = sources(cfg, "--eval_data") if cfg.eval_every else []
     eval_data = [(name, D.TokenData(path, "--eval_data"), weight) for name, path, weight in held_out]
@@ -41,12 +47,38 @@ def open_data(cfg, mcfg):
     return mcfg, mixed_windows(train_data, cfg, mcfg), mixed_windows(eval_data, cfg, mcfg) if eval_data else None
 
 
+def sample_sources(out_dir: str, part: str) -> list[tuple[str, str, fractions.Fraction]]:
+    """The built-in sample's sources: OUT_DIR/sample/{train,eval}/NAME with SAMPLE_SOURCES' weights."""
+    return [(name, os.path.join(out_dir, "sample", part, name), fractions.Fraction(str(weight)))
+            for name, weight in SAMPLE_SOURCES]
+
+
+def sample_is_built(folder: str) -> bool:
+    """Whether each source's train and eval folders are complete (meta.json is written last)."""
+    return all(os.path.isfile(os.path.join(folder, part, name, "meta.json"))
+               for name, _ in SAMPLE_SOURCES for part in ("train", "eval"))
+
+
+def build_sample(folder: str):
+    """The built-in sample in `folder`, built by SAMPLE_TOOL in a subprocess: the tool holds the folder's lock
+    while it builds, so a rank that starts it while another builds waits, then finds it built. Its warnings
+    are passed on; its error (its last line) is this run's."""
+    proc = subprocess.run([sys.executable, SAMPLE_TOOL, folder, "--quiet"], stderr=subprocess.PIPE, text=True)
+    lines = proc.stderr.splitlines()
+    if proc.returncode == 0:
+        sys.stderr.write(proc.stderr)
+        return
+    sys.stderr.write("".join(line + "\n" for line in lines[:-1]))
+    why = lines[-1].removeprefix("error: ") if lines else f"{SAMPLE_TOOL} exited with {proc.returncode}"
+    raise D.DataError(f"--data sample: could not build the built-in sample in {folder}: {why}")
+
+
 def sources(cfg, flag: str) -> list[tuple[str, str, fractions.Fraction]]:
     """[(name, path, weight)] of --data or --eval_data (`flag`): the built-in sample's (for --eval_data auto too,
     with --data sample: its held-out part), else the flag's own; none for --eval_data auto or ''."""
     spec = cfg.data if flag == "--data" else cfg.eval_data
     if spec == "sample" or spec == "auto" and cfg.data == "sample":
-        return sample_corpus.sample_sources(cfg.out_dir, "train" if flag == "--data" else "eval")
+        return sample_sources(cfg.out_dir, "train" if flag == "--data" else "eval")
     return [] if flag == "--eval_data" and spec in ("auto", "") else D.parse_sources(spec, flag)
 
 
@@ -62,7 +94,7 @@ def mixed_windows(opened: list, cfg, mcfg) -> D.MixedWindows:
 def first_prepared_folder(spec: str, out_dir: str) -> str | None:
     """The first source of --data that is a prepared folder (its meta.json names the tokenizer), or None."""
     if spec == "sample":
-        return sample_corpus.sample_sources(out_dir, "train")[0][1]
+        return sample_sources(out_dir, "train")[0][1]
     paths = [D.split_source(item)[0] for item in spec.split(",")]
     return next((path for path in paths if os.path.isfile(os.path.join(path, "meta.json"))), None)
 

@@ -94,7 +94,7 @@ def with_built_sample(args: list[str]):
     """A run of the built-in sample (--data sample, the default) finds it in OUT_DIR/sample as its first build
     leaves it, copied from one built once per session with the folder's name in its meta.json files respelled:
     the same token ids and tokenizer as a build there (whose tokenizer.model would name its own folder), without
-    the ~5 s each build takes (sample_corpus.build_sample, whose own tests build it)."""
+    the ~5 s each build takes (tools/sample_corpus.py, whose own tests build it)."""
     out_dir = flag_value(args, "out_dir")
     if out_dir is None or flag_value(args, "data") not in (None, "sample"):
         return
@@ -102,7 +102,7 @@ def with_built_sample(args: list[str]):
     if os.path.exists(target):
         return
     if not SAMPLE:
-        from components import sample_corpus
+        from tools import sample_corpus
         SAMPLE.append(sample_corpus.build_sample(os.path.join(tempfile.mkdtemp(prefix="zero3_sample_"), "sample")))
     try:
         shutil.copytree(SAMPLE[0], target)

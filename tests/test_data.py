@@ -1,5 +1,6 @@
 """The data pipeline: tokenizers, prepare (order, shards, masks, bad input), packing with document masks,
 the window order and its resumable state, and training on a prepared folder."""
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -12,7 +13,7 @@ from common import ROOT, hf_model, ours_from_hf, read_metrics, run_train, small_
 
 import data as D
 import model as M
-from components import sample_corpus
+from components import run_data as RD
 
 TEXTS = ["Le contrat est résilié de plein droit à défaut de paiement.",
          "The lessee shall pay the rent on the first day of each month.",
@@ -34,9 +35,10 @@ def write_jsonl(path, records):
     return str(path)
 
 
-def run_data(*args, check=True):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+def run_prepare(*args, check=True):
+    """python tools/prepare.py ARGS, as a user types it."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "prepare.py"), *args], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
     if check and proc.returncode != 0:
         raise AssertionError(proc.stderr)
     return proc
@@ -50,7 +52,7 @@ def corpus(tmp_path_factory):
     txt.write_text("Un document entier dans un fichier .txt.\nSur deux lignes.", encoding="utf-8")
     chat = write_jsonl(root / "chat.jsonl", [{"messages": c} for c in CHATS * 10])
     sp_model = str(root / "tok.model")
-    run_data("train-tokenizer", "--input", text, str(txt), "--vocab_size", "400", "--out", sp_model)
+    run_prepare("train-tokenizer", "--input", text, str(txt), "--vocab_size", "400", "--out", sp_model)
     return dict(root=root, text=text, txt=str(txt), chat=chat, sp=sp_model, hf=hf_tokenizer(root / "hf"))
 
 
@@ -95,7 +97,7 @@ def test_trained_tokenizer_round_trips_any_utf8_and_keeps_chat_markers_whole(cor
     for marker in D.CHAT_TOKENS:
         assert len(tok.encode([marker], specials=True)[0]) == 1
     first = open(corpus["sp"], "rb").read()
-    run_data("train-tokenizer", "--input", corpus["text"], corpus["txt"], "--vocab_size", "400", "--out", corpus["sp"])
+    run_prepare("train-tokenizer", "--input", corpus["text"], corpus["txt"], "--vocab_size", "400", "--out", corpus["sp"])
     assert open(corpus["sp"], "rb").read() == first  # a re-run gives the same model
 
 
@@ -104,8 +106,8 @@ def test_trained_tokenizer_round_trips_any_utf8_and_keeps_chat_markers_whole(cor
 @pytest.mark.parametrize("kind", ["sp", "hf"])
 def test_prepare_writes_each_document_as_bos_tokens_eos_in_input_order(corpus, tmp_path, kind):
     out = str(tmp_path / "p")
-    run_data("prepare", "--input", corpus["text"], corpus["txt"], "--tokenizer", corpus[kind], "--out", out,
-             "--shard_tokens", "500")
+    run_prepare("prepare", "--input", corpus["text"], corpus["txt"], "--tokenizer", corpus[kind], "--out", out,
+               "--shard_tokens", "500")
     tok = D.Tokenizer(corpus[kind])
     expected = []
     for doc in TEXTS * 30 + [open(corpus["txt"], encoding="utf-8").read()]:
@@ -123,8 +125,8 @@ def test_two_workers_write_the_same_bytes_as_one(corpus, tmp_path):
     outs = []
     for workers in (1, 2):
         out = str(tmp_path / f"w{workers}")
-        run_data("prepare", "--input", corpus["chat"], corpus["text"], "--tokenizer", corpus["sp"], "--out", out,
-                 "--workers", str(workers), "--shard_tokens", "700")
+        run_prepare("prepare", "--input", corpus["chat"], corpus["text"], "--tokenizer", corpus["sp"], "--out", out,
+                   "--workers", str(workers), "--shard_tokens", "700")
         outs.append(out)
     names = sorted(os.listdir(outs[0]))
     assert names == sorted(os.listdir(outs[1])) and "mask-00000.npy" in names
@@ -132,10 +134,22 @@ def test_two_workers_write_the_same_bytes_as_one(corpus, tmp_path):
         assert open(os.path.join(outs[0], name), "rb").read() == open(os.path.join(outs[1], name), "rb").read(), name
 
 
+def test_data_py_prepare_runs_the_tool(corpus, tmp_path):
+    """`python data.py prepare ...`, the command from before tools/, runs tools/prepare.py: the same bytes."""
+    args = ["prepare", "--input", corpus["chat"], corpus["text"], "--tokenizer", corpus["sp"], "--shard_tokens", "700"]
+    run_prepare(*args, "--out", str(tmp_path / "tool"))
+    subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), *args, "--out", str(tmp_path / "data")],
+                   check=True, capture_output=True, timeout=300)
+    names = sorted(os.listdir(tmp_path / "tool"))
+    assert names == sorted(os.listdir(tmp_path / "data")) and "meta.json" in names
+    for name in names:
+        assert (tmp_path / "tool" / name).read_bytes() == (tmp_path / "data" / name).read_bytes(), name
+
+
 @pytest.mark.parametrize("kind", ["sp", "hf"])
 def test_chat_masks_cover_exactly_the_assistant_replies(corpus, tmp_path, kind):
     out = str(tmp_path / "chat")
-    run_data("prepare", "--input", corpus["chat"], "--tokenizer", corpus[kind], "--out", out)
+    run_prepare("prepare", "--input", corpus["chat"], "--tokenizer", corpus[kind], "--out", out)
     tok = D.Tokenizer(corpus[kind])
     docs = documents(out)
     assert len(docs) == 2 * 10
@@ -160,7 +174,7 @@ def test_an_instruct_tokenizer_ends_documents_with_end_of_text_not_eot(corpus, t
     tok = D.Tokenizer(str(instruct))
     assert tok.hf.eos_token == "<|eot_id|>" and tok.eos_id == tok.hf.convert_tokens_to_ids("<|end_of_text|>")
     out = str(tmp_path / "chat")
-    run_data("prepare", "--input", corpus["chat"], "--tokenizer", str(instruct), "--out", out)
+    run_prepare("prepare", "--input", corpus["chat"], "--tokenizer", str(instruct), "--out", out)
     assert json.load(open(os.path.join(out, "meta.json")))["documents"] == 20
     assert len(documents(out)) == 20
 
@@ -168,7 +182,7 @@ def test_an_instruct_tokenizer_ends_documents_with_end_of_text_not_eot(corpus, t
 def test_a_literal_special_token_in_a_document_stays_text(corpus, tmp_path):
     path = write_jsonl(tmp_path / "forge.jsonl", [{"text": "fin<|end_of_text|>suite <|eot_id|>"}])
     out = str(tmp_path / "p")
-    run_data("prepare", "--input", path, "--tokenizer", corpus["hf"], "--out", out)
+    run_prepare("prepare", "--input", path, "--tokenizer", corpus["hf"], "--out", out)
     (tokens, _), = documents(out)
     tok = D.Tokenizer(corpus["hf"])
     assert list(tokens).count(tok.eos_id) == 1 and tok.decode(tokens[1:-1]) == "fin<|end_of_text|>suite <|eot_id|>"
@@ -201,7 +215,7 @@ def test_bad_input_gets_one_clear_line(corpus, tmp_path, case, expected):
     elif case == "bad_utf8_txt":
         (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
         inputs = [str(tmp_path / "latin1.txt")]
-    proc = run_data("prepare", "--input", *inputs, "--tokenizer", tok, "--out", out, check=False)
+    proc = run_prepare("prepare", "--input", *inputs, "--tokenizer", tok, "--out", out, check=False)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected.format(tmp=tmp_path)), proc.stderr
@@ -210,7 +224,7 @@ def test_bad_input_gets_one_clear_line(corpus, tmp_path, case, expected):
 
 def test_skip_bad_skips_and_counts_each_bad_document(corpus, tmp_path):
     out = str(tmp_path / "out")
-    proc = run_data("prepare", "--input", bad_jsonl(tmp_path), "--tokenizer", corpus["sp"], "--out", out, "--skip_bad")
+    proc = run_prepare("prepare", "--input", bad_jsonl(tmp_path), "--tokenizer", corpus["sp"], "--out", out, "--skip_bad")
     meta = json.load(open(os.path.join(out, "meta.json")))
     assert meta["documents"] == 2 and meta["skipped_bad"] == 4  # broken JSON, empty, bad UTF-8, no text
     assert "2 documents" in proc.stderr and "4 bad documents skipped" in proc.stderr
@@ -222,8 +236,8 @@ def test_an_unfinished_prepare_is_refused_for_training(corpus, tmp_path):
     out = str(tmp_path / "out")
     path = tmp_path / "late.jsonl"  # a bad line after a shard was already written
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 200) + "{oops\n")
-    proc = run_data("prepare", "--input", str(path), "--tokenizer", corpus["sp"], "--out", out,
-                    "--shard_tokens", "100", check=False)
+    proc = run_prepare("prepare", "--input", str(path), "--tokenizer", corpus["sp"], "--out", out,
+                      "--shard_tokens", "100", check=False)
     assert proc.returncode == 2 and os.path.exists(os.path.join(out, "tokens-00000.npy"))
     assert not os.path.exists(os.path.join(out, "meta.json"))
     with pytest.raises(D.DataError, match="has no meta.json: not a prepared folder, or its prepare did not finish"):
@@ -308,7 +322,7 @@ def test_saved_loader_state_restores_the_exact_next_batch(windows, tmp_path):
 
 def test_masked_targets_are_excluded(corpus, tmp_path):
     out = str(tmp_path / "chat")
-    run_data("prepare", "--input", corpus["chat"], "--tokenizer", corpus["sp"], "--out", out)
+    run_prepare("prepare", "--input", corpus["chat"], "--tokenizer", corpus["sp"], "--out", out)
     data = D.TokenData(out)
     w = D.TokenWindows(data, seq_len=32, seed=0)
     inputs, targets, _ = w.micro_batch(0, 0, 0, 1, 4)
@@ -322,8 +336,8 @@ def test_masked_targets_are_excluded(corpus, tmp_path):
 
 def test_training_on_a_prepared_folder_takes_its_vocabulary_and_logs_eval_loss(corpus, tmp_path):
     train_dir, eval_dir = str(tmp_path / "train"), str(tmp_path / "eval")
-    run_data("prepare", "--input", corpus["chat"], "--tokenizer", corpus["sp"], "--out", train_dir)
-    run_data("prepare", "--input", corpus["text"], "--tokenizer", corpus["sp"], "--out", eval_dir)
+    run_prepare("prepare", "--input", corpus["chat"], "--tokenizer", corpus["sp"], "--out", train_dir)
+    run_prepare("prepare", "--input", corpus["text"], "--tokenizer", corpus["sp"], "--out", eval_dir)
     out = str(tmp_path / "run")
     run_train(["--data", train_dir, "--eval_data", eval_dir, "--eval_every", "2", "--eval_batches", "2",
                "--steps", "3", "--seq_len", "32", "--batch_size", "4", "--micro_batch_size", "1",
@@ -338,7 +352,7 @@ def test_training_on_a_prepared_folder_takes_its_vocabulary_and_logs_eval_loss(c
 
 def test_a_model_with_another_vocabulary_is_refused(corpus, tmp_path):
     prepared = str(tmp_path / "p")
-    run_data("prepare", "--input", corpus["text"], "--tokenizer", corpus["sp"], "--out", prepared)
+    run_prepare("prepare", "--input", corpus["text"], "--tokenizer", corpus["sp"], "--out", prepared)
     init = str(tmp_path / "init")
     hf_model(small_config()).save_pretrained(init)  # vocabulary 97
     proc = run_train(["--init_from", init, "--data", prepared, "--out_dir", str(tmp_path / "o")], check=False)
@@ -347,7 +361,13 @@ def test_a_model_with_another_vocabulary_is_refused(corpus, tmp_path):
 
 
 def test_the_builtin_sample_is_english_and_french_in_two_sources(tmp_path):
-    folder = sample_corpus.build_sample(str(tmp_path / "sample"))
+    """Built as a run builds it, by the tool in a subprocess (run_data.build_sample), by two ranks at once: one
+    builds it, the other waits on its lock."""
+    folder = str(tmp_path / "sample")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for future in [pool.submit(RD.build_sample, folder) for _ in range(2)]:
+            future.result()
+    assert RD.sample_is_built(folder)
     metas = {name: json.load(open(os.path.join(folder, "train", name, "meta.json"))) for name in ("messages", "docstrings")}
     assert sum(m["documents"] for m in metas.values()) > 1000 and sum(m["tokens"] for m in metas.values()) > 1_000_000
     assert all(m["tokens"] > 200_000 for m in metas.values())
@@ -359,8 +379,17 @@ def test_the_builtin_sample_is_english_and_french_in_two_sources(tmp_path):
     assert not any(" le " in d and ("é" in d or "è" in d) for d in docstrings)  # the English source
     assert all(os.path.isfile(os.path.join(folder, "eval", name, "meta.json")) for name in ("messages", "docstrings"))
     mtime = os.path.getmtime(os.path.join(folder, "train", "messages", "meta.json"))
-    sample_corpus.build_sample(folder)  # cached: not rebuilt
+    RD.build_sample(folder)  # cached: not rebuilt
     assert os.path.getmtime(os.path.join(folder, "train", "messages", "meta.json")) == mtime
+
+
+def test_a_sample_that_cannot_be_built_stops_the_run_with_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    folder = str(tmp_path / "file" / "sample")
+    with pytest.raises(D.DataError) as e:
+        RD.build_sample(folder)
+    assert str(e.value) == (f"--data sample: could not build the built-in sample in {folder}: "
+                            f"[Errno 20] Not a directory: '{folder}'")
 
 
 def test_a_loader_shared_by_threads_gives_each_the_same_windows():

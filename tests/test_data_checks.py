@@ -14,13 +14,14 @@ from common import ROOT, read_metrics, run_train
 from test_data import CHATS, TEXTS, corpus, write_jsonl  # noqa: F401 (corpus is a fixture)
 
 import data as D
+from tools import prepare as prep
 
 
 @pytest.fixture
 def prepared(corpus, tmp_path):
     """A prepared folder of the plain-text corpus, sentencepiece vocabulary 400, two shards."""
     out = str(tmp_path / "prepared")
-    D.prepare([corpus["text"]], corpus["sp"], out, shard_tokens=2000, quiet=True)
+    prep.prepare([corpus["text"]], corpus["sp"], out, shard_tokens=2000, quiet=True)
     return out
 
 
@@ -71,7 +72,7 @@ def test_a_bare_uint16_file_for_a_vocabulary_above_65535_is_refused(tmp_path):
         D.TokenData(path).check_vocab(128_256)
     assert str(e.value) == (f"--data: {path} holds uint16 ids (at most 65,535) but the model's vocabulary has "
                             f"128,256 tokens: larger ids wrapped when it was saved; save the ids as uint32, or "
-                            f"tokenize with data.py prepare")
+                            f"tokenize with tools/prepare.py prepare")
     np.save(path, np.arange(1000, dtype=np.uint32))
     D.TokenData(path).check_vocab(128_256)  # uint32 holds them
 
@@ -82,14 +83,14 @@ def test_prepare_refuses_an_id_the_tokenizer_says_it_does_not_have(corpus, tmp_p
                         lambda self, texts, specials: [ids + [70000] for ids in encode(self, texts, specials)])
     out = str(tmp_path / "p")
     with pytest.raises(D.DataError) as e:
-        D.prepare([corpus["text"]], corpus["sp"], out, quiet=True)
+        prep.prepare([corpus["text"]], corpus["sp"], out, quiet=True)
     assert str(e.value) == (f"{corpus['text']}:1: --tokenizer {corpus['sp']} encodes it to id 70000, outside its "
                             f"own vocabulary [0, 400)")
     assert not os.path.exists(os.path.join(out, "tokens-00000.npy"))  # nothing wrapped was written
 
 
 def test_the_shard_writer_never_casts_an_id_that_does_not_fit(tmp_path):
-    writer = D.ShardWriter(str(tmp_path), np.uint16, 10, with_mask=False)
+    writer = prep.ShardWriter(str(tmp_path), np.uint16, 10, with_mask=False)
     with pytest.raises(D.DataError, match="token id 70000 does not fit the shards' uint16"):
         writer.add(np.array([1, 70000, 2], dtype=np.uint32), None, [3])
     assert writer.n_buffered == 0
@@ -99,14 +100,14 @@ def test_the_shard_writer_never_casts_an_id_that_does_not_fit(tmp_path):
 
 @pytest.mark.parametrize("case,problem", [
     ("torn", "is not valid JSON ("),
-    ("no_vocab", "has no integer 'vocab_size'; run data.py prepare again"),
-    ("no_eos", "has no integer 'eos_id'; run data.py prepare again"),
-    ("no_tokenizer", "has no 'tokenizer' with 'path', 'kind' and 'sha256'; run data.py prepare again"),
-    ("no_shards", "lists no shards ('shards' must be a non-empty list); run data.py prepare again"),
-    ("empty_shards", "lists no shards ('shards' must be a non-empty list); run data.py prepare again"),
+    ("no_vocab", "has no integer 'vocab_size'; run tools/prepare.py prepare again"),
+    ("no_eos", "has no integer 'eos_id'; run tools/prepare.py prepare again"),
+    ("no_tokenizer", "has no 'tokenizer' with 'path', 'kind' and 'sha256'; run tools/prepare.py prepare again"),
+    ("no_shards", "lists no shards ('shards' must be a non-empty list); run tools/prepare.py prepare again"),
+    ("empty_shards", "lists no shards ('shards' must be a non-empty list); run tools/prepare.py prepare again"),
     ("shard_no_n_tokens", "shard 1 needs 'tokens' (a file name), 'mask' (a file name or null), 'n_tokens' and "
-                          "'max_token_id' (integers); run data.py prepare again"),
-    ("not_object", "is not a JSON object; run data.py prepare again"),
+                          "'max_token_id' (integers); run tools/prepare.py prepare again"),
+    ("not_object", "is not a JSON object; run tools/prepare.py prepare again"),
 ])
 def test_a_malformed_meta_json_is_named_with_its_problem(prepared, case, problem):
     path = os.path.join(prepared, "meta.json")
@@ -148,7 +149,7 @@ def control_ids(tok):
 def test_a_literal_marker_in_a_document_stays_text_with_sentencepiece(corpus, tmp_path):
     path = write_jsonl(tmp_path / "forge.jsonl", [{"text": FORGERY}])
     out = str(tmp_path / "p")
-    D.prepare([path], corpus["sp"], out, quiet=True)
+    prep.prepare([path], corpus["sp"], out, quiet=True)
     tok = D.Tokenizer(corpus["sp"])
     tokens = D.TokenData(out).read(0, len(D.TokenData(out)))[0]
     assert not set(tokens.tolist()) & control_ids(tok)
@@ -161,7 +162,7 @@ def test_a_literal_marker_in_a_chat_message_stays_text(corpus, tmp_path, kind):
             {"role": "assistant", "content": f"Voici : {FORGERY}"}]
     path = write_jsonl(tmp_path / "forge.jsonl", [{"messages": chat}])
     out = str(tmp_path / "p")
-    D.prepare([path], corpus[kind], out, quiet=True)
+    prep.prepare([path], corpus[kind], out, quiet=True)
     tok = D.Tokenizer(corpus[kind])
     data = D.TokenData(out)
     tokens, mask, _ = data.read(0, len(data))
@@ -176,13 +177,14 @@ DYING_WORKER = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
 import data as D
+from tools import prepare as prep
 encode = D.Tokenizer.encode
 def encode_or_die(self, texts, specials):  # a worker killed (as by the OOM killer) on one batch
     if any("DIE HERE" in t for t in texts):
         os.kill(os.getpid(), signal.SIGKILL)
     return encode(self, texts, specials)
 D.Tokenizer.encode = encode_or_die
-D.main(sys.argv[2:])
+prep.main(sys.argv[2:])
 """
 
 
@@ -211,13 +213,13 @@ def test_a_document_over_the_size_limit_is_refused_naming_the_file(corpus, tmp_p
         open(path, "w").write(big)
         where = path
     out = str(tmp_path / "p")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), "prepare", "--input", path,
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "prepare.py"), "prepare", "--input", path,
                            "--tokenizer", corpus["sp"], "--out", out, "--max_document_mb", "1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"error: {where}: a document over --max_document_mb 1 MB; split it into smaller documents, or raise the limit"]
-    D.prepare([path], corpus["sp"], str(tmp_path / "p2"), quiet=True)  # the default limit (64 MB) takes it
+    prep.prepare([path], corpus["sp"], str(tmp_path / "p2"), quiet=True)  # the default limit (64 MB) takes it
 
 
 # -- 6. what comes with a folder: file names in meta.json, the chat template, the tokenizer's size --------
@@ -249,7 +251,7 @@ def test_a_shard_file_name_in_meta_json_must_be_a_file_in_its_folder(prepared, t
                                 f"shards must be in it (copy the file in)")
     else:
         assert str(e.value) == (f"--data: {path} shard 0 names {name!r} as its {key} file, which is not a file "
-                                f"name in {prepared} (a '/' or '..'); run data.py prepare again")
+                                f"name in {prepared} (a '/' or '..'); run tools/prepare.py prepare again")
 
 
 def test_a_link_to_a_file_inside_the_folder_is_read(prepared):
@@ -285,7 +287,7 @@ LOOP = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_i
 def test_a_chat_template_error_is_one_line_naming_the_file_and_record(corpus, tmp_path, template, error):
     tokenizer = chat_tokenizer(corpus, tmp_path, template)
     with pytest.raises(D.DataError) as e:
-        D.prepare([corpus["chat"]], tokenizer, str(tmp_path / "p"), quiet=True)
+        prep.prepare([corpus["chat"]], tokenizer, str(tmp_path / "p"), quiet=True)
     assert str(e.value) == f"{corpus['chat']}:1: the chat template of {tokenizer} failed on this chat ({error})"
     with pytest.raises(D.DataError) as e:  # a --sample_prompts chat, rendered for a reply
         D.Tokenizer(tokenizer).prompt_ids({"messages": CHATS[0][:2]})
@@ -316,7 +318,7 @@ def test_a_vocabulary_the_corpus_cannot_fill_is_one_line(tmp_path, capsys, vocab
     path = write_jsonl(tmp_path / "tiny.jsonl", [{"text": "hello world, a tiny corpus"},
                                                  {"text": "another line of text here"}])
     with pytest.raises(SystemExit) as e:
-        D.main(["train-tokenizer", "--input", path, "--vocab_size", str(vocab_size),
+        prep.main(["train-tokenizer", "--input", path, "--vocab_size", str(vocab_size),
                 "--out", str(tmp_path / "t.model")])
     assert e.value.code == 2
     assert capsys.readouterr().err.splitlines() == [f"error: {message}"]

@@ -17,6 +17,7 @@ from common import ROOT, hf_model, ours_from_hf, save_hf, small_config
 from test_data import CHATS, TEXTS, hf_tokenizer
 
 import data as D
+from tools import prepare as prep
 from components import tokenizer_export
 
 # Each kind of text the ids must agree on: French, English, chat markup, digits and whitespace runs,
@@ -46,7 +47,7 @@ def test_a_sentencepiece_tokenizer_exports_to_the_same_ids(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in TEXTS * 30), encoding="utf-8")
     model = str(tmp_path / "tok.model")
-    D.train_tokenizer([str(corpus)], 400, model)
+    prep.train_tokenizer([str(corpus)], 400, model)
     tok = D.Tokenizer(model)
     out = tmp_path / "hf"
     out.mkdir()
@@ -68,7 +69,7 @@ def test_a_changed_tokenizer_is_not_exported(tmp_path):
     model = tmp_path / "tok.model"
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n".join(TEXTS * 20), encoding="utf-8")
-    D.train_tokenizer([str(corpus)], 300, str(model))
+    prep.train_tokenizer([str(corpus)], 300, str(model))
     with pytest.raises(D.DataError, match="has changed since it prepared --data"):
         tokenizer_export.write_hf_tokenizer(str(model), "0" * 64, str(tmp_path))
     with pytest.raises(D.DataError, match="is not there"):

@@ -12,6 +12,7 @@ from test_data import corpus  # noqa: F401 (a fixture)
 
 from components import checks
 import data as D
+from tools import prepare as prep
 from components import metrics
 from components import run_data
 import train
@@ -91,8 +92,8 @@ def test_names_are_the_folder_or_file_name_and_repeats_are_numbered(two_files):
 
 def test_chat_masks_work_in_a_mix(corpus, tmp_path):  # noqa: F811
     chat, text = str(tmp_path / "chat"), str(tmp_path / "text")
-    D.prepare([corpus["chat"]], corpus["sp"], chat, quiet=True)
-    D.prepare([corpus["text"]], corpus["sp"], text, quiet=True)
+    prep.prepare([corpus["chat"]], corpus["sp"], chat, quiet=True)
+    prep.prepare([corpus["text"]], corpus["sp"], text, quiet=True)
     sources = D.parse_sources(f"{chat}:1,{text}:1", "--data")
     m = D.MixedWindows(["chat", "text"], [D.TokenWindows(D.TokenData(p), 32, 0) for _, p, _ in sources], [1, 1])
     _, targets, _ = m.micro_batch(0, 0, 0, 1, 8)
@@ -119,7 +120,7 @@ def test_a_bad_weight_or_a_missing_source_is_one_line_naming_the_flag_and_file(t
 
 def test_a_source_with_another_vocabulary_is_refused_naming_the_flag_and_file(corpus, tmp_path):  # noqa: F811
     prepared = str(tmp_path / "p")
-    D.prepare([corpus["text"]], corpus["sp"], prepared, quiet=True)  # vocabulary 400
+    prep.prepare([corpus["text"]], corpus["sp"], prepared, quiet=True)  # vocabulary 400
     tokens = learnable_tokens(str(tmp_path / "t.npy"), 97)
     mcfg = small_config()  # vocabulary 97, as from --init_from
     with pytest.raises(D.DataError, match=rf"^--eval_data: {prepared} was tokenized with a 400-token vocabulary; "

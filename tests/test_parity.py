@@ -19,6 +19,7 @@ from common import (DIST_WORKER, hf_model, learnable_tokens, read_metrics, run_s
                     stopped_at)
 
 import data as D
+from tools import prepare as prep
 import model as M
 from components import disk
 from components.checks import check_run
@@ -255,7 +256,7 @@ def test_qwen3_trains_on_chats_prepared_with_its_own_tokenizer_as_its_oracle(tmp
     tok = D.Tokenizer(folder)
     chats, data_dir = tmp_path / "chats.jsonl", str(tmp_path / "data")
     chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in QWEN3_CHATS), encoding="utf-8")
-    D.prepare([str(chats)], folder, data_dir, quiet=True)
+    prep.prepare([str(chats)], folder, data_dir, quiet=True)
     im_end = tok.piece_id("<|im_end|>")
     cfg = small_config(family="qwen3", qk_norm=True, head_dim=12, norm_eps=1e-6, vocab_size=tok.vocab_size,
                        bos_id=tok.piece_id("<|endoftext|>"), eos_id=im_end, max_seq_len=128)

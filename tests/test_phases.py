@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from test_data import TEXTS
 
 import data as D
+from tools import prepare as prep
 import train as T
 from components.checks import check_run
 
@@ -29,9 +30,9 @@ def phase_one(tmp_path_factory):
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in TEXTS * 40), encoding="utf-8")
     tokenizer = str(root / "tok.model")
-    D.train_tokenizer([str(corpus)], 400, tokenizer)
+    prep.train_tokenizer([str(corpus)], 400, tokenizer)
     data = str(root / "data")
-    D.prepare([str(corpus)], tokenizer, data, quiet=True)
+    prep.prepare([str(corpus)], tokenizer, data, quiet=True)
     a, b = root / "a", root / "b"
     run_train(TINY + [f"--data={data}", "--steps=2", "--seq_len=16", "--batch_size=4", "--warmup_steps=1",
                       f"--out_dir={a}", f"--export_hf={a / 'hf'}"], nproc=2)
@@ -127,8 +128,8 @@ def test_a_phase_on_data_of_another_tokenizer_is_refused(phase_one, tmp_path):
     corpus = tmp_path / "other.jsonl"
     corpus.write_text("".join(json.dumps({"text": t[::-1]}, ensure_ascii=False) + "\n" for t in TEXTS * 40),
                       encoding="utf-8")
-    D.train_tokenizer([str(corpus)], 400, str(tmp_path / "other.model"))
-    D.prepare([str(corpus)], str(tmp_path / "other.model"), str(tmp_path / "other"), quiet=True)
+    prep.train_tokenizer([str(corpus)], 400, str(tmp_path / "other.model"))
+    prep.prepare([str(corpus)], str(tmp_path / "other.model"), str(tmp_path / "other"), quiet=True)
     _, _, errors = check_run(flags(phase_one, tmp_path, f"--data={tmp_path / 'other'}"), 1)
     assert len(errors) == 1 and errors[0].startswith(f"--data: {tmp_path / 'other'} was tokenized with "
                                                      f"{tmp_path / 'other.model'}, and the model of --init_from")

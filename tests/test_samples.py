@@ -14,7 +14,7 @@ from test_data import TEXTS, hf_tokenizer, write_jsonl
 
 from components import disk
 from components import checks
-import data as D
+from tools import prepare as prep
 import model as M
 from components import plan as P
 from components import sample as S
@@ -64,8 +64,8 @@ def sentencepiece_run(tmp_path_factory):
     a tied model of its vocabulary saved as a Hugging Face folder."""
     root = tmp_path_factory.mktemp("sp")
     text = write_jsonl(root / "text.jsonl", [{"text": t} for t in TEXTS * 30])
-    D.train_tokenizer([text], 300, str(root / "tok.model"))
-    D.prepare([text], str(root / "tok.model"), str(root / "data"), quiet=True)
+    prep.train_tokenizer([text], 300, str(root / "tok.model"))
+    prep.prepare([text], str(root / "tok.model"), str(root / "data"), quiet=True)
     cfg = small_config(vocab_size=300, bos_id=1, eos_id=2, tie_embeddings=True)
     init = save_hf(hf_model(cfg, seed=5), str(root / "init"))
     return dict(root=root, init=init, data=str(root / "data"), prompts=write_jsonl(root / "prompts.jsonl", PROMPTS))
@@ -95,7 +95,7 @@ def test_sharded_decoding_equals_generate_stops_at_end_ids_and_leaves_nothing_be
         assert sampler.prompts[0] == [tok.bos_id] + tok.sp.encode(PROMPTS[0]["text"])
         reply = {"role": "assistant", "content": "Le preneur paie le loyer."}
         raw = json.dumps({"messages": PROMPTS[1]["messages"] + [reply]}).encode()
-        prepared = D.encode_batch([("chat.jsonl", 1, raw)], with_mask=True, skip_bad=False, tok=tok)[0].tolist()
+        prepared = prep.encode_batch([("chat.jsonl", 1, raw)], with_mask=True, skip_bad=False, tok=tok)[0].tolist()
         n = len(sampler.prompts[1])
         assert prepared[:n] == sampler.prompts[1] and tok.decode(prepared[n:-1]) == reply["content"]  # then <|eot_id|>
         assert sampler.stop_ids == [2, tok.sp.piece_to_id("<|eot_id|>")]  # end of text, end of a chat turn

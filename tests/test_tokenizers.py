@@ -14,6 +14,7 @@ import pytest
 from common import ROOT
 
 import data as D
+from tools import prepare as prep
 import published_tokenizers
 
 # family: (the marker that closes a reply, what follows a plain-text document, whether a text starts with BOS)
@@ -125,7 +126,7 @@ def test_qwen3_chats_and_texts_prepare_without_a_bos_and_keep_each_conversation_
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     out = str(tmp_path / "p")
-    meta = D.prepare([str(path)], published_tokenizers.folder("qwen3"), out, quiet=True, shard_tokens=50)
+    meta = prep.prepare([str(path)], published_tokenizers.folder("qwen3"), out, quiet=True, shard_tokens=50)
     assert (meta["bos_id"], meta["doc_end_id"]) == (None, tok.piece_id("<|endoftext|>"))
     assert meta["documents"] == 3 and len(meta["shards"]) > 1  # documents that cross shards
     data = D.TokenData(out)
@@ -166,11 +167,11 @@ def test_an_assistant_turn_the_template_drops_is_one_line_naming_the_record(tmp_
     path = write_chats(tmp_path / "c.jsonl", [{"messages": ONE_TURN}, {"messages": MULTI_TURN}])
     out = str(tmp_path / "p")
     with pytest.raises(D.DataError) as e:
-        D.prepare([path], str(tok_dir), out, quiet=True)
+        prep.prepare([path], str(tok_dir), out, quiet=True)
     assert str(e.value) == (f"{path}:2: message 2 (assistant): the chat template of {tok_dir} drops or rewrites its "
                             f"content, so its reply cannot be found in the rendering to be trained on")
     assert not os.path.exists(os.path.join(out, "meta.json"))
-    meta = D.prepare([path], str(tok_dir), out, quiet=True, skip_bad=True, overwrite=True)  # or skipped, counted
+    meta = prep.prepare([path], str(tok_dir), out, quiet=True, skip_bad=True, overwrite=True)  # or skipped, counted
     assert (meta["documents"], meta["skipped_bad"]) == (1, 1)
 
 
@@ -193,14 +194,14 @@ def test_plain_text_with_neither_bos_nor_document_end_names_the_flag_to_pass(tmp
     tok = bare_tokenizer(tmp_path / "bare")
     path = write_chats(tmp_path / "t.jsonl", [{"text": TEXT}, {"text": "Deux."}])
     out = str(tmp_path / "p")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "data.py"), "prepare", "--input", path, "--tokenizer", tok,
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "prepare.py"), "prepare", "--input", path, "--tokenizer", tok,
                            "--out", out], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: --tokenizer: {tok} has neither a BOS nor a document-end token; its eos_token '<|im_end|>' closes a "
         f"chat turn, so packed plain-text documents would run into each other: name the token its pretraining put "
         f"after a document with --doc_end TOKEN (or --doc_end none to pack them bare)"], proc.stderr
     assert not os.path.exists(os.path.join(out, "meta.json"))
-    meta = D.prepare([path], tok, out, quiet=True, overwrite=True, doc_end="<|im_start|>")
+    meta = prep.prepare([path], tok, out, quiet=True, overwrite=True, doc_end="<|im_start|>")
     assert meta["doc_end_id"] == D.Tokenizer(tok).piece_id("<|im_start|>") and meta["bos_id"] is None
     with pytest.raises(D.DataError, match=r"^--doc_end: '<\|nope\|>' is not a token of --tokenizer "):
         D.Tokenizer(tok, "<|nope|>")
@@ -213,10 +214,10 @@ def test_a_folder_prepared_before_document_starts_trains_with_the_boundaries_its
     start after each eos_id, the same starts format 2 records for the same documents."""
     texts = write_chats(tmp_path / "t.jsonl", [{"text": f"Document {i}: " + TEXT[:20 + i]} for i in range(30)])
     model = str(tmp_path / "tok.model")
-    D.train_tokenizer([texts], 300, model)
+    prep.train_tokenizer([texts], 300, model)
     new, old = str(tmp_path / "new"), str(tmp_path / "old")
-    D.prepare([texts], model, new, quiet=True, shard_tokens=200)
-    D.prepare([texts], model, old, quiet=True, shard_tokens=200)
+    prep.prepare([texts], model, new, quiet=True, shard_tokens=200)
+    prep.prepare([texts], model, old, quiet=True, shard_tokens=200)
     meta = json.load(open(os.path.join(old, "meta.json")))
     for shard in meta["shards"]:  # as the format-1 prepare wrote it
         os.remove(os.path.join(old, shard.pop("docs")))

@@ -1,12 +1,12 @@
 """The built-in sample (--data sample, the default): English and French text already on the machine, no network
-(docs/data.md, "The built-in sample"). Built once per --out_dir, by run_data.open_data or by hand:
+(docs/data.md, "The built-in sample"). Built once per --out_dir, by a run in a subprocess (run_data.build_sample:
+the trainer never imports this file) or by hand:
 
-    python -m components.sample_corpus --out out/sample     # corpus, tokenizer and shards, without training
+    python tools/sample_corpus.py out/sample     # corpus, tokenizer and shards, without training
 """
 import argparse
 import ast
 import fcntl
-import fractions
 import gettext
 import glob
 import json
@@ -14,15 +14,10 @@ import os
 import sys
 import sysconfig
 
-import data as D
-
-SAMPLE_SOURCES = (("messages", 0.6), ("docstrings", 0.4))  # the built-in sample's two sources and weights
-
-
-def sample_sources(out_dir: str, part: str) -> list[tuple[str, str, fractions.Fraction]]:
-    """The built-in sample's sources: OUT_DIR/sample/{train,eval}/NAME with SAMPLE_SOURCES' weights."""
-    return [(name, os.path.join(out_dir, "sample", part, name), fractions.Fraction(str(weight)))
-            for name, weight in SAMPLE_SOURCES]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: data.py, tools/
+import data as D  # noqa: E402
+from components.run_data import SAMPLE_SOURCES, sample_is_built  # noqa: E402  (what a run reads of the sample)
+from tools import prepare as prep  # noqa: E402
 
 
 def message_catalogs(locale_dir: str = "/usr/share/locale/fr/LC_MESSAGES"):
@@ -103,29 +98,26 @@ def build_sample(folder: str, vocab_size: int = 4096, quiet: bool = True) -> str
         if not sample_is_built(folder):
             write_sample_corpus(folder)
             text, tokenizer = os.path.join(folder, "text.jsonl"), os.path.join(folder, "tokenizer.model")
-            D.train_tokenizer([text], vocab_size, tokenizer)
+            prep.train_tokenizer([text], vocab_size, tokenizer)
             for name, _ in SAMPLE_SOURCES:
                 for part, prefix in (("train", ""), ("eval", "eval_")):
-                    D.prepare([os.path.join(folder, f"{prefix}{name}.jsonl")], tokenizer,
-                              os.path.join(folder, part, name), overwrite=True, quiet=quiet)
+                    prep.prepare([os.path.join(folder, f"{prefix}{name}.jsonl")], tokenizer,
+                                 os.path.join(folder, part, name), overwrite=True, quiet=quiet)
     return folder
-
-
-def sample_is_built(folder: str) -> bool:
-    return all(os.path.isfile(os.path.join(folder, part, name, "meta.json"))
-               for name, _ in SAMPLE_SOURCES for part in ("train", "eval"))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("folder", help="where to build it (a run's is OUT_DIR/sample)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines: warnings and errors only")
     args = parser.parse_args(argv)
     try:
-        build_sample(args.out, quiet=False)
-    except D.DataError as e:
+        build_sample(args.folder, quiet=args.quiet)
+    except (D.DataError, OSError) as e:  # one line, which a run building the sample repeats as its error
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"built the sample in {args.out}", file=sys.stderr)
+    if not args.quiet:
+        print(f"built the sample in {args.folder}", file=sys.stderr)
 
 
 if __name__ == "__main__":
