@@ -11,7 +11,7 @@ a permutation.
 
 Nothing here knows about sharding: train.py calls the forward's three pieces (`embed`, each block,
 `head_loss`) with its gather/free around each; `Llama.forward` strings them together in one process, which
-is what the tests compare against HF. sample.py runs the same blocks with a `sample.KVCache` each.
+is what the tests compare against HF. components/sample.py runs the same blocks with a KVCache each.
 """
 
 import math
@@ -334,9 +334,34 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, T, self.k_groups, -1)).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # sampling (sample.KVCache): these T tokens also see every earlier one
+        if cache is not None:  # sampling (KVCache, below): these T tokens also see every earlier one
             return self.o_proj(cache.attention(q, k, v).reshape(B, T, -1))
         return self.o_proj(attention(q, k, v, layout).reshape(B, T, -1))
+
+
+class KVCache:
+    """One block's keys and values for one sequence while sampling: the prompt's, then one more token's per
+    step. Allocated for the whole sequence at once, so a step copies one token's K/V in, not the whole
+    cache; it exists only while sample.generate runs. Attention (above) hands it its q, k, v (the `cache` argument
+    training never passes); components/sample.py makes one per block and prompt."""
+
+    def __init__(self, max_tokens: int, cfg: ModelConfig, dtype: torch.dtype, device):
+        self.k = torch.empty(1, max_tokens, cfg.n_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0  # tokens held
+
+    def attention(self, q, k, v):
+        """Appends the T new tokens' k, v (1, T, KV, D), and returns their queries' (q: (1, T, H, D)) causal
+        attention over all S tokens held. Query t is at position S - T + t and sees keys 0 .. S - T + t. One
+        new token (T = 1) sees every key: no mask at all, which is_causal would get wrong (SDPA aligns its
+        causal mask to the top left when T < S)."""
+        end = self.length + k.shape[1]
+        self.k[:, self.length:end], self.v[:, self.length:end] = k, v
+        self.length = end
+        T, S = q.shape[1], end
+        mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        q, k, v = (t.transpose(1, 2) for t in (q, self.k[:, :end], self.v[:, :end]))
+        return F.scaled_dot_product_attention(**sdpa_arguments(q, k, v, mask, causal=False)).transpose(1, 2)
 
 
 class MLP(nn.Module):

@@ -9,7 +9,7 @@ all ranks agree on when to stop (a rank that stopped early would leave the other
 Generation through the sharded model: each pass over the model (the prompts' prefill, then one new
 token per prompt) gathers every unit once, just before it runs and freed right after, as training's
 forward does (train.py section 2), and runs all the prompts through it one after the other, each with its
-own KV cache (KVCache, one per block and prompt). No padding and no mask, so each prompt computes
+own KV cache (model.KVCache, one per block and prompt). No padding and no mask, so each prompt computes
 exactly what it would alone; the gathers, which cost the most at scale (the whole model per pass,
 plan.sampling_time), are shared by all prompts. The caches live only inside generate(). None of this
 is on the training step's path: train.py calls Sampler.sample after an evaluation's metrics line.
@@ -21,7 +21,6 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import data as D
 import model as M
@@ -85,7 +84,7 @@ def generate(sharded, prompts: list[list[int]], max_new_tokens: int, stop_ids) -
     """Greedy completions of `prompts` (token ids) through the sharded model, every rank taking part:
     each a list of at most max_new_tokens ids, ending with the stop id when one came."""
     mcfg, dtype, device = sharded.model.cfg, sharded.compute_dtype, sharded.device
-    caches = {i: [KVCache(len(p) + max_new_tokens, mcfg, dtype, device) for _ in range(mcfg.n_layers)]
+    caches = {i: [M.KVCache(len(p) + max_new_tokens, mcfg, dtype, device) for _ in range(mcfg.n_layers)]
               for i, p in enumerate(prompts)}
     feed = dict(enumerate(prompts))  # what each unfinished prompt feeds next: itself, then its last token
     completions = [[] for _ in prompts]
@@ -101,7 +100,7 @@ def generate(sharded, prompts: list[list[int]], max_new_tokens: int, stop_ids) -
     return completions
 
 
-def forward_pass(sharded, inputs: list[list[int]], caches: list[list["KVCache"]]) -> torch.Tensor:
+def forward_pass(sharded, inputs: list[list[int]], caches: list[list[M.KVCache]]) -> torch.Tensor:
     """One pass over the model (the module docstring) for every sequence: `inputs[j]` are sequence j's new tokens,
     `caches[j]` its blocks' caches (extended here); returns the greedy next id of each, (len(inputs),) int64."""
     model, device = sharded.model, sharded.device
@@ -128,31 +127,6 @@ def forward_pass(sharded, inputs: list[list[int]], caches: list[list["KVCache"]]
         for unit in stage:
             unit.free()
     return logits.float().argmax(-1)
-
-
-class KVCache:
-    """One block's keys and values for one sequence while sampling: the prompt's, then one more token's per
-    step. Allocated for the whole sequence at once, so a step copies one token's K/V in, not the whole
-    cache; it exists only while generate() runs. The block's attention hands it its q, k, v (model.Attention,
-    the `cache` argument training never passes)."""
-
-    def __init__(self, max_tokens: int, cfg: M.ModelConfig, dtype: torch.dtype, device):
-        self.k = torch.empty(1, max_tokens, cfg.n_kv_heads, cfg.head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
-        self.length = 0  # tokens held
-
-    def attention(self, q, k, v):
-        """Appends the T new tokens' k, v (1, T, KV, D), and returns their queries' (q: (1, T, H, D)) causal
-        attention over all S tokens held. Query t is at position S - T + t and sees keys 0 .. S - T + t. One
-        new token (T = 1) sees every key: no mask at all, which is_causal would get wrong (SDPA aligns its
-        causal mask to the top left when T < S)."""
-        end = self.length + k.shape[1]
-        self.k[:, self.length:end], self.v[:, self.length:end] = k, v
-        self.length = end
-        T, S = q.shape[1], end
-        mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-        q, k, v = (t.transpose(1, 2) for t in (q, self.k[:, :end], self.v[:, :end]))
-        return F.scaled_dot_product_attention(**M.sdpa_arguments(q, k, v, mask, causal=False)).transpose(1, 2)
 
 
 def shorten(text: str, limit: int = 100) -> str:

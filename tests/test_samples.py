@@ -46,7 +46,7 @@ def test_kv_cache_gives_the_full_forwards_logits():
     model = ours_from_hf(cfg, hf_model(cfg, seed=1))
     tokens = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
     full = model(tokens)
-    caches = [S.KVCache(9, cfg, torch.float32, "cpu") for _ in model.layers]
+    caches = [M.KVCache(9, cfg, torch.float32, "cpu") for _ in model.layers]
     pieces = []
     with torch.no_grad():
         for lo, hi in [(0, 5), (5, 7), (7, 8), (8, 9)]:
@@ -104,7 +104,7 @@ def test_sharded_decoding_equals_generate_stops_at_end_ids_and_leaves_nothing_be
         completions = S.generate(sharded, sampler.prompts, 10, set(sampler.stop_ids))
         gc.collect()
         assert [u.name for u in sharded.units if u.state() != "free"] == []
-        assert not [o for o in gc.get_objects() if isinstance(o, S.KVCache)]
+        assert not [o for o in gc.get_objects() if isinstance(o, M.KVCache)]
         assert live_tensor_bytes() == before
 
         ref = load_hf(r["init"])
