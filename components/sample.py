@@ -24,47 +24,8 @@ import torch.distributed as dist
 
 import data as D
 import model as M
-from components import disk
+from components import disk, flags
 from components import run_data
-
-
-def read_prompts(path: str) -> list[dict]:
-    """The records of a prompts file, each {"text": str} or {"messages": [...]}; a bad line raises a
-    DataError naming the flag, the file and the line."""
-    where = f"--sample_prompts: {path}"
-    if not os.path.isfile(path):
-        raise D.DataError(f"{where} does not exist")
-    with open(path, "rb") as f:
-        records = [D.parse_record(raw, f"{where}:{n}", is_txt=False, trains=False)
-                   for n, raw in enumerate(f, 1) if raw.strip()]
-    if not records:
-        raise D.DataError(f"{where} holds no prompt")
-    return records
-
-
-def check_flags(cfg) -> list[str]:
-    """The sampling flags and the prompts file, one line each, before any work (checks.py calls this)."""
-    errors = []
-    if cfg.sample_tokens < 1:
-        errors.append(f"--sample_tokens: must be >= 1, got {cfg.sample_tokens}")
-    if not cfg.sample_prompts:
-        return errors
-    if cfg.eval_every == 0:
-        errors.append("--sample_prompts: samples are taken at each evaluation, and --eval_every 0 never evaluates")
-    try:
-        read_prompts(cfg.sample_prompts)
-        if cfg.data in ("sample", "") or os.path.exists(cfg.data):  # a missing --data has its own line
-            tokenizer = run_data.run_tokenizer(cfg)
-            if tokenizer is None:
-                errors.append(f"--sample_prompts: no tokenizer to encode {cfg.sample_prompts} with: --data {cfg.data} "
-                              f"is token ids without one (data.py prepare records it) and --init_from "
-                              f"{cfg.init_from or '(not given)'} has no tokenizer.json")
-            elif cfg.data != "sample" and not os.path.exists(tokenizer):
-                errors.append(f"--sample_prompts: --data {cfg.data} was prepared with the tokenizer {tokenizer}, "
-                              f"which does not exist here")
-    except D.DataError as e:
-        errors.append(str(e))
-    return errors
 
 
 def end_ids(cfg, mcfg: M.ModelConfig, tok: D.Tokenizer) -> list[int]:
@@ -139,7 +100,7 @@ class Sampler:
 
     def __init__(self, cfg, mcfg: M.ModelConfig, rank: int, start_step: int):
         self.rank, self.max_new_tokens = rank, cfg.sample_tokens
-        self.records = read_prompts(cfg.sample_prompts)
+        self.records = flags.read_prompts(cfg.sample_prompts)
         self.tok = D.Tokenizer(run_data.run_tokenizer(cfg))
         self.prompts = [self.tok.prompt_ids(r) for r in self.records]
         for n, ids in enumerate(self.prompts, 1):

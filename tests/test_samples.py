@@ -13,7 +13,7 @@ from common import live_tensor_bytes
 from test_data import TEXTS, hf_tokenizer, write_jsonl
 
 from components import disk
-from components import checks
+from components import flags
 import data as D
 import model as M
 from components import plan as P
@@ -187,10 +187,10 @@ def bad_prompts(tmp_path):
 
 
 def test_bad_sampling_input_is_one_line_naming_the_flag_and_file(tmp_path, bad_prompts, hf_tokenizer_run):
-    """What checks.py finds before any process group exists."""
+    """What flags.py finds before any process group exists."""
     def errors(*flags, data=hf_tokenizer_run["data"], init=hf_tokenizer_run["init"]):
         flags = [f"--data={data}", f"--init_from={init}", f"--out_dir={tmp_path / 'out'}", *flags]
-        return "\n".join(checks.check_config(T.parse_args(flags), 1))
+        return "\n".join(flags.check_config(T.parse_args(flags), 1))
     good = bad_prompts('{"text": "Le contrat"}\n')
     assert errors(f"--sample_prompts={good}") == ""
     missing = str(tmp_path / "nope.jsonl")
