@@ -178,10 +178,10 @@ PARAM_GROUP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("flags,message", PARAM_GROUP_CASES, ids=[" ".join(c[0]) for c in PARAM_GROUP_CASES])
-def test_a_bad_freeze_or_lr_mult_is_one_line_naming_the_flag(flags, message):
+@pytest.mark.parametrize("argv,message", PARAM_GROUP_CASES, ids=[" ".join(c[0]) for c in PARAM_GROUP_CASES])
+def test_a_bad_freeze_or_lr_mult_is_one_line_naming_the_flag(argv, message):
     import model as M
-    errors = flags.check_param_groups(T.parse_args(flags), M.PRESETS["tiny"]())
+    errors = flags.check_param_groups(T.parse_args(argv), M.PRESETS["tiny"]())
     assert len(errors) == 1 and errors[0].startswith(message), errors
 
 

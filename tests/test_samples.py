@@ -188,9 +188,9 @@ def bad_prompts(tmp_path):
 
 def test_bad_sampling_input_is_one_line_naming_the_flag_and_file(tmp_path, bad_prompts, hf_tokenizer_run):
     """What flags.py finds before any process group exists."""
-    def errors(*flags, data=hf_tokenizer_run["data"], init=hf_tokenizer_run["init"]):
-        flags = [f"--data={data}", f"--init_from={init}", f"--out_dir={tmp_path / 'out'}", *flags]
-        return "\n".join(flags.check_config(T.parse_args(flags), 1))
+    def errors(*args, data=hf_tokenizer_run["data"], init=hf_tokenizer_run["init"]):
+        args = [f"--data={data}", f"--init_from={init}", f"--out_dir={tmp_path / 'out'}", *args]
+        return "\n".join(flags.check_config(T.parse_args(args), 1))
     good = bad_prompts('{"text": "Le contrat"}\n')
     assert errors(f"--sample_prompts={good}") == ""
     missing = str(tmp_path / "nope.jsonl")
