@@ -2,8 +2,9 @@
 fields make the command line (parse_args; an unknown flag names the nearest one); check_config, check_param_groups
 and the warnings say what is wrong or probably not meant, one line each, before any work; frozen_units and
 lr_factors match --freeze's and --lr_mult's patterns against the model's Hugging Face names (train.build_units, the
-planner and the checks use them). Presets are plain functions in model.py. What checks.py adds: the machine
-(nodes, host memory, flash-attn) and what earlier runs left (an --export_hf folder, a checkpoint's --data mix)."""
+planner and the checks use them); fault_hook is the tests' one way into the trainer. Presets are plain functions
+in model.py. What checks.py adds: the machine (nodes, host memory, flash-attn) and what earlier runs left (an
+--export_hf folder, a checkpoint's --data mix)."""
 import argparse
 import difflib
 import os
@@ -18,7 +19,7 @@ from components import run_data
 
 # The tests' fault injection (tests/faults.py: a rank killed, hung, slowed, or given a NaN loss) reaches the trainer
 # through this one hook, None in every run the tests do not start: they set it before train.py runs
-# (tests/fault_site/sitecustomize.py) and the trainer calls it at four points, fault_hook(where, step, rank, obj):
+# (tests/fault_site/sitecustomize.py) and the trainer calls it at four points, fault_hook(where, step, rank[, obj]):
 # 'step' (train.main, as each step starts), 'save' (each rank's checkpoint file written), 'matmul' (agree's health
 # check) and 'contact' (processes.make_group, before the first contact). It sits here, at the bottom of
 # components/, so that every caller can import it. docs/operations.md, "Faults".
