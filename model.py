@@ -11,11 +11,10 @@ a permutation.
 
 Nothing here knows about sharding: train.py calls the forward's three pieces (`embed`, each block,
 `head_loss`) with its gather/free around each; `Llama.forward` strings them together in one process, which
-is what the tests compare against HF. sample.py runs the same blocks with a `sample.KVCache` each.
+is what the tests compare against HF. components/sample.py runs the same blocks with a KVCache each.
 """
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -334,9 +333,34 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, T, self.k_groups, -1)).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # sampling (sample.KVCache): these T tokens also see every earlier one
+        if cache is not None:  # sampling (KVCache, below): these T tokens also see every earlier one
             return self.o_proj(cache.attention(q, k, v).reshape(B, T, -1))
         return self.o_proj(attention(q, k, v, layout).reshape(B, T, -1))
+
+
+class KVCache:
+    """One block's keys and values for one sequence while sampling: the prompt's, then one more token's per
+    step. Allocated for the whole sequence at once, so a step copies one token's K/V in, not the whole
+    cache; it exists only while sample.generate runs. Attention (above) hands it its q, k, v (the `cache` argument
+    training never passes); components/sample.py makes one per block and prompt."""
+
+    def __init__(self, max_tokens: int, cfg: ModelConfig, dtype: torch.dtype, device):
+        self.k = torch.empty(1, max_tokens, cfg.n_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0  # tokens held
+
+    def attention(self, q, k, v):
+        """Appends the T new tokens' k, v (1, T, KV, D), and returns their queries' (q: (1, T, H, D)) causal
+        attention over all S tokens held. Query t is at position S - T + t and sees keys 0 .. S - T + t. One
+        new token (T = 1) sees every key: no mask at all, which is_causal would get wrong (SDPA aligns its
+        causal mask to the top left when T < S)."""
+        end = self.length + k.shape[1]
+        self.k[:, self.length:end], self.v[:, self.length:end] = k, v
+        self.length = end
+        T, S = q.shape[1], end
+        mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        q, k, v = (t.transpose(1, 2) for t in (q, self.k[:, :end], self.v[:, :end]))
+        return F.scaled_dot_product_attention(**sdpa_arguments(q, k, v, mask, causal=False)).transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -478,7 +502,7 @@ def block_policies(n_layers: int, ac: str, ac_blocks: int = -1, ac_rest: str = "
 
 
 def hf_name(name: str) -> str:
-    """A parameter's Hugging Face name (the exported folder's, and what --freeze and --lr_mult match): ours
+    """A parameter's Hugging Face name (the exported folder's, and what --freeze and --lr_mult match, flags.py): ours
     under `model.`, the untied head's `lm_head.weight` as it is."""
     return name if name.startswith("lm_head.") else "model." + name
 
@@ -496,63 +520,6 @@ def sharding_units(model: nn.Module) -> list[tuple[str, list[str]]]:
 def block_of(unit: str) -> int | None:
     """The block a unit belongs to: 3 for `layers.3` and for a fork's `layers.3.lora`; None for embed and head."""
     return int(unit.split(".")[1]) if unit.startswith("layers.") else None
-
-
-def frozen_units(model: nn.Module, freeze: str) -> tuple[list[str], list[str]]:
-    """--freeze on `model` (a Llama, on the meta device or not): (the units frozen, the units the pattern splits).
-    A unit is frozen when the regex matches (re.search) the Hugging Face name of every parameter in it; a unit
-    where it matches some but not all is split (train.py refuses it: a unit is one flat buffer with one gradient
-    and one optimizer state). With tied embeddings the head's weight is the embedding's, so `lm_head.weight`
-    counts as a name of the embedding's parameter too."""
-    if not freeze:
-        return [], []
-    pattern = re.compile(freeze)
-    frozen, split = [], []
-    for unit, names in sharding_units(model):
-        matched = [any(pattern.search(h) for h in hf_names(model.cfg, n)) for n in names]
-        if all(matched):
-            frozen.append(unit)
-        elif any(matched):
-            split.append(unit)
-    return frozen, split
-
-
-def hf_names(cfg: ModelConfig, name: str) -> list[str]:
-    """The Hugging Face names --freeze and --lr_mult match for our parameter `name`: with tied embeddings the
-    embedding's weight is also the head's, `lm_head.weight`."""
-    tied = cfg.tie_embeddings and name == "embed_tokens.weight"
-    return [hf_name(name)] + (["lm_head.weight"] if tied else [])
-
-
-def parse_lr_mult(spec: str) -> list[tuple[str, float]]:
-    """--lr_mult 'REGEX=FACTOR,...' as [(regex, factor)], in order (a regex holds no ','). ValueError: one line
-    naming --lr_mult."""
-    rules = []
-    for part in filter(None, spec.split(",")):
-        regex, eq, factor = part.rpartition("=")
-        try:
-            rules.append((regex, float(factor)))
-            re.compile(regex)
-        except (ValueError, re.error) as e:
-            raise ValueError(f"--lr_mult: {part!r} is not REGEX=FACTOR ({e})") from None
-        if not eq or not regex or not rules[-1][1] >= 0:
-            raise ValueError(f"--lr_mult: {part!r} is not REGEX=FACTOR with a regex and a factor >= 0")
-    return rules
-
-
-def lr_factors(model: nn.Module, lr_mult: str) -> tuple[dict[str, float], list[str]]:
-    """--lr_mult on `model` (a Llama): ({parameter name: its learning-rate factor}, the patterns that match no
-    parameter). The first pattern that matches one of a parameter's Hugging Face names (hf_names) gives its
-    factor; a parameter left out: 1."""
-    rules = parse_lr_mult(lr_mult)
-    if not rules:
-        return {}, []
-    factors, used = {}, set()
-    for name, _ in model.named_parameters():
-        rule = next((r for r in rules if any(re.search(r[0], h) for h in hf_names(model.cfg, name))), None)
-        factors[name] = rule[1] if rule else 1.0
-        used.add(rule)
-    return factors, [regex for regex, factor in rules if (regex, factor) not in used]
 
 
 # The fp32 tensors the optimizer keeps per element of each unit's shard, beside the master weights and the

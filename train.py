@@ -1,6 +1,6 @@
 """Full-parameter Llama fine-tuning with a hand-written FSDP full shard (ZeRO-3).
 
-Read top to bottom; the sections follow the data (the flags and the process group are set up in components/config.py
+Read top to bottom; the sections follow the data (the flags and the process group are set up in components/flags.py
 and components/processes.py, read when needed):
   1. shard       each sharding unit's parameters as one flat buffer, this rank's fp32 shard of it, and
                  the trick that lets modules use a buffer that comes and goes (the comment above Unit)
@@ -14,7 +14,7 @@ and components/processes.py, read when needed):
 
 What is not the story lives beside it: model.py, data.py (tokenize, pack, the window order), and components/
 (which never imports this file: checks, agreement across ranks, state on disk, metrics, offload, samples, the
-planner, the tests' faults; README.md, "Files", says which holds what).
+planner, the tests' fault hook; README.md, "Files", says which holds what).
 
 Launch (`python train.py --help`: the flags; `python train.py --plan ...`: what fits and what it costs, no GPU):
   python train.py --model tiny --steps 100                                     one process, CPU or one GPU
@@ -50,15 +50,15 @@ from components import metrics
 from components import offload as O  # --offload_activations and --offload_optimizer
 from components import plan, sample  # plan: the planner, which runs this file's Unit and blocks (use_trainer)
 from components import run_data  # the run's data from --data and --eval_data (data.py reads the tokens)
-from components import config  # the flags: TrainConfig
-from components.checks import check_run, config_warnings, flash_attn_unsaved_warning, param_group_warnings  # inputs
-from components.config import TrainConfig
+from components import flags  # the flags: TrainConfig, their checks, --freeze and --lr_mult; the tests' fault_hook
+from components.checks import check_run, flash_attn_unsaved_warning  # inputs
+from components.flags import TrainConfig, config_warnings, param_group_warnings
 from components import processes  # the ranks met, the process group made on the store they met in
 from components.processes import catch_stop_signals, compute_dtype, error_line, exit_code, fail, init_processes
 
 
 def parse_args(argv=None) -> TrainConfig:
-    return config.parse_args(argv, __doc__)
+    return flags.parse_args(argv, __doc__)
 
 
 # torch 2.13 renames the two collectives ZeRO-3 is made of; accept both names.
@@ -616,8 +616,8 @@ def build_sharded_model(cfg: TrainConfig, mcfg: M.ModelConfig, rank: int, world:
 def build_units(model: M.Llama, rank, world, device, compute_dtype, unit_class=Unit, freeze: str = "",
                 lr_mult: str = "") -> list[Unit]:
     """One Unit per M.sharding_units entry: embed, layers.0 .. layers.{L-1}, head -- in the order they run;
-    those --freeze freezes whole (M.frozen_units), each parameter with its --lr_mult factor (M.lr_factors)."""
-    frozen, lr_factors = M.frozen_units(model, freeze)[0], M.lr_factors(model, lr_mult)[0]
+    those --freeze freezes whole (flags.frozen_units), each parameter with its --lr_mult factor (flags.lr_factors)."""
+    frozen, lr_factors = flags.frozen_units(model, freeze)[0], flags.lr_factors(model, lr_mult)[0]
     return [unit_class(g, model, p, rank, world, device, compute_dtype, trained=g not in frozen, lr_factors=lr_factors)
             for g, p in M.sharding_units(model)]
 
@@ -847,13 +847,6 @@ def main(argv=None):
     if cfg is None:
         return
     owns_group = not dist.is_initialized()  # a caller's group (bench/) is the caller's to destroy
-    fault_hook = None
-    if os.environ.get("ZERO3_FAULT"):  # tests only: a rank killed, hung or given a NaN (faults.py)
-        from components import faults
-        try:  # honoured only beside the tests' ZERO3_ALLOW_FAULTS=1; else a warning
-            fault_hook = disk.fault_hook = faults.allowed_hook()
-        except ValueError as e:
-            fail(str(e))
     try:
         sharded, windows, eval_windows, start_step, position, agreed = setup(cfg)
         steps = 0 if cfg.from_ckpt else cfg.steps
@@ -867,7 +860,7 @@ def main(argv=None):
 
     for step in range(start_step + 1, steps + 1):
         t0 = time.perf_counter()
-        record, compute_s = timed_step(cfg, sharded, windows, step, position, fault_hook, skipped)
+        record, compute_s = timed_step(cfg, sharded, windows, step, position, skipped)
         position += cfg.batch_size  # windows consumed: the data loader's state
         step_time_s, mem_gb = time.perf_counter() - t0, metrics.peak_mem_bytes(sharded.device) / 1e9
         eval_loss = None
@@ -943,7 +936,7 @@ def before_step_one(cfg, sharded: ShardedModel, agreed: dict, start_step: int, s
     return saving
 
 
-def timed_step(cfg, sharded: ShardedModel, windows, step: int, position: int, fault_hook, skipped: list):
+def timed_step(cfg, sharded: ShardedModel, windows, step: int, position: int, skipped: list):
     """train_step with what surrounds it in the loop: the garbage collection due, the tests' faults, --profile, the
     one-line ends of a step that runs out of memory or leaves a unit gathered, and a non-finite step skipped (counted
     in `skipped`, up to --max_skipped_steps). Returns (the step's record, this rank's own compute seconds)."""
@@ -951,8 +944,8 @@ def timed_step(cfg, sharded: ShardedModel, windows, step: int, position: int, fa
     metrics.reset_peak_mem(device)
     if step % GC_EVERY_STEPS == 0:
         gc.collect()
-    if fault_hook:  # the tests' faults: a rank killed, hung, slowed or given a NaN loss in this step
-        fault_hook("step", step, rank, sharded.model)
+    if flags.fault_hook:  # the tests' faults: a rank killed, hung, slowed or given a NaN loss in this step
+        flags.fault_hook("step", step, rank, sharded.model)
     compute_from = metrics.compute_clock(device)  # this rank's own compute, not the wall time collectives equalise
     try:
         with metrics.profile_step(cfg, step, rank, device):  # --profile STEP: a trace of this one

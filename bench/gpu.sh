@@ -80,7 +80,7 @@ if ! $DRY; then
     part first_contact 120 'first contact|check matmul|ECC|row remap|slowest rank|expandable|^error|^warning' \
         "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train.py --model tiny --steps 3 \
         --eval_every 0 --first_contact_s 60 --out_dir "$WORK/first_contact"
-    part late_contact 90 'first contact|never reached|^error' env ZERO3_ALLOW_FAULTS=1 \
+    part late_contact 90 'first contact|never reached|^error' env PYTHONPATH="$PWD/tests/fault_site${PYTHONPATH:+:$PYTHONPATH}" \
         ZERO3_FAULT="late_contact:$((NPROC - 1)):120" "$PYTHON" -m torch.distributed.run --standalone \
         --nproc_per_node "$NPROC" train.py --model tiny --steps 1 --eval_every 0 --first_contact_s 20 \
         --out_dir "$WORK/late_contact"

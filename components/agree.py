@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import data as D
 import model as M
-from components import checks, disk, metrics, run_data
+from components import checks, disk, flags, metrics, run_data
 from components import plan as P
 
 GIB = 2**30
@@ -661,7 +661,7 @@ def exact_matmul_inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def timed_matmul(a, b, device, rank: int) -> tuple[torch.Tensor, float]:
     """(a @ b, its milliseconds): CUDA events on a GPU; on a CPU this thread's CPU time, which a loaded machine
     does not inflate as it does wall time."""
-    hook = disk.fault_hook  # tests only (faults.py): this rank's matmul slowed, or its result made wrong
+    hook = flags.fault_hook  # tests only (tests/faults.py): this rank's matmul slowed, or its result made wrong
     start = metrics.compute_clock(device)  # the step line's own-compute clock
     product = a @ b
     hook and hook("matmul", 0, rank, product)

@@ -1,10 +1,10 @@
 """What can be wrong before any work starts, found on every rank before any process group exists, as
-one line each: the flags, the model's config (a preset, config.json, or a checkpoint's manifest), and
-the safetensors headers of --init_from. train.py's setup stops on the first list that is not empty."""
-import difflib
+one line each: the flags (flags.py), what earlier runs left (an --export_hf folder, a checkpoint's --data mix),
+the model's config (a preset, config.json, or a checkpoint's manifest), the safetensors headers of --init_from,
+and this machine (its node's processes, host memory, flash-attn). train.py's setup stops on the first list that
+is not empty (check_run)."""
 import json
 import os
-import re
 import socket
 import sys
 from dataclasses import asdict
@@ -13,10 +13,9 @@ import torch
 
 import data as D
 import model as M
-from components import disk
+from components import disk, flags
 from components import plan as P
 from components import run_data
-from components import sample
 
 
 def check_nodes(env=os.environ) -> list[str]:
@@ -39,82 +38,11 @@ def check_nodes(env=os.environ) -> list[str]:
             f"(sbatch --exclude=NODE), or set NPROC_PER_NODE to the smaller count on every node"]
 
 
-def check_config(cfg, world: int) -> list[str]:
-    """Every problem with the flags, as one line each, found before any process group exists."""
-    errors = []
-    choices = dict(schedule=("cosine", "constant"), dtype=("auto", "bfloat16", "float32"),
-                   reduce_dtype=("float32", "bfloat16"), ac=("none", "full", "selective"),
-                   device=("auto", "cuda", "cpu"), resume=("auto", "never"), async_save=("auto", "true", "false"))
-    for name, allowed in choices.items():
-        if getattr(cfg, name) not in allowed:
-            errors.append(f"--{name}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
-    for name in ("seq_len", "batch_size", "micro_batch_size", "log_every"):
-        if getattr(cfg, name) < 1:
-            errors.append(f"--{name}: must be >= 1, got {getattr(cfg, name)}")
-    if cfg.profile < 0:
-        errors.append(f"--profile: a step number >= 1 (0: no trace), got {cfg.profile}")
-    if cfg.steps < 0:
-        errors.append(f"--steps: must be >= 0 (0 only converts --init_from to --export_hf), got {cfg.steps}")
-    trains = cfg.steps > 0 and not cfg.from_ckpt  # converting a checkpoint needs no batch and no data
-    if trains and cfg.batch_size >= 1 and cfg.micro_batch_size >= 1 and cfg.batch_size % (world * cfg.micro_batch_size):
-        errors.append(f"--batch_size: {cfg.batch_size} is not a multiple of world size x --micro_batch_size "
-                      f"= {world} x {cfg.micro_batch_size} = {world * cfg.micro_batch_size}")
-    if cfg.lr <= 0 or cfg.warmup_steps < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0:
-        errors.append("--lr must be > 0 and --warmup_steps, --weight_decay, --grad_clip >= 0")
-    for name in ("adam_beta1", "adam_beta2"):
-        if not 0 <= getattr(cfg, name) < 1:
-            errors.append(f"--{name}: must be in [0, 1), got {getattr(cfg, name)}")
-    if cfg.adam_eps <= 0:
-        errors.append(f"--adam_eps: must be > 0, got {cfg.adam_eps}")
-    if cfg.model and cfg.model not in M.PRESETS:
-        errors.append(f"--model: unknown preset {cfg.model!r}; known: {', '.join(M.PRESETS)}")
-    for flag in ("--data", "--eval_data") if trains else ():  # each source exists, each weight > 0
-        try:
-            run_data.sources(cfg, flag)
-        except D.DataError as e:
-            errors.append(str(e))
-    if cfg.eval_data == "sample" and cfg.data != "sample":
-        errors.append("--eval_data: 'sample' evaluates the built-in sample's tokens; use it with --data sample")
-    if cfg.ac_rest not in ("none", "selective") or cfg.ac_blocks < -1:
-        errors.append(f"--ac_rest must be none or selective and --ac_blocks >= -1, got {cfg.ac_rest!r}, {cfg.ac_blocks}")
-    if cfg.offload_activations and cfg.ac != "full":
-        errors.append(f"--offload_activations: offloads what --ac full keeps (each block's input); got --ac {cfg.ac}")
-    if cfg.eval_every < 0 or cfg.eval_batches < 1 or cfg.ce_chunk < 0:
-        errors.append("--eval_every and --ce_chunk must be >= 0, --eval_batches >= 1")
-    if cfg.max_skipped_steps < 0 or cfg.timeout_min <= 0 or cfg.gpu_hour_usd < 0:
-        errors.append("--max_skipped_steps and --gpu_hour_usd must be >= 0, --timeout_min > 0")
-    if cfg.ckpt_timeout_min <= 0:
-        errors.append(f"--ckpt_timeout_min: must be > 0, got {cfg.ckpt_timeout_min}")
-    if cfg.first_contact_s <= 0:
-        errors.append(f"--first_contact_s: must be > 0, got {cfg.first_contact_s:g}")
-    if cfg.keep_ckpts < 2 or cfg.ckpt_every < 0:
-        errors.append(f"--keep_ckpts must be >= 2 and --ckpt_every >= 0, got {cfg.keep_ckpts}, {cfg.ckpt_every}")
-    for flag, path in (("--init_from", cfg.init_from), ("--from_ckpt", cfg.from_ckpt)):
-        if path and not os.path.exists(path):
-            errors.append(f"{flag}: {path} does not exist")
-    if cfg.from_ckpt and not cfg.export_hf:
-        errors.append("--from_ckpt: give --export_hf DIR too (a checkpoint is loaded to be exported)")
-    try:  # writable now, not after a day of training
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        probe = os.path.join(cfg.out_dir, f".write-test-{os.getpid()}-{os.urandom(4).hex()}")
-        os.close(disk.open_no_follow(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL))  # a new file, never a planted link
-        os.remove(probe)
-    except OSError as e:
-        errors.append(f"--out_dir: {cfg.out_dir} is not writable ({e.strerror})")
-    used = [n for n in ("checkpoints", "metrics.jsonl") if os.path.exists(os.path.join(cfg.out_dir, n))]
-    if trains and cfg.resume == "never" and used and not cfg.overwrite:
-        errors.append(f"--out_dir: {cfg.out_dir} already holds {' and '.join(used)}; --resume auto continues "
-                      f"from it, --overwrite true deletes them")
-    if cfg.export_hf and disk.export_made(cfg.export_hf):
-        errors.append(f"--export_hf: {cfg.export_hf} exists and is not empty; remove it or choose another")
-    if trains and not errors:
-        errors += check_resume_mix(cfg)
-    return errors + sample.check_flags(cfg)
-
-
 def check_resume_mix(cfg) -> list[str]:
     """A resume continues the --data mix its checkpoint was saved with; another mix is refused here, before
     any work (the loader checks again, with each source's windows, when it resumes)."""
+    if cfg.steps == 0 or cfg.from_ckpt:  # a conversion reads no data
+        return []
     try:
         candidates = disk.resume_candidates(os.path.join(cfg.out_dir, "checkpoints")) if cfg.resume == "auto" else []
         state = disk.load_json(os.path.join(candidates[0], "manifest.json"))["data"]
@@ -124,101 +52,7 @@ def check_resume_mix(cfg) -> list[str]:
         return []  # no checkpoint, or a damaged one: resume says so and falls back
     sources = run_data.sources(cfg, "--data")
     mismatch = D.mix_mismatch(state, [n for n, _, _ in sources], [w for _, _, w in sources])
-    return [f"{mismatch} ({candidates[0]})"] if mismatch else []  # --sample_prompts and --sample_tokens
-
-
-def check_param_groups(cfg, mcfg: M.ModelConfig) -> list[str]:
-    """--freeze and --lr_mult against the model's parameters (their Hugging Face names, model.hf_names): a bad
-    pattern, one that matches nothing, a --freeze that splits a unit (units are frozen whole: one flat buffer has
-    one gradient and one optimizer state) or freezes every unit. One line each."""
-    if not (cfg.freeze or cfg.lr_mult):
-        return []
-    errors = []
-    with torch.device("meta"):  # names only: allocates nothing (one model for both flags: 1 s at 70B)
-        model = M.Llama(mcfg)
-    if cfg.freeze:
-        try:
-            frozen, split = M.frozen_units(model, cfg.freeze)
-        except re.error as e:
-            return [f"--freeze: {cfg.freeze!r} is not a regular expression ({e})"]
-        units = M.sharding_units(model)
-        if split:
-            names = dict(units)[split[0]]
-            matched = [n for n in names if any(re.search(cfg.freeze, h) for h in M.hf_names(mcfg, n))]
-            other = next(n for n in names if n not in matched)
-            more = f" (and {len(split) - 1} more unit(s))" if len(split) > 1 else ""
-            return [f"--freeze: {cfg.freeze!r} splits unit {split[0]}{more}: it matches {M.hf_name(matched[0])} but "
-                    f"not {M.hf_name(other)}; units are frozen whole (the embedding, each block, the head: "
-                    f"model.norm.weight with lm_head.weight): match all of a unit's parameters or none"]
-        if not frozen and not split:
-            errors.append(f"--freeze: {cfg.freeze!r} matches no parameter (Hugging Face names, as in --export_hf's "
-                          f"folder: model.embed_tokens.weight, model.layers.0.mlp.up_proj.weight, lm_head.weight)")
-        elif len(frozen) == len(units):
-            errors.append(f"--freeze: {cfg.freeze!r} freezes every unit: nothing would train")
-    if cfg.lr_mult:
-        try:
-            unmatched = M.lr_factors(model, cfg.lr_mult)[1]
-        except ValueError as e:
-            return errors + [str(e)]
-        if unmatched:
-            errors.append(f"--lr_mult: pattern {unmatched[0]!r} matches no parameter (Hugging Face names, as in "
-                          f"--export_hf's folder: model.layers.0.mlp.up_proj.weight, lm_head.weight)")
-    return errors
-
-
-def param_group_warnings(cfg, mcfg: M.ModelConfig) -> list[str]:
-    """What --freeze does beyond what it names, one line each (rank 0 prints them)."""
-    if not (cfg.freeze and mcfg.tie_embeddings):
-        return []
-    with torch.device("meta"):
-        model = M.Llama(mcfg)
-    if "embed" in M.frozen_units(model, cfg.freeze)[0]:
-        return [f"--freeze {cfg.freeze!r} freezes the embedding, and with tied embeddings (tie_word_embeddings) "
-                f"its weight is also the head's lm_head.weight: the head's weight is frozen too"]
-    return []
-
-
-def config_warnings(cfg) -> list[str]:
-    """Flags that are allowed but probably not meant, one line each (rank 0 prints them)."""
-    warnings = []
-    if cfg.steps > 0 and not cfg.from_ckpt and cfg.warmup_steps >= cfg.steps:  # lr_at never leaves warmup
-        warnings.append(f"--warmup_steps {cfg.warmup_steps} is not below --steps {cfg.steps}: the whole run is warmup; "
-                        f"the learning rate rises to {cfg.lr * cfg.steps / cfg.warmup_steps:g} at the last step "
-                        f"(--lr {cfg.lr:g}) and never follows --schedule {cfg.schedule}; lower --warmup_steps")
-    if cfg.profile > cfg.steps:
-        warnings.append(f"--profile {cfg.profile} is beyond --steps {cfg.steps}: no trace will be written")
-    return warnings
-
-
-# What other trainers (Hugging Face Trainer, nanoGPT, Megatron-LM) call some of these flags: an unknown
-# flag is looked up here first, then by spelling.
-OTHER_TRAINERS_FLAGS = {
-    "max_steps": "steps", "max_iters": "steps", "train_iters": "steps", "num_train_epochs": "steps",
-    "preset": "model", "model_name_or_path": "init_from", "load": "init_from",
-    "learning_rate": "lr", "warmup_iters": "warmup_steps", "lr_warmup_iters": "warmup_steps",
-    "lr_scheduler_type": "schedule", "max_grad_norm": "grad_clip", "clip_grad": "grad_clip",
-    "per_device_train_batch_size": "micro_batch_size", "global_batch_size": "batch_size",
-    "gradient_accumulation_steps": "batch_size", "block_size": "seq_len", "seq_length": "seq_len",
-    "max_seq_length": "seq_len", "output_dir": "out_dir", "save": "out_dir", "save_steps": "ckpt_every",
-    "save_interval": "ckpt_every", "save_total_limit": "keep_ckpts", "logging_steps": "log_every",
-    "log_interval": "log_every", "eval_steps": "eval_every", "eval_interval": "eval_every",
-    "gradient_checkpointing": "ac", "resume_from_checkpoint": "resume", "bf16": "dtype",
-}
-
-
-def unknown_flag_message(unknown: list[str], known: list[str]) -> str:
-    """One line for what the command line parser did not recognize (`unknown`, as parse_known_args
-    returns it: an unknown flag, with its value after it when not written --flag=value)."""
-    flag = next((arg for arg in unknown if arg.startswith("-")), None)
-    if flag is None:
-        return f"unexpected argument {unknown[0]!r}: flags are --name value or --name=value"
-    flag = flag.split("=", 1)[0]
-    name = flag.lstrip("-").replace("-", "_")  # --out-dir: the dashes of other tools
-    nearest = (OTHER_TRAINERS_FLAGS.get(name) or (name if name in known else None)
-               or next(iter(difflib.get_close_matches(name, known, n=1)), None))
-    if nearest:
-        return f"unrecognized flag {flag}; did you mean --{nearest}?"
-    return f"unrecognized flag {flag}; python train.py --help lists the flags"
+    return [f"{mismatch} ({candidates[0]})"] if mismatch else []
 
 
 def check_export(mcfg: M.ModelConfig) -> list[str]:
@@ -408,7 +242,11 @@ def check_run(cfg, world: int):
     """Returns (model config, where the first weights come from, errors). The weights: None (seeded),
     {HF tensor name: file} (an --init_from Hugging Face folder), or a checkpoint folder (--from_ckpt, or
     --init_from one of ours: its manifest and file sizes checked here, its SHA-256 as it is read)."""
-    errors = check_nodes() or check_config(cfg, world)  # what depends on the node: agree.read_facts
+    errors = check_nodes() or flags.check_config(cfg, world)  # what depends on the node: agree.read_facts
+    if not errors and cfg.export_hf and disk.export_made(cfg.export_hf):
+        errors.append(f"--export_hf: {cfg.export_hf} exists and is not empty; remove it or choose another")
+    if not errors:
+        errors += check_resume_mix(cfg)
     mcfg = weights = None
     if not errors:
         try:
@@ -421,7 +259,7 @@ def check_run(cfg, world: int):
         except ValueError as e:  # config.json describes a model this code does not build
             errors.append(f"--init_from: {e}")
     if mcfg is not None:
-        errors += M.check_model_config(mcfg) or check_param_groups(cfg, mcfg)
+        errors += M.check_model_config(mcfg) or flags.check_param_groups(cfg, mcfg)
     if not errors and weights is not None:
         try:
             disk.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from",

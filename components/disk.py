@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 import data as D
 import model as M
+from components import flags  # fault_hook: the tests' faults (a rank killed or slowed while it saves)
 from components import offload as O  # page_lock: the staging buffer of --async_save
 from components import run_data  # what --data names: its mix, the folder recording its tokenizer
 from components import tokenizer_export  # export_tokenizer: the tokenizer's files
@@ -48,7 +49,6 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 # --timeout_min (53 GB per rank for 70B on 16 GPUs). They run in their own group: gloo, so on the CPU and
 # outside NCCL's watchdog, with --ckpt_timeout_min. Made once per process group by make_group.
 group = None
-fault_hook = None  # tests only: faults.py installs it to kill or slow a rank while it saves
 
 
 GLOO_CONNECT_TIMEOUT_S = 120.0
@@ -654,8 +654,8 @@ def write_rank_file(tmp: str, tensors: list, step: int, rank: int, world: int,
             sha256, nbytes = write_safetensors_streaming(path, file_tensors)
             report[at], report[at + 1:at + 33] = nbytes, torch.tensor(list(bytes.fromhex(sha256)))
         report[0] = 1
-        if fault_hook:
-            fault_hook("save", step, rank)
+        if flags.fault_hook:
+            flags.fault_hook("save", step, rank)
     except Exception as e:  # an OSError by its errno; anything else as EIO (not shown to repeat: exit code 1)
         report.zero_()
         report[34] = getattr(e, "errno", None) or errno.EIO

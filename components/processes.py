@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import data as D
-from components import agree, disk
+from components import agree, disk, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,8 +73,8 @@ def make_group(cfg, store, rank: int, world: int, device: torch.device, hosts: l
     timeout = datetime.timedelta(minutes=cfg.timeout_min)
     # device_id: NCCL connects here (eagerly), so a broken NCCL set-up fails at start, not at the first step.
     bound = {"device_id": device} if device.type == "cuda" else {}
-    if disk.fault_hook:  # tests only: a rank that reaches the first contact late (faults.py)
-        disk.fault_hook("contact", 0, rank)
+    if flags.fault_hook:  # tests only: a rank that reaches the first contact late (tests/faults.py)
+        flags.fault_hook("contact", 0, rank)
     with first_contact(cfg, store, rank, world, backend, hosts):
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **bound)
         one = torch.ones(1, device=device)

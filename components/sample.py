@@ -9,7 +9,7 @@ all ranks agree on when to stop (a rank that stopped early would leave the other
 Generation through the sharded model: each pass over the model (the prompts' prefill, then one new
 token per prompt) gathers every unit once, just before it runs and freed right after, as training's
 forward does (train.py section 2), and runs all the prompts through it one after the other, each with its
-own KV cache (KVCache, one per block and prompt). No padding and no mask, so each prompt computes
+own KV cache (model.KVCache, one per block and prompt). No padding and no mask, so each prompt computes
 exactly what it would alone; the gathers, which cost the most at scale (the whole model per pass,
 plan.sampling_time), are shared by all prompts. The caches live only inside generate(). None of this
 is on the training step's path: train.py calls Sampler.sample after an evaluation's metrics line.
@@ -21,51 +21,11 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import data as D
 import model as M
-from components import disk
+from components import disk, flags
 from components import run_data
-
-
-def read_prompts(path: str) -> list[dict]:
-    """The records of a prompts file, each {"text": str} or {"messages": [...]}; a bad line raises a
-    DataError naming the flag, the file and the line."""
-    where = f"--sample_prompts: {path}"
-    if not os.path.isfile(path):
-        raise D.DataError(f"{where} does not exist")
-    with open(path, "rb") as f:
-        records = [D.parse_record(raw, f"{where}:{n}", is_txt=False, trains=False)
-                   for n, raw in enumerate(f, 1) if raw.strip()]
-    if not records:
-        raise D.DataError(f"{where} holds no prompt")
-    return records
-
-
-def check_flags(cfg) -> list[str]:
-    """The sampling flags and the prompts file, one line each, before any work (checks.py calls this)."""
-    errors = []
-    if cfg.sample_tokens < 1:
-        errors.append(f"--sample_tokens: must be >= 1, got {cfg.sample_tokens}")
-    if not cfg.sample_prompts:
-        return errors
-    if cfg.eval_every == 0:
-        errors.append("--sample_prompts: samples are taken at each evaluation, and --eval_every 0 never evaluates")
-    try:
-        read_prompts(cfg.sample_prompts)
-        if cfg.data in ("sample", "") or os.path.exists(cfg.data):  # a missing --data has its own line
-            tokenizer = run_data.run_tokenizer(cfg)
-            if tokenizer is None:
-                errors.append(f"--sample_prompts: no tokenizer to encode {cfg.sample_prompts} with: --data {cfg.data} "
-                              f"is token ids without one (data.py prepare records it) and --init_from "
-                              f"{cfg.init_from or '(not given)'} has no tokenizer.json")
-            elif cfg.data != "sample" and not os.path.exists(tokenizer):
-                errors.append(f"--sample_prompts: --data {cfg.data} was prepared with the tokenizer {tokenizer}, "
-                              f"which does not exist here")
-    except D.DataError as e:
-        errors.append(str(e))
-    return errors
 
 
 def end_ids(cfg, mcfg: M.ModelConfig, tok: D.Tokenizer) -> list[int]:
@@ -85,7 +45,7 @@ def generate(sharded, prompts: list[list[int]], max_new_tokens: int, stop_ids) -
     """Greedy completions of `prompts` (token ids) through the sharded model, every rank taking part:
     each a list of at most max_new_tokens ids, ending with the stop id when one came."""
     mcfg, dtype, device = sharded.model.cfg, sharded.compute_dtype, sharded.device
-    caches = {i: [KVCache(len(p) + max_new_tokens, mcfg, dtype, device) for _ in range(mcfg.n_layers)]
+    caches = {i: [M.KVCache(len(p) + max_new_tokens, mcfg, dtype, device) for _ in range(mcfg.n_layers)]
               for i, p in enumerate(prompts)}
     feed = dict(enumerate(prompts))  # what each unfinished prompt feeds next: itself, then its last token
     completions = [[] for _ in prompts]
@@ -101,7 +61,7 @@ def generate(sharded, prompts: list[list[int]], max_new_tokens: int, stop_ids) -
     return completions
 
 
-def forward_pass(sharded, inputs: list[list[int]], caches: list[list["KVCache"]]) -> torch.Tensor:
+def forward_pass(sharded, inputs: list[list[int]], caches: list[list[M.KVCache]]) -> torch.Tensor:
     """One pass over the model (the module docstring) for every sequence: `inputs[j]` are sequence j's new tokens,
     `caches[j]` its blocks' caches (extended here); returns the greedy next id of each, (len(inputs),) int64."""
     model, device = sharded.model, sharded.device
@@ -130,31 +90,6 @@ def forward_pass(sharded, inputs: list[list[int]], caches: list[list["KVCache"]]
     return logits.float().argmax(-1)
 
 
-class KVCache:
-    """One block's keys and values for one sequence while sampling: the prompt's, then one more token's per
-    step. Allocated for the whole sequence at once, so a step copies one token's K/V in, not the whole
-    cache; it exists only while generate() runs. The block's attention hands it its q, k, v (model.Attention,
-    the `cache` argument training never passes)."""
-
-    def __init__(self, max_tokens: int, cfg: M.ModelConfig, dtype: torch.dtype, device):
-        self.k = torch.empty(1, max_tokens, cfg.n_kv_heads, cfg.head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
-        self.length = 0  # tokens held
-
-    def attention(self, q, k, v):
-        """Appends the T new tokens' k, v (1, T, KV, D), and returns their queries' (q: (1, T, H, D)) causal
-        attention over all S tokens held. Query t is at position S - T + t and sees keys 0 .. S - T + t. One
-        new token (T = 1) sees every key: no mask at all, which is_causal would get wrong (SDPA aligns its
-        causal mask to the top left when T < S)."""
-        end = self.length + k.shape[1]
-        self.k[:, self.length:end], self.v[:, self.length:end] = k, v
-        self.length = end
-        T, S = q.shape[1], end
-        mask = None if T == 1 else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-        q, k, v = (t.transpose(1, 2) for t in (q, self.k[:, :end], self.v[:, :end]))
-        return F.scaled_dot_product_attention(**M.sdpa_arguments(q, k, v, mask, causal=False)).transpose(1, 2)
-
-
 def shorten(text: str, limit: int = 100) -> str:
     text = text.replace("\n", "\\n")
     return text if len(text) <= limit else text[:limit - 3] + "..."
@@ -165,7 +100,7 @@ class Sampler:
 
     def __init__(self, cfg, mcfg: M.ModelConfig, rank: int, start_step: int):
         self.rank, self.max_new_tokens = rank, cfg.sample_tokens
-        self.records = read_prompts(cfg.sample_prompts)
+        self.records = flags.read_prompts(cfg.sample_prompts)
         self.tok = D.Tokenizer(run_data.run_tokenizer(cfg))
         self.prompts = [self.tok.prompt_ids(r) for r in self.records]
         for n, ids in enumerate(self.prompts, 1):

@@ -20,9 +20,11 @@ from components import disk  # noqa: E402
 import model as M  # noqa: E402
 from warm_start import free_port  # noqa: E402,F401  (a port nothing listens on: the tests' launcher's own)
 
-# The tests inject faults (ZERO3_FAULT, faults.py); train.py honours them only with this allowance, which
-# every process the tests start inherits from here.
-os.environ["ZERO3_ALLOW_FAULTS"] = "1"
+# The tests inject faults (ZERO3_FAULT, tests/faults.py) into train.py through tests/fault_site/sitecustomize.py, which
+# python imports at start-up from PYTHONPATH: every process the tests start inherits it from here.
+FAULT_SITE = os.path.join(ROOT, "tests", "fault_site")
+if FAULT_SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [FAULT_SITE, os.environ.get("PYTHONPATH")]))
 
 
 def small_config(**overrides) -> M.ModelConfig:

@@ -366,7 +366,7 @@ def test_a_clock_skew_is_named_beyond_what_the_reading_can_tell():
 
 def test_the_check_matmul_is_exact_and_a_wrong_entry_is_found(monkeypatch):
     assert agree.check_matmul(T.torch.device("cpu"), 0)["wrong"] is False
-    monkeypatch.setattr(agree.disk, "fault_hook", lambda where, step, rank, product: product.view(-1).__setitem__(
+    monkeypatch.setattr(agree.flags, "fault_hook", lambda where, step, rank, product: product.view(-1).__setitem__(
         5, product.view(-1)[5] + 1))
     assert agree.check_matmul(T.torch.device("cpu"), 0)["wrong"] is True
 

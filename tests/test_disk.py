@@ -16,7 +16,7 @@ import torch.distributed as dist
 from common import ROOT, free_port, learnable_tokens, read_metrics, run_script, small_config
 
 from components import disk
-from components import checks
+from components import flags
 from components import metrics
 import train as T
 
@@ -249,10 +249,10 @@ def test_the_write_probe_never_writes_through_a_planted_link(tmp_path, monkeypat
     os.makedirs(out)
     os.symlink(victim, out / f".write-test-{os.getpid()}")  # the name the probe had
     cfg = T.parse_args([f"--out_dir={out}", "--steps=0"])
-    assert checks.check_config(cfg, 1) == []
+    assert flags.check_config(cfg, 1) == []
     monkeypatch.setattr(os, "urandom", lambda n: bytes(n))  # the name it has now, planted too
     os.symlink(victim, out / f".write-test-{os.getpid()}-00000000")
-    assert checks.check_config(cfg, 1) == [f"--out_dir: {out} is not writable (File exists)"]
+    assert flags.check_config(cfg, 1) == [f"--out_dir: {out} is not writable (File exists)"]
     assert victim.read_text() == "someone else's file\n"
 
 

@@ -18,8 +18,8 @@ CODE = ["train.py", "model.py", "data.py", "launch.sh", "launch.sbatch"] + [
 # Our modules as the text names them, and where each lives
 MODULES = {"train": "train", "model": "model", "data": "data", "disk": "components.disk", "plan": "components.plan",
            "agree": "components.agree", "metrics": "components.metrics", "checks": "components.checks",
-           "offload": "components.offload", "sample": "components.sample", "faults": "components.faults", "processes": "components.processes",
-           "config": "components.config", "run_data": "components.run_data", "sample_corpus": "tools.sample_corpus",
+           "offload": "components.offload", "sample": "components.sample", "faults": "faults", "processes": "components.processes",
+           "flags": "components.flags", "config": None, "run_data": "components.run_data", "sample_corpus": "tools.sample_corpus",
            "tokenizer_export": "components.tokenizer_export", "checkpoint": None}  # no module of that name: a reference to it is stale
 FILE = re.compile(r"(?<![\w./-])((?:components|tools|bench|tests|docs|\.ci)/[\w./-]+\.(?:py|md|sh|json|cpp|png)|"
                   r"[\w-]+\.(?:py|sh|sbatch))(?![\w/])")
@@ -101,7 +101,7 @@ def test_the_core_passage_reads_no_variation_flag_and_says_where_each_plugs_in()
     """The core, found by its names (from `class Unit` to `optimizer_step = `), reads only CORE_FLAGS of the 58
     flags, branches on neither --offload_optimizer nor the tests' faults (subclasses; a hook in the loop), and the
     comment above it names every variation with the field or class it arrives by, which exists."""
-    from components.config import TrainConfig
+    from components.flags import TrainConfig
     with open(os.path.join(ROOT, "train.py")) as f:
         source = f.read()
     core = source[source.index("\nclass Unit:"):source.index("\noptimizer_step = ")]

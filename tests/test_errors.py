@@ -9,7 +9,7 @@ import pytest
 import torch
 from common import ROOT, run_train
 
-from components import checks
+from components import flags
 import train as T
 
 
@@ -70,7 +70,7 @@ def test_not_a_token_array(tmp_path, tokens, train_at):
     assert code != 0 and "must be a 1-D integer array" in stderr
 
 
-# -- the command line, as a newcomer meets it (in-process: train.parse_args, checks.config_warnings) ------------
+# -- the command line, as a newcomer meets it (in-process: train.parse_args, flags.config_warnings) ------------
 
 def test_help_shows_every_flags_default(capsys):
     with pytest.raises(SystemExit) as e:
@@ -123,15 +123,15 @@ def test_an_unknown_flag_exits_2_with_one_line():
 
 def test_warmup_as_long_as_the_run_is_a_warning_not_an_error(tmp_path):
     cfg = T.parse_args(["--steps=10", "--warmup_steps=20", f"--out_dir={tmp_path}"])
-    assert checks.check_config(cfg, 1) == []
-    assert checks.config_warnings(cfg) == [
+    assert flags.check_config(cfg, 1) == []
+    assert flags.config_warnings(cfg) == [
         "--warmup_steps 20 is not below --steps 10: the whole run is warmup; the learning rate rises to 0.0005 at "
         "the last step (--lr 0.001) and never follows --schedule cosine; lower --warmup_steps"]
-    assert checks.config_warnings(T.parse_args(["--steps=20", "--warmup_steps=20"]))[0].startswith(
+    assert flags.config_warnings(T.parse_args(["--steps=20", "--warmup_steps=20"]))[0].startswith(
         "--warmup_steps 20 is not below --steps 20: the whole run is warmup; the learning rate rises to 0.001 at the "
         "last step (--lr 0.001)")
-    assert checks.config_warnings(T.parse_args(["--steps=21", "--warmup_steps=20"])) == []
-    assert checks.config_warnings(T.parse_args(["--steps=0", "--warmup_steps=20"])) == []  # a conversion
+    assert flags.config_warnings(T.parse_args(["--steps=21", "--warmup_steps=20"])) == []
+    assert flags.config_warnings(T.parse_args(["--steps=0", "--warmup_steps=20"])) == []  # a conversion
 
 
 @pytest.mark.parametrize("leave", ["gathered", "reducing"])
@@ -161,7 +161,7 @@ def test_a_step_that_leaves_a_unit_gathered_or_reducing_stops_with_one_line(main
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: step 2 ended with {what}: every unit")
 
 
-# -- --freeze and --lr_mult: one line each, before any work (checks.check_param_groups) ----------------------------
+# -- --freeze and --lr_mult: one line each, before any work (flags.check_param_groups) ----------------------------
 
 PARAM_GROUP_CASES = [
     (["--freeze=embed|q_proj"], "--freeze: 'embed|q_proj' splits unit layers.0 (and 3 more unit(s)): it matches "
@@ -178,34 +178,34 @@ PARAM_GROUP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("flags,message", PARAM_GROUP_CASES, ids=[" ".join(c[0]) for c in PARAM_GROUP_CASES])
-def test_a_bad_freeze_or_lr_mult_is_one_line_naming_the_flag(flags, message):
+@pytest.mark.parametrize("argv,message", PARAM_GROUP_CASES, ids=[" ".join(c[0]) for c in PARAM_GROUP_CASES])
+def test_a_bad_freeze_or_lr_mult_is_one_line_naming_the_flag(argv, message):
     import model as M
-    errors = checks.check_param_groups(T.parse_args(flags), M.PRESETS["tiny"]())
+    errors = flags.check_param_groups(T.parse_args(argv), M.PRESETS["tiny"]())
     assert len(errors) == 1 and errors[0].startswith(message), errors
 
 
 def test_whole_units_freeze_and_lr_groups_by_element_pass_the_checks():
     import model as M
     cfg = T.parse_args([r"--freeze=embed_tokens|layers\.[01]\.", r"--lr_mult=mlp\.up_proj=0.5,norm=0"])
-    assert checks.check_param_groups(cfg, M.PRESETS["tiny"]()) == []
+    assert flags.check_param_groups(cfg, M.PRESETS["tiny"]()) == []
     with torch.device("meta"):
-        assert M.frozen_units(M.Llama(M.PRESETS["tiny"]()), cfg.freeze) == (["embed", "layers.0", "layers.1"], [])
+        assert flags.frozen_units(M.Llama(M.PRESETS["tiny"]()), cfg.freeze) == (["embed", "layers.0", "layers.1"], [])
 
 
 def test_freezing_a_tied_embedding_says_the_head_is_frozen_too():
     """With tied embeddings the head's lm_head.weight is the embedding's: freezing one freezes the other, and a
-    pattern for either name matches it (model.hf_names)."""
+    pattern for either name matches it (flags.hf_names)."""
     import model as M
     tied = M.PRESETS["llama3.2-1b"]()
     for pattern in ("embed_tokens", "lm_head"):
         cfg = T.parse_args([f"--freeze={pattern}"])
-        assert checks.check_param_groups(cfg, tied) == []
-        assert checks.param_group_warnings(cfg, tied) == [
+        assert flags.check_param_groups(cfg, tied) == []
+        assert flags.param_group_warnings(cfg, tied) == [
             f"--freeze '{pattern}' freezes the embedding, and with tied embeddings (tie_word_embeddings) its weight "
             f"is also the head's lm_head.weight: the head's weight is frozen too"]
     untied = T.parse_args(["--freeze=embed_tokens"])
-    assert checks.param_group_warnings(untied, M.PRESETS["tiny"]()) == []
+    assert flags.param_group_warnings(untied, M.PRESETS["tiny"]()) == []
 
 
 def test_a_freeze_that_splits_a_unit_stops_train_py_with_one_line(tmp_path):

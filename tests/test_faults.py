@@ -6,7 +6,7 @@ import sys
 import time
 
 import pytest
-from common import ROOT, model_and_tokens, read_metrics, run_train
+from common import FAULT_SITE, ROOT, model_and_tokens, read_metrics, run_train
 
 BASE = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=float32", "--steps=6", "--lr=3e-3",
         "--warmup_steps=2", "--seed=4", "--timeout_min=1"]
@@ -73,23 +73,24 @@ def test_hung_rank_ends_the_job_within_the_timeout(files, tmp_path):
     assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-2000:]
 
 
-def test_a_leftover_fault_is_ignored_without_the_tests_allowance(files, tmp_path):
+def test_a_leftover_fault_does_nothing_outside_the_tests(files, tmp_path):
     # A shell that kept ZERO3_FAULT from a test session: production runs must not honour it, or `nan:1`
-    # looks exactly like a real divergence. One process, no torchrun: the decision is made before any step.
+    # looks exactly like a real divergence. Only tests/fault_site on PYTHONPATH installs the hook; the trainer never
+    # reads ZERO3_FAULT. One process, no torchrun.
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *BASE, "--steps=2", "--warmup_steps=1", *files]
-    env = {k: v for k, v in os.environ.items() if k != "ZERO3_ALLOW_FAULTS"}
+    outside = os.pathsep.join(p for p in os.environ["PYTHONPATH"].split(os.pathsep) if p != FAULT_SITE)
     proc = subprocess.run(cmd + [f"--out_dir={tmp_path / 'leftover'}"], capture_output=True, text=True, timeout=300,
-                          env=dict(env, OMP_NUM_THREADS="1", ZERO3_FAULT="nan:1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", ZERO3_FAULT="nan:1", PYTHONPATH=outside))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stderr.count("warning: ZERO3_FAULT=nan:1 is ignored: fault injection is for the tests") == 1
+    assert "ZERO3_FAULT" not in proc.stderr
     assert all(m["loss"] is not None for m in read_metrics(tmp_path / "leftover"))
-    # With the allowance, a malformed value is one line before any work, not a traceback at step 1.
+    # Under the tests, a malformed value is one line before any work, not a traceback at step 1.
     proc = subprocess.run(cmd + [f"--out_dir={tmp_path / 'malformed'}"], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1", ZERO3_FAULT="nan:three"))
     assert proc.returncode == 2
     assert proc.stderr.strip() == ("error: ZERO3_FAULT='nan:three' is not KIND:STEP[:RANK[:SECONDS]], slow:SECONDS, "
                                    "busy:RANK:SECONDS, slow_matmul:RANK:SECONDS, wrong_matmul:RANK or "
-                                   "late_contact:RANK:SECONDS (components/faults.py)"), proc.stderr[-3000:]
+                                   "late_contact:RANK:SECONDS (tests/faults.py)"), proc.stderr[-3000:]
     assert not os.path.exists(tmp_path / "malformed" / "metrics.jsonl")
 
 

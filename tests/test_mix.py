@@ -10,7 +10,7 @@ import pytest
 from common import learnable_tokens, read_metrics, run_train, small_config, stopped_at
 from test_data import corpus  # noqa: F401 (a fixture)
 
-from components import checks
+from components import checks, flags
 import data as D
 from tools import prepare as prep
 from components import metrics
@@ -114,8 +114,8 @@ def config(**flags) -> train.TrainConfig:
     ("fr.npy:0.6,de.npy:0.4", "--data: de.npy does not exist"),
 ])
 def test_a_bad_weight_or_a_missing_source_is_one_line_naming_the_flag_and_file(two_files, spec, line):
-    assert checks.check_config(config(data=spec), 1) == [line]
-    assert checks.check_config(config(data="fr.npy", eval_data=spec), 1) == [line.replace("--data", "--eval_data")]
+    assert flags.check_config(config(data=spec), 1) == [line]
+    assert flags.check_config(config(data="fr.npy", eval_data=spec), 1) == [line.replace("--data", "--eval_data")]
 
 
 def test_a_source_with_another_vocabulary_is_refused_naming_the_flag_and_file(corpus, tmp_path):  # noqa: F811
@@ -175,11 +175,11 @@ def test_a_mix_stopped_and_continued_logs_what_an_uninterrupted_run_logs(tmp_pat
     assert [{k: m.get(k) for k in keys} for m in got] == [{k: m.get(k) for k in keys} for m in expected]
 
     # Continuing it with another mix: one line before any work (the checks every rank runs first).
-    errors = checks.check_config(config(data=f"{fr}:0.5,{en}:0.5", out_dir=parts, steps=6), 1)
+    errors = checks.check_resume_mix(config(data=f"{fr}:0.5,{en}:0.5", out_dir=parts, steps=6))
     assert errors == [f"--data: the checkpoint was trained on the mix fr:0.6,en:0.4, this run's is fr:0.5,en:0.5: a new "
                       f"mix is a new phase (--init_from the checkpoint starts one from its weights) "
                       f"({os.path.join(parts, 'checkpoints', 'step_00000004')})"]
-    assert checks.check_config(config(data=f"{fr}:3,{en}:2", out_dir=parts, steps=6), 1) == []  # the same mix
+    assert checks.check_resume_mix(config(data=f"{fr}:3,{en}:2", out_dir=parts, steps=6)) == []  # the same mix
 
 
 def test_each_sources_eval_loss_and_windows_reach_metrics_jsonl_the_console_and_tensorboard(tmp_path, capsys):

@@ -837,7 +837,7 @@ def test_plan_from_a_checkpoint_without_a_model_is_one_line(tmp_path):
 
 
 def test_frozen_units_are_planned():
-    # --freeze (model.frozen_units): a frozen unit keeps its fp32 master shard alone (4 B per parameter: no
+    # --freeze (flags.frozen_units): a frozen unit keeps its fp32 master shard alone (4 B per parameter: no
     # gradient, no optimizer state); the blocks of a frozen prefix keep no activations (no input needs a
     # gradient) and run no backward. Llama-3-8B with its embedding and 30 of 32 blocks frozen.
     mcfg = M.PRESETS["llama3-8b"]()

@@ -99,11 +99,11 @@ def test_the_trace_names_every_units_ranges_in_the_order_the_step_runs_them(trac
 
 
 def test_a_step_beyond_the_run_is_a_warning_and_a_negative_one_an_error(tmp_path):
-    from components import checks
+    from components import flags
     import train as T
     cfg = T.parse_args([f"--out_dir={tmp_path}", "--steps=1", "--profile=3"])
-    assert "--profile 3 is beyond --steps 1: no trace will be written" in checks.config_warnings(cfg)
-    errors = checks.check_config(T.parse_args([f"--out_dir={tmp_path}", "--profile=-1"]), 1)
+    assert "--profile 3 is beyond --steps 1: no trace will be written" in flags.config_warnings(cfg)
+    errors = flags.check_config(T.parse_args([f"--out_dir={tmp_path}", "--profile=-1"]), 1)
     assert "--profile: a step number >= 1 (0: no trace), got -1" in errors
 
 

@@ -13,8 +13,9 @@ from common import live_tensor_bytes
 from test_data import TEXTS, hf_tokenizer, write_jsonl
 
 from components import disk
-from components import checks
+from components import flags
 from tools import prepare as prep
+import data as D
 import model as M
 from components import plan as P
 from components import sample as S
@@ -46,7 +47,7 @@ def test_kv_cache_gives_the_full_forwards_logits():
     model = ours_from_hf(cfg, hf_model(cfg, seed=1))
     tokens = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
     full = model(tokens)
-    caches = [S.KVCache(9, cfg, torch.float32, "cpu") for _ in model.layers]
+    caches = [M.KVCache(9, cfg, torch.float32, "cpu") for _ in model.layers]
     pieces = []
     with torch.no_grad():
         for lo, hi in [(0, 5), (5, 7), (7, 8), (8, 9)]:
@@ -104,7 +105,7 @@ def test_sharded_decoding_equals_generate_stops_at_end_ids_and_leaves_nothing_be
         completions = S.generate(sharded, sampler.prompts, 10, set(sampler.stop_ids))
         gc.collect()
         assert [u.name for u in sharded.units if u.state() != "free"] == []
-        assert not [o for o in gc.get_objects() if isinstance(o, S.KVCache)]
+        assert not [o for o in gc.get_objects() if isinstance(o, M.KVCache)]
         assert live_tensor_bytes() == before
 
         ref = load_hf(r["init"])
@@ -187,10 +188,10 @@ def bad_prompts(tmp_path):
 
 
 def test_bad_sampling_input_is_one_line_naming_the_flag_and_file(tmp_path, bad_prompts, hf_tokenizer_run):
-    """What checks.py finds before any process group exists."""
-    def errors(*flags, data=hf_tokenizer_run["data"], init=hf_tokenizer_run["init"]):
-        flags = [f"--data={data}", f"--init_from={init}", f"--out_dir={tmp_path / 'out'}", *flags]
-        return "\n".join(checks.check_config(T.parse_args(flags), 1))
+    """What flags.py finds before any process group exists."""
+    def errors(*args, data=hf_tokenizer_run["data"], init=hf_tokenizer_run["init"]):
+        args = [f"--data={data}", f"--init_from={init}", f"--out_dir={tmp_path / 'out'}", *args]
+        return "\n".join(flags.check_config(T.parse_args(args), 1))
     good = bad_prompts('{"text": "Le contrat"}\n')
     assert errors(f"--sample_prompts={good}") == ""
     missing = str(tmp_path / "nope.jsonl")

@@ -25,6 +25,8 @@ import socket
 import sys
 import time
 
+import faults  # tests/faults.py: installed at a python's start by tests/fault_site/sitecustomize.py; here, per fork
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AGENT_MONITOR_INTERVAL_S = 0.1  # torchrun's agent looks at its workers this often (--monitor-interval)
 AGENT_STOP_GRACE_S = 30  # then SIGTERM to every worker left, SIGKILL after this
@@ -47,6 +49,7 @@ def run_script(script: str, args: list[str], env: dict):
         os.environ.update(env)
         sys.argv = [script, *args]
         sys.path[0] = os.path.dirname(script)
+        faults.install(env)  # what tests/fault_site/sitecustomize.py does when python starts
         runpy.run_path(script, run_name="__main__")  # train.py's __main__ ends in os._exit
         code = 0
     except SystemExit as e:

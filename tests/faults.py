@@ -1,7 +1,10 @@
-"""Fault injection, for the tests only: train.py, disk.py, agree.py and processes.py call `hook` at four points (the
-start of each step, each rank's checkpoint file written, the health check's matmul, the process group's first
-contact) when ZERO3_FAULT is set together with ZERO3_ALLOW_FAULTS=1 (the tests set
-both), and not at all otherwise. The step itself holds no seam: the mid-step faults strike from a forward hook
+"""Fault injection, for the tests only. The trainer holds one hook, components/flags.py's fault_hook (None in every
+run the tests do not start), and calls it at four points: the start of each step, each rank's checkpoint file
+written, the health check's matmul, the process group's first contact. install() sets it to `hook` when ZERO3_FAULT
+is set: tests/fault_site/sitecustomize.py at every python's start (tests/common.py puts that folder first on
+PYTHONPATH for every process the tests start: plain python, torchrun, launch.sh, SLURM jobs), and
+tests/warm_start.py in each run it forks. The trainer never imports this file, so a ZERO3_FAULT left over in a
+shell does nothing to a real run. The step itself holds no seam: the mid-step faults strike from a forward hook
 (PyTorch's own extension point) on the model's final norm, the head's first module.
 
     ZERO3_FAULT=KIND:STEP[:RANK[:SECONDS]]   (every rank when RANK is left out or empty; STEP is 1-based)
@@ -21,9 +24,6 @@ both), and not at all otherwise. The step itself holds no seam: the mid-step fau
                                              (processes.make_group: a rank hung before NCCL's set-up)
     ZERO3_FAULT_ONCE=FILE                    a fault fires once: FILE records that it did, so a restarted
                                              job runs clean
-    ZERO3_ALLOW_FAULTS=1                     the test-only allowance: without it a ZERO3_FAULT left over in
-                                             a shell is ignored with a warning (a `nan:3` would look exactly
-                                             like a real divergence)
 """
 import os
 import signal
@@ -47,7 +47,7 @@ def spec_error(value: str) -> str | None:
     """What is wrong with a ZERO3_FAULT value, as one line, or None when hook can read it."""
     spec = value.split(":")
     usage = (f"ZERO3_FAULT={value!r} is not KIND:STEP[:RANK[:SECONDS]], slow:SECONDS, busy:RANK:SECONDS, "
-             f"slow_matmul:RANK:SECONDS, wrong_matmul:RANK or late_contact:RANK:SECONDS (components/faults.py)")
+             f"slow_matmul:RANK:SECONDS, wrong_matmul:RANK or late_contact:RANK:SECONDS (tests/faults.py)")
     try:
         if spec[0] == "slow":
             return None if len(spec) == 2 and float(spec[1]) >= 0 else usage
@@ -64,22 +64,18 @@ def spec_error(value: str) -> str | None:
     return None
 
 
-def allowed_hook(env=os.environ):
-    """The hook train.py installs: None without ZERO3_FAULT, and None with a warning (rank 0) when the
-    test-only allowance ZERO3_ALLOW_FAULTS=1 is missing. A malformed value that would be honoured is a
-    ValueError of one line (train.py: exit 2), not a traceback at the step it names."""
+def install(env=os.environ):
+    """flags.fault_hook = hook when ZERO3_FAULT is set. A malformed value is one line and exit 2 before any work,
+    not a traceback at the step it names."""
     value = env.get("ZERO3_FAULT", "")
     if not value:
-        return None
-    if env.get("ZERO3_ALLOW_FAULTS") != "1":
-        if env.get("RANK", "0") == "0":
-            print(f"warning: ZERO3_FAULT={value} is ignored: fault injection is for the tests, which also set "
-                  f"ZERO3_ALLOW_FAULTS=1; unset ZERO3_FAULT", file=sys.stderr, flush=True)
-        return None
+        return
     error = spec_error(value)
     if error:
-        raise ValueError(error)
-    return hook
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        os._exit(2)  # not SystemExit: raised at python's start-up (sitecustomize), it ends in a fatal error
+    from components import flags  # the repository is on sys.path: sitecustomize and warm_start.py put it there
+    flags.fault_hook = hook
 
 
 def hook(where: str, step: int, rank: int, model=None):

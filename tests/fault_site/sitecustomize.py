@@ -1,0 +1,12 @@
+"""Python imports this file as it starts whenever its folder is on PYTHONPATH, as tests/common.py puts it for every
+process the tests start: with ZERO3_FAULT set, tests/faults.py's hook becomes the trainer's fault_hook before
+train.py runs, however it is started (python, torchrun, launch.sh, a SLURM job). Without ZERO3_FAULT: nothing."""
+import os
+import sys
+
+if os.environ.get("ZERO3_FAULT"):
+    TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # tests/ for faults.py, the repository for components.flags
+    import faults
+    faults.install()
+    sys.path.remove(TESTS)  # the run itself imports nothing from tests/
