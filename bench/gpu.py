@@ -59,10 +59,8 @@ from components import checks  # noqa: E402
 import data as D  # noqa: E402
 from components import metrics  # noqa: E402
 import model as M  # noqa: E402
-from components import plan as P  # noqa: E402
+from tools import plan as P  # noqa: E402
 import train as T  # noqa: E402
-
-P.use_trainer(T)  # the planner runs train.py's blocks, Unit and optimizer: handed over, as train.main does
 
 GIB = 2**30
 # Llama 3 8B's block and vocabulary; the layer count is chosen to fit. --dry-run shrinks every width.

@@ -16,7 +16,7 @@ from components import disk
 from components import checks
 import data as D
 import model as M
-from components import plan as P
+from tools import plan as P
 from components import sample as S
 import train as T
 
