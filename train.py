@@ -13,9 +13,8 @@ and components/processes.py, read when needed):
                  set-up, the training loop, saving and stopping
 
 What is not the story lives beside it: model.py, data.py (tokenize, pack, the window order), and components/
-(which never imports this file: checks, agreement across ranks, state on disk, metrics, offload, samples, the
-tests' faults; README.md, "Files", says which holds what). tools/ (the planner, the plot) imports this file; never
-the other way round.
+(which never imports this file: checks, agreement, state on disk, metrics, offload, samples, the tests' faults;
+README.md, "Files", says which holds what). tools/ (the planner, the plot) imports this file, never the reverse.
 
 Launch (`python train.py --help`: the flags; `python train.py --plan ...`: what fits and what it costs, no GPU):
   python train.py --model tiny --steps 100                                     one process, CPU or one GPU
@@ -30,6 +29,7 @@ import gc
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -751,7 +751,7 @@ def setup(cfg: TrainConfig):
     """Everything before the first step: checks, data, processes, the sharded model, its weights (from
     a checkpoint, --init_from or the seed). Returns (sharded, windows, eval_windows, step, position, agreed):
     the last step done (0 on a fresh start), the data position after it, and what every rank agreed on
-    (agree.py): {"async_save": bool, "hosts": each rank's host, "planned": the planner's figures or None}."""
+    (agree.py): {"async_save": bool, "hosts": each rank's host, "planned": the planner's memory figures or None}."""
     mcfg, weights, errors = check_run(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # checks.py
     if errors:
         fail("; ".join(errors))
@@ -774,7 +774,7 @@ def setup(cfg: TrainConfig):
         processes.fail_before_group("\nerror: ".join(problems), store, rank, world)
     for warning in warnings if rank == 0 else []:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    agreed = dict(async_save=async_save, hosts=[f["host"] for f in facts], planned=planned)
+    agreed = dict(async_save=async_save, hosts=[f["host"] for f in facts], planned=planned and planned["memory"])
     processes.make_group(cfg, store, rank, world, device, agreed["hosts"])  # its first contact under --first_contact_s
     disk.make_group(cfg.ckpt_timeout_min)  # saves and resumes wait longer: their own group (disk.py)
     threads = O.optimizer_threads(cfg, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(os.sched_getaffinity(0)))
@@ -855,12 +855,9 @@ def main(argv=None):
     except ValueError as e:
         fail(str(e))
     agree.launch_settings(cfg.out_dir)  # NVLS off, expandable segments, NCCL's flight recorder: before CUDA starts
-    if cfg.plot or cfg.plan:  # tools above the trainer (tools/, never imported here), run in this process's place
-        tools = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools")
-        args = ([os.path.join(tools, "plot.py"), cfg.plot] if cfg.plot else
-                [os.path.join(tools, "plan.py"), *(sys.argv[1:] if argv is None else argv)])
-        sys.stdout.flush()
-        os.execv(sys.executable, [sys.executable, *args])
+    if cfg.plot or cfg.plan:  # a tool above the trainer (tools/: never imported here), run as a command: its exit code
+        tool = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools", "plot.py" if cfg.plot else "plan.py")
+        sys.exit(subprocess.call([sys.executable, tool, *([cfg.plot] if cfg.plot else argv or sys.argv[1:])]))
     cfg = disk.unless_finished(cfg)  # a finished run's command again: say so and stop, or make its missing export
     if cfg is None:
         return
@@ -884,7 +881,6 @@ def main(argv=None):
     if rank == 0:
         print(metrics.startup_line(cfg, sharded, start_step), flush=True)
     # What --plan assumed, measured before step 1: the fabric's bandwidth, the GPU memory outside the allocator
-    planned_memory = agreed["planned"] and agreed["planned"]["memory"]  # None on a CPU, or a GPU the planner does not know
     problems = agree.before_step_one(cfg, sharded, agreed["hosts"], agreed["planned"]) if steps > start_step else []
     if problems:
         fail("\nerror: ".join(problems), together=True)
@@ -915,7 +911,7 @@ def main(argv=None):
                 record = train_step(cfg, sharded, windows, step, position)
         except torch.OutOfMemoryError as e:  # the same step runs out again after a restart: exit 2, and what to change
             fail(metrics.out_of_memory_line(e, step, [u.name for u in sharded.units if u.state() != "free"],
-                                            metrics.allocator_held(device), planned_memory))
+                                            metrics.allocator_held(device), agreed["planned"]))
         except NonFiniteStep as nonfinite:
             e = metrics.nonfinite_line(nonfinite, sharded)  # which rank's loss went bad: an all-gather, on every rank
             skipped += 1
@@ -941,7 +937,7 @@ def main(argv=None):
         log.step(step, record, lr_at(cfg, step), step_time_s, mem_gb, eval_loss, windows.progress(position),
                  compute_s_by_rank)
         if step == start_step + 1:
-            metrics.print_device_memory(sharded, f"after step {step}", planned_memory, "peak_gib")
+            metrics.print_device_memory(sharded, f"after step {step}", agreed["planned"], "peak_gib")
         if sampler and (step % cfg.eval_every == 0 or step == steps):
             sampler.sample(sharded, step)  # greedy completions of --sample_prompts (sample.py)
 

@@ -633,7 +633,7 @@ def gpu_now(device) -> dict | None:
                 total=total)
 
 
-def before_step_one(cfg, sharded, hosts: list[str], figures: dict | None) -> list[str]:
+def before_step_one(cfg, sharded, hosts: list[str], planned: dict | None) -> list[str]:
     """Each GPU's health (read_health: a GPU that computes wrongly or reports uncorrectable errors is a problem
     naming its host; a slow one, skewed clocks, the allocator setting not in effect are warnings), then what --plan
     assumed, measured on the run's own GPUs and fabric after set-up (its collectives have made NCCL's buffers),
@@ -641,12 +641,11 @@ def before_step_one(cfg, sharded, hosts: list[str], figures: dict | None) -> lis
     warning under FABRIC_LEAST_FRACTION of the plan's), and what each GPU holds outside PyTorch's allocator (the
     largest of the ranks). Returns the problems, the same on every rank: a GPU that cannot hold the planned peak
     beside what it holds, with the nearest configuration that fits at the measured figure (the planner's, asked by
-    rank 0). `figures`: the planner's for the run (planner_figures), or None."""
+    rank 0). `planned`: the planner's memory figures for the run (planner_figures), or None."""
     device, world = sharded.device, sharded.world
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     unhealthy, health_warnings = decide_health(gather_json(read_health(device, sharded.rank), device), hosts)
     gpu = gpu_now(device)
-    planned = figures["memory"] if gpu and figures and figures["device_name"] == gpu["name"] else None
     lines, problems = [f"warning: {warning}" for warning in health_warnings], []
     if world > 1:
         unit, gbps = gather_bus_gbps(sharded)
@@ -667,8 +666,8 @@ def before_step_one(cfg, sharded, hosts: list[str], figures: dict | None) -> lis
             need = (planned["peak_gib"] - planned["context_gib"]) * GIB
             problems = outside_allocator_problems(outside, totals, need, hosts, planned["peak_phase"])
         if problems:
-            answer = ask_planner(cfg, sharded.model.cfg, world, local_world, gpu["name"], outside[r] / GIB) \
-                if sharded.rank == 0 else None
+            answer = (ask_planner(cfg, sharded.model.cfg, world, local_world, gpu["name"], outside[r] / GIB)
+                      if sharded.rank == 0 else None)
             nearest = gather_json(answer and answer["nearest_fit"], device)[0]  # rank 0's, on every rank
             problems[-1] += (f"; the nearest configuration that fits at --outside_gib {outside[r] / GIB:.2f}: "
                              f"{nearest} (--plan with it prints the rest)" if nearest else

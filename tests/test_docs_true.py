@@ -43,7 +43,7 @@ def text_of(path: str) -> str:
 def file_exists(name: str, where: str) -> bool:
     if "/" in name:
         return any(os.path.exists(os.path.join(base, name)) for base in (ROOT, os.path.dirname(os.path.join(ROOT, where))))
-    return any(os.path.exists(os.path.join(ROOT, d, name)) for d in ("", "components", "bench", "tests", "docs", ".ci"))
+    return any(os.path.exists(os.path.join(ROOT, d, name)) for d in ("", "components", "tools", "bench", "tests", "docs", ".ci"))
 
 
 def test_every_relative_link_resolves():

@@ -456,7 +456,18 @@ def test_gradient_peak_of_a_unit_matches_autograd(n_params):
 
 
 def run_plan(*flags):
-    return run_script(os.path.join(ROOT, "train.py"), ["--plan", "true", *flags], timeout=120)
+    return run_script(os.path.join(ROOT, "tools", "plan.py"), ["--plan", "true", *flags], timeout=120)
+
+
+def test_train_py_plan_runs_the_planner_tool():
+    """`python train.py --plan FLAGS` is `python tools/plan.py FLAGS`: the same lines, the same exit code (the trainer
+    never imports the planner: it runs it as a command)."""
+    flags = ["--model=tiny", "--nproc_per_node=8", "--seq_len=256", "--batch_size=16", "--micro_batch_size=4"]
+    via_train = run_script(os.path.join(ROOT, "train.py"), ["--plan", "true", *flags], timeout=120)
+    assert (via_train.returncode, via_train.stderr) == (2, "error: --batch_size: 16 is not a multiple of world size x "
+                                                           "--micro_batch_size = 8 x 4 = 32\n"), via_train.stderr
+    tool = run_plan(*flags)
+    assert (tool.returncode, tool.stdout, tool.stderr) == (2, via_train.stdout, via_train.stderr)
 
 
 @pytest.mark.parametrize("freeze", ["", r"embed|layers\.0\."])
@@ -601,7 +612,7 @@ def test_every_assumption_has_its_row_in_the_planning_docs():
     assert all(len(cells) == 1 and cells[0] for table in ("GPU", "model") for cells in tables[table].values())
     cited = set()
     for path in ["train.py", *glob.glob(os.path.join(ROOT, "components", "*.py")),
-                 *glob.glob(os.path.join(ROOT, "bench", "*.py"))]:
+                 *glob.glob(os.path.join(ROOT, "tools", "*.py")), *glob.glob(os.path.join(ROOT, "bench", "*.py"))]:
         with open(os.path.join(ROOT, path)) as f:
             for names in re.findall(r"docs/planning\.md:\s+(\w+(?:, \w+)*)", f.read()):
                 cited.update(names.split(", "))
@@ -923,8 +934,9 @@ def test_a_block_whose_shapes_depend_on_the_data_is_refused_by_plan_in_one_line(
         return (flat.index_add(0, chosen, self.mlp(self.post_attention_layernorm(flat[chosen])))).view_as(h)
     monkeypatch.setattr(M.Block, "forward", routed_forward)  # the planner's readings are keyed by the code: new ones
     flags = ["--plan=true", "--model=tiny", "--nproc_per_node=8", "--seq_len=256", "--batch_size=8", "--micro_batch_size=1"]
-    code = main_in_process(flags)
-    err = capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:  # main_in_process: fail's os._exit as SystemExit
+        P.command(flags)  # what `python tools/plan.py` (and train.py --plan) runs, here with the fork's block
+    code, err = stopped.value.code, capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("error: --plan: the block's forward makes a tensor whose shape depends on the data") and "nonzero" in err
     cfg = config(model="tiny", nproc_per_node=8, seq_len=256, batch_size=8, micro_batch_size=1)

@@ -1266,7 +1266,7 @@ def run_figures(request: dict) -> dict:
     the allocator (`outside_gib`), the flags of the nearest configuration that fits at that figure, or None."""
     cfg, mcfg = T.TrainConfig(**request["flags"]), M.ModelConfig(**request["model"])
     world, local_world, name = request["world"], request["local_world"], request["device_name"]
-    figures = dict(device_name=name, memory=run_memory_gib(mcfg, cfg, world, local_world, name),
+    figures = dict(memory=run_memory_gib(mcfg, cfg, world, local_world, name),
                    host_bytes=run_host_bytes(mcfg, cfg, world))
     if request.get("outside_gib") is not None:
         run = dataclasses.replace(as_launched(cfg, world, local_world, name), outside_gib=request["outside_gib"])
@@ -1309,14 +1309,20 @@ def main(cfg) -> str | None:
     return None
 
 
-if __name__ == "__main__":
-    if sys.argv[1:] == ["--run_figures"]:  # a run's request (agree.ask_planner): JSON in, JSON out
-        json.dump(run_figures(json.load(sys.stdin)), sys.stdout)
-        sys.exit(0)
+def command(argv: list[str]):
+    """`python tools/plan.py FLAGS` (and `train.py --plan FLAGS`): main, its error line and exit code as train.py
+    says them (fail)."""
     try:
-        flags = T.parse_args(sys.argv[1:])
-    except ValueError as e:  # a bad flag: one line, as train.py says it
+        flags = T.parse_args(argv)
+    except ValueError as e:  # a bad flag: one line
         T.fail(str(e))
     error = main(flags)
     if error:
         T.fail(error)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--run_figures"]:  # a run's request (agree.ask_planner): JSON in, JSON out
+        json.dump(run_figures(json.load(sys.stdin)), sys.stdout)
+    else:
+        command(sys.argv[1:])
