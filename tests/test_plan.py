@@ -941,3 +941,32 @@ def test_a_block_whose_shapes_depend_on_the_data_is_refused_by_plan_in_one_line(
     assert err.startswith("error: --plan: the block's forward makes a tensor whose shape depends on the data") and "nonzero" in err
     cfg = config(model="tiny", nproc_per_node=8, seq_len=256, batch_size=8, micro_batch_size=1)
     assert P.run_memory_gib(disk.model_config(cfg), cfg, 8, 8, "NVIDIA H100 80GB HBM3") is None
+
+
+def test_a_run_gets_the_planners_figures_from_the_tool_over_the_store(monkeypatch, capsys):
+    """The trainer never imports the planner: rank 0 asks `tools/plan.py --run_figures` in a subprocess and every
+    rank reads its answer from the store (agree.planner_figures). The answer is the planner's own figures, for the
+    run's flags and model; a run that reads none (a CPU, nothing pinned) asks nothing, and a planner that cannot
+    answer is one warning line and no figures."""
+    from components import agree
+
+    def store():  # what ranks 1-15 sent: nothing (rank 0 alone asks)
+        met = torch.distributed.HashStore()
+        for r in range(1, 16):
+            met.set(f"planner/{r}", "null")
+        return met
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(agree, "gpu_name", lambda device: "NVIDIA H100 80GB HBM3")  # a GPU, as CUDA names it
+    cfg, mcfg, cpu = config(model="tiny", seq_len=256, batch_size=16, micro_batch_size=1), M.tiny(), torch.device("cpu")
+    figures = agree.planner_figures(store(), cfg, mcfg, 0, 16, cpu)
+    assert figures == json.loads(json.dumps(dict(memory=P.run_memory_gib(mcfg, cfg, 16, 8, "NVIDIA H100 80GB HBM3"),
+                                                 host_bytes=P.run_host_bytes(mcfg, cfg, 16))))
+    monkeypatch.setattr(agree, "gpu_name", lambda device: None)
+    monkeypatch.setattr(agree, "PLANNER", "/nonexistent/plan.py")  # asked, it would fail
+    assert agree.planner_figures(store(), cfg, mcfg, 0, 16, cpu) is None
+    assert capsys.readouterr().err == ""
+    offloaded = dataclasses.replace(cfg, offload_optimizer=True)  # its host-memory check counts pinned bytes
+    assert agree.planner_figures(store(), offloaded, mcfg, 0, 16, cpu) is None
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("warning: the planner's figures for this run are missing (/nonexistent/plan.py "
+                           "--run_figures: ") and line.endswith("; the run goes on without them"), line

@@ -49,7 +49,6 @@ REDUCE_BYTES = {"bfloat16": 2, "float32": 4}      # by --reduce_dtype
 
 ADAMW_HOST_BYTES = 28       # torch._fused_adamw_: read param, grad, exp_avg, exp_avg_sq; write three of them
 
-PEAK_BF16_FLOPS = metrics.PEAK_BF16_FLOPS  # the step line's MFU reads the same table (defined there)
 
 # Bandwidths are achievable per-GPU bus bandwidths for large messages, below the nominal link rate.
 GPUS = {
@@ -582,8 +581,9 @@ def executed_flops(mcfg: M.ModelConfig, seq_len: int, ac, chunked_ce: bool) -> t
     return matmul, attention
 
 
-def peak_flops(gpu: dict) -> float:
-    return next(flops for key, flops in PEAK_BF16_FLOPS if key in gpu["device_name"])
+def gpu_peak_flops(gpu: dict) -> float:
+    """The dense BF16 peak of a GPU of GPUS (metrics.PEAK_BF16_FLOPS, by its CUDA name)."""
+    return next(flops for key, flops in metrics.PEAK_BF16_FLOPS if key in gpu["device_name"])
 
 
 # Published runs the matmul efficiency is derived from: (GPU family, model dim, tokens/s/GPU, matmul and
@@ -616,7 +616,7 @@ def matmul_efficiency(family: str, dim: int) -> float:
     points = []
     for fam, d, tok_s, mm, attn, factor, _ in published_anchors():
         if fam == family:
-            peak = peak_flops(GPUS[fam])
+            peak = gpu_peak_flops(GPUS[fam])
             matmul_s = 1 / tok_s / factor - attn / (attn_eff * peak)
             points.append((d, mm / (matmul_s * peak)))
     (d0, e0), (d1, e1) = sorted(points)
@@ -680,7 +680,7 @@ def offload_optimizer_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> d
 def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
     """Seconds per optimizer step: per micro-batch, compute against the collectives and the offload copies
     (docs/planning.md: overlap, offload_overlap); then AdamW, on the GPU or on the CPU with the exposed PCIe copies."""
-    peak = peak_flops(gpu)
+    peak = gpu_peak_flops(gpu)
     tokens = cfg.micro_batch_size * cfg.seq_len
     policies = block_policies(mcfg, cfg)
     matmul, attention = executed_flops(mcfg, cfg.seq_len, policies, 0 < cfg.ce_chunk < tokens)
@@ -740,7 +740,7 @@ def sampling_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int, n_prompts: in
     bandwidth = 1e9 * bus_gbps(gpu, cfg)
     gather_s = (world - 1) / world * gathered_bytes / bandwidth
     prefill_flops = 2 * M.count_params(mcfg)["total"] * n_prompts * prompt_tokens
-    prefill_s = prefill_flops / (peak_flops(gpu) * matmul_efficiency(gpu["family"], mcfg.dim))
+    prefill_s = prefill_flops / (gpu_peak_flops(gpu) * matmul_efficiency(gpu["family"], mcfg.dim))
     decode_s = n_prompts * gathered_bytes / (0.8e9 * gpu["hbm_gbps"])
     pass_s = [max(gather_s, s) if cfg.prefetch else gather_s + s for s in (prefill_s, decode_s)]
     kv_per_token = 2 * mcfg.n_layers * mcfg.n_kv_heads * mcfg.head_dim * COMPUTE_BYTES
@@ -885,7 +885,7 @@ def fit_and_speed(mcfg: M.ModelConfig, cfg) -> dict:
     tokens_per_sec_per_gpu = cfg.batch_size * cfg.seq_len / time["step_time_s"] / world
     return dict(phases=phases, peak_phase=peak_phase, peak_gib=peak_gib, usable_gib=usable_gib,
                 fits=peak_gib <= usable_gib, time=time, tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
-                mfu=tokens_per_sec_per_gpu * M.flops_per_token(mcfg, cfg.seq_len) / peak_flops(gpu))
+                mfu=tokens_per_sec_per_gpu * M.flops_per_token(mcfg, cfg.seq_len) / gpu_peak_flops(gpu))
 
 
 def as_launched(cfg, world: int, local_world: int, device_name: str):
@@ -939,7 +939,7 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
     host_gib_per_gpu = sum(host.values()) / GIB
     sampling = sampling_time(mcfg, cfg, gpu, world, *prompt_sizes(cfg)) if cfg.sample_prompts else {}
     stop = stop_lead_time(mcfg, cfg, time["step_time_s"], sampling.get("sampling_s", 0.0))
-    assumptions = dict(ASSUMPTIONS, gpu=dict(gpu, peak_bf16_flops=peak_flops(gpu)),
+    assumptions = dict(ASSUMPTIONS, gpu=dict(gpu, peak_bf16_flops=gpu_peak_flops(gpu)),
                        matmul_efficiency=matmul_efficiency(gpu["family"], mcfg.dim),  # from these anchors
                        anchors=[a[-1] for a in published_anchors() if a[0] == gpu["family"]])
     return dict(
