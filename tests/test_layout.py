@@ -49,7 +49,7 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_imports_inside_functions_count(tmp_path):
     lazy = tmp_path / "lazy.py"
-    lazy.write_text("import os\n\n\ndef f():\n    import train as T\n    from tools import plan\n")
+    lazy.write_text("import os\n\n\ndef f():\n    import train as T\n    from components import plan\n")
     assert project_imports(str(lazy), {"train", "components.plan", "model"}) == {"train", "components.plan"}
 
 
