@@ -134,7 +134,7 @@ case "$OUT_DIR" in /*) ;; *) OUT_DIR="$PWD/$OUT_DIR" ;; esac
 # gets them too; an exported value wins there.
 # NUMA: torchrun (torch 2.9+) binds each worker to CPUs of its GPU's NUMA node (numactl); "exclusive" splits
 # that node's physical cores evenly between its GPUs, the cores per GPU the planner's CPU update assumes
-# (components/plan.py host_cores_per_node / GPUs per node); offload.optimizer_threads then uses all of the rank's own.
+# (tools/plan.py host_cores_per_node / GPUs per node); offload.optimizer_threads then uses all of the rank's own.
 # NUMA_BINDING=none turns it off (node, socket: see torch/numa/binding.py).
 NUMA_BINDING=${NUMA_BINDING:-exclusive}
 BIND=()

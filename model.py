@@ -467,7 +467,7 @@ def flops_per_token(mcfg: ModelConfig, seq_len: int) -> float:
     convention). With --doc_mask attention runs within each packed document, fewer FLOPs than this count:
     MFU still counts the window (the startup line says so), so it overstates the attention work done by
     up to T / (mean document length) on that part. MFU's numerator (components/metrics.py) and the
-    planner's compute (components/plan.py)."""
+    planner's compute (tools/plan.py)."""
     counts = count_params(mcfg)
     return 6 * (counts["total"] - counts["embedding"]) + 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
 
@@ -489,7 +489,7 @@ def check_model_config(cfg: ModelConfig) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# What train.py's training and the planner (components/plan.py) both read: which blocks are recomputed how,
+# What train.py's training and the planner (tools/plan.py) both read: which blocks are recomputed how,
 # and which optimizer state each parameter keeps. They live here, below both, because the planner must not
 # import train.py (README "Files": the layers): one truth for the two.
 # ----------------------------------------------------------------------------------------------
@@ -524,7 +524,7 @@ def block_of(unit: str) -> int | None:
 
 # The fp32 tensors the optimizer keeps per element of each unit's shard, beside the master weights and the
 # gradient: train.Unit makes them, train.optimizer_step updates them, checkpoints save them. Names, not code,
-# so they can sit this low; the planner measures their bytes by running train.Unit and train.optimizer_step,
-# which train.py hands it (plan.main). A fork that swaps the optimizer changes this line and
+# so they can sit this low; the planner (tools/plan.py, which imports train.py) measures their bytes by running
+# train.Unit and train.optimizer_step. A fork that swaps the optimizer changes this line and
 # train.optimizer_step.
 OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq")

@@ -13,8 +13,9 @@ and components/processes.py, read when needed):
                  set-up, the training loop, saving and stopping
 
 What is not the story lives beside it: model.py, data.py (tokenize, pack, the window order), and components/
-(which never imports this file: checks, agreement across ranks, state on disk, metrics, offload, samples, the
-planner, the tests' fault hook; README.md, "Files", says which holds what).
+(which never imports this file: checks, agreement across ranks, state on disk, metrics, offload, samples,
+the tests' fault hook; README.md, "Files", says which holds what). tools/ (the planner, the plot, data
+preparation) imports this file, never the reverse.
 
 Launch (`python train.py --help`: the flags; `python train.py --plan ...`: what fits and what it costs, no GPU):
   python train.py --model tiny --steps 100                                     one process, CPU or one GPU
@@ -29,6 +30,7 @@ import gc
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -48,7 +50,7 @@ from components import agree  # what each rank reads from its own machine, agree
 from components import disk  # state on disk: the out_dir, checkpoints, resume, Hugging Face import and export
 from components import metrics
 from components import offload as O  # --offload_activations and --offload_optimizer
-from components import plan, sample  # plan: the planner, which runs this file's Unit and blocks (use_trainer)
+from components import sample
 from components import run_data  # the run's data from --data and --eval_data (data.py reads the tokens)
 from components import flags  # the flags: TrainConfig, their checks, --freeze and --lr_mult; the tests' fault_hook
 from components.checks import check_run, flash_attn_unsaved_warning  # inputs
@@ -604,6 +606,16 @@ optimizer_step = adamw_step
 # The variations are chosen here, not in the core: --freeze and --lr_mult set each unit's `trained` and
 # `ranges`, --offload_activations a stage's `offload`, --offload_optimizer the classes (OffloadedModel below).
 
+def state_bytes_per_param() -> int:
+    """A trained unit's persistent bytes per parameter (master, gradient, optimizer state: 16 with AdamW), read
+    from a Unit of a tiny model's head on the meta device: what the start-up host-memory checks print."""
+    with torch.device("meta"):
+        model = M.Llama(M.tiny())
+    name, names = M.sharding_units(model)[-1]
+    unit = Unit(name, model, names, 0, 1, torch.device("meta"), torch.bfloat16)
+    return round(unit.persistent_bytes() / unit.shard_numel)
+
+
 def build_sharded_model(cfg: TrainConfig, mcfg: M.ModelConfig, rank: int, world: int, device: torch.device):
     with torch.device("meta"):  # shapes only: construction allocates nothing
         model = M.Llama(mcfg)
@@ -747,8 +759,7 @@ def setup(cfg: TrainConfig):
     """Everything before the first step: checks, data, processes, the sharded model, its weights (from
     a checkpoint, --init_from or the seed). Returns (sharded, windows, eval_windows, step, position, agreed):
     the last step done (0 on a fresh start), the data position after it, and what every rank agreed on
-    (agree.py): {"async_save": bool, "hosts": each rank's host}."""
-    state_bytes_per_param = plan.use_trainer(sys.modules[__name__])  # measured on a Unit: master, gradient, state
+    (agree.py): {"async_save": bool, "hosts": each rank's host, "planned": the planner's memory figures or None}."""
     mcfg, weights, errors = check_run(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # checks.py
     if errors:
         fail("; ".join(errors))
@@ -759,18 +770,19 @@ def setup(cfg: TrainConfig):
 
     device = processes.pick_device(cfg)
     store, rank, world = processes.rendezvous(cfg)  # torchrun's store: the ranks met, NCCL not yet touched
+    planned = agree.planner_figures(store, cfg, mcfg, rank, world, device)  # tools/plan.py's, asked by rank 0 alone
     # What each rank reads from its own machine (host memory, packages, limits, its GPU), gathered over the store and
     # decided the same on every rank: one line per problem on every rank before NCCL or any weights (agree.py).
     warnings = config_warnings(cfg) + param_group_warnings(cfg, mcfg)  # allowed, but probably not meant
     unsaved = flash_attn_unsaved_warning(SAVED_OPS) if "selective" in (cfg.ac, cfg.ac_rest) else None
-    facts = agree.gather_over_store(store, "facts", agree.read_facts(cfg, mcfg, world, device, state_bytes_per_param,
-                                    warnings + ([unsaved] if unsaved else []), windows), rank, world, device)
+    facts = agree.gather_over_store(store, "facts", agree.read_facts(cfg, mcfg, world, device, state_bytes_per_param(),
+                                    planned, warnings + ([unsaved] if unsaved else []), windows), rank, world, device)
     problems, warnings, async_save = agree.decide(facts)
     if problems:
         processes.fail_before_group("\nerror: ".join(problems), store, rank, world)
     for warning in warnings if rank == 0 else []:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    agreed = dict(async_save=async_save, hosts=[f["host"] for f in facts])
+    agreed = dict(async_save=async_save, hosts=[f["host"] for f in facts], planned=planned and planned["memory"])
     processes.make_group(cfg, store, rank, world, device, agreed["hosts"])  # its first contact under --first_contact_s
     disk.make_group(cfg.ckpt_timeout_min)  # saves and resumes wait longer: their own group (disk.py)
     threads = O.optimizer_threads(cfg, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(os.sched_getaffinity(0)))
@@ -860,7 +872,7 @@ def main(argv=None):
 
     for step in range(start_step + 1, steps + 1):
         t0 = time.perf_counter()
-        record, compute_s = timed_step(cfg, sharded, windows, step, position, skipped)
+        record, compute_s = timed_step(cfg, sharded, windows, step, position, skipped, agreed["planned"])
         position += cfg.batch_size  # windows consumed: the data loader's state
         step_time_s, mem_gb = time.perf_counter() - t0, metrics.peak_mem_bytes(sharded.device) / 1e9
         eval_loss = None
@@ -870,7 +882,7 @@ def main(argv=None):
         log.step(step, record, lr_at(cfg, step), step_time_s, mem_gb, eval_loss, windows.progress(position),
                  compute_s_by_rank)
         if step == start_step + 1:
-            metrics.print_device_memory(cfg, sharded, f"after step {step}", "peak_gib")
+            metrics.print_device_memory(sharded, f"after step {step}", agreed["planned"], "peak_gib")
         if sampler and (step % cfg.eval_every == 0 or step == steps):
             sampler.sample(sharded, step)  # greedy completions of --sample_prompts (sample.py)
         if save_or_stop(cfg, sharded, saving, step, steps, windows.state(position) if windows else None,
@@ -887,8 +899,8 @@ def main(argv=None):
 
 
 def start(argv=None):
-    """The run's flags, after what ends before any process group: --plot and --plan print and return None, and so
-    does a finished run's command again (disk.unless_finished: said, or its missing export made)."""
+    """The run's flags, after what ends before any process group: --plot and --plan run their tools and exit with
+    their code; a finished run's command again returns None (disk.unless_finished: said, or its missing export made)."""
     # launch.sh starts torchrun with SIGTERM and SIGINT blocked, so that torchrun never acts on them, and the
     # workers inherit the mask: unblocked, they end a worker still starting up, as under a plain torchrun.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM, signal.SIGINT])
@@ -897,17 +909,9 @@ def start(argv=None):
     except ValueError as e:
         fail(str(e))
     agree.launch_settings(cfg.out_dir)  # NVLS off, expandable segments, NCCL's flight recorder: before CUDA starts
-    if cfg.plot:
-        try:
-            print(f"wrote {metrics.plot_metrics(cfg.plot)}")
-        except RuntimeError as e:
-            fail(str(e))
-        return None
-    if cfg.plan:  # the planner (components/plan.py): memory, speed and cost per GPU, from the flags alone
-        error = plan.main(cfg, trainer=sys.modules[__name__])  # it runs this file's blocks and optimizer, never imports it
-        if error:
-            fail(error)
-        return None
+    if cfg.plot or cfg.plan:  # a tool above the trainer (tools/: never imported here), run as a command: its exit code
+        tool = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools", "plot.py" if cfg.plot else "plan.py")
+        sys.exit(subprocess.call([sys.executable, tool, *([cfg.plot] if cfg.plot else argv or sys.argv[1:])]))
     return disk.unless_finished(cfg)  # a finished run's command again: say so and stop, or make its missing export
 
 
@@ -918,7 +922,7 @@ def before_step_one(cfg, sharded: ShardedModel, agreed: dict, start_step: int, s
     if sharded.rank == 0:
         print(metrics.startup_line(cfg, sharded, start_step), flush=True)
     # What --plan assumed, measured before step 1: the fabric's bandwidth, the GPU memory outside the allocator
-    problems = agree.before_step_one(cfg, sharded, agreed["hosts"]) if steps > start_step else []
+    problems = agree.before_step_one(cfg, sharded, agreed["hosts"], agreed["planned"]) if steps > start_step else []
     if problems:
         fail("\nerror: ".join(problems), together=True)
     # --async_save: the staging buffer, taken now ('auto' is on for GPUs where every node fits it: agree.decide);
@@ -936,10 +940,11 @@ def before_step_one(cfg, sharded: ShardedModel, agreed: dict, start_step: int, s
     return saving
 
 
-def timed_step(cfg, sharded: ShardedModel, windows, step: int, position: int, skipped: list):
+def timed_step(cfg, sharded: ShardedModel, windows, step: int, position: int, skipped: list, planned: dict | None):
     """train_step with what surrounds it in the loop: the garbage collection due, the tests' faults, --profile, the
     one-line ends of a step that runs out of memory or leaves a unit gathered, and a non-finite step skipped (counted
-    in `skipped`, up to --max_skipped_steps). Returns (the step's record, this rank's own compute seconds)."""
+    in `skipped`, up to --max_skipped_steps; `planned`: the planner's memory figures, for the out-of-memory line).
+    Returns (the step's record, this rank's own compute seconds)."""
     rank, device = sharded.rank, sharded.device
     metrics.reset_peak_mem(device)
     if step % GC_EVERY_STEPS == 0:
@@ -952,7 +957,7 @@ def timed_step(cfg, sharded: ShardedModel, windows, step: int, position: int, sk
             record = train_step(cfg, sharded, windows, step, position)
     except torch.OutOfMemoryError as e:  # the same step runs out again after a restart: exit 2, and what to change
         fail(metrics.out_of_memory_line(e, step, [u.name for u in sharded.units if u.state() != "free"],
-                                        metrics.allocator_held(device), metrics.planned_memory(cfg, sharded)))
+                                        metrics.allocator_held(device), planned))
     except NonFiniteStep as nonfinite:
         e = metrics.nonfinite_line(nonfinite, sharded)  # which rank's loss went bad: an all-gather, on every rank
         skipped.append(step)

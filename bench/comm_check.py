@@ -23,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train as T  # noqa: E402  (only its config's defaults)
 from components import agree  # noqa: E402
-from components import plan as P  # noqa: E402
+from tools import plan as P  # noqa: E402
 
 
 def check_all_reduce(group, device: torch.device, sizes_mb: list[int], rank: int, world: int) -> float:

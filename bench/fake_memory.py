@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import fake_cuda  # noqa: E402
-from components import plan as P  # noqa: E402
+from tools import plan as P  # noqa: E402
 from train import TrainConfig  # noqa: E402
 
 GIB = 2**30

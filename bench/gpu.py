@@ -21,7 +21,7 @@ trainer against transformers + PyTorch FSDP2 on the same model. `bench/gpu.sh` r
                 imports, else sdpa), the same selective policy through checkpoint_wrapper, fully_shard
                 per layer then the root, MixedPrecisionPolicy(bf16, fp32), fused AdamW.
 Each: 2 warm-up steps, then --steps timed steps (synchronized); the median. MFU = tokens/s/GPU x
-model.flops_per_token / the device's dense BF16 peak (plan.PEAK_BF16_FLOPS). Peak memory is
+model.flops_per_token / the device's dense BF16 peak (metrics.PEAK_BF16_FLOPS). Peak memory is
 torch.cuda.max_memory_allocated over the timed steps, shown beside the peak of the same flags, model and W
 measured under fake CUDA on a CPU (bench/fake_memory.py --gpu_bench, kept in bench/gpu_fake_memory.json): where
 they differ, the GPU has something the fake step does not model. The timed steps run under CUDA's sync debug mode
@@ -59,10 +59,8 @@ from components import checks  # noqa: E402
 import data as D  # noqa: E402
 from components import metrics  # noqa: E402
 import model as M  # noqa: E402
-from components import plan as P  # noqa: E402
+from tools import plan as P  # noqa: E402
 import train as T  # noqa: E402
-
-P.use_trainer(T)  # the planner runs train.py's blocks, Unit and optimizer: handed over, as train.main does
 
 GIB = 2**30
 # Llama 3 8B's block and vocabulary; the layer count is chosen to fit. --dry-run shrinks every width.

@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import time
-import dataclasses
 from dataclasses import asdict
 
 import torch
@@ -35,7 +34,6 @@ import torch.distributed as dist
 import data as D
 import model as M
 from components import checks, disk, flags, metrics, run_data
-from components import plan as P
 
 GIB = 2**30
 # NCCL registers its InfiniBand buffers with the HCA (ibv_reg_mr), which counts against the locked-memory limit;
@@ -315,22 +313,61 @@ def flash_attn_version() -> str | None:
     return str(getattr(sys.modules.get("flash_attn"), "__version__", "unknown version"))
 
 
-def gpu_memory(cfg, mcfg, world: int, device) -> dict | None:
+# -- the planner's figures for this run: tools/plan.py, asked in a subprocess ----------------------------------
+
+PLANNER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "plan.py")
+PLANNER_TIMEOUT_S = 600  # its nearest fit (before_step_one) tries many configurations; the figures take seconds
+
+
+def gpu_name(device) -> str | None:
+    """This rank's GPU as CUDA names it (the planner knows GPUs by that name); None on a CPU."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+def ask_planner(cfg, mcfg, world: int, local_world: int, device_name: str, outside_gib: float | None = None):
+    """tools/plan.py's run_figures for this run, from a subprocess (the planner imports train.py; the trainer never
+    imports it): a JSON request on its stdin, its answer on its stdout. A failure is one warning line and None: the
+    run goes on without the planner's figures, as on a GPU the planner does not know."""
+    request = dict(flags=asdict(cfg), model=asdict(mcfg), world=world, local_world=local_world,
+                   device_name=device_name, outside_gib=outside_gib)
+    try:
+        proc = subprocess.run([sys.executable, PLANNER, "--run_figures"], input=json.dumps(request), text=True,
+                              capture_output=True, timeout=PLANNER_TIMEOUT_S)
+        if proc.returncode == 0:
+            return json.loads(proc.stdout)
+        why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    except (OSError, subprocess.SubprocessError, ValueError) as e:  # ValueError: JSON that does not parse
+        why = f"{type(e).__name__}: {e}"
+    print(f"warning: the planner's figures for this run are missing ({PLANNER} --run_figures: {why}); the run goes "
+          f"on without them", file=sys.stderr, flush=True)
+    return None
+
+
+def planner_figures(store, cfg, mcfg, rank: int, world: int, device) -> dict | None:
+    """The planner's figures for this run (ask_planner), asked by rank 0 alone and shared over the store the ranks
+    met in (gather_over_store), when rank 0's run reads one: on a GPU (the free-memory check, the lines beside the
+    plan), or for a host-memory check (--offload_optimizer, --async_save true). None otherwise, or when the planner
+    could not say. Every rank takes part, so a rank that would decide otherwise cannot leave the others waiting."""
+    name = gpu_name(device)
+    needed = name is not None or cfg.offload_optimizer or cfg.async_save == "true"
+    mine = (ask_planner(cfg, mcfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), name or "")
+            if rank == 0 and needed else None)
+    return gather_over_store(store, "planner", mine, rank, world, device)[0]
+
+
+def gpu_memory(device, planned_memory: dict | None) -> dict | None:
     """What this rank's GPU has free now (every process's use, the CUDA context and NCCL's buffers counted), and
-    what the run will ask PyTorch's allocator for at its peak (the planner's, less its allowance for the context)."""
+    what the run will ask PyTorch's allocator for at its peak (`planned_memory`: the planner's figures for the run,
+    its peak less its allowance for the context; None on a GPU it does not know)."""
     if device.type != "cuda":
         return None
-    need = None
+    need = None if planned_memory is None else (planned_memory["peak_gib"] - planned_memory["context_gib"]) * GIB
     deadline_s = time.monotonic() + GPU_RELEASE_WAIT_S
     while True:
         try:
             free, total = torch.cuda.mem_get_info(device)
         except RuntimeError as e:  # a GPU in a bad state: said by decide on every rank, not raised on this one alone
             return dict(index=device.index, error=next(iter(str(e).splitlines()), type(e).__name__))
-        if need is None:
-            figures = P.run_memory_gib(mcfg, cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                                       torch.cuda.get_device_name(device))
-            need = None if figures is None else (figures["peak_gib"] - figures["context_gib"]) * GIB
         reserved = torch.cuda.memory_reserved(device)
         if need is None or free + reserved >= need or time.monotonic() >= deadline_s:
             return dict(index=device.index, free=free, total=total, reserved=reserved, need=need)
@@ -348,14 +385,17 @@ def code_sha256() -> str:
     return digest.hexdigest()[:16]
 
 
-def read_facts(cfg, mcfg, world: int, device, state_bytes_per_param: int, warnings: list[str], windows=None) -> dict:
+def read_facts(cfg, mcfg, world: int, device, state_bytes_per_param: int, planned: dict | None, warnings: list[str],
+               windows=None) -> dict:
     """Everything this rank reads from its own machine that changes what the ranks run, with the problems and
     warnings it finds alone (a broken flash-attn, the node's host memory): the rest is decide's, over all ranks.
     The flags, the model (config.json, the data's tokenizer) and the data (windows per source) are read from each
-    node's own files too: a node that was given another command, or another copy of a file, would train another job."""
+    node's own files too: a node that was given another command, or another copy of a file, would train another job.
+    `planned`: the planner's figures for the run (planner_figures), or None."""
     limit = checks.host_memory_limit()
-    async_fits, async_note = checks.async_save_on(cfg, mcfg, world, limit)
-    problems = checks.check_flash_attn(cfg) + checks.check_host_memory(cfg, mcfg, world, state_bytes_per_param, limit)
+    host_bytes = planned and planned["host_bytes"]
+    async_fits, async_note = checks.async_save_on(cfg, host_bytes, world, limit)
+    problems = checks.check_flash_attn(cfg) + checks.check_host_memory(cfg, host_bytes, world, state_bytes_per_param, limit)
     host = host_name()
     cuda = device.type == "cuda"
     return dict(host=host, netns=network_namespace(), code=code_sha256(), flags=asdict(cfg), model=asdict(mcfg),
@@ -365,7 +405,7 @@ def read_facts(cfg, mcfg, world: int, device, state_bytes_per_param: int, warnin
                 driver=gpu_driver() if cuda else None, gpu_model=torch.cuda.get_device_name(device) if cuda else None,
                 env=nccl_settings(), nccl_conf=file_sha256(NCCL_CONF),
                 gloo=gloo_address(host), memlock=memlock_bytes(), ipc_lock=can_lock_any_memory(),
-                shm_free=shm_free_bytes(), gpu=gpu_memory(cfg, mcfg, world, device), async_save=async_fits,
+                shm_free=shm_free_bytes(), gpu=gpu_memory(device, planned and planned["memory"]), async_save=async_fits,
                 problems=problems, warnings=warnings + ([async_note] if async_note else []))
 
 
@@ -589,24 +629,23 @@ def gpu_now(device) -> dict | None:
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
-    return dict(name=torch.cuda.get_device_name(device), outside=total - free - torch.cuda.memory_reserved(device),
+    return dict(name=gpu_name(device), outside=total - free - torch.cuda.memory_reserved(device),
                 total=total)
 
 
-def before_step_one(cfg, sharded, hosts: list[str]) -> list[str]:
+def before_step_one(cfg, sharded, hosts: list[str], planned: dict | None) -> list[str]:
     """Each GPU's health (read_health: a GPU that computes wrongly or reports uncorrectable errors is a problem
     naming its host; a slow one, skewed clocks, the allocator setting not in effect are warnings), then what --plan
     assumed, measured on the run's own GPUs and fabric after set-up (its collectives have made NCCL's buffers),
     printed by rank 0 beside the plan's figures: the bus bandwidth of a unit's all-gather (a
     warning under FABRIC_LEAST_FRACTION of the plan's), and what each GPU holds outside PyTorch's allocator (the
     largest of the ranks). Returns the problems, the same on every rank: a GPU that cannot hold the planned peak
-    beside what it holds, with the nearest configuration that fits at the measured figure."""
+    beside what it holds, with the nearest configuration that fits at the measured figure (the planner's, asked by
+    rank 0). `planned`: the planner's memory figures for the run (planner_figures), or None."""
     device, world = sharded.device, sharded.world
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     unhealthy, health_warnings = decide_health(gather_json(read_health(device, sharded.rank), device), hosts)
     gpu = gpu_now(device)
-    name = gpu["name"] if gpu else ""
-    planned = P.run_memory_gib(sharded.model.cfg, cfg, world, local_world, name) if gpu else None
     lines, problems = [f"warning: {warning}" for warning in health_warnings], []
     if world > 1:
         unit, gbps = gather_bus_gbps(sharded)
@@ -627,10 +666,11 @@ def before_step_one(cfg, sharded, hosts: list[str]) -> list[str]:
             need = (planned["peak_gib"] - planned["context_gib"]) * GIB
             problems = outside_allocator_problems(outside, totals, need, hosts, planned["peak_phase"])
         if problems:
-            run = dataclasses.replace(P.as_launched(cfg, world, local_world, name), outside_gib=outside[r] / GIB)
-            nearest = P.nearest_fit(sharded.model.cfg, run)
+            answer = (ask_planner(cfg, sharded.model.cfg, world, local_world, gpu["name"], outside[r] / GIB)
+                      if sharded.rank == 0 else None)
+            nearest = gather_json(answer and answer["nearest_fit"], device)[0]  # rank 0's, on every rank
             problems[-1] += (f"; the nearest configuration that fits at --outside_gib {outside[r] / GIB:.2f}: "
-                             f"{P.changed_flags(run, nearest)} (--plan with it prints the rest)" if nearest else
+                             f"{nearest} (--plan with it prints the rest)" if nearest else
                              "; no configuration --plan tries fits at that figure")
     for line in lines if sharded.rank == 0 else []:
         print(line, file=sys.stderr if line.startswith("warning") else sys.stdout, flush=True)

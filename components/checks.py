@@ -14,7 +14,6 @@ import torch
 import data as D
 import model as M
 from components import disk, flags
-from components import plan as P
 from components import run_data
 
 
@@ -136,11 +135,12 @@ def host_memory_limit(meminfo: str = "/proc/meminfo", proc_cgroup: str = "/proc/
 HOST_MEMORY_USABLE = 0.9  # pinned memory cannot be swapped: leave 10% to the rest of the machine
 
 
-def node_host_bytes(cfg, mcfg: M.ModelConfig, world: int, async_save: bool) -> tuple[int, dict]:
-    """(ranks on this node, the bytes they pin together by part): the planner's count (plan.host_bytes_per_gpu,
-    what offload.HostState and the save's staging buffer allocate, byte for byte) x LOCAL_WORLD_SIZE."""
+def node_host_bytes(host_bytes: dict, world: int, async_save: bool) -> tuple[int, dict]:
+    """(ranks on this node, the bytes they pin together by part): the planner's count per rank (`host_bytes`, its
+    host_bytes_per_gpu with and without the save's staging buffer: what offload.HostState and the staging buffer
+    allocate, byte for byte; agree.planner_figures) x LOCAL_WORLD_SIZE."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    parts = P.host_bytes_per_gpu(mcfg, cfg, world, async_save)
+    parts = host_bytes["async" if async_save else "sync"]
     return local_world, {name: nbytes * local_world for name, nbytes in parts.items()}
 
 
@@ -148,17 +148,20 @@ def fits_host_memory(needed: int, limit) -> bool:
     return limit is None or needed <= HOST_MEMORY_USABLE * limit[0]
 
 
-def async_save_on(cfg, mcfg: M.ModelConfig, world: int, limit=None) -> tuple[bool, str | None]:
+def async_save_on(cfg, host_bytes: dict | None, world: int, limit=None) -> tuple[bool, str | None]:
     """--async_save on this node, and, when 'auto' turns it off for lack of host memory, one line saying so.
     'true' and 'false' are what they say; 'auto' is off on CPU (the cores would share training and writing)
     and on for a CUDA run whose ranks on this node fit their staging buffers beside what they already pin
-    (`limit`, host_memory_limit's when None, less 10%). The run's decision is every node's (agree.decide)."""
+    (`limit`, host_memory_limit's when None, less 10%; on, as with no limit known, without the planner's
+    `host_bytes`). The run's decision is every node's (agree.decide)."""
     if cfg.async_save != "auto":
         return cfg.async_save == "true", None
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if not cuda:
         return False, None
-    local_world, parts = node_host_bytes(cfg, mcfg, world, async_save=True)
+    if host_bytes is None:
+        return True, None
+    local_world, parts = node_host_bytes(host_bytes, world, async_save=True)
     limit = limit or host_memory_limit()
     if fits_host_memory(sum(parts.values()), limit):
         return True, None
@@ -169,17 +172,18 @@ def async_save_on(cfg, mcfg: M.ModelConfig, world: int, limit=None) -> tuple[boo
                    f"{limit[1]}; every save stalls training for its whole write")
 
 
-def check_host_memory(cfg, mcfg: M.ModelConfig, world: int, state_bytes_per_param: int, limit=None) -> list[str]:
+def check_host_memory(cfg, host_bytes: dict | None, world: int, state_bytes_per_param: int, limit=None) -> list[str]:
     """What the node's ranks pin in host memory must fit in what the machine has now and what the job may use,
     or the kernel kills the job mid-run instead of this line: --offload_optimizer's fp32 state (and the block
-    inputs of --offload_activations), and --async_save's staging buffer, a copy of each rank's checkpoint."""
-    if cfg.plan:
+    inputs of --offload_activations), and --async_save's staging buffer, a copy of each rank's checkpoint. Without
+    the planner's `host_bytes` (its subprocess failed, and said so) nothing is checked."""
+    if cfg.plan or host_bytes is None:
         return []
     limit = limit or host_memory_limit()
-    asynchronous = async_save_on(cfg, mcfg, world, limit)[0]  # 'auto' is on only where it fits
+    asynchronous = async_save_on(cfg, host_bytes, world, limit)[0]  # 'auto' is on only where it fits
     if not cfg.offload_optimizer and not asynchronous:
         return []
-    local_world, parts = node_host_bytes(cfg, mcfg, world, asynchronous)
+    local_world, parts = node_host_bytes(host_bytes, world, asynchronous)
     needed = sum(parts.values())
     if fits_host_memory(needed, limit):
         return []
@@ -238,6 +242,14 @@ def flash_attn_unsaved_warning(saved_ops) -> str | None:
             f"--no-build-isolation")
 
 
+def unit_numels(mcfg: M.ModelConfig) -> dict[str, int]:
+    """{unit: its parameters} as model.sharding_units names them (a fork's units too), on the meta device."""
+    with torch.device("meta"):
+        model = M.Llama(mcfg)
+    params = dict(model.named_parameters())
+    return {name: sum(params[n].numel() for n in names) for name, names in M.sharding_units(model)}
+
+
 def check_run(cfg, world: int):
     """Returns (model config, where the first weights come from, errors). The weights: None (seeded),
     {HF tensor name: file} (an --init_from Hugging Face folder), or a checkpoint folder (--from_ckpt, or
@@ -262,8 +274,7 @@ def check_run(cfg, world: int):
         errors += M.check_model_config(mcfg) or flags.check_param_groups(cfg, mcfg)
     if not errors and weights is not None:
         try:
-            disk.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from",
-                                        {name: numel for name, numel, _ in P.model_units(mcfg)})
+            disk.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from", unit_numels(mcfg))
         except disk.CheckpointError as e:
             errors.append(str(e))
     if not errors and weights is not None and cfg.init_from and cfg.steps > 0 and not cfg.from_ckpt:

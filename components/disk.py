@@ -867,7 +867,7 @@ def unless_finished(cfg):
     # again, makes it, as `--from_ckpt CHECKPOINT --export_hf DIR` does: the weights only, at any world size.
     # --init_from goes (the checkpoint's manifest names it, for the export's config and tokenizer: export_origin),
     # and what only training reads (--data, --batch_size against the world size) is not checked
-    # (checks.check_config's `trains`). Every rank decides alone, before any collective, from the same files on
+    # (flags.check_config's `trains`). Every rank decides alone, before any collective, from the same files on
     # the shared filesystem; only another export to DIR completing at this very moment could split them (a
     # second run of this out_dir is refused by its lock): the ranks that go on then time out at set-up (exit 1,
     # --timeout_min), and their restart finds the export made.

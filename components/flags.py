@@ -107,7 +107,7 @@ class TrainConfig:
                                        "NCCL out of it)")
     gpu_hour_usd: float = opt(0.0, "price of one GPU-hour: the step line and metrics.jsonl add dollars")
     tensorboard: bool = opt(False, "also log to OUT_DIR/tensorboard (needs the tensorboard package)")
-    plot: str = opt("", "only plot: write DIR/metrics.png from DIR/metrics.jsonl (needs matplotlib)")
+    plot: str = opt("", "only plot: write DIR/metrics.png from DIR/metrics.jsonl (needs matplotlib; runs tools/plot.py DIR)")
     export_hf: str = opt("", "at the end, write a Hugging Face folder here")
     export_shard_gb: float = opt(5.0, "largest safetensors file of --export_hf, in GB")
     log_every: int = opt(1, "print a line every N steps (metrics.jsonl gets every step)")
@@ -118,11 +118,12 @@ class TrainConfig:
     deterministic: bool = opt(False, "GPU kernels that give the same bits every run: torch's deterministic algorithms "
                                      "(CUBLAS_WORKSPACE_CONFIG=:4096:8 when unset) and flash-attn's deterministic "
                                      "backward; slower (docs/operations.md, 'What exact means where')")
-    # The planner (plan.py): memory, speed and cost per GPU predicted from the flags above, no GPU needed.
-    plan: bool = opt(False, "only predict memory by part, fit, step time, tokens/s/GPU, MFU, hours, cost")
+    # The planner (tools/plan.py): memory, speed and cost per GPU predicted from the flags above, no GPU needed.
+    plan: bool = opt(False, "only predict memory by part, fit, step time, tokens/s/GPU, MFU, hours, cost (runs "
+                            "tools/plan.py with these flags)")
     nnodes: int = opt(1, "--plan: nodes")
     nproc_per_node: int = opt(8, "--plan: GPUs per node")
-    gpu: str = opt("h100", "--plan: GPU type (see components/plan.py GPUS)")
+    gpu: str = opt("h100", "--plan: GPU type (see tools/plan.py GPUS)")
     nics_per_node: int = opt(0, "--plan: network adapters per node the collectives use (0: the --gpu's server, 8 on "
                                 "HGX H100/H200 and DGX A100); the trainer times the fabric at start-up")
     nic_gbps: float = opt(0.0, "--plan: bus bandwidth of one such NIC in a collective, GB/s (0: the --gpu's, 45 for "

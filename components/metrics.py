@@ -1,9 +1,9 @@
 """What the run reports: tokens/s/GPU, MFU, peak memory, ETA and dollars, to the terminal, metrics.jsonl
-and (with --tensorboard) TensorBoard; `--plot DIR` draws metrics.jsonl. Only rank 0 writes.
+and (with --tensorboard) TensorBoard (tools/plot.py draws metrics.jsonl). Only rank 0 writes.
 
 Conventions: tokens/s/GPU counts every token of the global batch (padding-free packing: all of them are
 trained on) over the step's wall time, divided by the world size. MFU is that times the model FLOPs per
-token (model.flops_per_token) over the GPU's dense BF16 peak (plan.PEAK_BF16_FLOPS).
+token (model.flops_per_token) over the GPU's dense BF16 peak (PEAK_BF16_FLOPS).
 """
 import contextlib
 import json
@@ -21,7 +21,14 @@ import torch.distributed as dist
 
 import model as M
 from components import disk, offload
-from components import plan
+
+# Dense BF16 peak FLOP/s by device name (no sparsity), checked in order; peak_flops: None for one not listed (a
+# CPU). The planner (tools/plan.py) reads this table too.
+PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
+                   ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 125e12)]
+# Page-locking --offload_optimizer's host state (zeroing and registering it), GB/s per rank: what the planner
+# assumes for a restart's set-up (its ASSUMPTIONS), printed beside the rate measured at start-up.
+HOST_PAGE_LOCKING_GBPS = 1.0
 
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as in train.py
 
@@ -87,7 +94,7 @@ def peak_flops(device: torch.device):
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in plan.PEAK_BF16_FLOPS if key in name), None)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
 def reset_peak_mem(device: torch.device):
@@ -121,23 +128,15 @@ def device_memory_line(when: str, free_bytes: int, total_bytes: int, reserved_by
     return line
 
 
-def planned_memory(cfg, sharded) -> dict | None:
-    """plan.run_memory_gib for this run as launched, on a GPU the planner knows; else None."""
-    if sharded.device.type != "cuda":
-        return None
-    return plan.run_memory_gib(sharded.model.cfg, cfg, sharded.world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                               torch.cuda.get_device_name(sharded.device))
-
-
-def print_device_memory(cfg, sharded, when: str, planned: str):
-    """Rank 0, on CUDA: device_memory_line now, beside planned_memory's `planned` figure ("peak_gib" after a step)."""
+def print_device_memory(sharded, when: str, planned: dict | None, figure: str):
+    """Rank 0, on CUDA: device_memory_line now, beside the planner's `figure` of `planned` (its memory figures for
+    the run as launched, agree.planner_figures; None on a GPU it does not know): "peak_gib" after a step."""
     device = sharded.device
     if sharded.rank != 0 or device.type != "cuda":
         return
     free, total = torch.cuda.mem_get_info(device)
-    figures = planned_memory(cfg, sharded)
     print(device_memory_line(when, free, total, torch.cuda.memory_reserved(device),
-                             figures and figures[planned], figures and figures["context_gib"]), flush=True)
+                             planned and planned[figure], planned and planned["context_gib"]), flush=True)
 
 
 def page_locking_line(by_rank: list[tuple[float, float]], hosts: list[str]) -> str | None:
@@ -152,7 +151,7 @@ def page_locking_line(by_rank: list[tuple[float, float]], hosts: list[str]) -> s
         nodes.append(f"{host}: {len(mine)} rank(s), {sum(b for b, _ in mine) / 1e9:,.1f} GB, the slowest rank "
                      f"{slowest:.1f} s ({nbytes / 1e9 / max(slowest, 1e-9):.2f} GB/s)")
     return (f"host memory page-locked at start-up (cudaHostRegister, on the path to step 1): {'; '.join(nodes)}; "
-            f"--plan assumes {plan.ASSUMPTIONS['host_page_locking_gbps']:g} GB/s per rank for a restart's set-up")
+            f"--plan assumes {HOST_PAGE_LOCKING_GBPS:g} GB/s per rank for a restart's set-up")
 
 
 def print_page_locking(sharded, hosts: list[str]):
@@ -190,7 +189,7 @@ def allocator_held(device) -> dict | None:
 
 def out_of_memory_line(e: BaseException, step: int, gathered: list[str], held: dict | None, planned: dict | None) -> str:
     """An out-of-memory error as one line: where (the code's line, the units gathered then), what the allocator held,
-    what --plan predicted (`planned`: plan.run_memory_gib), and what to change. A restart runs the same step into the
+    what --plan predicted (`planned`: the planner's memory figures, agree.planner_figures), and what to change. A restart runs the same step into the
     same error, so the caller exits 2, not 1 (which torchrun and a requeue would repeat in a loop)."""
     line = (f"out of memory in step {step}, at {where_in_code(e)}, with {', '.join(gathered) or 'no unit'} gathered: "
             f"{next(iter(str(e).splitlines()), '').split('. GPU')[0].rstrip('.')}")
@@ -350,42 +349,6 @@ def parse_metrics_line(line: str):
     except ValueError:
         print(f"warning: metrics.jsonl: dropping a torn line ({line.strip()[:60]!r})", file=sys.stderr, flush=True)
         return None
-
-
-def plot_metrics(out_dir: str) -> str:
-    """Loss (and eval loss), LR, tokens/s/GPU, MFU and memory against the step, as one PNG."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from None
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise RuntimeError(f"--plot: {path} does not exist")
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    by_source = sorted({key for r in rows for key in r if key.startswith("eval_loss/")})  # a mix's sources
-    panels = [("loss", ["loss", "eval_loss", *by_source]), ("learning rate", ["lr"]),
-              ("tokens/s/GPU", ["tokens_per_sec_per_gpu"]), ("MFU", ["mfu"]), ("peak memory (GB)", ["mem_gb"])]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.2 * len(panels)), sharex=True)
-    for ax, (title, keys) in zip(axes, panels):
-        for key in keys:
-            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-            if points:
-                ax.plot(*zip(*points), label=key, marker="." if len(points) < 50 else None)
-            elif key == keys[0]:
-                ax.text(0.5, 0.5, "not recorded (MFU needs a GPU with a known peak)" if key == "mfu"
-                        else "not recorded", ha="center", va="center", transform=ax.transAxes)
-        ax.set_ylabel(title)
-        ax.grid(alpha=0.3)
-        if len(keys) > 1:
-            ax.legend()
-    axes[-1].set_xlabel("step")
-    fig.tight_layout()
-    png = os.path.join(out_dir, "metrics.png")
-    fig.savefig(png, dpi=100)
-    return png
 
 
 @contextlib.contextmanager

@@ -11,11 +11,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from components import disk  # noqa: E402
-from components import plan  # noqa: E402
 import train as T  # noqa: E402
 from common import run_train, with_built_sample  # noqa: E402
-
-plan.use_trainer(T)  # the planner runs train.py's blocks, Unit and optimizer: handed over, as train.main does
 
 
 @pytest.fixture

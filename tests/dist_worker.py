@@ -175,6 +175,7 @@ def facts(overrides: dict):
         M.flash_attn_func = M.flash_attn_varlen_func = lambda *a, **k: None  # CPU: never called (model.uses_flash)
     if "gpu_now" in overrides and agree:  # {"name": a CUDA device name, "outside": bytes, "total": bytes}
         agree.gpu_now = lambda device: overrides["gpu_now"]
+        agree.gpu_name = lambda device: overrides["gpu_now"]["name"]  # the GPU the planner is asked about
     if "read" in overrides and agree:
         read_facts = agree.read_facts
         agree.read_facts = lambda *a, **k: {**read_facts(*a, **k), **overrides["read"]}

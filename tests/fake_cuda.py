@@ -693,9 +693,7 @@ def planned(mcfg, cfg, world: int, flash_attn: bool) -> dict:
     """plan.py's memory by phase for the same flags, with the bytes torch would count as allocated: every
     part but CUDA/NCCL's own and the allocator's slack."""
     import dataclasses
-    from components import plan as P
-    import train as T
-    P.use_trainer(T)  # the planner runs the trainer's blocks and optimizer, a fork's (--variant) included
+    from tools import plan as P  # it runs train.py's blocks and optimizer, a fork's (--variant) included
     cfg = dataclasses.replace(cfg, nnodes=1, nproc_per_node=world)
     phases = P.memory_by_phase(mcfg, cfg, world, flash_attn)
     allocated_by_phase = {p: sum(v for k, v in parts.items() if k not in ("context_and_nccl", "fragmentation"))

@@ -452,6 +452,9 @@ def test_a_gpu_that_cannot_say_its_memory_is_named():
                                       "(sbatch --exclude=node0)"]
 
 
+PLANNED = dict(peak_gib=71.25, context_gib=1.25)  # the planner's memory figures for the run: 70 GiB for PyTorch
+
+
 def held_gpu(monkeypatch, free_gib_by_look: list[float]) -> list[float]:
     """agree.gpu_memory's readings of an 80 GiB GPU whose free memory is the next of `free_gib_by_look` at each
     look (the last one from then on), for a run that needs 70 GiB; no waiting between looks. Returns the times
@@ -464,7 +467,6 @@ def held_gpu(monkeypatch, free_gib_by_look: list[float]) -> list[float]:
     monkeypatch.setattr(agree.torch.cuda, "mem_get_info", mem_get_info)
     monkeypatch.setattr(agree.torch.cuda, "memory_reserved", lambda device: 0)
     monkeypatch.setattr(agree.torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(agree.P, "run_memory_gib", lambda *a: dict(peak_gib=71.25, context_gib=1.25))
     monkeypatch.setattr(agree, "GPU_RELEASE_POLL_S", 0.01)
     return looks
 
@@ -474,14 +476,14 @@ def test_a_gpu_still_held_by_a_previous_attempt_is_waited_for_and_one_held_past_
     exiting is transient, so it is looked at again until it is given back (the run goes on, no restart spent); one
     still held after GPU_RELEASE_WAIT_S is another job's or a process that cannot exit, refused with exit 2 (as
     every refusal of decide) and a line naming the node to leave out. Before, the first look refused it."""
-    cfg, device = T.parse_args([]), T.torch.device("cuda", 0)
+    device = T.torch.device("cuda", 0)
     looks = held_gpu(monkeypatch, [2.0, 2.0, 75.0])
-    gpu = agree.gpu_memory(cfg, None, 8, device)
+    gpu = agree.gpu_memory(device, PLANNED)
     assert len(looks) == 3 and gpu == dict(index=0, free=75 * GIB, total=80 * GIB, reserved=0, need=70 * GIB)
     assert agree.decide(two_nodes(gpu=gpu))[0] == []
     monkeypatch.setattr(agree, "GPU_RELEASE_WAIT_S", 0.3)
     looks = held_gpu(monkeypatch, [2.0])
-    gpu = agree.gpu_memory(cfg, None, 8, device)
+    gpu = agree.gpu_memory(device, PLANNED)
     assert gpu["free"] == 2 * GIB and looks[-1] - looks[0] >= 0.3 and len(looks) > 3
     problems = agree.decide(two_nodes(gpu=gpu))[0]
     assert problems == [f"rank {r} (node1): GPU 0 has 2.0 GiB free of 80.0, and the run needs 70.0 GiB for PyTorch at "

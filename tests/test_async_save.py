@@ -216,7 +216,7 @@ def test_background_saves_of_frozen_units_are_the_synchronous_saves(data, main_i
 def test_the_staging_buffer_is_what_the_planner_counts_and_is_taken_once(data, main_in_process, monkeypatch, tmp_path):
     """The buffer BackgroundSave allocates is plan.staging_bytes_per_rank's, byte for byte (at W=1 here; the
     planner's own test checks its formula against real units at W=3), taken once and reused by every save."""
-    from components import plan
+    from tools import plan
     made, copied_into, models = [], [], []
     real_init, real_start, real_setup = disk.BackgroundSave.__init__, disk.BackgroundSave.start, T.setup
 

@@ -129,7 +129,7 @@ def test_gpu_benchmark_shows_the_fake_cuda_peak_measured_for_its_own_flags():
     the layer count gpu.py chooses on that GPU (a change to either makes the row stale: measure again)."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import gpu as G
-    from components import plan as P
+    from tools import plan as P
     rows = json.load(open(G.FAKE_MEMORY_JSON))
     measured = {(r["gpu"], r["world"], r["run"], r["flash"]) for r in rows}
     for gpu, world in (("h100", 8), ("h200", 1)):  # an H100 node; the H200 this project may be lent
@@ -149,7 +149,7 @@ def test_checkpoint_io_measures_a_folder_without_a_hugging_face_model(tmp_path):
     folder given, the bytes the planner predicts for it, and nothing left behind in that folder."""
     sys.path.insert(0, ROOT)
     import model as M
-    from components import plan as P
+    from tools import plan as P
     out = tmp_path / "fs"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "checkpoint_io.py"), "--model", "tiny",
                            "--out_dir", str(out)], capture_output=True, text=True, timeout=300,

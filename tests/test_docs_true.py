@@ -16,7 +16,7 @@ CODE = ["train.py", "model.py", "data.py", "launch.sh", "launch.sbatch"] + [
     os.path.join(d, n) for d in ("components", "tools", "bench", "tests") for n in sorted(os.listdir(os.path.join(ROOT, d)))
     if n.endswith((".py", ".sh"))]
 # Our modules as the text names them, and where each lives
-MODULES = {"train": "train", "model": "model", "data": "data", "disk": "components.disk", "plan": "components.plan",
+MODULES = {"train": "train", "model": "model", "data": "data", "disk": "components.disk", "plan": "tools.plan",
            "agree": "components.agree", "metrics": "components.metrics", "checks": "components.checks",
            "offload": "components.offload", "sample": "components.sample", "faults": "faults", "processes": "components.processes",
            "flags": "components.flags", "config": None, "run_data": "components.run_data", "sample_corpus": "tools.sample_corpus",

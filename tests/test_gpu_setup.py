@@ -12,7 +12,7 @@ import model as M
 from components import checks
 from components import metrics
 from components import offload as O
-from components import plan as P
+from tools import plan as P
 import train as T
 
 GIB = 2**30
@@ -46,11 +46,11 @@ def test_the_gpu_memory_is_printed_by_rank_0_on_cuda_beside_the_planners_figure(
     two_nodes = P.fit_and_speed(mcfg, T.parse_args(["--seq_len", "64", "--batch_size", "16", "--micro_batch_size", "1",
                                                     "--nnodes", "2", "--nproc_per_node", "8", "--gpu", "h100"]))
     assert expected["peak_gib"] == two_nodes["peak_gib"] and expected["context_gib"] == cfg.outside_gib == 1.25
-    metrics.print_device_memory(cfg, sharded, "after step 1", "peak_gib")
+    metrics.print_device_memory(sharded, "after step 1", expected, "peak_gib")
     assert capsys.readouterr().out == metrics.device_memory_line("after step 1", 60 * GIB, 80 * GIB, 19 * GIB,
                                                                  expected["peak_gib"], 1.25) + "\n"
     for quiet in (dict(sharded.__dict__, rank=1), dict(sharded.__dict__, device=torch.device("cpu"))):
-        metrics.print_device_memory(cfg, types.SimpleNamespace(**quiet), "after step 1", "peak_gib")
+        metrics.print_device_memory(types.SimpleNamespace(**quiet), "after step 1", expected, "peak_gib")
     assert capsys.readouterr().out == ""
     assert P.run_memory_gib(mcfg, cfg, 16, 8, "Some Other GPU") is None
 

@@ -34,7 +34,7 @@ from common import ROOT, free_port, model_and_tokens, read_metrics, run_train
 from components import checks  # noqa: E402
 from components import disk  # noqa: E402
 from components import offload as O  # noqa: E402
-from components import plan as P  # noqa: E402
+from tools import plan as P  # noqa: E402
 import train as T  # noqa: E402
 
 LAUNCH = os.path.join(ROOT, "launch.sh")
@@ -517,10 +517,10 @@ def test_the_host_memory_check_reads_the_jobs_cgroup_limit(tmp_path, monkeypatch
     monkeypatch.setattr(checks, "host_memory_limit", limit)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     cfg = T.parse_args(["--model=llama3-8b", "--offload_optimizer=true", f"--out_dir={tmp_path / 'out'}"])
-    mcfg = disk.model_config(cfg)
-    assert checks.check_host_memory(cfg, mcfg, 16, 16) == []  # no limit on the job: 8 ranks' ~8 GiB each fit
+    host_bytes = P.run_host_bytes(disk.model_config(cfg), cfg, 16)  # the planner's, as agree.planner_figures brings them
+    assert checks.check_host_memory(cfg, host_bytes, 16, 16) == []  # no limit on the job: 8 ranks' ~8 GiB each fit
     (folder / job / name).write_text(f"{64 * 2**30}\n")
-    [line] = checks.check_host_memory(cfg, mcfg, 16, 16)
+    [line] = checks.check_host_memory(cfg, host_bytes, 16, 16)
     assert line.startswith("--offload_optimizer: the 8 rank(s) on this node need "), line
     assert line.endswith(f"and this job's cgroup allows 64.0 GiB ({folder / job / name}); ask SLURM for all of the "
                          f"node's memory (sbatch --mem=0), use more nodes, or train without --offload_optimizer"), line

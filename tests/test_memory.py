@@ -77,7 +77,7 @@ def worker(out_dir, flags):
 @pytest.mark.parametrize("dtype,reduce_dtype", [("bfloat16", "float32"), ("float32", "float32")])
 def test_gradients_alive_in_the_reduce_hook_are_what_the_planner_counts(tmp_path, dtype, reduce_dtype):
     import numpy as np
-    from components import plan as P
+    from tools import plan as P
     np.save(tmp_path / "tok.npy", (np.arange(400) * 7 % 500).astype(np.uint16))
     flags = ["--model=tiny", f"--data={tmp_path / 'tok.npy'}", "--seq_len=16", "--batch_size=4",
              "--micro_batch_size=1", "--ac=none", "--eval_every=0", f"--dtype={dtype}",

@@ -15,6 +15,7 @@ import data as D
 from tools import prepare as prep
 from components import metrics
 from components import run_data
+from tools import plot
 import train
 
 SEQ = 8
@@ -138,7 +139,7 @@ def test_the_plot_draws_each_sources_eval_loss(tmp_path):
     original = matplotlib.axes.Axes.plot
     matplotlib.axes.Axes.plot = lambda self, *a, label=None, **k: labels.append(label) or original(self, *a, label=label, **k)
     try:
-        metrics.plot_metrics(str(tmp_path))
+        plot.plot_metrics(str(tmp_path))
     finally:
         matplotlib.axes.Axes.plot = original
     assert {"eval_loss", "eval_loss/en", "eval_loss/fr"} <= set(labels)

@@ -164,7 +164,7 @@ def test_the_host_state_is_one_buffer_of_exactly_the_planners_bytes():
     import torch
     import model as M
     from components import offload as O
-    from components import plan as P
+    from tools import plan as P
     import train as T
     mcfg, world = small_config(), 3
     with torch.device("meta"):

@@ -410,7 +410,7 @@ def test_a_fork_with_two_units_per_block_trains_as_its_oracle_and_is_planned_exa
     two_units_per_block), the first frozen (--freeze): a frozen base and a trained unit in every block's stage.
     At W=1 and 2 it trains as the oracle with those parameters frozen (losses, norms, exported weights); each
     block's stage gathers both its units; --plan's state is what the run's units hold, at a W with padding."""
-    from components import plan as P
+    from tools import plan as P
     from dist_worker import two_units_per_block
     root, init_dir, data_path, _ = llama_setup
     reference = reference_run(init_dir, data_path, doc_mask=True, frozen=lambda step, name: bool(re.search(ATTENTION, name)))

@@ -18,7 +18,7 @@ sys.path.insert(0, ROOT)
 import model as M  # noqa: E402
 from components import disk  # noqa: E402
 from components import checks  # noqa: E402
-from components import plan as P  # noqa: E402
+from tools import plan as P  # noqa: E402
 from components import offload as O  # noqa: E402
 import train as T  # noqa: E402
 
@@ -456,7 +456,18 @@ def test_gradient_peak_of_a_unit_matches_autograd(n_params):
 
 
 def run_plan(*flags):
-    return run_script(os.path.join(ROOT, "train.py"), ["--plan", "true", *flags], timeout=120)
+    return run_script(os.path.join(ROOT, "tools", "plan.py"), ["--plan", "true", *flags], timeout=120)
+
+
+def test_train_py_plan_runs_the_planner_tool():
+    """`python train.py --plan FLAGS` is `python tools/plan.py FLAGS`: the same lines, the same exit code (the trainer
+    never imports the planner: it runs it as a command)."""
+    flags = ["--model=tiny", "--nproc_per_node=8", "--seq_len=256", "--batch_size=16", "--micro_batch_size=4"]
+    via_train = run_script(os.path.join(ROOT, "train.py"), ["--plan", "true", *flags], timeout=120)
+    assert (via_train.returncode, via_train.stderr) == (2, "error: --batch_size: 16 is not a multiple of world size x "
+                                                           "--micro_batch_size = 8 x 4 = 32\n"), via_train.stderr
+    tool = run_plan(*flags)
+    assert (tool.returncode, tool.stdout, tool.stderr) == (2, via_train.stdout, via_train.stderr)
 
 
 @pytest.mark.parametrize("freeze", ["", r"embed|layers\.0\."])
@@ -601,7 +612,7 @@ def test_every_assumption_has_its_row_in_the_planning_docs():
     assert all(len(cells) == 1 and cells[0] for table in ("GPU", "model") for cells in tables[table].values())
     cited = set()
     for path in ["train.py", *glob.glob(os.path.join(ROOT, "components", "*.py")),
-                 *glob.glob(os.path.join(ROOT, "bench", "*.py"))]:
+                 *glob.glob(os.path.join(ROOT, "tools", "*.py")), *glob.glob(os.path.join(ROOT, "bench", "*.py"))]:
         with open(os.path.join(ROOT, path)) as f:
             for names in re.findall(r"docs/planning\.md:\s+(\w+(?:, \w+)*)", f.read()):
                 cited.update(names.split(", "))
@@ -719,31 +730,34 @@ def test_async_save_that_does_not_fit_host_memory_is_one_line(tmp_path, monkeypa
     def run(**flags):
         return T.parse_args([f"--{k}={v}" for k, v in dict(model="llama3.1-8b", out_dir=tmp_path, **flags).items()])
 
+    def host(cfg):  # the run's flags, and the planner's host bytes for them (what agree.planner_figures brings)
+        return cfg, P.run_host_bytes(mcfg, cfg, 16)
+
     fake_host_memory(monkeypatch, staging_gib / 0.9 * 0.99)  # just under what 8 staging buffers need with 10% free
-    [line] = checks.check_host_memory(run(async_save="true"), mcfg, 16, 16)
+    [line] = checks.check_host_memory(*host(run(async_save="true")), 16, 16)
     assert line.startswith(f"--async_save true: the 8 rank(s) on this node need {staging_gib:,.1f} GiB of host memory "
                            f"({staging_gib:,.1f} GiB for the save's staging buffer), and this machine has "), line
     assert line.endswith("; drop --async_save true (--async_save auto turns it off where it does not fit), or use "
                          "more nodes"), line
-    on, why = checks.async_save_on(run(async_save="auto", device="cuda"), mcfg, 16)
+    on, why = checks.async_save_on(*host(run(async_save="auto", device="cuda")), 16)
     assert not on and why.startswith(f"--async_save auto: off: the 8 rank(s) on this node would need "
                                      f"{staging_gib:,.1f} GiB of host memory for the save's staging buffer"), why
-    assert checks.check_host_memory(run(async_save="auto", device="cuda"), mcfg, 16, 16) == []  # auto: off, no error
-    assert checks.async_save_on(run(async_save="auto", device="cpu"), mcfg, 16) == (False, None)
-    assert checks.async_save_on(run(async_save="false", device="cuda"), mcfg, 16) == (False, None)
+    assert checks.check_host_memory(*host(run(async_save="auto", device="cuda")), 16, 16) == []  # auto: off, no error
+    assert checks.async_save_on(*host(run(async_save="auto", device="cpu")), 16) == (False, None)
+    assert checks.async_save_on(*host(run(async_save="false", device="cuda")), 16) == (False, None)
     fake_host_memory(monkeypatch, staging_gib / 0.9 * 1.01)  # just over: it fits
-    assert checks.async_save_on(run(async_save="auto", device="cuda"), mcfg, 16) == (True, None)
-    assert checks.check_host_memory(run(async_save="true"), mcfg, 16, 16) == []
+    assert checks.async_save_on(*host(run(async_save="auto", device="cuda")), 16) == (True, None)
+    assert checks.check_host_memory(*host(run(async_save="true")), 16, 16) == []
     # With --offload_optimizer both parts count: the state alone fits, the staging buffer beside it does not.
     state_gib = 8 * P.host_bytes_per_gpu(mcfg, run(offload_optimizer="true"), 16, False)["state"] / 2**30
     fake_host_memory(monkeypatch, (state_gib + staging_gib) / 0.9 * 0.99)
-    assert checks.check_host_memory(run(offload_optimizer="true", async_save="false"), mcfg, 16, 16) == []
-    [line] = checks.check_host_memory(run(offload_optimizer="true", async_save="true"), mcfg, 16, 16)
+    assert checks.check_host_memory(*host(run(offload_optimizer="true", async_save="false")), 16, 16) == []
+    [line] = checks.check_host_memory(*host(run(offload_optimizer="true", async_save="true")), 16, 16)
     assert line.startswith(f"--async_save true with --offload_optimizer: the 8 rank(s) on this node need "
                            f"{state_gib + staging_gib:,.1f} GiB of host memory ({staging_gib:,.1f} GiB for the save's "
                            f"staging buffer, {state_gib:,.1f} GiB for --offload_optimizer's state"), line
     assert "; drop --async_save true or --offload_optimizer (--async_save auto turns it off" in line, line
-    assert not checks.async_save_on(run(offload_optimizer="true", async_save="auto", device="cuda"), mcfg, 16)[0]
+    assert not checks.async_save_on(*host(run(offload_optimizer="true", async_save="auto", device="cuda")), 16)[0]
 
 
 def test_plan_names_the_flag_to_drop_when_async_save_true_does_not_fit():
@@ -920,9 +934,39 @@ def test_a_block_whose_shapes_depend_on_the_data_is_refused_by_plan_in_one_line(
         return (flat.index_add(0, chosen, self.mlp(self.post_attention_layernorm(flat[chosen])))).view_as(h)
     monkeypatch.setattr(M.Block, "forward", routed_forward)  # the planner's readings are keyed by the code: new ones
     flags = ["--plan=true", "--model=tiny", "--nproc_per_node=8", "--seq_len=256", "--batch_size=8", "--micro_batch_size=1"]
-    code = main_in_process(flags)
-    err = capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:  # main_in_process: fail's os._exit as SystemExit
+        P.command(flags)  # what `python tools/plan.py` (and train.py --plan) runs, here with the fork's block
+    code, err = stopped.value.code, capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("error: --plan: the block's forward makes a tensor whose shape depends on the data") and "nonzero" in err
     cfg = config(model="tiny", nproc_per_node=8, seq_len=256, batch_size=8, micro_batch_size=1)
     assert P.run_memory_gib(disk.model_config(cfg), cfg, 8, 8, "NVIDIA H100 80GB HBM3") is None
+
+
+def test_a_run_gets_the_planners_figures_from_the_tool_over_the_store(monkeypatch, capsys):
+    """The trainer never imports the planner: rank 0 asks `tools/plan.py --run_figures` in a subprocess and every
+    rank reads its answer from the store (agree.planner_figures). The answer is the planner's own figures, for the
+    run's flags and model; a run that reads none (a CPU, nothing pinned) asks nothing, and a planner that cannot
+    answer is one warning line and no figures."""
+    from components import agree
+
+    def store():  # what ranks 1-15 sent: nothing (rank 0 alone asks)
+        met = torch.distributed.HashStore()
+        for r in range(1, 16):
+            met.set(f"planner/{r}", "null")
+        return met
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(agree, "gpu_name", lambda device: "NVIDIA H100 80GB HBM3")  # a GPU, as CUDA names it
+    cfg, mcfg, cpu = config(model="tiny", seq_len=256, batch_size=16, micro_batch_size=1), M.tiny(), torch.device("cpu")
+    figures = agree.planner_figures(store(), cfg, mcfg, 0, 16, cpu)
+    assert figures == json.loads(json.dumps(dict(memory=P.run_memory_gib(mcfg, cfg, 16, 8, "NVIDIA H100 80GB HBM3"),
+                                                 host_bytes=P.run_host_bytes(mcfg, cfg, 16))))
+    monkeypatch.setattr(agree, "gpu_name", lambda device: None)
+    monkeypatch.setattr(agree, "PLANNER", "/nonexistent/plan.py")  # asked, it would fail
+    assert agree.planner_figures(store(), cfg, mcfg, 0, 16, cpu) is None
+    assert capsys.readouterr().err == ""
+    offloaded = dataclasses.replace(cfg, offload_optimizer=True)  # its host-memory check counts pinned bytes
+    assert agree.planner_figures(store(), offloaded, mcfg, 0, 16, cpu) is None
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("warning: the planner's figures for this run are missing (/nonexistent/plan.py "
+                           "--run_figures: ") and line.endswith("; the run goes on without them"), line

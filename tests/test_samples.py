@@ -17,7 +17,7 @@ from components import flags
 from tools import prepare as prep
 import data as D
 import model as M
-from components import plan as P
+from tools import plan as P
 from components import sample as S
 import train as T
 

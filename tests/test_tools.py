@@ -1,4 +1,4 @@
-"""The tools around training: --plot, ./launch.sh --check, --gpu_hour_usd."""
+"""The tools around training: tools/plot.py (--plot), ./launch.sh --check, --gpu_hour_usd."""
 import os
 import shutil
 import subprocess
@@ -17,20 +17,20 @@ def priced_run(tmp_path_factory):
     return out, run_train(TINY + [f"--out_dir={out}", "--gpu_hour_usd=2.0"], nproc=2)
 
 
-def test_plot_writes_a_png_of_the_metrics(priced_run, tmp_path, capsys):
-    """train.py --plot, in-process (main's argv): the run's metrics, copied so the run's folder stays as it was."""
+def test_plot_writes_a_png_of_the_metrics(priced_run, tmp_path):
+    """train.py --plot, which runs tools/plot.py: the run's metrics, copied so the run's folder stays as it was."""
     pytest.importorskip("matplotlib")
-    import train as T
     shutil.copy(priced_run[0] / "metrics.jsonl", tmp_path)
-    T.main(["--plot", str(tmp_path)])
-    assert capsys.readouterr().out == f"wrote {tmp_path / 'metrics.png'}\n"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--plot", str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout == f"wrote {tmp_path / 'metrics.png'}\n", proc.stderr
     with open(tmp_path / "metrics.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_without_matplotlib_says_so(tmp_path):
-    code = ("import sys; sys.modules['matplotlib'] = None; sys.path.insert(0, sys.argv[1]); import train; "
-            "train.main(['--plot', sys.argv[2]])")
+    code = ("import sys; sys.modules['matplotlib'] = None; sys.path.insert(0, sys.argv[1]); from tools import plot; "
+            "sys.exit(plot.main([sys.argv[2]]))")
     proc = subprocess.run([sys.executable, "-c", code, ROOT, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "error: --plot needs matplotlib: pip install matplotlib" in proc.stderr
 

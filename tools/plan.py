@@ -1,8 +1,12 @@
 """The planner: memory per GPU, fit, step time, tokens/s/GPU, MFU, hours and dollars, from the flags alone.
 
-    python train.py --plan --model llama3-70b --nnodes 2 --nproc_per_node 8 --gpu h100 --seq_len 8192 \\
+    python tools/plan.py --model llama3-70b --nnodes 2 --nproc_per_node 8 --gpu h100 --seq_len 8192 \\
         --batch_size 64 --micro_batch_size 1 --ac full --offload_activations true --train_tokens 15e9 \\
         --gpu_hour_usd 2.00 [--plan_json plan.json]
+
+(`python train.py --plan ...` runs this file with the same flags.) A tool, above the trainer: it imports train.py
+and runs its code; the trainer never imports it. A run asks it for its own figures before step 1 in a subprocess
+(`--run_figures`, a JSON request on stdin: run_figures; agree.ask_planner), docs/planning.md says why.
 
 Everything printed is a prediction. Memory: the buffers alive at the moments a step peaks (train.py sections 1
 and 2), each block by its --ac policy, and what --offload_optimizer and --offload_activations pin on the host;
@@ -20,6 +24,8 @@ import gc
 import itertools
 import json
 import math
+import os
+import sys
 import weakref
 
 import numpy as np
@@ -28,10 +34,14 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import model as M
-from components import disk
-from components import offload as O
-from components import sample
+if __name__ == "__main__":  # run as a script: the repository's modules, as from its root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model as M  # noqa: E402
+import train as T  # noqa: E402
+from components import disk  # noqa: E402
+from components import flags  # noqa: E402
+from components import metrics  # noqa: E402
+from components import offload as O  # noqa: E402
 
 GIB = 2**30
 COMPUTE_BYTES = 2                                 # bf16: gathered weights, their gradients, activations
@@ -39,10 +49,6 @@ REDUCE_BYTES = {"bfloat16": 2, "float32": 4}      # by --reduce_dtype
 
 ADAMW_HOST_BYTES = 28       # torch._fused_adamw_: read param, grad, exp_avg, exp_avg_sq; write three of them
 
-# Dense BF16 peak FLOP/s by device name (no sparsity), checked in order; metrics.peak_flops: None for one
-# not listed (a CPU).
-PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
-                   ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 125e12)]
 
 # Bandwidths are achievable per-GPU bus bandwidths for large messages, below the nominal link rate.
 GPUS = {
@@ -82,7 +88,7 @@ ASSUMPTIONS = {
     "checkpoint_header_bytes_per_tensor": 128,  # a bound, each tensor's entry in the safetensors header
     "stop_margin": 1.25,                # on the stop's predicted worst case
     "restart_setup_s": 120,             # a restart's set-up before its load
-    "host_page_locking_gbps": 1.0,      # zeroing and registering --offload_optimizer's host state
+    "host_page_locking_gbps": metrics.HOST_PAGE_LOCKING_GBPS,  # the start-up line prints it beside the measured rate
     "async_write_slowdown": 1.05,       # the steps beside a background write (1.51 measured on 2 shared cores)
 }
 
@@ -94,25 +100,6 @@ ASSUMPTIONS = {
 # ops make shapes and autograd nodes and allocate nothing, and each storage an op creates is counted until it
 # dies (LiveStorages): after a block's forward, what is alive besides its output is what autograd keeps for
 # backward, whoever keeps it. A fork is read the same way (docs/planning.md, "What is measured").
-
-TRAINER = None  # train.py's module: run_block, Unit, optimizer_step. Set by use_trainer
-
-
-def use_trainer(module) -> int:
-    """train.py hands itself over (plan.main, train.setup); returns what the start-up checks print, a trained
-    unit's persistent bytes per parameter."""
-    global TRAINER
-    TRAINER = module
-    return round(state_bytes_per_param())
-
-
-def trainer():
-    """The trainer's code, as handed over (use_trainer): components never import train.py."""
-    if TRAINER is None:
-        raise RuntimeError("plan.py measures train.py's code (run_block, Unit, optimizer_step): hand it with "
-                           "plan.use_trainer(train)")
-    return TRAINER
-
 
 class LiveStorages(TorchDispatchMode):
     """Bytes of the storages the ops under it create, alive now and at their peak (`at_peak`: [weakref, bytes]
@@ -176,7 +163,7 @@ def read_block(mcfg: M.ModelConfig, policy: str, micro_batch: int, seq_len: int,
     its backward's peak its weights' gradients (`gradients`) and the rest (`backward`). `trained`: its weights
     take gradients, but those named in `frozen` (a block of several units, some frozen); `input_grad`: its input
     needs one (False in a frozen prefix)."""
-    code = (trainer().run_block, M.attention, M.Block.forward, M.Attention.forward, M.MLP.forward,
+    code = (T.run_block, M.attention, M.Block.forward, M.Attention.forward, M.MLP.forward,
             M.RMSNorm.forward)  # what a test or a fork swaps in one process gets a reading of its own
     key = (repr(mcfg), policy, micro_batch, seq_len, kernel, offload, trained, input_grad, frozen, code)
     if key not in READINGS:
@@ -223,7 +210,7 @@ def measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, 
         live = LiveStorages([t.untyped_storage() for t in list(block.parameters()) + inputs])
         with live:
             x = x_in * 1  # the block's input as the trainer's: made by the step before it, not a leaf
-            out = trainer().run_block(block, policy, x, cos, sin, layout, offload, trained=trained)
+            out = T.run_block(block, policy, x, cos, sin, layout, offload, trained=trained)
             del x
             kept = live.current_bytes - out.untyped_storage().nbytes()
             grad_out = torch.empty_like(out)
@@ -252,7 +239,7 @@ def saved_bytes_per_element(frozen: bool = False) -> list[int]:
 
 def meta_unit(frozen: bool):
     """A tiny model's head as a train.Unit on the meta device, trained or frozen."""
-    key = ("unit", trainer().Unit, trainer().Unit.__init__, M.OPTIMIZER_STATE, frozen)
+    key = ("unit", T.Unit, T.Unit.__init__, M.OPTIMIZER_STATE, frozen)
     if key not in READINGS:
         READINGS[key] = fake_units(M.tiny(), 1, torch.device("meta"), trained=not frozen)[-1]
     return READINGS[key]
@@ -262,21 +249,21 @@ def fake_units(mcfg: M.ModelConfig, world: int, device=torch.device("cpu"), trai
     """train.Unit's embedding, one block and head of `mcfg`, as rank 0 of `world` (on the CPU: under FakeTensorMode)."""
     with torch.device("meta"):
         model = M.Llama(dataclasses.replace(mcfg, n_layers=1))
-    return [trainer().Unit(name, model, names, 0, world, device, torch.bfloat16, trained=trained)
+    return [T.Unit(name, model, names, 0, world, device, torch.bfloat16, trained=trained)
             for name, names in M.sharding_units(model)]
 
 
 def optimizer_temporary_bytes(mcfg: M.ModelConfig, cfg, world: int) -> int:
     """What train.optimizer_step allocates beside the state at its peak, on rank 0's shards of the embedding, a
     block and the head (fused AdamW: next to nothing)."""
-    key = ("optimizer", repr(mcfg), world, trainer().optimizer_step, trainer().Unit.__init__, M.OPTIMIZER_STATE)
+    key = ("optimizer", repr(mcfg), world, T.optimizer_step, T.Unit.__init__, M.OPTIMIZER_STATE)
     if key not in READINGS:
         with FakeTensorMode(allow_non_fake_inputs=True):
             units = fake_units(mcfg, world)
             live = LiveStorages([t.untyped_storage() for u in units
                                  for t in (u.master_shard, u.grad_shard, u.gathered, *u.optimizer_state.values())])
             with live:
-                trainer().optimizer_step(units, cfg, cfg.lr, 1)
+                T.optimizer_step(units, cfg, cfg.lr, 1)
         READINGS[key] = live.peak_bytes
     return READINGS[key]
 
@@ -369,10 +356,10 @@ def offloaded_blocks(mcfg: M.ModelConfig, cfg) -> int:
 
 
 def frozen_unit_names(mcfg: M.ModelConfig, cfg) -> list[str]:
-    """The units --freeze freezes (model.frozen_units, what train.py freezes)."""
+    """The units --freeze freezes (flags.frozen_units, what train.py freezes)."""
     key = ("frozen", repr(mcfg), cfg.freeze, M.sharding_units)
     if key not in READINGS:
-        READINGS[key] = M.frozen_units(meta_model(mcfg), cfg.freeze)[0] if cfg.freeze else []
+        READINGS[key] = flags.frozen_units(meta_model(mcfg), cfg.freeze)[0] if cfg.freeze else []
     return READINGS[key]
 
 
@@ -594,8 +581,9 @@ def executed_flops(mcfg: M.ModelConfig, seq_len: int, ac, chunked_ce: bool) -> t
     return matmul, attention
 
 
-def peak_flops(gpu: dict) -> float:
-    return next(flops for key, flops in PEAK_BF16_FLOPS if key in gpu["device_name"])
+def gpu_peak_flops(gpu: dict) -> float:
+    """The dense BF16 peak of a GPU of GPUS (metrics.PEAK_BF16_FLOPS, by its CUDA name)."""
+    return next(flops for key, flops in metrics.PEAK_BF16_FLOPS if key in gpu["device_name"])
 
 
 # Published runs the matmul efficiency is derived from: (GPU family, model dim, tokens/s/GPU, matmul and
@@ -628,7 +616,7 @@ def matmul_efficiency(family: str, dim: int) -> float:
     points = []
     for fam, d, tok_s, mm, attn, factor, _ in published_anchors():
         if fam == family:
-            peak = peak_flops(GPUS[fam])
+            peak = gpu_peak_flops(GPUS[fam])
             matmul_s = 1 / tok_s / factor - attn / (attn_eff * peak)
             points.append((d, mm / (matmul_s * peak)))
     (d0, e0), (d1, e1) = sorted(points)
@@ -692,7 +680,7 @@ def offload_optimizer_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> d
 def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
     """Seconds per optimizer step: per micro-batch, compute against the collectives and the offload copies
     (docs/planning.md: overlap, offload_overlap); then AdamW, on the GPU or on the CPU with the exposed PCIe copies."""
-    peak = peak_flops(gpu)
+    peak = gpu_peak_flops(gpu)
     tokens = cfg.micro_batch_size * cfg.seq_len
     policies = block_policies(mcfg, cfg)
     matmul, attention = executed_flops(mcfg, cfg.seq_len, policies, 0 < cfg.ce_chunk < tokens)
@@ -752,7 +740,7 @@ def sampling_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int, n_prompts: in
     bandwidth = 1e9 * bus_gbps(gpu, cfg)
     gather_s = (world - 1) / world * gathered_bytes / bandwidth
     prefill_flops = 2 * M.count_params(mcfg)["total"] * n_prompts * prompt_tokens
-    prefill_s = prefill_flops / (peak_flops(gpu) * matmul_efficiency(gpu["family"], mcfg.dim))
+    prefill_s = prefill_flops / (gpu_peak_flops(gpu) * matmul_efficiency(gpu["family"], mcfg.dim))
     decode_s = n_prompts * gathered_bytes / (0.8e9 * gpu["hbm_gbps"])
     pass_s = [max(gather_s, s) if cfg.prefetch else gather_s + s for s in (prefill_s, decode_s)]
     kv_per_token = 2 * mcfg.n_layers * mcfg.n_kv_heads * mcfg.head_dim * COMPUTE_BYTES
@@ -765,7 +753,7 @@ def sampling_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int, n_prompts: in
 
 def prompt_sizes(cfg) -> tuple[int, int]:
     """(prompts, tokens of the longest) of --sample_prompts, the tokens estimated from characters."""
-    records = sample.read_prompts(cfg.sample_prompts)
+    records = flags.read_prompts(cfg.sample_prompts)
     chars = max(len(r["text"]) if "text" in r else sum(len(m["content"]) for m in r["messages"]) for r in records)
     return len(records), -(-chars // ASSUMPTIONS["sample_chars_per_token"])
 
@@ -897,7 +885,7 @@ def fit_and_speed(mcfg: M.ModelConfig, cfg) -> dict:
     tokens_per_sec_per_gpu = cfg.batch_size * cfg.seq_len / time["step_time_s"] / world
     return dict(phases=phases, peak_phase=peak_phase, peak_gib=peak_gib, usable_gib=usable_gib,
                 fits=peak_gib <= usable_gib, time=time, tokens_per_sec_per_gpu=tokens_per_sec_per_gpu,
-                mfu=tokens_per_sec_per_gpu * M.flops_per_token(mcfg, cfg.seq_len) / peak_flops(gpu))
+                mfu=tokens_per_sec_per_gpu * M.flops_per_token(mcfg, cfg.seq_len) / gpu_peak_flops(gpu))
 
 
 def as_launched(cfg, world: int, local_world: int, device_name: str):
@@ -951,7 +939,7 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
     host_gib_per_gpu = sum(host.values()) / GIB
     sampling = sampling_time(mcfg, cfg, gpu, world, *prompt_sizes(cfg)) if cfg.sample_prompts else {}
     stop = stop_lead_time(mcfg, cfg, time["step_time_s"], sampling.get("sampling_s", 0.0))
-    assumptions = dict(ASSUMPTIONS, gpu=dict(gpu, peak_bf16_flops=peak_flops(gpu)),
+    assumptions = dict(ASSUMPTIONS, gpu=dict(gpu, peak_bf16_flops=gpu_peak_flops(gpu)),
                        matmul_efficiency=matmul_efficiency(gpu["family"], mcfg.dim),  # from these anchors
                        anchors=[a[-1] for a in published_anchors() if a[0] == gpu["family"]])
     return dict(
@@ -1099,7 +1087,7 @@ def check(cfg) -> list[str]:
         errors.append(f"--sample_tokens: must be >= 1, got {cfg.sample_tokens}")
     elif cfg.sample_prompts:
         try:
-            sample.read_prompts(cfg.sample_prompts)
+            flags.read_prompts(cfg.sample_prompts)
         except ValueError as e:  # data.DataError: the file and line
             errors.append(str(e))
     return errors
@@ -1264,12 +1252,33 @@ def checkpoint_lines(p: dict, cfg) -> list[str]:
     return lines
 
 
-def main(cfg, trainer=None) -> str | None:
-    """`train.py --plan true`: check the flags, print the table, write --plan_json. Returns None, or the one
-    error line train.py ends with (exit code 2): bad flags, or a configuration that does not fit (GPU or host
-    memory), naming the nearest that does. `trainer`: train.py's module, handed over (use_trainer)."""
-    if trainer is not None:
-        use_trainer(trainer)
+def run_host_bytes(mcfg: M.ModelConfig, cfg, world: int) -> dict:
+    """host_bytes_per_gpu with the save's staging buffer ("async") and without ("sync"): what the run's host-memory
+    checks read (checks.check_host_memory), which decide --async_save auto from them."""
+    return {"async": host_bytes_per_gpu(mcfg, cfg, world, True), "sync": host_bytes_per_gpu(mcfg, cfg, world, False)}
+
+
+def run_figures(request: dict) -> dict:
+    """What a run needs from the planner before step 1 (agree.ask_planner sends `request`: the run's flags and model
+    as JSON, its world, ranks per node and CUDA device name): its memory figures as launched (run_memory_gib, None on
+    a GPU the planner does not know), the host bytes each rank pins with and without --async_save's staging buffer
+    (host_bytes_per_gpu, for checks.check_host_memory), and, when the request has the GPU memory measured outside
+    the allocator (`outside_gib`), the flags of the nearest configuration that fits at that figure, or None."""
+    cfg, mcfg = T.TrainConfig(**request["flags"]), M.ModelConfig(**request["model"])
+    world, local_world, name = request["world"], request["local_world"], request["device_name"]
+    figures = dict(memory=run_memory_gib(mcfg, cfg, world, local_world, name),
+                   host_bytes=run_host_bytes(mcfg, cfg, world))
+    if request.get("outside_gib") is not None:
+        run = dataclasses.replace(as_launched(cfg, world, local_world, name), outside_gib=request["outside_gib"])
+        nearest = nearest_fit(mcfg, run)
+        figures["nearest_fit"] = changed_flags(run, nearest) if nearest else None
+    return figures
+
+
+def main(cfg) -> str | None:
+    """`python tools/plan.py` (or `train.py --plan`): check the flags, print the table, write --plan_json. Returns
+    None, or the one error line the command ends with (exit code 2): bad flags, or a configuration that does not
+    fit (GPU or host memory), naming the nearest that does."""
     errors = check(cfg)
     if not errors:
         try:
@@ -1298,3 +1307,22 @@ def main(cfg, trainer=None) -> str | None:
     if not fits:  # exit 2: no hours or dollars for it, and what would fit instead
         return not_fitting_message(mcfg, cfg, p, nearest)
     return None
+
+
+def command(argv: list[str]):
+    """`python tools/plan.py FLAGS` (and `train.py --plan FLAGS`): main, its error line and exit code as train.py
+    says them (fail)."""
+    try:
+        flags = T.parse_args(argv)
+    except ValueError as e:  # a bad flag: one line
+        T.fail(str(e))
+    error = main(flags)
+    if error:
+        T.fail(error)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--run_figures"]:  # a run's request (agree.ask_planner): JSON in, JSON out
+        json.dump(run_figures(json.load(sys.stdin)), sys.stdout)
+    else:
+        command(sys.argv[1:])
