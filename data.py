@@ -9,7 +9,7 @@ start (a text is the family's BOS + tokens + document end; a chat is its templat
 for chats (each assistant reply and the marker that closes it), and meta.json, written last. Training reads windows of `seq_len + 1` tokens in a seeded order whose whole
 state is one position P, the same for any world size; mixes interleave sources by weight (MixedWindows). The
 formats, the order and the mixes in full: docs/data.md. Around this data path, in components/: a run's data
-from its flags (run_data.py), the built-in sample (sample_corpus.py), an export's tokenizer (tokenizer_export.py).
+from its flags (run_data.py), the built-in sample (sample_corpus.py), an export's tokenizer (hf.py).
 """
 
 import argparse
@@ -257,7 +257,7 @@ class Tokenizer:
         return [tuple(span) for span in indices[0]]
 
     def header_format_ids(self, messages: list) -> tuple[list, list]:
-        """The Llama 3 header format (tokenizer_export.HEADER_FORMAT_TEMPLATE) for a tokenizer without a template:
+        """The Llama 3 header format (hf.HEADER_FORMAT_TEMPLATE) for a tokenizer without a template:
         BOS, then per message a header, its content and <|eot_id|>; markup only is encoded with special tokens."""
         ids, targets = list(self.prefix_ids), [0] * len(self.prefix_ids)
         for m in messages:
@@ -828,7 +828,7 @@ def read_meta(folder: str, flag: str) -> dict:
 
 
 def is_plain_name(name) -> bool:
-    """A file name from a folder's own JSON (meta.json's shards, a safetensors index's weight_map in disk.py) names
+    """A file name from a folder's own JSON (meta.json's shards, a safetensors index's weight_map in hf.py) names
     a file in that folder, which is downloaded and copied: one path component, not '.' or '..', no NUL."""
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
 

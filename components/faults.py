@@ -1,4 +1,4 @@
-"""Fault injection, for the tests only: train.py, disk.py, agree.py and processes.py call `hook` at four points (the
+"""Fault injection, for the tests only: train.py, checkpoints.py, agree.py and processes.py call `hook` (out_dir.fault_hook) at four points (the
 start of each step, each rank's checkpoint file written, the health check's matmul, the process group's first
 contact) when ZERO3_FAULT is set together with ZERO3_ALLOW_FAULTS=1 (the tests set
 both), and not at all otherwise. The step itself holds no seam: the mid-step faults strike from a forward hook

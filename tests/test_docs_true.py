@@ -16,11 +16,11 @@ CODE = ["train.py", "model.py", "data.py", "launch.sh", "launch.sbatch"] + [
     os.path.join(d, n) for d in ("components", "bench", "tests") for n in sorted(os.listdir(os.path.join(ROOT, d)))
     if n.endswith((".py", ".sh"))]
 # Our modules as the text names them, and where each lives
-MODULES = {"train": "train", "model": "model", "data": "data", "disk": "components.disk", "plan": "components.plan",
+MODULES = {"train": "train", "model": "model", "data": "data", "disk": None, "out_dir": "components.out_dir", "checkpoints": "components.checkpoints", "hf": "components.hf", "plan": "components.plan",
            "agree": "components.agree", "metrics": "components.metrics", "checks": "components.checks",
            "offload": "components.offload", "sample": "components.sample", "faults": "components.faults", "processes": "components.processes",
            "config": "components.config", "run_data": "components.run_data", "sample_corpus": "components.sample_corpus",
-           "tokenizer_export": "components.tokenizer_export", "checkpoint": None}  # no module of that name: a reference to it is stale
+           "tokenizer_export": None, "checkpoint": None}  # no module of that name: a reference to it is stale
 FILE = re.compile(r"(?<![\w./-])((?:components|bench|tests|docs|\.ci)/[\w./-]+\.(?:py|md|sh|json|cpp|png)|"
                   r"[\w-]+\.(?:py|sh|sbatch))(?![\w/])")
 MODULE_NAME = re.compile(r"(?<![\w./-])(" + "|".join(MODULES) + r")\.([A-Za-z_]\w*)(?![\w.])")  # not model.layers.0
