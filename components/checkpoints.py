@@ -581,17 +581,17 @@ def check_manifest_configs(path: str, manifest: dict, cfg):
 def config_changes(manifest: dict, cfg, mcfg) -> tuple[list[str], list[str]]:
     """What differs between the manifest and this run's flags and model: (what a resume must keep, each "--flag was
     A, now B (why)"; what may change, each "--flag A -> B"). The manifest holds each (check_manifest_configs)."""
-    saved, resolved = manifest["train"], manifest["resolved"]
+    saved, resolved = manifest["train"], manifest["resolved"]  # resolved: the path flags only
     must, may = [], []
     for key, why in RESUME_MUST_MATCH.items():
-        if not same_value(key, saved[key], getattr(cfg, key), resolved[key]):
+        if not same_value(key, saved[key], getattr(cfg, key), resolved.get(key)):
             must.append(f"--{key} was {saved[key]!r}, now {getattr(cfg, key)!r} ({why})")
     saved_mcfg = asdict(M.ModelConfig(**manifest["model"]))
     model_diff = [f"{k} was {saved_mcfg[k]}, now {v}" for k, v in asdict(mcfg).items() if saved_mcfg[k] != v]
     if model_diff:
         must.append(f"the model (from --model, --init_from's config.json, --data's tokenizer): {', '.join(model_diff)}")
     for key in RESUME_MAY_CHANGE:
-        if not same_value(key, saved[key], getattr(cfg, key), resolved[key]):
+        if not same_value(key, saved[key], getattr(cfg, key), resolved.get(key)):
             may.append(f"--{key} {saved[key]} -> {getattr(cfg, key)}")
     return must, may
 

@@ -22,6 +22,10 @@ import time
 import torch
 import torch.distributed as dist
 
+# ================================================================================================
+# What checkpoints.py and hf.py share: the errors, the checkpoint group and its collectives
+# ================================================================================================
+
 # torch 2.13 renames the collective; accept both names. One definition: train.py's ZeRO-3 and the checkpoints'
 # collectives (out_dir's claim, checkpoints, hf's export, metrics, agree) use this one.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
