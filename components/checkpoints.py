@@ -618,11 +618,12 @@ def check_manifest_numbers(path: str, manifest: dict):
         numel = saved.get("numel")
         if not whole(numel, 1):
             refuse(f"units.{name}.numel", numel, "a whole number >= 1")
+        if not whole(saved.get("optimizer_steps"), 0) or type(saved.get("trained")) is not bool:
+            refuse(f"units.{name}", {k: saved.get(k) for k in ("optimizer_steps", "trained")},
+                   "optimizer_steps a whole number >= 0 and trained true or false")
         state = saved.get("optimizer_state")
-        if not whole(saved.get("optimizer_steps"), 0) or type(saved.get("trained")) is not bool or not (
-                isinstance(state, list) and all(isinstance(k, str) for k in state)):
-            refuse(f"units.{name}", {k: saved.get(k) for k in ("optimizer_state", "optimizer_steps", "trained")},
-                   "optimizer_state a list of names, optimizer_steps a whole number >= 0 and trained true or false")
+        if not (isinstance(state, list) and all(isinstance(k, str) for k in state)):
+            refuse(f"units.{name}.optimizer_state", state, "a list of the optimizer's state names")
         if saved.get("shard_numel") != -(-numel // world) or type(saved["shard_numel"]) is not int:
             refuse(f"units.{name}.shard_numel", saved.get("shard_numel"),
                    f"{-(-numel // world)}: numel {numel} over world_size {world}, rounded up")

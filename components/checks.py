@@ -238,7 +238,7 @@ def check_phase_tokenizer(cfg, checkpoint: str) -> list[str]:
     """A new phase from one of our checkpoints trains on data of the model's tokenizer: the one that
     prepared the data of the run that saved it (or of its own origin), when both are known."""
     theirs = hf.export_origin(OD.load_json(os.path.join(checkpoint, "manifest.json"))["train"])["tokenizer"]
-    ours = hf.run_tokenizer(asdict(cfg))
+    ours = hf.tokenizer_record(asdict(cfg))
     if ours and theirs and ours["sha256"] != theirs["sha256"]:
         return [f"--data: {cfg.data} was tokenized with {ours['path']}, and the model of --init_from {checkpoint} was "
                 f"trained on data tokenized with {theirs['path']}, another tokenizer; prepare the data with that one"]

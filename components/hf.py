@@ -385,7 +385,7 @@ def hf_saved_tensors(hf) -> dict:
 
 def export_origin(train: dict, depth: int = 0) -> dict:
     """Where an export's other files come from, for the run whose TrainConfig is `train`: {"hf_folder": the Hugging
-    Face folder its first weights came from or None, "tokenizer": run_tokenizer's}. A run from one of our
+    Face folder its first weights came from or None, "tokenizer": tokenizer_record's}. A run from one of our
     checkpoints (a phase, --from_ckpt) has the origin of the run that saved it, through the manifests."""
     init = train.get("from_ckpt") or train.get("init_from") or ""
     if init and not os.path.isfile(os.path.join(init, "config.json")) and depth < 100:
@@ -395,10 +395,10 @@ def export_origin(train: dict, depth: int = 0) -> dict:
         except (CheckpointError, OSError, ValueError, KeyError, TypeError):
             pass  # that run's folder is gone: what this run's own --data says
     hf_folder = init if init and os.path.isfile(os.path.join(init, "config.json")) else None
-    return {"hf_folder": hf_folder, "tokenizer": run_tokenizer(train)}
+    return {"hf_folder": hf_folder, "tokenizer": tokenizer_record(train)}
 
 
-def run_tokenizer(train: dict) -> dict | None:
+def tokenizer_record(train: dict) -> dict | None:
     """The tokenizer that prepared a run's --data, as its meta.json records it ({path, kind, sha256}), or None."""
     folder = run_data.first_prepared_folder(train.get("data") or "", train.get("out_dir") or "")  # a mix: one tokenizer
     try:

@@ -43,9 +43,9 @@ def tiny_units():
             for i in range(2)]
 
 
-def save(out, step):
+def save(out, step, units=None):
     cfg = T.parse_args([f"--out_dir={out}", "--keep_ckpts=3"])
-    return checkpoints.save_checkpoint(cfg, small_config(), tiny_units(), step, 0, 1, None)
+    return checkpoints.save_checkpoint(cfg, small_config(), units or tiny_units(), step, 0, 1, None)
 
 
 def fault(monkeypatch, name, suffix, code):
@@ -276,6 +276,8 @@ MANIFEST_EDITS = {  # what is changed, and the line that names it
     "optimizer_steps negative": (lambda m: m["units"]["u1"].update(optimizer_steps=-1),
                                  "units.u1 is {'optimizer_steps': -1, 'trained': True}, expected optimizer_steps a "
                                  "whole number >= 0 and trained true or false"),
+    "optimizer_state missing": (lambda m: m["units"]["u1"].pop("optimizer_state"),
+                                "units.u1.optimizer_state is None, expected a list of the optimizer's state names"),
     "world_size 0": (lambda m: m.update(world_size=0), "world_size is 0, expected a whole number >= 1"),
     "step a string": (lambda m: m.update(step="2"), "step is '2', expected a whole number >= 0"),
     "a file outside": (lambda m: m.update(files={"../rank00000-of-00001.safetensors": {}}),
@@ -348,9 +350,8 @@ def test_each_unit_names_its_own_optimizer_state_in_the_manifest(main_in_process
     path.write_text(json.dumps(dict(saved, optimizer_state=["exp_avg", "exp_avg_sq"])))
     assert main_in_process(cmd[:] + ["--steps=3"]) == 0
     out = capsys.readouterr()
-    assert (f"warning: checkpoint {path.parent}: manifest.json: units.embed is {{'optimizer_state': None, "
-            f"'optimizer_steps': 2, 'trained': True}}, expected optimizer_state a list of names, optimizer_steps a whole "
-            f"number >= 0 and trained true or false (a damaged or edited manifest)") in out.err, out.err
+    assert (f"warning: checkpoint {path.parent}: manifest.json: units.embed.optimizer_state is None, expected a list "
+            f"of the optimizer's state names (a damaged or edited manifest)") in out.err, out.err
     assert "at step 1" in out.out
     path = tmp_path / "out" / "checkpoints" / "step_00000003" / "manifest.json"
     saved = json.loads(path.read_text())
@@ -386,19 +387,23 @@ def test_a_resume_with_another_freeze_starts_fresh_state_or_drops_it_and_refuses
     checkpoints.load_checkpoint(path, manifest, units)
     assert torch.equal(units[1].master_shard, torch.arange(6.0) + 1) and units[1].optimizer_steps == 0
     assert torch.equal(units[0].optimizer_state["exp_avg_sq"], torch.ones(6)) and units[0].optimizer_steps == 1
-    manifest["units"]["u1"]["trained"] = False  # saved while u1 was frozen, trained now
+    saving = tiny_units()  # saved while u1 was frozen (its master shard in a frozen set), trained now
+    saving[1].trained, saving[1].optimizer_state, saving[1].optimizer_steps = False, {}, 0
+    checkpoints.forget_frozen_set()
+    frozen_path = save(tmp_path / "frozen", 4, saving)
+    with open(os.path.join(frozen_path, "manifest.json")) as f:
+        frozen_manifest = json.load(f)
     units = fresh([True, True])
-    assert checkpoints.freeze_changes(manifest, units) == (["u1"], [])
-    checkpoints.load_checkpoint(path, manifest, units)
+    assert checkpoints.freeze_changes(frozen_manifest, units) == (["u1"], [])
+    checkpoints.load_checkpoint(frozen_path, frozen_manifest, units)
     assert torch.equal(units[1].master_shard, torch.arange(6.0) + 1) and units[1].optimizer_steps == 0
     assert all(not t.any() for t in units[1].optimizer_state.values())
     for saved in manifest["units"].values():  # a development build's form: no per-unit step counts, no --freeze
         del saved["trained"], saved["optimizer_steps"]
     with pytest.raises(OD.CheckpointError) as e:
         checkpoints.load_checkpoint(path, manifest, fresh([True, True]))
-    assert str(e.value) == (f"checkpoint {path}: manifest.json: units.u0 is {{'optimizer_state': ['exp_avg', "
-                            f"'exp_avg_sq'], 'optimizer_steps': None, 'trained': None}}, expected optimizer_state a "
-                            f"list of names, optimizer_steps a whole number >= 0 and trained true or false (a damaged "
+    assert str(e.value) == (f"checkpoint {path}: manifest.json: units.u0 is {{'optimizer_steps': None, 'trained': "
+                            f"None}}, expected optimizer_steps a whole number >= 0 and trained true or false (a damaged "
                             f"or edited manifest)")
 
 
