@@ -9,7 +9,7 @@ in a seeded order whose whole state is one position P, the same for any world si
 weight. The formats, the order and the mixes in full: docs/data.md. Writing a folder is a tool's work, never a
 run's: tools/prepare.py (tokenize and pack; `python data.py prepare ...` runs it), tools/sample_corpus.py (the
 built-in sample). Around this data path, in components/: a run's data from its flags (run_data.py), an export's
-tokenizer (tokenizer_export.py).
+tokenizer (hf.py).
 """
 
 import bisect
@@ -251,7 +251,7 @@ class Tokenizer:
         return [tuple(span) for span in indices[0]]
 
     def header_format_ids(self, messages: list) -> tuple[list, list]:
-        """The Llama 3 header format (tokenizer_export.HEADER_FORMAT_TEMPLATE) for a tokenizer without a template:
+        """The Llama 3 header format (hf.HEADER_FORMAT_TEMPLATE) for a tokenizer without a template:
         BOS, then per message a header, its content and <|eot_id|>; markup only is encoded with special tokens."""
         ids, targets = list(self.prefix_ids), [0] * len(self.prefix_ids)
         for m in messages:
@@ -515,7 +515,7 @@ def read_meta(folder: str, flag: str) -> dict:
 
 
 def is_plain_name(name) -> bool:
-    """A file name from a folder's own JSON (meta.json's shards, a safetensors index's weight_map in disk.py) names
+    """A file name from a folder's own JSON (meta.json's shards, a safetensors index's weight_map in hf.py) names
     a file in that folder, which is downloaded and copied: one path component, not '.' or '..', no NUL."""
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
 

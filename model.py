@@ -6,7 +6,7 @@ RMSNorm, packed documents kept apart (DocumentLayout), attention (FlashAttention
 PyTorch SDPA elsewhere: uses_flash), the decoder block, the model; last, what the rest of the trainer
 reads from a config alone (counts, FLOPs, shape checks, checkpointing policies, the optimizer's state).
 Parameter names are Hugging Face's minus the leading "model.", and HF's q/k layout already suits its
-`rotate_half` RoPE, used here: import and export (components/disk.py, with config.json) are a rename, never
+`rotate_half` RoPE, used here: import and export (components/hf.py, with config.json) are a rename, never
 a permutation.
 
 Nothing here knows about sharding: train.py calls the forward's three pieces (`embed`, each block,
@@ -61,7 +61,7 @@ class ModelConfig:
     norm_after: bool = False       # each sublayer's output normalised before its residual add (OLMo-2), not its input
     norm_weight_fp32: bool = False  # an RMSNorm multiplies by its weight in fp32, then casts (OLMo-2)
     # config.json's keys only its family has (FAMILIES' config_keys; the row's value for one not given): read by
-    # disk.config_from_hf, written back in the export. This model computes with none; a fork's may (Mixtral's experts).
+    # hf.config_from_hf, written back in the export. This model computes with none; a fork's may (Mixtral's experts).
     family_keys: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -73,10 +73,10 @@ class ModelConfig:
 # The model families this code builds, keyed by config.json's model_type. Everything else is shared: the
 # block (attention with grouped K/V and RoPE, SwiGLU MLP, the norms before or after each: norm_after), the tensor
 # names (Hugging Face's; a QK-norm's are self_attn.q_norm.weight and self_attn.k_norm.weight), the ModelConfig
-# fields config.json maps to (disk.config_from_hf). Per family: the transformers classes that build it (the
+# fields config.json maps to (hf.config_from_hf). Per family: the transformers classes that build it (the
 # oracle in tests/, the check of an export), what its ModelConfig sets, the RoPE forms its config.json may use,
 # and the config.json keys only it has, each with its value where config.json says none (ModelConfig.family_keys:
-# read, kept, written back). A config.json of another model_type is refused naming these (disk.check_hf_config).
+# read, kept, written back). A config.json of another model_type is refused naming these (hf.check_hf_config).
 FAMILIES = {
     "llama": dict(hf_class="LlamaForCausalLM", hf_config_class="LlamaConfig", model_fields=dict(qk_norm=False),
                   rope_types=("default", "llama3"), config_keys=dict(mlp_bias=False, pretraining_tp=1)),

@@ -47,7 +47,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import data as D
 import model as M
 from components import agree  # what each rank reads from its own machine, agreed by every rank before it acts
-from components import disk  # state on disk: the out_dir, checkpoints, resume, Hugging Face import and export
+from components import checkpoints, hf  # our checkpoints; the model's config and first weights, Hugging Face folders
+from components import out_dir as OD  # the out_dir's lock, the checkpoint group, all_gather_flat (below)
+from components.out_dir import all_gather_flat
 from components import metrics
 from components import offload as O  # --offload_activations and --offload_optimizer
 from components import sample
@@ -63,8 +65,7 @@ def parse_args(argv=None) -> TrainConfig:
     return flags.parse_args(argv, __doc__)
 
 
-# torch 2.13 renames the two collectives ZeRO-3 is made of; accept both names.
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# torch 2.13 renames the two collectives ZeRO-3 is made of; accept both names (all_gather_flat: out_dir.py).
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -784,15 +785,15 @@ def setup(cfg: TrainConfig):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     agreed = dict(async_save=async_save, hosts=[f["host"] for f in facts], planned=planned and planned["memory"])
     processes.make_group(cfg, store, rank, world, device, agreed["hosts"])  # its first contact under --first_contact_s
-    disk.make_group(cfg.ckpt_timeout_min)  # saves and resumes wait longer: their own group (disk.py)
+    OD.make_group(cfg.ckpt_timeout_min)  # saves and resumes wait longer: their own group (out_dir.py)
     threads = O.optimizer_threads(cfg, device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), len(os.sched_getaffinity(0)))
     if threads:
         torch.set_num_threads(threads)
-    disk.claim_out_dir(cfg.out_dir, rank, world, device)
+    OD.claim_out_dir(cfg.out_dir, rank, world, device)
     sharded = build_sharded_model(cfg, mcfg, rank, world, device)
     ckpt_root = os.path.join(cfg.out_dir, "checkpoints")
-    if cfg.resume == "never" and cfg.overwrite and rank == 0:  # once per run: its restarts resume (disk.py)
-        kept = disk.overwrite_once(cfg.out_dir)
+    if cfg.resume == "never" and cfg.overwrite and rank == 0:  # once per run: its restarts resume (out_dir.py)
+        kept = OD.overwrite_once(cfg.out_dir)
         if kept:
             print(kept, flush=True)
     dist.barrier()
@@ -802,13 +803,13 @@ def setup(cfg: TrainConfig):
     candidates = agree.resume_candidates(ckpt_root, rank, agreed["hosts"], device) if resumes else []  # every rank's
     step, position, load_started_s = 0, 0, time.perf_counter()
     if cfg.from_ckpt:  # weights to export, not to train
-        step = disk.load_weights(weights, sharded.units, "--from_ckpt")["step"]
+        step = checkpoints.load_weights(weights, sharded.units, "--from_ckpt")["step"]
         if rank == 0:
             print(f"read checkpoint {weights} (step {step})", flush=True)
     elif candidates:
-        step, position = disk.resume(cfg, mcfg, sharded.units, windows, rank, candidates)
+        step, position = checkpoints.resume(cfg, mcfg, sharded.units, windows, rank, candidates)
     else:
-        taken_and_new = disk.init_weights(cfg, mcfg, sharded.units, weights)  # seeded per unit: the same at any W
+        taken_and_new = hf.init_weights(cfg, mcfg, sharded.units, weights)  # seeded per unit: the same at any W
         if taken_and_new and rank == 0:
             print(f"started from the weights of checkpoint {weights} (a new phase: step 1, a fresh optimizer and data "
                   f"position); {taken_and_new}", flush=True)
@@ -835,9 +836,9 @@ def save(cfg, sharded: ShardedModel, saving, step: int, data_state, background: 
                        f"writing in the background" + (f" (the staging buffer was made beside the first steps in "
                                                        f"{saving.prepared_s:.1f} s, off the path to step 1)" if first else ""))
         else:
-            path = disk.save_checkpoint(cfg, sharded.model.cfg, sharded.units, step, sharded.rank, sharded.world, data_state)
+            path = checkpoints.save_checkpoint(cfg, sharded.model.cfg, sharded.units, step, sharded.rank, sharded.world, data_state)
             message = f"saved checkpoint {path} (in {time.perf_counter() - t0:.2f} s, training waiting)"
-    except disk.CheckpointError as e:
+    except OD.CheckpointError as e:
         fail(str(e), exit_code(e))
     if sharded.rank == 0:
         print(message, flush=True)
@@ -847,7 +848,7 @@ def finish_background_save(cfg, sharded: ShardedModel, saving):
     """Commits the save in flight, after every rank's write: the wait, measured, is how long training stalled."""
     try:
         path, wait_s, write_s = saving.finish(cfg, sharded.model.cfg, sharded.rank, sharded.world)
-    except disk.CheckpointError as e:
+    except OD.CheckpointError as e:
         fail(str(e), exit_code(e))
     if sharded.rank == 0:
         print(f"saved checkpoint {path} (written in the background in {write_s:.2f} s; training waited {wait_s:.2f} s "
@@ -895,12 +896,12 @@ def main(argv=None):
     gc.enable()
     if owns_group:
         dist.destroy_process_group()  # every group, the checkpoint group too
-        disk.group = None
+        OD.group = None
 
 
 def start(argv=None):
     """The run's flags, after what ends before any process group: --plot and --plan run their tools and exit with
-    their code; a finished run's command again returns None (disk.unless_finished: said, or its missing export made)."""
+    their code; a finished run's command again returns None (checkpoints.unless_finished: said, or its missing export made)."""
     # launch.sh starts torchrun with SIGTERM and SIGINT blocked, so that torchrun never acts on them, and the
     # workers inherit the mask: unblocked, they end a worker still starting up, as under a plain torchrun.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM, signal.SIGINT])
@@ -912,12 +913,12 @@ def start(argv=None):
     if cfg.plot or cfg.plan:  # a tool above the trainer (tools/: never imported here), run as a command: its exit code
         tool = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools", "plot.py" if cfg.plot else "plan.py")
         sys.exit(subprocess.call([sys.executable, tool, *([cfg.plot] if cfg.plot else argv or sys.argv[1:])]))
-    return disk.unless_finished(cfg)  # a finished run's command again: say so and stop, or make its missing export
+    return checkpoints.unless_finished(cfg)  # a finished run's command again: say so and stop, or make its missing export
 
 
 def before_step_one(cfg, sharded: ShardedModel, agreed: dict, start_step: int, steps: int):
     """What the first step waits for: the start-up line, what --plan assumed measured on the run's own GPUs and
-    fabric, --async_save's staging buffer (returned: a disk.BackgroundSave, or None), the garbage collector's
+    fabric, --async_save's staging buffer (returned: a checkpoints.BackgroundSave, or None), the garbage collector's
     schedule."""
     if sharded.rank == 0:
         print(metrics.startup_line(cfg, sharded, start_step), flush=True)
@@ -928,7 +929,7 @@ def before_step_one(cfg, sharded: ShardedModel, agreed: dict, start_step: int, s
     # --async_save: the staging buffer, taken now ('auto' is on for GPUs where every node fits it: agree.decide);
     # only periodic saves are written in the background, so a run without them needs none.
     background = agreed["async_save"] and cfg.ckpt_every and steps > start_step
-    saving = disk.BackgroundSave(sharded.units, sharded.device) if background else None
+    saving = checkpoints.BackgroundSave(sharded.units, sharded.device) if background else None
     metrics.print_page_locking(sharded, agreed["hosts"])  # --offload_optimizer's state, the staging buffer: timed
     # Python's garbage collector runs when allocations pass a threshold: at another moment on each rank, and every
     # collective then waits for the rank that paused. Off while training; a collection every GC_EVERY_STEPS steps,
@@ -1008,13 +1009,13 @@ def save_or_stop(cfg, sharded: ShardedModel, saving, step: int, steps: int, data
 
 
 def export(cfg, sharded: ShardedModel):
-    """--export_hf after the last step: a Hugging Face folder of the trained weights (disk.export_hf)."""
+    """--export_hf after the last step: a Hugging Face folder of the trained weights (hf.export_hf)."""
     if not cfg.export_hf:
         return
     try:
-        note = disk.export_hf(sharded.units, sharded.model.cfg, cfg.export_hf, sharded.compute_dtype,
-                              cfg.export_shard_gb, sharded.rank, disk.export_origin(asdict(cfg)))
-    except disk.CheckpointError as e:
+        note = hf.export_hf(sharded.units, sharded.model.cfg, cfg.export_hf, sharded.compute_dtype,
+                              cfg.export_shard_gb, sharded.rank, hf.export_origin(asdict(cfg)))
+    except OD.CheckpointError as e:
         fail(str(e), exit_code(e))
     if sharded.rank == 0:
         print(f"exported a Hugging Face folder to {cfg.export_hf} ({note})", flush=True)

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node 8 bench/checkpoint_io.py --model llama3.2-3b --out_dir /shared/ckpt_io
 
-Every rank of the job writes its file at once, as a save does: disk.save_checkpoint itself (the same file
+Every rank of the job writes its file at once, as a save does: checkpoints.save_checkpoint itself (the same file
 layout, one safetensors file per rank of the fp32 master + m + v slices, 12 B/param/W, SHA-256, fsync,
 rank 0's commit), three times, then loads it back three times as a resume does (SHA-256 check + sliced
 reads), each file first dropped from this node's page cache (posix_fadvise DONTNEED) so that the load
@@ -26,7 +26,7 @@ import time
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from components import disk  # noqa: E402
+from components import checkpoints  # noqa: E402
 import train as T  # noqa: E402
 
 
@@ -54,16 +54,16 @@ for _ in range(3):
         shutil.rmtree(ckpt_root, ignore_errors=True)
     dist.barrier()
     t0 = time.perf_counter()
-    path = disk.save_checkpoint(cfg, mcfg, units, 1, rank, world, None)  # ends in rank 0's broadcast
+    path = checkpoints.save_checkpoint(cfg, mcfg, units, 1, rank, world, None)  # ends in rank 0's broadcast
     save_s.append(time.perf_counter() - t0)
-    manifest = disk.check_manifest(path, None, None, None)
-    drop_from_page_cache(os.path.join(path, disk.rank_file(rank, world)))  # the file this rank reads back
+    manifest = checkpoints.check_manifest(path, None, None, None)
+    drop_from_page_cache(os.path.join(path, checkpoints.rank_file(rank, world)))  # the file this rank reads back
     dist.barrier()
     t0 = time.perf_counter()
-    disk.load_checkpoint(path, manifest, units)
+    checkpoints.load_checkpoint(path, manifest, units)
     dist.barrier()
     load_s.append(time.perf_counter() - t0)
-nbytes = manifest["files"][disk.rank_file(rank, world)]["bytes"]  # this rank's file, as written
+nbytes = manifest["files"][checkpoints.rank_file(rank, world)]["bytes"]  # this rank's file, as written
 if rank == 0:
     shutil.rmtree(ckpt_root, ignore_errors=True)
     save_gbps, load_gbps = nbytes / min(save_s) / 1e9, nbytes / min(load_s) / 1e9

@@ -2,7 +2,7 @@
 the traffic (`./launch.sh --check` runs this under the same torchrun as training).
 
 Two groups, as in training: the default one (NCCL on GPUs: the step's collectives) and a gloo group of
-CPU tensors over TCP (disk.make_group: every save and resume agrees through it). gloo picks its
+CPU tensors over TCP (out_dir.make_group: every save and resume agrees through it). gloo picks its
 interface from the hostname, which resolves to 127.0.1.1 on many nodes: a check that hangs or fails
 here, and not in the NCCL part, needs GLOO_SOCKET_IFNAME (see launch.sh).
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from components import agree, disk  # noqa: E402
+from components import agree, hf  # noqa: E402
 import model as M  # noqa: E402
 import train as T  # noqa: E402
 
@@ -115,7 +115,7 @@ def install_counters():
     dist.broadcast_object_list = counting("broadcast_object_list", dist.broadcast_object_list, describe_object)
     dist.barrier = counting("barrier", dist.barrier, lambda *a, **k: ("-", "-", 0))
     T.train_step = in_phase("step", T.train_step)
-    T.disk.save_checkpoint = in_phase("save", T.disk.save_checkpoint)
+    T.checkpoints.save_checkpoint = in_phase("save", T.checkpoints.save_checkpoint)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -164,7 +164,7 @@ def write_inputs(folder: str, tied: bool) -> tuple[str, str, M.ModelConfig]:
     mcfg = M.ModelConfig(**MODEL, tie_embeddings=tied, bos_id=1, eos_id=2)
     init = os.path.join(folder, "init")
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**disk.config_to_hf(mcfg, torch.float32))).save_pretrained(init)
+    LlamaForCausalLM(LlamaConfig(**hf.config_to_hf(mcfg, torch.float32))).save_pretrained(init)
     tokens = os.path.join(folder, "tokens.npy")
     np.save(tokens, np.random.default_rng(0).integers(3, MODEL["vocab_size"], 100 * SEQ_LEN).astype(np.uint16))
     return init, tokens, mcfg

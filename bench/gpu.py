@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from components import disk  # noqa: E402
+from components import hf  # noqa: E402
 from components import checks  # noqa: E402
 import data as D  # noqa: E402
 from components import metrics  # noqa: E402
@@ -173,7 +173,7 @@ def write_check_inputs(folder: str) -> tuple[str, str]:
     from transformers import LlamaConfig, LlamaForCausalLM
     mcfg = M.ModelConfig(**CHECK_MODEL)
     torch.manual_seed(0)
-    ref = LlamaForCausalLM(LlamaConfig(**disk.config_to_hf(mcfg, torch.float32)))
+    ref = LlamaForCausalLM(LlamaConfig(**hf.config_to_hf(mcfg, torch.float32)))
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if "norm" in name:
@@ -362,7 +362,7 @@ def build_baseline(mcfg: M.ModelConfig, seq_len: int, accum: int, device, lr_cfg
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
     from transformers import LlamaConfig, LlamaForCausalLM
-    hf_cfg = LlamaConfig(**disk.config_to_hf(mcfg, torch.float32))
+    hf_cfg = LlamaConfig(**hf.config_to_hf(mcfg, torch.float32))
     hf_cfg._attn_implementation = baseline_attention(device)
     torch.manual_seed(0)
     with torch.device(device):  # random init on the device: fast, and the same bytes as ours (fp32)

@@ -182,9 +182,9 @@ def run_memory(layers: int, build_dir: str, json_path: str, command: str) -> dic
     model_args = []
     if layers:
         import dataclasses
-        from components import disk
+        from components import hf
         import train as T
-        mcfg = dataclasses.replace(disk.model_config(T.parse_args(flags)), n_layers=layers)
+        mcfg = dataclasses.replace(hf.model_config(T.parse_args(flags)), n_layers=layers)
         model_args = ["--model_json", json.dumps(dataclasses.asdict(mcfg))]
     with tempfile.TemporaryDirectory() as tmp:
         out, series = os.path.join(tmp, "out.json"), os.path.join(tmp, "series.json")

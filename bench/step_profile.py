@@ -35,7 +35,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from components import disk  # noqa: E402
+from components import hf  # noqa: E402
 import model as M  # noqa: E402
 from components import offload as O  # noqa: E402
 import train as T  # noqa: E402
@@ -50,7 +50,7 @@ def write_inputs(folder: str, seq_len: int) -> tuple[str, str]:
     init = os.path.join(folder, "init")
     if not os.path.isdir(init):
         torch.manual_seed(0)
-        LlamaForCausalLM(LlamaConfig(**disk.config_to_hf(mcfg, torch.float32))).save_pretrained(init)
+        LlamaForCausalLM(LlamaConfig(**hf.config_to_hf(mcfg, torch.float32))).save_pretrained(init)
     tokens = os.path.join(folder, "tokens.npy")
     np.save(tokens, np.random.default_rng(0).integers(3, MODEL["vocab_size"], 200 * seq_len).astype(np.uint16))
     return init, tokens

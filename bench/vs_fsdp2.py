@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from components import disk  # noqa: E402
+from components import hf  # noqa: E402
 import data as D  # noqa: E402
 import model as M  # noqa: E402
 import train as T  # noqa: E402
@@ -52,7 +52,7 @@ def write_inputs(folder: str) -> tuple[str, str]:
     mcfg = M.ModelConfig(**MODEL, bos_id=1, eos_id=2)
     init = os.path.join(folder, "init")
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**disk.config_to_hf(mcfg, torch.float32))).save_pretrained(init)
+    LlamaForCausalLM(LlamaConfig(**hf.config_to_hf(mcfg, torch.float32))).save_pretrained(init)
     tokens = os.path.join(folder, "tokens.npy")
     np.save(tokens, np.random.default_rng(0).integers(3, MODEL["vocab_size"], 400 * SEQ_LEN).astype(np.uint16))
     return init, tokens

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 import data as D
 import model as M
-from components import checks, disk, flags, metrics, run_data
+from components import checkpoints, checks, flags, metrics, run_data
+from components import out_dir as OD
 
 GIB = 2**30
 # NCCL registers its InfiniBand buffers with the HCA (ibv_reg_mr), which counts against the locked-memory limit;
@@ -76,7 +77,7 @@ CAP_IPC_LOCK_BIT = 14
 
 # Flags that name files or folders: a node may reach the same ones by another path (its own mount point, a copy
 # on local disk). What they hold is compared instead: the model (config.json), the data (windows per source),
-# the out_dir (disk.claim_out_dir: rank 0's lock file, seen by every rank).
+# the out_dir (out_dir.claim_out_dir: rank 0's lock file, seen by every rank).
 FILE_FLAGS = ("init_from", "data", "eval_data", "from_ckpt", "out_dir", "export_hf", "sample_prompts", "plan_json",
               "plot")
 
@@ -89,12 +90,12 @@ def gather_json(value, device) -> list:
     world = dist.get_world_size()
     data = torch.tensor(list(json.dumps(value, sort_keys=True).encode()), dtype=torch.uint8, device=device)
     sizes = torch.zeros(world, dtype=torch.int64, device=device)
-    disk.all_gather_flat(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+    OD.all_gather_flat(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
     longest = int(sizes.max())
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[:data.numel()] = data
     everyone = torch.zeros(world * longest, dtype=torch.uint8, device=device)
-    disk.all_gather_flat(everyone, padded)
+    OD.all_gather_flat(everyone, padded)
     rows = everyone.view(world, longest).cpu()
     return [json.loads(bytes(rows[r, :n].tolist())) for r, n in enumerate(sizes.tolist())]
 
@@ -174,7 +175,7 @@ def network_namespace() -> str:
 
 
 def gloo_address(hostname: str, env=os.environ) -> str | None:
-    """The address gloo (the checkpoint group, disk.make_group) listens on, or None when GLOO_SOCKET_IFNAME
+    """The address gloo (the checkpoint group, out_dir.make_group) listens on, or None when GLOO_SOCKET_IFNAME
     chooses the interface. As ProcessGroupGloo's createDefaultDevice: the first address the hostname resolves to
     that a socket can bind, else the loopback address. Many images map the hostname to 127.0.1.1 in /etc/hosts."""
     if env.get("GLOO_SOCKET_IFNAME"):
@@ -226,9 +227,9 @@ def nccl_settings(env=os.environ) -> dict:
 
 
 def file_sha256(path: str) -> str | None:
-    """A file's SHA-256 (16 hex digits, disk.sha256_file's), or None when it is absent."""
+    """A file's SHA-256 (16 hex digits, out_dir.sha256_file's), or None when it is absent."""
     try:
-        return disk.sha256_file(path)[:16]
+        return OD.sha256_file(path)[:16]
     except OSError:
         return None
 
@@ -495,11 +496,11 @@ def checkpoint_view(root: str) -> dict:
     the error listing them raised (every rank raises it, agreed_checkpoints: not this rank alone, while the others
     wait in the next collective)."""
     try:
-        folders = [os.path.basename(p) for p in disk.list_checkpoints(root)]
+        folders = [os.path.basename(p) for p in checkpoints.list_checkpoints(root)]
     except OSError as e:
         return dict(latest=None, folders=[], complete=[], error=[e.errno or 0, f"{e.filename or root}: {e.strerror or e}"])
-    complete = [name for name in folders if disk.is_complete(os.path.join(root, name))]
-    return dict(latest=disk.latest_name(root), folders=folders, complete=complete, error=None)
+    complete = [name for name in folders if checkpoints.is_complete(os.path.join(root, name))]
+    return dict(latest=checkpoints.latest_name(root), folders=folders, complete=complete, error=None)
 
 
 def settled(views: list[dict]) -> bool:
@@ -515,11 +516,11 @@ def agreed_checkpoints(root: str, views: list[dict], hosts: list[str]) -> tuple[
     failed = [(r, v["error"]) for r, v in enumerate(views) if v.get("error")]
     if failed:
         os_errno, line = failed[0][1]
-        raise disk.CheckpointError(f"{who([r for r, _ in failed], hosts)} cannot list the checkpoints: {line}",
+        raise OD.CheckpointError(f"{who([r for r, _ in failed], hosts)} cannot list the checkpoints: {line}",
                                    os_errno=os_errno or None)
     named = [v["latest"] for v in views if v["latest"]]
     if named and not any(name in v["folders"] for name in named for v in views):
-        raise disk.CheckpointError(f"{os.path.join(root, 'latest')} names {named[0]!r}, which is not a folder in {root}; "
+        raise OD.CheckpointError(f"{os.path.join(root, 'latest')} names {named[0]!r}, which is not a folder in {root}; "
                                    f"write the name of a step_* folder there, or delete it to use the newest")
     common = set(views[0]["folders"]).intersection(*(v["folders"] for v in views))
     names = sorted((n for n in common if not named or n <= min(named)), reverse=True)
@@ -529,7 +530,7 @@ def agreed_checkpoints(root: str, views: list[dict], hosts: list[str]) -> tuple[
                      f"{', '.join(view['folders']) or 'no checkpoint'}" for view, ranks in by_value(views))
     newest = [v["complete"][0] for v in views if v["complete"]]
     if not names and newest:  # some rank sees a checkpoint that another never did: not a view to start afresh from
-        raise disk.CheckpointError(f"the ranks do not see the same checkpoints after {CHECKPOINT_WAIT_S:g} s ({seen}), and "
+        raise OD.CheckpointError(f"the ranks do not see the same checkpoints after {CHECKPOINT_WAIT_S:g} s ({seen}), and "
                                    f"none is seen by every rank; a restart looks again", os_errno=errno.ESTALE)  # exit 1
     return ([os.path.join(root, n) for n in names],
             f"the ranks do not see the same checkpoints after {CHECKPOINT_WAIT_S:g} s ({seen}): resuming from the newest "
@@ -537,7 +538,7 @@ def agreed_checkpoints(root: str, views: list[dict], hosts: list[str]) -> tuple[
 
 
 def resume_candidates(root: str, rank: int, hosts: list[str], device) -> list[str]:
-    """The checkpoints disk.resume tries, the same list on every rank: every rank's view gathered, and gathered
+    """The checkpoints checkpoints.resume tries, the same list on every rank: every rank's view gathered, and gathered
     again every CHECKPOINT_POLL_S while they differ, for at most CHECKPOINT_WAIT_S (counted in rounds, so every
     rank stops looking at the same round)."""
     views = gather_json(checkpoint_view(root), device)
@@ -561,8 +562,8 @@ def loads_waited(started_s: float, rank: int, hosts: list[str]) -> str | None:
     `started_s`, time.perf_counter) are gathered in that wait; the line naming the slowest rank when it took more
     than LOAD_NOTE_FACTOR x the other ranks' median, or None."""
     seconds = torch.zeros(len(hosts), dtype=torch.float64)
-    disk.all_gather_flat(seconds, torch.tensor([time.perf_counter() - started_s], dtype=torch.float64),
-                         group=disk.group)
+    OD.all_gather_flat(seconds, torch.tensor([time.perf_counter() - started_s], dtype=torch.float64),
+                         group=OD.group)
     seconds = seconds.tolist()
     slowest = max(range(len(seconds)), key=lambda r: seconds[r])
     others = seconds[:slowest] + seconds[slowest + 1:]  # beside the rest: at W = 2 the median holds the slowest
@@ -656,7 +657,7 @@ def before_step_one(cfg, sharded, hosts: list[str], planned: dict | None) -> lis
         lines += [f"warning: {warning}"] if warning else []
     if gpu:
         everyone = torch.zeros(2 * world, dtype=torch.float64, device=device)
-        disk.all_gather_flat(everyone, torch.tensor([gpu["outside"], gpu["total"]], dtype=torch.float64, device=device))
+        OD.all_gather_flat(everyone, torch.tensor([gpu["outside"], gpu["total"]], dtype=torch.float64, device=device))
         outside, totals = everyone[0::2].tolist(), everyone[1::2].tolist()
         r = max(range(world), key=lambda i: outside[i])
         lines.append(f"GPU memory outside PyTorch's allocator after set-up (CUDA context, NCCL): largest "

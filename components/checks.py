@@ -13,7 +13,8 @@ import torch
 
 import data as D
 import model as M
-from components import disk, flags
+from components import checkpoints, flags, hf
+from components import out_dir as OD
 from components import run_data
 
 
@@ -43,11 +44,11 @@ def check_resume_mix(cfg) -> list[str]:
     if cfg.steps == 0 or cfg.from_ckpt:  # a conversion reads no data
         return []
     try:
-        candidates = disk.resume_candidates(os.path.join(cfg.out_dir, "checkpoints")) if cfg.resume == "auto" else []
-        state = disk.load_json(os.path.join(candidates[0], "manifest.json"))["data"]
+        candidates = checkpoints.resume_candidates(os.path.join(cfg.out_dir, "checkpoints")) if cfg.resume == "auto" else []
+        state = OD.load_json(os.path.join(candidates[0], "manifest.json"))["data"]
         if not state:  # a conversion run saved none
             return []
-    except (IndexError, OSError, ValueError, KeyError, TypeError, disk.CheckpointError):
+    except (IndexError, OSError, ValueError, KeyError, TypeError, OD.CheckpointError):
         return []  # no checkpoint, or a damaged one: resume says so and falls back
     sources = run_data.sources(cfg, "--data")
     mismatch = D.mix_mismatch(state, [n for n, _, _ in sources], [w for _, _, w in sources])
@@ -56,11 +57,11 @@ def check_resume_mix(cfg) -> list[str]:
 
 def check_export(mcfg: M.ModelConfig) -> list[str]:
     """--export_hf: what transformers builds from this model's config.json must be this model, found now
-    rather than after the training (disk.check_export_tensors; export_hf checks again)."""
+    rather than after the training (hf.check_export_tensors; export_hf checks again)."""
     with torch.device("meta"):
         shapes = {M.hf_name(n): tuple(p.shape) for n, p in M.Llama(mcfg).named_parameters()}
     try:
-        disk.check_export_tensors(disk.config_to_hf(mcfg, torch.float32), shapes)
+        hf.check_export_tensors(hf.config_to_hf(mcfg, torch.float32), shapes)
     except ValueError as e:
         return [str(e)]
     return []
@@ -69,8 +70,8 @@ def check_export(mcfg: M.ModelConfig) -> list[str]:
 def check_phase_tokenizer(cfg, checkpoint: str) -> list[str]:
     """A new phase from one of our checkpoints trains on data of the model's tokenizer: the one that
     prepared the data of the run that saved it (or of its own origin), when both are known."""
-    theirs = disk.export_origin(disk.load_json(os.path.join(checkpoint, "manifest.json"))["train"])["tokenizer"]
-    ours = disk.run_tokenizer(asdict(cfg))
+    theirs = hf.export_origin(OD.load_json(os.path.join(checkpoint, "manifest.json"))["train"])["tokenizer"]
+    ours = hf.tokenizer_record(asdict(cfg))
     if ours and theirs and ours["sha256"] != theirs["sha256"]:
         return [f"--data: {cfg.data} was tokenized with {ours['path']}, and the model of --init_from {checkpoint} was "
                 f"trained on data tokenized with {theirs['path']}, another tokenizer; prepare the data with that one"]
@@ -255,16 +256,16 @@ def check_run(cfg, world: int):
     {HF tensor name: file} (an --init_from Hugging Face folder), or a checkpoint folder (--from_ckpt, or
     --init_from one of ours: its manifest and file sizes checked here, its SHA-256 as it is read)."""
     errors = check_nodes() or flags.check_config(cfg, world)  # what depends on the node: agree.read_facts
-    if not errors and cfg.export_hf and disk.export_made(cfg.export_hf):
+    if not errors and cfg.export_hf and OD.export_made(cfg.export_hf):
         errors.append(f"--export_hf: {cfg.export_hf} exists and is not empty; remove it or choose another")
     if not errors:
         errors += check_resume_mix(cfg)
     mcfg = weights = None
     if not errors:
         try:
-            weights = disk.checkpoint_source(cfg)
-            mcfg = disk.model_config(cfg)
-        except disk.CheckpointError as e:
+            weights = hf.checkpoint_source(cfg)
+            mcfg = hf.model_config(cfg)
+        except OD.CheckpointError as e:
             errors.append(str(e))
         except (KeyError, json.JSONDecodeError) as e:
             errors.append(f"--init_from: cannot read config.json: {e}")
@@ -274,15 +275,16 @@ def check_run(cfg, world: int):
         errors += M.check_model_config(mcfg) or flags.check_param_groups(cfg, mcfg)
     if not errors and weights is not None:
         try:
-            disk.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from", unit_numels(mcfg))
-        except disk.CheckpointError as e:
+            checkpoints.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from",
+                                               unit_numels(mcfg))
+        except OD.CheckpointError as e:
             errors.append(str(e))
     if not errors and weights is not None and cfg.init_from and cfg.steps > 0 and not cfg.from_ckpt:
         errors += check_phase_tokenizer(cfg, weights)
     if not errors and cfg.init_from and weights is None and not cfg.from_ckpt:
         try:  # headers only: a bad weight file is one line here, not a traceback at load
-            weights = disk.hf_file_of_tensors(cfg.init_from)
-            disk.check_hf_tensors(weights, mcfg, cfg.init_from)
+            weights = hf.hf_file_of_tensors(cfg.init_from)
+            hf.check_hf_tensors(weights, mcfg, cfg.init_from)
         except (ValueError, FileNotFoundError) as e:
             errors.append(str(e))
     if not errors and cfg.export_hf:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import model as M
-from components import disk, offload
+from components import offload, out_dir as OD
 
 # Dense BF16 peak FLOP/s by device name (no sparsity), checked in order; peak_flops: None for one not listed (a
 # CPU). The planner (tools/plan.py) reads this table too.
@@ -30,7 +30,7 @@ PEAK_BF16_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("
 # assumes for a restart's set-up (its ASSUMPTIONS), printed beside the rate measured at start-up.
 HOST_PAGE_LOCKING_GBPS = 1.0
 
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # as in train.py
+from components.out_dir import all_gather_flat  # a name here: bench/comm_volume.py counts these calls
 
 
 def compute_clock(device):
@@ -161,7 +161,7 @@ def print_page_locking(sharded, hosts: list[str]):
     mine = torch.tensor([sum(b for b, _ in offload.PAGE_LOCKED), sum(t for _, t in offload.PAGE_LOCKED)],
                         dtype=torch.float64, device=sharded.device)
     everyone = torch.zeros(2 * sharded.world, dtype=torch.float64, device=sharded.device)
-    disk.all_gather_flat(everyone, mine)
+    all_gather_flat(everyone, mine)
     line = page_locking_line(list(zip(everyone[0::2].tolist(), everyone[1::2].tolist())), hosts)
     if line and sharded.rank == 0:
         print(line, flush=True)
@@ -308,7 +308,7 @@ class MetricsLog:
         go. Closing it flushes what is still buffered, which fails again on a full disk: that second error is the
         same one, and must not escape as a traceback (the first is what the run stops on)."""
         if not self.error:
-            self.error, self.error_cause = disk.unwritable(os.path.join(self.cfg.out_dir, "metrics.jsonl"), e), e
+            self.error, self.error_cause = OD.unwritable(os.path.join(self.cfg.out_dir, "metrics.jsonl"), e), e
         if self.file is not None:
             with contextlib.suppress(OSError):
                 self.file.close()  # CPython closes the descriptor even when the flush raises
@@ -322,7 +322,7 @@ class MetricsLog:
                 if f is not None:
                     f.close()
             except OSError as e:
-                print(f"warning: --out_dir: {disk.write_error(os.path.join(self.cfg.out_dir, 'metrics.jsonl'), e)}",
+                print(f"warning: --out_dir: {OD.write_error(os.path.join(self.cfg.out_dir, 'metrics.jsonl'), e)}",
                       file=sys.stderr, flush=True)
         self.file = self.tensorboard = None
 
@@ -335,11 +335,11 @@ def open_metrics(out_dir: str, start_step: int):
         with open(path) as f:
             rows = [(line, parse_metrics_line(line)) for line in f if line.strip()]
         kept = [line for line, row in rows if row is not None and row["step"] <= start_step]
-    with disk.create_file(path + ".tmp") as f:  # never through a link planted under the name
+    with OD.create_file(path + ".tmp") as f:  # never through a link planted under the name
         f.writelines(kept)
     os.replace(path + ".tmp", path)
     elapsed_before = json.loads(kept[-1])["elapsed_s"] if kept else 0.0  # time spent before a restart
-    return os.fdopen(disk.open_no_follow(path, os.O_WRONLY | os.O_APPEND), "a"), elapsed_before
+    return os.fdopen(OD.open_no_follow(path, os.O_WRONLY | os.O_APPEND), "a"), elapsed_before
 
 
 def parse_metrics_line(line: str):

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 import data as D
-from components import agree, disk, flags
+from components import agree, flags
+from components import out_dir as OD
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -194,30 +195,28 @@ def each_said(store, name: str, rank: int, ranks):
 #   previous attempt's process still exiting frees it within seconds); still held after that, it is another
 #   job's, or a process that cannot exit: 2, naming the host to leave out (sbatch --exclude=HOST).
 # - the first contact not made within --first_contact_s (make_group): 2, a restart would hang the same way.
-# - the checkpoint group's gloo unable to connect once every rank has met in the store (disk.GroupUnreachable):
+# - the checkpoint group's gloo unable to connect once every rank has met in the store (out_dir.GroupUnreachable):
 #   2, an interface or a firewall. The store itself not reachable yet (DistNetworkError): 1, its node may still
 #   be starting.
 # - an exception: 2 for the types listed below, else 1 (exit_code), an exception type nobody listed included:
-#   NCCL/gloo errors at set-up, CUDA out of memory at start-up, an ECC error, a lock a crashed node left
-#   (disk.OutDirHeld), a checkpoint read failing with EIO/ESTALE.
+#   NCCL/gloo errors at set-up, CUDA out of memory at start-up, an ECC error, a checkpoint read failing with
+#   EIO/ESTALE.
 REPEATS_ON_RESTART = (
     ValueError, KeyError,  # a bad flag or value; a config.json or weight file this code does not load
     ImportError,           # a package a flag needs
     D.DataError,           # bad or missing data
     FileNotFoundError,     # a file a flag names is not there
-    disk.CheckpointError,  # checkpoints all damaged, a resume under other flags, an out_dir not shared by all ranks
-    disk.GroupUnreachable, # the checkpoint group's gloo cannot connect: an interface, a firewall
-)                          # (but CheckpointError's subclass OutDirHeld, and its os_errno when it has one: below)
+    OD.CheckpointError,  # checkpoints all damaged, a resume under other flags, an out_dir not shared by all ranks
+    OD.GroupUnreachable, # the checkpoint group's gloo cannot connect: an interface, a firewall
+)                          # (but a CheckpointError's os_errno, when it has one: below)
 
 
 def exit_code(e: BaseException) -> int:
     """2 if `e` will happen again on a restart, else 1 (REPEATS_ON_RESTART). An OSError, or a CheckpointError
-    caused by one, repeats when the disk is full, over quota, read-only or forbidden (disk.LASTING_ERRNOS)."""
-    if isinstance(e, disk.OutDirHeld):
-        return 1
-    os_errno = e.os_errno if isinstance(e, disk.CheckpointError) else getattr(e, "errno", None)
-    if os_errno and isinstance(e, (OSError, disk.CheckpointError)) and not isinstance(e, FileNotFoundError):
-        return 2 if os_errno in disk.LASTING_ERRNOS else 1
+    caused by one, repeats when the disk is full, over quota, read-only or forbidden (out_dir.LASTING_ERRNOS)."""
+    os_errno = e.os_errno if isinstance(e, OD.CheckpointError) else getattr(e, "errno", None)
+    if os_errno and isinstance(e, (OSError, OD.CheckpointError)) and not isinstance(e, FileNotFoundError):
+        return 2 if os_errno in OD.LASTING_ERRNOS else 1
     return 2 if isinstance(e, REPEATS_ON_RESTART) else 1
 
 
@@ -227,9 +226,9 @@ def error_line(e: BaseException, when: str) -> str:
     torch.distributed, which names its peer itself) the line of code that raised it, so that no traceback is
     needed to find it."""
     if isinstance(e, OSError) and e.filename and e.strerror:  # the system's words, and what usually fixes it
-        line = disk.write_error(e.filename, e)
+        line = OD.write_error(e.filename, e)
         return line if exit_code(e) == 2 else f"{type(e).__name__} {when}: {line}; a restart may succeed"
-    if exit_code(e) == 2 or isinstance(e, (disk.CheckpointError, disk.CheckpointUnreadable)):
+    if exit_code(e) == 2 or isinstance(e, (OD.CheckpointError, OD.CheckpointUnreadable)):
         return str(e).strip("'\"")
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     text = (lines[0] if lines else "").rstrip(".")

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import data as D
 import model as M
-from components import disk, flags
+from components import flags, hf, out_dir as OD
 from components import run_data
 
 
@@ -36,7 +36,7 @@ def end_ids(cfg, mcfg: M.ModelConfig, tok: D.Tokenizer) -> list[int]:
     if tok.kind == "huggingface":  # its eos_token when tok.eos_id is <|end_of_text|> (Llama 3 Instruct: <|eot_id|>)
         ids.add(tok.hf.eos_token_id)
     for name in ("config.json", "generation_config.json"):
-        eos = (disk.source_json(cfg.init_from, name) or {}).get("eos_token_id")
+        eos = (hf.source_json(cfg.init_from, name) or {}).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [eos])
     return sorted(i for i in ids if isinstance(i, int) and 0 <= i < mcfg.vocab_size)
 
@@ -115,7 +115,7 @@ class Sampler:
             try:
                 keep_rows_up_to(self.path, start_step)
             except OSError as e:
-                self.error, self.error_cause = disk.unwritable(self.path, e), e
+                self.error, self.error_cause = OD.unwritable(self.path, e), e
 
     def sample(self, sharded, step: int):
         """Completes every prompt; rank 0 prints them and appends them to samples.jsonl with the step."""
@@ -127,10 +127,10 @@ class Sampler:
                      completion=self.tok.decode(ids[:-1] if ids[-1] in self.stop_ids else ids), ids=ids)
                 for record, ids in zip(self.records, completions)]
         try:
-            with os.fdopen(disk.open_no_follow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
+            with os.fdopen(OD.open_no_follow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
                 f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
         except OSError as e:  # a torn last line is dropped on resume (keep_rows_up_to); `with` closed the file
-            self.error, self.error_cause = disk.unwritable(self.path, e), e
+            self.error, self.error_cause = OD.unwritable(self.path, e), e
         print(f"samples at step {step} ({len(rows)} prompts, {time.perf_counter() - t0:.1f} s, {self.path}):", flush=True)
         for row in rows:
             prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
@@ -149,6 +149,6 @@ def keep_rows_up_to(path: str, step: int):
                         kept.append(line)
                 except (ValueError, KeyError, TypeError):
                     pass
-    with disk.create_file(path + ".tmp") as f:  # never through a link planted under the name
+    with OD.create_file(path + ".tmp") as f:  # never through a link planted under the name
         f.writelines(kept)
     os.replace(path + ".tmp", path)

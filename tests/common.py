@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DIST_WORKER = os.path.join(ROOT, "tests", "dist_worker.py")  # train.py's pieces under a test's own loop (run_script)
 sys.path.insert(0, ROOT)
 
-from components import disk  # noqa: E402
+from components import hf  # noqa: E402
 import model as M  # noqa: E402
 from warm_start import free_port  # noqa: E402,F401  (a port nothing listens on: the tests' launcher's own)
 
@@ -41,7 +41,7 @@ def hf_model(cfg: M.ModelConfig, seed: int = 0, hf_config: dict | None = None):
     import transformers
     family = M.FAMILIES[cfg.family]
     torch.manual_seed(seed)
-    hf_cfg = getattr(transformers, family["hf_config_class"])(**(hf_config or disk.config_to_hf(cfg, torch.float32)))
+    hf_cfg = getattr(transformers, family["hf_config_class"])(**(hf_config or hf.config_to_hf(cfg, torch.float32)))
     hf_cfg._attn_implementation = "eager"
     ref = getattr(transformers, family["hf_class"])(hf_cfg).float().eval()
     with torch.no_grad():  # norms start at ones; make them random so a wrong norm weight shows

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from components import disk  # noqa: E402
+from components import out_dir as OD  # noqa: E402
 import train as T  # noqa: E402
 from common import run_train, with_built_sample  # noqa: E402
 
@@ -39,10 +39,10 @@ def main_in_process(monkeypatch):
     gc.enable()    # failed run leaves them so
     if dist.is_initialized():  # a failed run leaves its group
         dist.destroy_process_group()
-    disk.group = None
-    if disk.out_dir_lock is not None:
-        disk.out_dir_lock.close()
-    disk.out_dir_lock = disk.out_dir_claim = None
+    OD.group = None
+    if OD.out_dir_lock is not None:
+        OD.out_dir_lock.close()
+    OD.out_dir_lock = OD.out_dir_claim = None
 
 
 @pytest.fixture

@@ -62,7 +62,7 @@ LORA_RANK = 2
 
 class LoraBlock(M.Block):
     """A fork's adapter on each block's output, h + B(A(h)) (`lora_a`, `lora_b`), initialised by the trainer's rule
-    (disk.init_unit_random) and sharded as a unit of its own, `layers.i.lora` (lora_units): it trains beside a frozen
+    (hf.init_unit_random) and sharded as a unit of its own, `layers.i.lora` (lora_units): it trains beside a frozen
     base, and a new phase (--init_from a checkpoint without it) adds it."""
 
     def __init__(self, cfg):
@@ -153,7 +153,7 @@ def facts(overrides: dict):
     slow_load_s (this rank's --init_from or resume takes that many seconds longer). What the code reads is
     replaced where it reads it, so the same patches apply to the code before components/agree.py too."""
     import types
-    from components import checks, disk
+    from components import checkpoints, checks, hf
     try:
         from components import agree
         agree.CHECKPOINT_WAIT_S, agree.CHECKPOINT_POLL_S = 2.0, 0.5
@@ -185,16 +185,16 @@ def facts(overrides: dict):
         torch.distributed.init_process_group = init_process_group
     if "slow_load_s" in overrides:
         import time
-        for name in ("init_weights", "resume"):
-            def slow(*args, load=getattr(disk, name), **kwargs):
+        for module, name in ((hf, "init_weights"), (checkpoints, "resume")):
+            def slow(*args, load=getattr(module, name), **kwargs):
                 time.sleep(overrides["slow_load_s"])
                 return load(*args, **kwargs)
-            setattr(disk, name, slow)
+            setattr(module, name, slow)
     if "checkpoints_up_to" in overrides:
-        newest, list_checkpoints = overrides["checkpoints_up_to"], disk.list_checkpoints
-        disk.list_checkpoints = lambda root: [p for p in list_checkpoints(root) if os.path.basename(p) <= newest]
-        disk.latest_name = lambda root: newest
-        disk.resume_candidates = lambda root: disk.list_checkpoints(root)  # the code before: its own reading
+        newest, list_checkpoints = overrides["checkpoints_up_to"], checkpoints.list_checkpoints
+        checkpoints.list_checkpoints = lambda root: [p for p in list_checkpoints(root) if os.path.basename(p) <= newest]
+        checkpoints.latest_name = lambda root: newest
+        checkpoints.resume_candidates = lambda root: checkpoints.list_checkpoints(root)  # the code before: its own reading
 
 
 if __name__ == "__main__":

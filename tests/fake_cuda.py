@@ -730,7 +730,7 @@ def child(argv):
         install_flash_attn_stand_in()
     sys.path.insert(0, ROOT)
     import model as M
-    from components import disk
+    from components import hf
     from components import metrics
     from components import offload as O
     import train as T
@@ -739,7 +739,7 @@ def child(argv):
         VARIANTS[args.variant](M, T)
     install_checked_collectives(T, args.world)
     cfg = T.parse_args(train_flags + ["--device", "cuda"])
-    mcfg = M.ModelConfig(**json.loads(args.model_json)) if args.model_json else disk.model_config(cfg)
+    mcfg = M.ModelConfig(**json.loads(args.model_json)) if args.model_json else hf.model_config(cfg)
     install_host_read([2.5, 2 * cfg.grad_clip if cfg.grad_clip else 1.0])  # loss, grad norm: clipped
     dist.init_process_group("fake", store=FakeStore(), rank=args.rank, world_size=args.world)
     memory, pinned = DeviceMemory(), weakref.WeakSet()

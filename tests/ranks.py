@@ -68,7 +68,7 @@ def sharded_model(cfg, mcfg, weights) -> T.ShardedModel:
     """This rank's ShardedModel with its first weights (seeded, or its shards of --init_from), as train.setup
     makes it (inside run_ranks: the rank and world come from the thread's group)."""
     sharded = T.build_sharded_model(cfg, mcfg, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
-    T.disk.init_weights(cfg, mcfg, sharded.units, weights)
+    T.hf.init_weights(cfg, mcfg, sharded.units, weights)
     if cfg.offload_optimizer:
         O.refresh_compute_shards(sharded.units)
     return sharded

@@ -16,7 +16,8 @@ from common import DIST_WORKER, model_and_tokens, read_metrics, run_script, run_
 from ranks import run_ranks
 
 from components import agree  # noqa: E402
-from components import disk  # noqa: E402
+from components import checkpoints  # noqa: E402
+from components import out_dir as OD  # noqa: E402
 import train as T  # noqa: E402
 
 GIB = 2**30
@@ -424,10 +425,10 @@ def test_a_stale_view_on_one_node_resumes_every_rank_from_the_newest_common_chec
 
 
 def test_a_latest_no_rank_sees_is_refused_and_a_checkpoint_only_some_ever_see_is_left_to_a_restart():
-    with pytest.raises(disk.CheckpointError, match="names 'step_00000099', which is not a folder") as e:
+    with pytest.raises(OD.CheckpointError, match="names 'step_00000099', which is not a folder") as e:
         agree.agreed_checkpoints("ck", [view(99, 2, 4)] * 4, HOSTS)
     assert T.exit_code(e.value) == 2  # the operator's edit: a restart repeats it
-    with pytest.raises(disk.CheckpointError, match="none is seen by every rank; a restart looks again") as e:
+    with pytest.raises(OD.CheckpointError, match="none is seen by every rank; a restart looks again") as e:
         agree.agreed_checkpoints("ck", [view(2, 2)] * 2 + [view(None)] * 2, HOSTS)
     assert e.value.os_errno == errno.ESTALE and T.exit_code(e.value) == 1
 
@@ -436,12 +437,12 @@ def test_a_rank_that_cannot_list_the_checkpoints_stops_every_rank_with_its_error
     """Raised on that rank alone, the error would leave the others waiting in the next collective."""
     def denied(root):
         raise PermissionError(errno.EACCES, "Permission denied", root)
-    monkeypatch.setattr(disk, "list_checkpoints", denied)
+    monkeypatch.setattr(checkpoints, "list_checkpoints", denied)
     stale = agree.checkpoint_view(str(tmp_path))
-    with pytest.raises(disk.CheckpointError) as e:
+    with pytest.raises(OD.CheckpointError) as e:
         agree.agreed_checkpoints(str(tmp_path), [view(4, 2, 4)] * 3 + [stale], HOSTS)
     assert str(e.value) == f"rank 3 (node1) cannot list the checkpoints: {tmp_path}: Permission denied"
-    assert T.exit_code(e.value) == 2  # EACCES lasts (disk.LASTING_ERRNOS)
+    assert T.exit_code(e.value) == 2  # EACCES lasts (out_dir.LASTING_ERRNOS)
 
 
 def test_a_gpu_that_cannot_say_its_memory_is_named():
@@ -516,30 +517,30 @@ def test_a_checkpoint_group_that_cannot_connect_is_one_line_within_the_short_tim
     """gloo connects every pair of ranks when its group is made, for as long as the group's timeout (an hour): a
     group made first with GLOO_CONNECT_TIMEOUT_S says in one line what to set."""
     def new_group(backend, timeout):
-        assert timeout.total_seconds() == disk.GLOO_CONNECT_TIMEOUT_S  # the probe comes first
+        assert timeout.total_seconds() == OD.GLOO_CONNECT_TIMEOUT_S  # the probe comes first
         raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:144] Timed out connecting to 10.0.0.2:41233")
-    monkeypatch.setattr(disk, "group", None)
-    monkeypatch.setattr(disk.dist, "new_group", new_group)
+    monkeypatch.setattr(OD, "group", None)
+    monkeypatch.setattr(OD.dist, "new_group", new_group)
     with pytest.raises(RuntimeError) as e:
-        disk.make_group(60)
+        OD.make_group(60)
     assert str(e.value).startswith("the checkpoint group (gloo: TCP between every pair of ranks) did not connect within "
                                    "120 s ([../third_party/gloo/gloo/transport/tcp/pair.cc:144] Timed out connecting to "
                                    "10.0.0.2:41233): gloo listens on the address"), e.value
-    assert "GLOO_SOCKET_IFNAME" in str(e.value) and disk.group is None
+    assert "GLOO_SOCKET_IFNAME" in str(e.value) and OD.group is None
 
 
 def test_the_probe_group_is_destroyed_only_once_every_rank_has_connected(monkeypatch):
     """A rank that destroys the probe group as soon as its own connections are made leaves a slower rank still
     connecting to it ("Connection closed by peer"): make_group waits on a barrier of the probe first."""
     calls = []
-    monkeypatch.setattr(disk, "group", None)
-    monkeypatch.setattr(disk.dist, "new_group", lambda backend, timeout: calls.append(("new", timeout.total_seconds()))
+    monkeypatch.setattr(OD, "group", None)
+    monkeypatch.setattr(OD.dist, "new_group", lambda backend, timeout: calls.append(("new", timeout.total_seconds()))
                         or f"group {len(calls)}")
-    monkeypatch.setattr(disk.dist, "barrier", lambda group: calls.append(("barrier", group)))
-    monkeypatch.setattr(disk.dist, "destroy_process_group", lambda group: calls.append(("destroy", group)))
-    disk.make_group(60)
-    assert calls == [("new", disk.GLOO_CONNECT_TIMEOUT_S), ("barrier", "group 1"), ("destroy", "group 1"), ("new", 3600)]
-    assert disk.group == "group 4"
+    monkeypatch.setattr(OD.dist, "barrier", lambda group: calls.append(("barrier", group)))
+    monkeypatch.setattr(OD.dist, "destroy_process_group", lambda group: calls.append(("destroy", group)))
+    OD.make_group(60)
+    assert calls == [("new", OD.GLOO_CONNECT_TIMEOUT_S), ("barrier", "group 1"), ("destroy", "group 1"), ("new", 3600)]
+    assert OD.group == "group 4"
 
 
 # -- launch.sh's settings, made by train.py ------------------------------------------------------------------
@@ -712,7 +713,7 @@ def test_the_slowest_load_is_named_only_well_past_the_median(monkeypatch):
     def loads(seconds):
         def all_gather_flat(out, mine, group):
             out.copy_(T.torch.tensor(seconds, dtype=T.torch.float64))
-        monkeypatch.setattr(agree.disk, "all_gather_flat", all_gather_flat)
+        monkeypatch.setattr(agree.OD, "all_gather_flat", all_gather_flat)
         return agree.loads_waited(agree.time.perf_counter(), 0, ["node0", "node0", "node1", "node1"])
     assert loads([10.0, 11.0, 12.0, 19.0]) is None  # not twice the median
     assert loads([1.0, 1.2, 1.1, 4.0]) is None  # twice, but 3 s: noise at this scale

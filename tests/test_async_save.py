@@ -10,7 +10,8 @@ import time
 import pytest
 from common import learnable_tokens, read_metrics, run_train
 
-from components import disk
+from components import checkpoints
+from components import out_dir as OD
 import train as T
 
 BASE = ["--model=tiny", "--seq_len=16", "--batch_size=4", "--micro_batch_size=1", "--dtype=float32", "--steps=6",
@@ -81,7 +82,7 @@ def test_a_rank_killed_in_its_background_write_leaves_the_previous_checkpoint(da
     assert proc.returncode != 0
     assert latest(tmp_path) == "step_00000002" and ckpts(tmp_path) == ["step_00000002"]
     assert not os.path.exists(tmp_path / "checkpoints" / ".tmp-step_00000004" / "manifest.json")
-    assert not disk.is_complete(str(tmp_path / "checkpoints" / ".tmp-step_00000004"))
+    assert not checkpoints.is_complete(str(tmp_path / "checkpoints" / ".tmp-step_00000004"))
     proc = run_train(cmd, nproc=2)
     assert "at step 2" in proc.stdout
     assert losses(tmp_path) == losses(never_saves)
@@ -91,7 +92,7 @@ def test_a_rank_killed_in_its_background_write_leaves_the_previous_checkpoint(da
 @pytest.fixture
 def failing_write(monkeypatch):
     """The write of step 2's rank file fails with ENOSPC, as a full disk would."""
-    real = disk.write_safetensors_streaming
+    real = OD.write_safetensors_streaming
 
     def full(path, tensors, metadata=None):
         if "step_00000002" in path:
@@ -99,7 +100,7 @@ def failing_write(monkeypatch):
                 f.write(b"\0" * 100)  # what fitted
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(path, tensors, metadata)
-    monkeypatch.setattr(disk, "write_safetensors_streaming", full)
+    monkeypatch.setattr(OD, "write_safetensors_streaming", full)
 
 
 def test_a_full_disk_in_the_background_write_is_the_synchronous_line_and_exit_2(data, main_in_process, failing_write,
@@ -123,7 +124,7 @@ def test_a_full_disk_in_the_background_write_is_the_synchronous_line_and_exit_2(
 def stop_at(monkeypatch):
     """stop_at(step, slow_write_step, wait_s): a SIGUSR1 during `step` (after sleeping wait_s), and the rank file
     of `slow_write_step` written 2 s late."""
-    real_step, real_write = T.train_step, disk.write_safetensors_streaming
+    real_step, real_write = T.train_step, OD.write_safetensors_streaming
 
     def arm(stop_step, slow_write_step, wait_s=0.0):
         def train_step(cfg, sharded, windows, step, position):
@@ -137,10 +138,10 @@ def stop_at(monkeypatch):
                 time.sleep(2.0)
             return real_write(path, tensors, metadata)
         monkeypatch.setattr(T, "train_step", train_step)
-        monkeypatch.setattr(disk, "write_safetensors_streaming", write)
+        monkeypatch.setattr(OD, "write_safetensors_streaming", write)
     yield arm
     monkeypatch.setattr(T, "train_step", real_step)
-    monkeypatch.setattr(disk, "write_safetensors_streaming", real_write)
+    monkeypatch.setattr(OD, "write_safetensors_streaming", real_write)
 
 
 def test_a_stop_during_a_background_write_keeps_it_and_resumes_exactly(data, main_in_process, stop_at, tmp_path,
@@ -187,13 +188,13 @@ def test_background_saves_of_frozen_units_are_the_synchronous_saves(data, main_i
     """--freeze: a frozen unit's staged state is its master shard alone, written by the run's first save into the
     frozen set every checkpoint names (and not again after a resume that keeps --freeze and W); and the manifest's
     per-unit step counts are the snapshot's, not those of the later step at which the background save commits."""
-    frozen_writes, write = [], disk.write_safetensors_streaming
+    frozen_writes, write = [], OD.write_safetensors_streaming
 
     def counting_write(path, *args, **kwargs):  # a frozen set's files, as a save writes them
-        if f"{os.sep}{disk.FROZEN_TMP}{os.sep}" in path:
+        if f"{os.sep}{checkpoints.FROZEN_TMP}{os.sep}" in path:
             frozen_writes.append(path)
         return write(path, *args, **kwargs)
-    monkeypatch.setattr(disk, "write_safetensors_streaming", counting_write)
+    monkeypatch.setattr(OD, "write_safetensors_streaming", counting_write)
     runs = {}
     for mode in ("false", "true"):
         runs[mode] = tmp_path / mode
@@ -218,7 +219,7 @@ def test_the_staging_buffer_is_what_the_planner_counts_and_is_taken_once(data, m
     planner's own test checks its formula against real units at W=3), taken once and reused by every save."""
     from tools import plan
     made, copied_into, models = [], [], []
-    real_init, real_start, real_setup = disk.BackgroundSave.__init__, disk.BackgroundSave.start, T.setup
+    real_init, real_start, real_setup = checkpoints.BackgroundSave.__init__, checkpoints.BackgroundSave.start, T.setup
 
     def init(self, units, device):
         real_init(self, units, device)
@@ -232,8 +233,8 @@ def test_the_staging_buffer_is_what_the_planner_counts_and_is_taken_once(data, m
         result = real_setup(cfg)
         models.append(result[0].model.cfg)
         return result
-    monkeypatch.setattr(disk.BackgroundSave, "__init__", init)
-    monkeypatch.setattr(disk.BackgroundSave, "start", start)
+    monkeypatch.setattr(checkpoints.BackgroundSave, "__init__", init)
+    monkeypatch.setattr(checkpoints.BackgroundSave, "start", start)
     monkeypatch.setattr(T, "setup", setup)
     assert main_in_process(args(data, tmp_path, "--ckpt_every=1", "--async_save=true")) == 0
     assert len(made) == 1 and len(copied_into) == 5  # steps 1..5 in the background, step 6 at the end
@@ -249,7 +250,7 @@ def test_a_staging_buffer_that_cannot_be_made_stops_every_rank_at_the_first_save
     collective the others left) and the run stops, exit 2: a restart would meet the same limit."""
     def failing(self, tensors, device):
         self.prepare_error, self.prepared_s = RuntimeError("cudaHostRegister of 49.3 GiB failed (CUDA error 2)"), 0.0
-    monkeypatch.setattr(disk.BackgroundSave, "prepare", failing)
+    monkeypatch.setattr(checkpoints.BackgroundSave, "prepare", failing)
     assert main_in_process(args(data, tmp_path, "--ckpt_every=2", "--async_save=true")) == 2
     err = capsys.readouterr().err
     assert ("error: --async_save: 1 rank(s) could not make the staging buffer: cudaHostRegister of 49.3 GiB failed "

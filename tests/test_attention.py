@@ -307,7 +307,7 @@ def test_deterministic_reaches_flash_attn_and_torch(monkeypatch, deterministic_o
     workspace (only where unset), and both flash-attn calls (whole rows, packed documents) get
     deterministic=True; without the flag, False. flash-attn is faked: it records its keyword arguments."""
     import torch.distributed as dist
-    from components import disk
+    from components import out_dir as OD
     import train as T
     calls = []
 
@@ -331,7 +331,7 @@ def test_deterministic_reaches_flash_attn_and_torch(monkeypatch, deterministic_o
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace_before
         T.init_processes(T.parse_args(["--deterministic", flag, "--device", "cpu"]))
         dist.destroy_process_group()
-        disk.group = None
+        OD.group = None
         assert torch.are_deterministic_algorithms_enabled() == (flag == "true")
         assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == workspace_after
         calls.clear()
@@ -343,7 +343,7 @@ def test_deterministic_reaches_flash_attn_and_torch(monkeypatch, deterministic_o
 def test_deterministic_trains_the_same_on_cpu_and_is_not_compared_on_resume(tmp_path):
     """On CPU the kernels are deterministic already: --deterministic (torch's strict mode, which raises on an op
     without a deterministic kernel) trains bit for bit as without it, packed documents included. A run
-    stopped without it resumes with it, exactly and without a changed-flag warning (disk.RESUME_NOT_COMPARED:
+    stopped without it resumes with it, exactly and without a changed-flag warning (checkpoints.RESUME_NOT_COMPARED:
     it chooses kernels, not what is trained)."""
     from common import read_metrics, run_train, stopped_at
     flags = ["--model", "tiny", "--steps", "4", "--ckpt_every", "2", "--seq_len", "64", "--batch_size", "4",

@@ -16,7 +16,8 @@ import torch
 from common import ROOT, hf_model, learnable_tokens, read_metrics, run_train, save_hf, small_config, stopped_at
 from ranks import config_and_data, run_ranks, sharded_model
 
-from components import disk  # noqa: E402
+from components import checkpoints  # noqa: E402
+from components import out_dir as OD  # noqa: E402
 
 BASE = ["--seq_len=16", "--batch_size=12", "--micro_batch_size=1", "--dtype=float32", "--steps=6",
         "--lr=3e-3", "--warmup_steps=2", "--seed=1"]
@@ -164,8 +165,8 @@ def resume_on_two_ranks(cmd) -> list:
     def rank_resume(rank):
         sharded = sharded_model(cfg, mcfg, weights)
         try:
-            return disk.resume(cfg, mcfg, sharded.units, windows, rank, disk.resume_candidates(root))
-        except disk.CheckpointError as e:  # each rank's own, to compare
+            return checkpoints.resume(cfg, mcfg, sharded.units, windows, rank, checkpoints.resume_candidates(root))
+        except OD.CheckpointError as e:  # each rank's own, to compare
             return e
     return run_ranks(2, rank_resume)
 
@@ -178,7 +179,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(three_checkpoints,
     cmd, newest = three_checkpoints
     damage, message = DAMAGE[kind]
     damage(newest)
-    monkeypatch.setattr(disk, "group", None)  # each rank thread's own default group, not another test's
+    monkeypatch.setattr(OD, "group", None)  # each rank thread's own default group, not another test's
     resumed = resume_on_two_ranks(cmd + ["--steps=7"])
     stderr = capsys.readouterr().err
     assert f"checkpoint {newest}" in stderr and message in stderr, stderr[-3000:]
@@ -255,25 +256,25 @@ def test_a_damaged_or_missing_frozen_file_is_refused_naming_it(files, frozen_run
     out = copy_of(frozen_run, tmp_path)
     the_set, newest = frozen_set_of(out), out / "checkpoints" / "step_00000006"
     flip_byte(out / "checkpoints" / the_set / "rank00001-of-00002.safetensors")
-    monkeypatch.setattr(disk, "group", None)  # each rank thread's own default group
+    monkeypatch.setattr(OD, "group", None)  # each rank thread's own default group
     resumed = resume_on_two_ranks(args(files, out, FREEZE, "--steps=7"))
     stderr = capsys.readouterr().err
     assert (f"checkpoint {newest}: ../{the_set}/rank00001-of-00002.safetensors does not match its SHA-256 (damaged)"
             in stderr), stderr[-3000:]
     assert f"not using {newest}; trying the previous checkpoint" in stderr
-    assert all(isinstance(e, disk.CheckpointError) and str(e).startswith("no intact checkpoint") for e in resumed)
+    assert all(isinstance(e, OD.CheckpointError) and str(e).startswith("no intact checkpoint") for e in resumed)
     os.remove(out / "checkpoints" / the_set / "rank00000-of-00002.safetensors")
-    with pytest.raises(disk.CheckpointError) as e:
-        disk.check_checkpoint_files(str(newest), "--init_from", {name: unit["numel"] for name, unit in json.load(
+    with pytest.raises(OD.CheckpointError) as e:
+        checkpoints.check_checkpoint_files(str(newest), "--init_from", {name: unit["numel"] for name, unit in json.load(
             open(newest / "manifest.json"))["units"].items()})  # this model's units: the checkpoint's
     assert str(e.value) == f"--init_from: checkpoint {newest}: ../{the_set}/rank00000-of-00002.safetensors is missing"
 
 
-def test_a_frozen_sets_checkpoint_exports_at_another_world_size_as_the_format_before_it(frozen_run, tmp_path,
-                                                                                        main_in_process):
+def test_a_frozen_sets_checkpoint_exports_at_another_world_size_and_the_format_before_it_is_refused(
+        frozen_run, tmp_path, main_in_process, capsys):
     """--from_ckpt (the master shards alone, as --init_from reads a checkpoint) at W=1 reads each unit from the two
-    W=2 files that cover it, the frozen set's too: the export is the run's own. A checkpoint of the format before
-    frozen sets (every unit in the rank files, no "frozen") exports the same."""
+    W=2 files that cover it, the frozen set's too: the export is the run's own. A checkpoint of a development
+    build's format before frozen sets (every unit in the rank files, no "frozen") is refused in one line."""
     from safetensors.torch import load_file, save_file
     step6 = frozen_run / "checkpoints" / "step_00000006"
     old = tmp_path / "old" / "checkpoints" / "step_00000006"
@@ -282,13 +283,19 @@ def test_a_frozen_sets_checkpoint_exports_at_another_world_size_as_the_format_be
     the_set = step6.parent / manifest.pop("frozen")["folder"]
     for fname in manifest["files"]:
         save_file({**load_file(old / fname), **load_file(the_set / fname)}, old / fname)
-        manifest["files"][fname] = {"sha256": disk.sha256_file(old / fname), "bytes": os.path.getsize(old / fname)}
+        manifest["files"][fname] = {"sha256": OD.sha256_file(old / fname), "bytes": os.path.getsize(old / fname)}
     (old / "manifest.json").write_text(json.dumps(manifest))
-    for name, checkpoint in (("new", step6), ("old", old)):
-        assert main_in_process(["--dtype=float32", f"--from_ckpt={checkpoint}", f"--export_hf={tmp_path / name}-hf",
-                                f"--out_dir={tmp_path / name}-convert"]) == 0
-        a, b = exported(f"{tmp_path / name}-hf"), exported(frozen_run / "hf")
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b), name
+    assert main_in_process(["--dtype=float32", f"--from_ckpt={step6}", f"--export_hf={tmp_path / 'new'}-hf",
+                            f"--out_dir={tmp_path / 'new'}-convert"]) == 0
+    a, b = exported(f"{tmp_path / 'new'}-hf"), exported(frozen_run / "hf")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+    capsys.readouterr()
+    assert main_in_process(["--dtype=float32", f"--from_ckpt={old}", f"--export_hf={tmp_path / 'old'}-hf",
+                            f"--out_dir={tmp_path / 'old'}-convert"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: --from_ckpt: checkpoint {old}: manifest.json: frozen is None, expected the frozen set that holds the "
+        f"units saved frozen (a damaged or edited manifest)")
+    assert not os.path.exists(f"{tmp_path / 'old'}-hf")
 
 
 class Planted:
@@ -334,9 +341,9 @@ def test_resume_with_another_model_or_seq_len_names_each_and_never_falls_back(fi
     cmd, newest = three_checkpoints
     changed = [a for a in cmd if not a.startswith(("--init_from", "--seq_len"))] + [
         f"--init_from={files['other']}", "--seq_len=32", "--steps=7"]  # --steps 7: a resume, not a finished run
-    monkeypatch.setattr(disk, "group", None)  # each rank thread's own default group
+    monkeypatch.setattr(OD, "group", None)  # each rank thread's own default group
     by_rank = resume_on_two_ranks(changed)
-    assert all(isinstance(e, disk.CheckpointError) for e in by_rank) and str(by_rank[0]) == str(by_rank[1]), by_rank
+    assert all(isinstance(e, OD.CheckpointError) for e in by_rank) and str(by_rank[0]) == str(by_rank[1]), by_rank
     assert main_in_process(changed) != 0
     stderr = capsys.readouterr().err
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
@@ -352,16 +359,17 @@ def test_resume_with_another_model_or_seq_len_names_each_and_never_falls_back(fi
 
 def test_every_flag_is_either_kept_warned_about_or_not_compared_on_resume():
     import train as T
-    decided = list(disk.RESUME_MUST_MATCH) + list(disk.RESUME_MAY_CHANGE) + list(disk.RESUME_NOT_COMPARED)
+    decided = list(checkpoints.RESUME_MUST_MATCH) + list(checkpoints.RESUME_MAY_CHANGE) + list(checkpoints.RESUME_NOT_COMPARED)
     assert sorted(decided) == sorted(f.name for f in fields(T.TrainConfig))  # each once: a new flag needs a decision
 
 
 def saved_manifest(folder, cfg, mcfg, drop_train=(), drop_model=()):
     os.makedirs(folder, exist_ok=True)
     manifest = {  # what checkpoint_manifest writes, without units
-        "format": disk.CKPT_FORMAT, "step": 6, "world_size": 2, "files": {}, "data": None,
+        "format": checkpoints.CKPT_FORMAT, "step": 6, "world_size": 2, "files": {}, "data": None,
         "train": {k: v for k, v in asdict(cfg).items() if k not in drop_train},
-        "model": {k: v for k, v in asdict(mcfg).items() if k not in drop_model}}
+        "model": {k: v for k, v in asdict(mcfg).items() if k not in drop_model},
+        "resolved": {k: checkpoints.flag_meaning(k, getattr(cfg, k)) for k in checkpoints.PATH_FLAGS}}
     with open(os.path.join(folder, "manifest.json"), "w") as f:
         json.dump(manifest, f)
     return str(folder)
@@ -374,29 +382,31 @@ def test_changed_flags_are_an_error_or_a_warning_naming_old_and_new(files, tmp_p
     mcfg = small_config()
     path = saved_manifest(tmp_path / "step_00000006", cfg, mcfg)
     may = replace(cfg, lr=3e-2, steps=9, eval_every=5, micro_batch_size=2, ac="full")
-    assert disk.check_manifest(path, may, mcfg, None)["step"] == 6  # may change: no error
-    assert disk.config_changes(json.load(open(os.path.join(path, "manifest.json"))), may, mcfg) == (
+    assert checkpoints.check_manifest(path, may, mcfg, None)["step"] == 6  # may change: no error
+    assert checkpoints.config_changes(json.load(open(os.path.join(path, "manifest.json"))), may, mcfg) == (
         [], ["--steps 6 -> 9", "--lr 0.003 -> 0.03", "--eval_every 50 -> 5"])  # how it runs: not even a warning
     for key, value in (("seed", 2), ("data", str(tmp_path / "other.npy")), ("doc_mask", False), ("init_from", path)):
-        with pytest.raises(disk.ResumeMismatch) as e:
-            disk.check_manifest(path, replace(cfg, **{key: value}), mcfg, None)
+        with pytest.raises(checkpoints.ResumeMismatch) as e:
+            checkpoints.check_manifest(path, replace(cfg, **{key: value}), mcfg, None)
         message = str(e.value)
         assert f"--{key} was {getattr(cfg, key)!r}, now {value!r} (" in message and "\n" not in message
         assert "Restore those flags to continue this run" in message and "--overwrite" not in message
-    with pytest.raises(disk.ResumeMismatch, match="the model .*: dim was 32, now 64"):
-        disk.check_manifest(path, cfg, replace(mcfg, dim=64, head_dim=16), None)
+    with pytest.raises(checkpoints.ResumeMismatch, match="the model .*: dim was 32, now 64"):
+        checkpoints.check_manifest(path, cfg, replace(mcfg, dim=64, head_dim=16), None)
     # The same file under another spelling is the same --data.
-    assert disk.config_changes(json.load(open(os.path.join(path, "manifest.json"))),
+    assert checkpoints.config_changes(json.load(open(os.path.join(path, "manifest.json"))),
                             replace(cfg, data=files["data"].replace("/tok.npy", "/./tok.npy")), mcfg) == ([], [])
-    # A manifest saved before a field existed: that field counts as its default, not as a change.
+    # A manifest that lacks a field (a development build's, before the field existed): refused in one line.
     old = saved_manifest(tmp_path / "step_00000004", cfg, mcfg, drop_train=("doc_mask", "adam_eps", "eval_every"),
                          drop_model=("tie_embeddings", "head_dim"))
-    assert disk.check_manifest(old, cfg, mcfg, None)["step"] == 6
-    assert disk.config_changes(json.load(open(os.path.join(old, "manifest.json"))), cfg, mcfg) == ([], [])
-    # One saved before a family's own config.json keys were kept (a Qwen3 folder's max_window_layers): not a change.
+    with pytest.raises(OD.CheckpointError) as e:
+        checkpoints.check_manifest(old, cfg, mcfg, None)
+    assert str(e.value) == (f"checkpoint {old}: manifest.json: train lacks doc_mask, eval_every, adam_eps (saved by "
+                            f"another version of this code)")
     qwen3 = small_config(family="qwen3", qk_norm=True, family_keys=dict(max_window_layers=7))
     old = saved_manifest(tmp_path / "step_00000005", cfg, qwen3, drop_model=("family_keys",))
-    assert disk.config_changes(json.load(open(os.path.join(old, "manifest.json"))), cfg, qwen3) == ([], [])
+    with pytest.raises(OD.CheckpointError, match=r"manifest.json: model lacks family_keys \(saved by another version"):
+        checkpoints.check_manifest(old, cfg, qwen3, None)
 
 
 @pytest.fixture
@@ -405,11 +415,11 @@ def one_process_group():
     made = not dist.is_initialized()
     if made:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    disk.make_group(1.0)
+    OD.make_group(1.0)
     yield
     if made:
         dist.destroy_process_group()
-        disk.group = None
+        OD.group = None
 
 
 def test_a_folder_of_only_damaged_checkpoints_is_left_to_the_operator(files, tmp_path, one_process_group, capsys):
@@ -418,8 +428,8 @@ def test_a_folder_of_only_damaged_checkpoints_is_left_to_the_operator(files, tmp
     root = tmp_path / "checkpoints"
     for name in ("step_00000002", "step_00000004"):
         os.makedirs(root / name)  # no manifest.json: unfinished saves
-    with pytest.raises(disk.CheckpointError) as e:
-        disk.resume(cfg, small_config(), [], None, 0, disk.resume_candidates(str(root)))
+    with pytest.raises(OD.CheckpointError) as e:
+        checkpoints.resume(cfg, small_config(), [], None, 0, checkpoints.resume_candidates(str(root)))
     assert str(e.value) == (f"no intact checkpoint in {root}: each one is damaged (the warnings above say how); "
                             f"nothing was deleted. Repair or restore them, or start this run again in another --out_dir")
     assert "step_00000004: no manifest.json" in capsys.readouterr().err

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from common import ROOT, free_port, learnable_tokens, read_metrics, run_script, small_config
 
-from components import disk
+from components import checkpoints
+from components import out_dir as OD
 from components import flags
 from components import metrics
 import train as T
@@ -25,13 +26,13 @@ import train as T
 def one_process_group():
     """A W=1 group as `python train.py` makes it, and the checkpoint group; destroyed afterwards."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    disk.make_group(1.0)
+    OD.make_group(1.0)
     yield
     dist.destroy_process_group()
-    disk.group = None
-    if disk.out_dir_lock is not None:
-        disk.out_dir_lock.close()
-    disk.out_dir_lock = disk.out_dir_claim = None
+    OD.group = None
+    if OD.out_dir_lock is not None:
+        OD.out_dir_lock.close()
+    OD.out_dir_lock = OD.out_dir_claim = None
 
 
 def tiny_units():
@@ -42,9 +43,9 @@ def tiny_units():
             for i in range(2)]
 
 
-def save(out, step):
+def save(out, step, units=None):
     cfg = T.parse_args([f"--out_dir={out}", "--keep_ckpts=3"])
-    return disk.save_checkpoint(cfg, small_config(), tiny_units(), step, 0, 1, None)
+    return checkpoints.save_checkpoint(cfg, small_config(), units or tiny_units(), step, 0, 1, None)
 
 
 def fault(monkeypatch, name, suffix, code):
@@ -81,7 +82,7 @@ def test_a_disk_fault_in_a_save_is_one_line_and_latest_stays(one_process_group, 
     save(tmp_path, 2)
     name, suffix, code, why = FAULTS[where]
     fault(monkeypatch, name, suffix, code)
-    with pytest.raises(disk.CheckpointError) as e:
+    with pytest.raises(OD.CheckpointError) as e:
         save(tmp_path, 4)
     monkeypatch.undo()
     why = why.format(tmp=root / ".tmp-step_00000004", root=root)
@@ -89,13 +90,13 @@ def test_a_disk_fault_in_a_save_is_one_line_and_latest_stays(one_process_group, 
                             f"names step_00000002, untouched")
     # Nothing half-written is left or counted: no temporary folder or file, no step_4 that `latest` skips.
     assert sorted(os.listdir(root)) == ["latest", "step_00000002"]
-    assert (root / "latest").read_text() == "step_00000002\n" and disk.is_complete(str(root / "step_00000002"))
+    assert (root / "latest").read_text() == "step_00000002\n" and checkpoints.is_complete(str(root / "step_00000002"))
 
 
 # -- the out_dir's lock on shared filesystems ------------------------------------------------------------------
 
 def claim(out):
-    disk.claim_out_dir(str(out), 0, 1, torch.device("cpu"))
+    OD.claim_out_dir(str(out), 0, 1, torch.device("cpu"))
 
 
 def test_a_run_that_took_the_folder_stops_the_next_save(one_process_group, tmp_path):
@@ -104,7 +105,7 @@ def test_a_run_that_took_the_folder_stops_the_next_save(one_process_group, tmp_p
     claim(tmp_path)
     save(tmp_path, 2)
     (tmp_path / ".lock").write_text("77 host node-b pid 4242 since 2026-01-02 03:04:05\n")
-    with pytest.raises(disk.CheckpointError) as e:
+    with pytest.raises(OD.CheckpointError) as e:
         save(tmp_path, 4)
     assert str(e.value) == (
         f"--out_dir: {tmp_path} was taken by another run while this one held its lock: {tmp_path / '.lock'} now "
@@ -117,8 +118,8 @@ def test_a_run_that_took_the_folder_stops_the_next_save(one_process_group, tmp_p
 def test_a_filesystem_without_flock_is_one_line_naming_the_mount_option(one_process_group, tmp_path, monkeypatch):
     def no_locks(f, op):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
-    monkeypatch.setattr(disk.fcntl, "flock", no_locks)
-    with pytest.raises(disk.CheckpointError) as e:
+    monkeypatch.setattr(OD.fcntl, "flock", no_locks)
+    with pytest.raises(OD.CheckpointError) as e:
         claim(tmp_path)
     assert str(e.value) == (
         f"--out_dir: cannot lock {tmp_path / '.lock'}: No locks available: the filesystem of --out_dir does not "
@@ -137,92 +138,26 @@ def hold_lock(path, holder: str):
     return held
 
 
-def fake_scontrol(tmp_path, monkeypatch, state: str):
-    """`scontrol -o show job J` on PATH saying `state` of every job ("GONE": SLURM no longer knows it; "DOWN": the
-    controller cannot be reached). Returns the file its arguments are recorded in."""
-    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol.calls"
-    os.makedirs(bin_dir, exist_ok=True)
-    answer = {"GONE": 'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1',
-              "DOWN": 'echo "slurm_load_jobs error: Unable to contact slurm controller (connect failure)" >&2; exit 1'}.get(
-        state, f'echo "JobId=$4 JobName=train UserId=u(1) JobState={state} Reason=None Restarts=0"')
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n{answer}\n')
-    os.chmod(bin_dir / "scontrol", 0o755)
-    monkeypatch.setenv("PATH", str(bin_dir))
-    return calls
-
-
 HOLDER = "host node-a pid 4242 since 2026-01-02 03:04:05"
 
 
-def test_a_held_lock_of_unknown_liveness_is_kept_and_retried_naming_how_to_clear_it(one_process_group, tmp_path,
-                                                                                     monkeypatch):
-    """A lock that recorded no SLURM job, or whose job SLURM cannot be asked about: kept, never taken by a timer;
-    exit code 1 (a restart may find it free: NFS and Lustre drop a dead client's lock in the end), not 2."""
-    fake_scontrol(tmp_path, monkeypatch, "DOWN")
+def test_a_held_lock_is_refused_and_kept_naming_the_fix_for_a_stale_one(one_process_group, tmp_path):
+    """A held lock is never taken over: its holder may be alive (a node cut off from the network), or gone with its
+    lock kept by NFS or Lustre; the one line names both fixes, and a restart meets it again (exit code 2)."""
     lock = tmp_path / ".lock"
-    for holder, why in [(HOLDER, "it recorded no SLURM job to ask about"),
-                        (f"{HOLDER} job 77 restart 0", "scontrol show job 77 cannot be asked here")]:
-        with hold_lock(lock, holder):
-            with pytest.raises(disk.OutDirHeld) as e:
-                claim(tmp_path)
-            assert lock.read_text() == f"5 {holder}\n"  # kept
-        assert str(e.value) == (
-            f"--out_dir: {tmp_path} is locked by a run that may have ended ({holder}: {why}); the lock is kept and a "
-            f"restart may find it free; if no process 4242 runs on node-a, the lock is stale: delete {lock}")
-        assert T.exit_code(e.value) == 1
-
-
-@pytest.mark.parametrize("state", ["TIMEOUT", "COMPLETED", "CANCELLED", "NODE_FAIL", "GONE"])
-def test_a_lock_whose_slurm_job_ended_is_taken_over_with_a_note(one_process_group, tmp_path, monkeypatch, capsys, state):
-    calls = fake_scontrol(tmp_path, monkeypatch, state)
-    lock, holder = tmp_path / ".lock", f"{HOLDER} job 77 restart 0"
-    with hold_lock(lock, holder):  # the dead node's flock, still held on the old file
-        claim(tmp_path)
-        token, mine = disk.read_lock(str(lock))
-    assert calls.read_text() == "-o show job 77\n"
-    assert token == str(disk.out_dir_claim[1]) and mine.startswith(f"host {socket.gethostname()} pid {os.getpid()} ")
-    why = "is no longer known to SLURM" if state == "GONE" else f"is {state}"
-    assert capsys.readouterr().out == f"--out_dir: took over {lock} from {holder}: SLURM job 77 {why}\n"
-
-
-def test_a_lock_whose_slurm_job_runs_is_refused_and_kept(one_process_group, tmp_path, monkeypatch):
-    """A node cut off from the network whose job SLURM still counts as running keeps its folder."""
-    fake_scontrol(tmp_path, monkeypatch, "RUNNING")
-    lock, holder = tmp_path / ".lock", f"{HOLDER} job 77 restart 0"
-    with hold_lock(lock, holder):
-        with pytest.raises(disk.CheckpointError) as e:
+    with hold_lock(lock, HOLDER):
+        with pytest.raises(OD.CheckpointError) as e:
             claim(tmp_path)
-        assert lock.read_text() == f"5 {holder}\n"
-    assert not isinstance(e.value, disk.OutDirHeld) and T.exit_code(e.value) == 2
-    assert str(e.value) == (f"--out_dir: {tmp_path} is in use by another run ({holder}: SLURM job 77 is RUNNING); wait "
-                            f"for it to end or choose another --out_dir")
-
-
-def test_a_lock_of_this_job_before_its_requeue_is_taken_over(one_process_group, tmp_path, monkeypatch, capsys):
-    """The same SLURM_JOB_ID with a higher SLURM_RESTART_COUNT is this run's next allocation: SLURM ended the one
-    that holds the lock, though it says RUNNING of the job (this allocation). Without the higher count it is this
-    allocation's own lock (an earlier attempt still ending): kept, exit code 1."""
-    calls = fake_scontrol(tmp_path, monkeypatch, "RUNNING")
-    lock, holder = tmp_path / ".lock", f"{HOLDER} job 77 restart 1"
-    with hold_lock(lock, holder):
-        with pytest.raises(disk.OutDirHeld) as e:
-            disk.claim_out_dir(str(tmp_path), 0, 1, torch.device("cpu"), env={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "1"})
-        assert "it is this allocation of SLURM job 77, an earlier attempt of which may still be ending" in str(e.value)
-        disk.claim_out_dir(str(tmp_path), 0, 1, torch.device("cpu"), env={"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "2"})
-        token, mine = disk.read_lock(str(lock))
-    assert not calls.exists()  # decided from the lock and the environment alone
-    assert token == str(disk.out_dir_claim[1]) and mine.endswith(" job 77 restart 2")
-    assert capsys.readouterr().out == (f"--out_dir: took over {lock} from {holder}: it is this SLURM job 77 before its "
-                                       f"requeue (restart 1, now 2): SLURM ended that allocation\n")
-    # A process of this host that holds the lock is alive whatever it recorded (a second run inside one allocation).
-    this_host = f"host {socket.gethostname()} pid {os.getpid()} since 2026-01-02 03:04:05 job 77 restart 1"
-    assert disk.held_lock_verdict(this_host, {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "2"}) == (
-        "alive", f"process {os.getpid()} runs on this host")
+        assert lock.read_text() == f"5 {HOLDER}\n"  # kept
+    assert T.exit_code(e.value) == 2
+    assert str(e.value) == (f"--out_dir: {tmp_path} is in use by another run ({HOLDER}); wait for it to end or choose "
+                            f"another --out_dir; if that run is gone (a crashed node's lock, which NFS or Lustre keeps "
+                            f"a while), the lock is stale: delete {lock}")
 
 
 def test_a_lock_file_that_cannot_be_made_is_one_line(one_process_group, tmp_path, monkeypatch):
     fault(monkeypatch, "open", ".lock", errno.EACCES)  # a folder of another user's, or one mounted read-only
-    with pytest.raises(disk.CheckpointError) as e:
+    with pytest.raises(OD.CheckpointError) as e:
         claim(tmp_path)
     assert str(e.value) == (f"--out_dir: cannot create the lock file {tmp_path / '.lock'}: Permission denied (this "
                             f"user may not write there)")
@@ -233,7 +168,7 @@ def test_the_lock_is_never_taken_through_a_symbolic_link(one_process_group, tmp_
     victim.write_text("someone else's file\n")
     os.makedirs(tmp_path / "out")
     os.symlink(victim, tmp_path / "out" / ".lock")
-    with pytest.raises(disk.CheckpointError) as e:
+    with pytest.raises(OD.CheckpointError) as e:
         claim(tmp_path / "out")
     assert str(e.value) == (f"--out_dir: {tmp_path / 'out' / '.lock'} is a symbolic link; the lock is never taken "
                             f"through one: delete it")
@@ -341,6 +276,8 @@ MANIFEST_EDITS = {  # what is changed, and the line that names it
     "optimizer_steps negative": (lambda m: m["units"]["u1"].update(optimizer_steps=-1),
                                  "units.u1 is {'optimizer_steps': -1, 'trained': True}, expected optimizer_steps a "
                                  "whole number >= 0 and trained true or false"),
+    "optimizer_state missing": (lambda m: m["units"]["u1"].pop("optimizer_state"),
+                                "units.u1.optimizer_state is None, expected a list of the optimizer's state names"),
     "world_size 0": (lambda m: m.update(world_size=0), "world_size is 0, expected a whole number >= 1"),
     "step a string": (lambda m: m.update(step="2"), "step is '2', expected a whole number >= 0"),
     "a file outside": (lambda m: m.update(files={"../rank00000-of-00001.safetensors": {}}),
@@ -362,8 +299,8 @@ def test_a_manifests_numbers_are_checked_before_use(one_process_group, tmp_path,
     manifest = json.loads(open(os.path.join(path, "manifest.json")).read())
     sha = manifest["files"]["rank00000-of-00001.safetensors"]["sha256"]
     change, why = MANIFEST_EDITS[what]
-    with pytest.raises(disk.CheckpointError) as e:
-        disk.load_checkpoint(path, edit(manifest, change), tiny_units())
+    with pytest.raises(OD.CheckpointError) as e:
+        checkpoints.load_checkpoint(path, edit(manifest, change), tiny_units())
     assert str(e.value) == (f"checkpoint {path}: manifest.json: {why.replace('{sha}', sha)} (a damaged or edited "
                             f"manifest)")
 
@@ -375,11 +312,11 @@ def test_a_rank_files_tensor_of_another_length_is_refused(one_process_group, tmp
     path = save(tmp_path, 2)
     fname = "rank00000-of-00001.safetensors"
     short = [(f"u{i}.{kind}", torch.zeros(5)) for i in range(2) for kind in ("master_shard", "exp_avg", "exp_avg_sq")]
-    sha, nbytes = disk.write_safetensors_streaming(os.path.join(path, fname), short)
+    sha, nbytes = OD.write_safetensors_streaming(os.path.join(path, fname), short)
     manifest = json.loads(open(os.path.join(path, "manifest.json")).read())
     manifest["files"][fname] = {"sha256": sha, "bytes": nbytes}
-    with pytest.raises(disk.CheckpointError) as e:
-        disk.load_checkpoint(path, manifest, tiny_units())
+    with pytest.raises(OD.CheckpointError) as e:
+        checkpoints.load_checkpoint(path, manifest, tiny_units())
     assert str(e.value) == (f"checkpoint {path}: {fname} holds u0.master_shard with shape [5], the manifest's "
                             f"shard_numel says [6]")
 
@@ -400,19 +337,22 @@ def test_samples_jsonl_unwritable_is_kept_for_the_stop_not_raised(tmp_path, monk
 
 
 def test_each_unit_names_its_own_optimizer_state_in_the_manifest(main_in_process, tmp_path, capsys):
-    """The manifest lists the optimizer state per unit (a fork's units need not keep the same); a manifest of
-    the older form (one list at its top level) still resumes; a unit whose saved state differs from what this
-    run keeps for it is named, and resume uses the checkpoint before it."""
+    """The manifest lists the optimizer state per unit (a fork's units need not keep the same); a manifest of a
+    development build's form (one list at its top level) is refused in one line, as a damaged one, and resume uses
+    the checkpoint before it; so is a unit whose saved state differs from what this run keeps for it, named."""
     cmd = tiny_run(tmp_path, "--ckpt_every=1", "--keep_ckpts=5")
     assert main_in_process(cmd[:] + ["--steps=2"]) == 0
     path = tmp_path / "out" / "checkpoints" / "step_00000002" / "manifest.json"
     saved = json.loads(path.read_text())
     assert {tuple(u["optimizer_state"]) for u in saved["units"].values()} == {("exp_avg", "exp_avg_sq")}
-    for u in saved["units"].values():  # the form saved before 2026-12-05
+    for u in saved["units"].values():  # a development build's form: one list at the manifest's top level
         del u["optimizer_state"]
     path.write_text(json.dumps(dict(saved, optimizer_state=["exp_avg", "exp_avg_sq"])))
     assert main_in_process(cmd[:] + ["--steps=3"]) == 0
-    assert "at step 2" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert (f"warning: checkpoint {path.parent}: manifest.json: units.embed.optimizer_state is None, expected a list "
+            f"of the optimizer's state names (a damaged or edited manifest)") in out.err, out.err
+    assert "at step 1" in out.out
     path = tmp_path / "out" / "checkpoints" / "step_00000003" / "manifest.json"
     saved = json.loads(path.read_text())
     saved["units"]["layers.0"]["optimizer_state"] = ["momentum_buffer"]
@@ -424,12 +364,12 @@ def test_each_unit_names_its_own_optimizer_state_in_the_manifest(main_in_process
     assert "at step 2" in out.out
 
 
-def test_a_resume_with_another_freeze_starts_fresh_state_or_drops_it_and_old_manifests_count_the_global_step(
+def test_a_resume_with_another_freeze_starts_fresh_state_or_drops_it_and_refuses_a_manifest_without_step_counts(
         tmp_path, one_process_group):
     """--freeze may change on resume: a unit trained in the checkpoint and frozen now reads its master shard alone; a
     unit frozen in the checkpoint and trained now starts with zero moments and its own step count at 0 (whatever a
-    previous read left in them); a manifest saved before the per-unit step counts gives every unit the checkpoint's
-    step (every unit then took every step)."""
+    previous read left in them); a manifest without the per-unit step counts and `trained` (a development build's)
+    is refused in one line."""
     path = save(tmp_path / "out", 4)
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
@@ -443,22 +383,28 @@ def test_a_resume_with_another_freeze_starts_fresh_state_or_drops_it_and_old_man
             u.optimizer_state = {k: t.fill_(7.0) for k, t in u.optimizer_state.items()} if keeps else {}
         return units
     units = fresh([True, False])
-    assert disk.freeze_changes(manifest, units) == ([], ["u1"])
-    disk.load_checkpoint(path, manifest, units)
+    assert checkpoints.freeze_changes(manifest, units) == ([], ["u1"])
+    checkpoints.load_checkpoint(path, manifest, units)
     assert torch.equal(units[1].master_shard, torch.arange(6.0) + 1) and units[1].optimizer_steps == 0
     assert torch.equal(units[0].optimizer_state["exp_avg_sq"], torch.ones(6)) and units[0].optimizer_steps == 1
-    manifest["units"]["u1"]["trained"] = False  # saved while u1 was frozen, trained now
+    saving = tiny_units()  # saved while u1 was frozen (its master shard in a frozen set), trained now
+    saving[1].trained, saving[1].optimizer_state, saving[1].optimizer_steps = False, {}, 0
+    checkpoints.forget_frozen_set()
+    frozen_path = save(tmp_path / "frozen", 4, saving)
+    with open(os.path.join(frozen_path, "manifest.json")) as f:
+        frozen_manifest = json.load(f)
     units = fresh([True, True])
-    assert disk.freeze_changes(manifest, units) == (["u1"], [])
-    disk.load_checkpoint(path, manifest, units)
+    assert checkpoints.freeze_changes(frozen_manifest, units) == (["u1"], [])
+    checkpoints.load_checkpoint(frozen_path, frozen_manifest, units)
     assert torch.equal(units[1].master_shard, torch.arange(6.0) + 1) and units[1].optimizer_steps == 0
     assert all(not t.any() for t in units[1].optimizer_state.values())
-    for saved in manifest["units"].values():  # the form saved before per-unit step counts and --freeze
+    for saved in manifest["units"].values():  # a development build's form: no per-unit step counts, no --freeze
         del saved["trained"], saved["optimizer_steps"]
-    units = fresh([True, True])
-    disk.load_checkpoint(path, manifest, units)
-    assert [u.optimizer_steps for u in units] == [4, 4]
-    assert torch.equal(units[1].optimizer_state["exp_avg_sq"], torch.ones(6))
+    with pytest.raises(OD.CheckpointError) as e:
+        checkpoints.load_checkpoint(path, manifest, fresh([True, True]))
+    assert str(e.value) == (f"checkpoint {path}: manifest.json: units.u0 is {{'optimizer_steps': None, 'trained': "
+                            f"None}}, expected optimizer_steps a whole number >= 0 and trained true or false (a damaged "
+                            f"or edited manifest)")
 
 
 def test_a_new_phase_reads_the_units_a_checkpoint_holds_and_a_resume_refuses_another_models(one_process_group, tmp_path):
@@ -471,14 +417,14 @@ def test_a_new_phase_reads_the_units_a_checkpoint_holds_and_a_resume_refuses_ano
     units = tiny_units() + [SimpleNamespace(**dict(vars(tiny_units()[0]), name="u2", master_shard=torch.full((6,), 7.0)))]
     for u in units[:2]:
         u.master_shard.zero_()
-    disk.load_checkpoint(path, manifest, units, master_only=True)
+    checkpoints.load_checkpoint(path, manifest, units, master_only=True)
     assert [u.master_shard.tolist() for u in units] == [list(range(6)), list(range(1, 7)), [7.0] * 6]
-    with pytest.raises(disk.CheckpointError) as e:
-        disk.read_agreed(path, None, None, None, units)
+    with pytest.raises(OD.CheckpointError) as e:
+        checkpoints.read_agreed(path, None, None, None, units)
     assert str(e.value) == (f"checkpoint {path}: unit u2 is missing (a resume continues the model that saved it; "
                             f"--init_from it starts a new phase, which initialises such units)")
     units[1].numel = 7
-    with pytest.raises(disk.CheckpointError) as e:
-        disk.read_agreed(path, None, None, None, units[:2])
+    with pytest.raises(OD.CheckpointError) as e:
+        checkpoints.read_agreed(path, None, None, None, units[:2])
     assert str(e.value) == (f"checkpoint {path}: unit u1 has 6 parameters there and 7 in this model (another model, "
                             f"or another fork)")

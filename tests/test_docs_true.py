@@ -16,11 +16,12 @@ CODE = ["train.py", "model.py", "data.py", "launch.sh", "launch.sbatch"] + [
     os.path.join(d, n) for d in ("components", "tools", "bench", "tests") for n in sorted(os.listdir(os.path.join(ROOT, d)))
     if n.endswith((".py", ".sh"))]
 # Our modules as the text names them, and where each lives
-MODULES = {"train": "train", "model": "model", "data": "data", "disk": "components.disk", "plan": "tools.plan",
+MODULES = {"train": "train", "model": "model", "data": "data", "disk": None, "out_dir": "components.out_dir",
+           "checkpoints": "components.checkpoints", "hf": "components.hf", "plan": "tools.plan",
            "agree": "components.agree", "metrics": "components.metrics", "checks": "components.checks",
            "offload": "components.offload", "sample": "components.sample", "faults": "faults", "processes": "components.processes",
            "flags": "components.flags", "config": None, "run_data": "components.run_data", "sample_corpus": "tools.sample_corpus",
-           "tokenizer_export": "components.tokenizer_export", "checkpoint": None}  # no module of that name: a reference to it is stale
+           "tokenizer_export": None, "checkpoint": None}  # no module of that name: a reference to it is stale
 FILE = re.compile(r"(?<![\w./-])((?:components|tools|bench|tests|docs|\.ci)/[\w./-]+\.(?:py|md|sh|json|cpp|png)|"
                   r"[\w-]+\.(?:py|sh|sbatch))(?![\w/])")
 MODULE_NAME = re.compile(r"(?<![\w./-])(" + "|".join(MODULES) + r")\.([A-Za-z_]\w*)(?![\w.])")  # not model.layers.0

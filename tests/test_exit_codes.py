@@ -14,7 +14,8 @@ from common import learnable_tokens, read_metrics, small_config
 from ranks import run_ranks
 
 import data as D
-from components import disk
+from components import checkpoints
+from components import out_dir as OD
 from components import metrics
 import train as T
 
@@ -96,7 +97,7 @@ START_UP = {
     # Shown to repeat: a restart would meet them again.
     "bad data": ("build_sharded_model", D.DataError("--data: x.npy has token id 700 at position 100"), 2,
                  "--data: x.npy has token id 700 at position 100"),
-    "a resume under other flags": ("build_sharded_model", disk.ResumeMismatch("--resume: checkpoint C was saved under other "
+    "a resume under other flags": ("build_sharded_model", checkpoints.ResumeMismatch("--resume: checkpoint C was saved under other "
                                                                        "values"), 2,
                                    "--resume: checkpoint C was saved under other values"),
     "a full disk": ("build_sharded_model", OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/shared/x"), 2,
@@ -105,7 +106,7 @@ START_UP = {
     "a missing package": ("build_sharded_model", ImportError("--tensorboard needs the tensorboard package: pip install "
                                                       "tensorboard"), 2,
                           "--tensorboard needs the tensorboard package: pip install tensorboard"),
-    "an unreachable gloo address": ("disk.make_group", disk.GroupUnreachable(GLOO), 2, GLOO),  # configuration, not luck
+    "an unreachable gloo address": ("OD.make_group", OD.GroupUnreachable(GLOO), 2, GLOO),  # configuration, not luck
 }
 
 
@@ -194,8 +195,8 @@ def units_of(rank: int, world: int = 2):
 
 
 def failing_open(monkeypatch, suffix: str, code: int, times: int):
-    """disk.py's open() raises OSError(code) for a path ending in `suffix`, the first `times` times. Returns the
-    list of the paths it failed."""
+    """open() in out_dir.py and checkpoints.py raises OSError(code) for a path ending in `suffix`, the first `times`
+    times. Returns the list of the paths it failed."""
     failed = []
 
     def fake_open(path, *args, **kwargs):
@@ -203,20 +204,21 @@ def failing_open(monkeypatch, suffix: str, code: int, times: int):
             failed.append(os.fspath(path))
             raise OSError(code, os.strerror(code), os.fspath(path))
         return open(path, *args, **kwargs)
-    monkeypatch.setattr(disk, "open", fake_open, raising=False)
+    for module in (OD, checkpoints):
+        monkeypatch.setattr(module, "open", fake_open, raising=False)
     return failed
 
 
 @pytest.fixture
 def two_checkpoints(tmp_path, monkeypatch):
     """Steps 2 and 4 saved by two ranks (threads); `latest` names step 4."""
-    monkeypatch.setattr(disk, "group", None)  # each rank thread's own default group
-    monkeypatch.setattr(disk, "READ_WAITS_S", (0.0, 0.0))
+    monkeypatch.setattr(OD, "group", None)  # each rank thread's own default group
+    monkeypatch.setattr(OD, "READ_WAITS_S", (0.0, 0.0))
     cfg = T.parse_args([f"--out_dir={tmp_path}", "--keep_ckpts=3"])
 
     def save(rank):
         for step in (2, 4):
-            disk.save_checkpoint(cfg, small_config(), units_of(rank), step, rank, 2, {"position": 10 * step})
+            checkpoints.save_checkpoint(cfg, small_config(), units_of(rank), step, rank, 2, {"position": 10 * step})
     run_ranks(2, save)
     return cfg
 
@@ -227,10 +229,10 @@ def resume_on_two_ranks(cfg):
         for u in units:
             u.master_shard.zero_()
         try:
-            step = disk.resume(cfg, small_config(), units, None, rank, disk.resume_candidates(
+            step = checkpoints.resume(cfg, small_config(), units, None, rank, checkpoints.resume_candidates(
                 os.path.join(cfg.out_dir, "checkpoints")))
             return step, [u.master_shard.tolist() for u in units]
-        except (disk.CheckpointError, OSError) as e:
+        except (OD.CheckpointError, OSError) as e:
             return e
     return run_ranks(2, rank_resume)
 
@@ -253,7 +255,7 @@ def test_a_checkpoint_read_error_that_lasts_is_named_and_never_rolls_back(two_ch
     resumed = resume_on_two_ranks(two_checkpoints)
     assert len(failed) == 3  # READ_WAITS_S: two waits, three tries
     ckpt = os.path.join(two_checkpoints.out_dir, "checkpoints", "step_00000004")
-    assert all(isinstance(r, disk.CheckpointUnreadable) and T.exit_code(r) == 1 for r in resumed), resumed
+    assert all(isinstance(r, OD.CheckpointUnreadable) and T.exit_code(r) == 1 for r in resumed), resumed
     assert str(resumed[1]) == (f"checkpoint {ckpt}: cannot read {ckpt}/rank00001-of-00002.safetensors: "
                                f"{os.strerror(code)} (tried 3 times over 0 s); the older checkpoints were not used: a "
                                f"read error is not damage")
@@ -268,7 +270,7 @@ def test_a_checkpoint_read_error_at_resume_exits_1_naming_the_file(main_in_proce
     and nothing trained from the older step 2 (metrics.jsonl and the checkpoints as they were)."""
     assert main_in_process(tiny_run(tmp_path)) == 0
     capsys.readouterr()
-    monkeypatch.setattr(disk, "READ_WAITS_S", (0.0,))
+    monkeypatch.setattr(OD, "READ_WAITS_S", (0.0,))
     failing_open(monkeypatch, "step_00000004/rank00000-of-00001.safetensors", errno.EIO, times=100)
     assert main_in_process(tiny_run(tmp_path, "--steps=6")) == 1
     ckpt = tmp_path / "out" / "checkpoints" / "step_00000004"
@@ -294,14 +296,14 @@ def test_a_damaged_checkpoint_still_falls_back(two_checkpoints, capsys):
 def test_a_save_that_fails_on_one_rank_gives_every_rank_its_exit_code(tmp_path, monkeypatch, code, exit_code):
     """Rank 1 cannot write its file; rank 0 only learns that it failed. Both raise with rank 1's errno, so both exit
     with the same code: a full disk stops every rank for good, an EIO is retried by every rank."""
-    monkeypatch.setattr(disk, "group", None)
+    monkeypatch.setattr(OD, "group", None)
     cfg = T.parse_args([f"--out_dir={tmp_path}", "--keep_ckpts=3"])
     failing_open(monkeypatch, "rank00001-of-00002.safetensors", code, times=100)
 
     def save(rank):
         try:
-            disk.save_checkpoint(cfg, small_config(), units_of(rank), 2, rank, 2, None)
-        except disk.CheckpointError as e:
+            checkpoints.save_checkpoint(cfg, small_config(), units_of(rank), 2, rank, 2, None)
+        except OD.CheckpointError as e:
             return e
     errors = run_ranks(2, save)
     assert [T.exit_code(e) for e in errors] == [exit_code, exit_code], errors

@@ -18,7 +18,7 @@ from test_data import CHATS, TEXTS, hf_tokenizer
 
 import data as D
 from tools import prepare as prep
-from components import tokenizer_export
+from components import hf
 
 # Each kind of text the ids must agree on: French, English, chat markup, digits and whitespace runs,
 # symbols, emoji, CJK (byte fallback: not in a 400-piece vocabulary) and control characters.
@@ -51,18 +51,18 @@ def test_a_sentencepiece_tokenizer_exports_to_the_same_ids(tmp_path):
     tok = D.Tokenizer(model)
     out = tmp_path / "hf"
     out.mkdir()
-    end_ids = tokenizer_export.write_hf_tokenizer(model, tok.sha256, str(out))
-    hf = AutoTokenizer.from_pretrained(str(out))
+    end_ids = hf.write_hf_tokenizer(model, tok.sha256, str(out))
+    loaded = AutoTokenizer.from_pretrained(str(out))
     for text in SAMPLES:
         ids = tok.encode([text], True)[0]
-        assert hf(text, add_special_tokens=False)["input_ids"] == ids, text
-        assert hf(text)["input_ids"] == [tok.bos_id] + ids  # a prompt starts as every training document does
-        assert hf.decode(ids) == text
+        assert loaded(text, add_special_tokens=False)["input_ids"] == ids, text
+        assert loaded(text)["input_ids"] == [tok.bos_id] + ids  # a prompt starts as every training document does
+        assert loaded.decode(ids) == text
     assert any(i in tok.sp.encode("中") for i in range(3, 259))  # byte fallback was exercised
-    assert end_ids == [tok.eos_id, tok.piece_id("<|eot_id|>")] and hf.eos_token_id == tok.eos_id
+    assert end_ids == [tok.eos_id, tok.piece_id("<|eot_id|>")] and loaded.eos_token_id == tok.eos_id
     for chat in CHATS:  # the exported template renders a chat as prepare stored it, id for id
-        rendered = hf.apply_chat_template(chat, tokenize=False)
-        assert hf(rendered, add_special_tokens=False)["input_ids"] == tok.chat_ids(chat)[0]
+        rendered = loaded.apply_chat_template(chat, tokenize=False)
+        assert loaded(rendered, add_special_tokens=False)["input_ids"] == tok.chat_ids(chat)[0]
 
 
 def test_a_changed_tokenizer_is_not_exported(tmp_path):
@@ -71,17 +71,17 @@ def test_a_changed_tokenizer_is_not_exported(tmp_path):
     corpus.write_text("\n".join(TEXTS * 20), encoding="utf-8")
     prep.train_tokenizer([str(corpus)], 300, str(model))
     with pytest.raises(D.DataError, match="has changed since it prepared --data"):
-        tokenizer_export.write_hf_tokenizer(str(model), "0" * 64, str(tmp_path))
+        hf.write_hf_tokenizer(str(model), "0" * 64, str(tmp_path))
     with pytest.raises(D.DataError, match="is not there"):
-        tokenizer_export.write_hf_tokenizer(str(tmp_path / "gone.model"), "0" * 64, str(tmp_path))
+        hf.write_hf_tokenizer(str(tmp_path / "gone.model"), "0" * 64, str(tmp_path))
 
 
 def test_without_a_tokenizer_the_export_says_so_in_one_line(tmp_path, capsys):
     """A run on a bare .npy names no tokenizer: the export holds none, and one warning line says so."""
-    from components import disk
-    origin = disk.export_origin({"init_from": "", "data": str(tmp_path / "tokens.npy"), "out_dir": str(tmp_path)})
+    from components import hf
+    origin = hf.export_origin({"init_from": "", "data": str(tmp_path / "tokens.npy"), "out_dir": str(tmp_path)})
     assert origin == {"hf_folder": None, "tokenizer": None}
-    assert disk.export_tokenizer(origin, str(tmp_path)) == (None, "no tokenizer")
+    assert hf.export_tokenizer(origin, str(tmp_path)) == (None, "no tokenizer")
     assert capsys.readouterr().err == ("warning: --export_hf: no tokenizer files in the export (--data is a token .npy, "
                                        "which names no tokenizer); copy the tokenizer's files into it before loading "
                                        "it with AutoTokenizer\n")
@@ -174,40 +174,41 @@ def test_a_fork_with_a_parameter_llama_lacks_is_refused_before_any_work(tmp_path
 
 
 def test_a_fork_familys_row_carries_its_config_keys_and_its_export_is_held_to_the_tensors_on_disk(monkeypatch, tmp_path):
-    """A fork's family is a row of model.FAMILIES and no line of disk.py: Mixtral's row names its config.json keys
+    """A fork's family is a row of model.FAMILIES and no line of hf.py: Mixtral's row names its config.json keys
     (with the values a model without them gets), config_from_hf keeps a config.json's, config_to_hf writes them back.
     The export check holds an export to the tensors save_pretrained writes, which transformers 5 renames in memory
     (each layer's experts fused into one tensor; a weight per expert on disk, as servers read them): on-disk names
     pass, in-memory ones are refused."""
     import transformers
     from safetensors import safe_open
-    from components import disk
+    from components import hf
     import model as M
     monkeypatch.setitem(M.FAMILIES, "mixtral", dict(hf_class="MixtralForCausalLM", hf_config_class="MixtralConfig",
                                                     model_fields={}, rope_types=("default",),
                                                     config_keys=dict(num_local_experts=8, num_experts_per_tok=2)))
-    config = dict(disk.config_to_hf(small_config(), torch.float32), model_type="mixtral",
+    config = dict(hf.config_to_hf(small_config(), torch.float32), model_type="mixtral",
                   architectures=["MixtralForCausalLM"], num_local_experts=3)
-    cfg = disk.config_from_hf(config)
+    cfg = hf.config_from_hf(config)
     assert cfg.family_keys == dict(num_local_experts=3, num_experts_per_tok=2)
-    config = disk.config_to_hf(cfg, torch.float32)
+    config = hf.config_to_hf(cfg, torch.float32)
     assert (config["num_local_experts"], config["num_experts_per_tok"]) == (3, 2)
     oracle = transformers.MixtralForCausalLM(transformers.MixtralConfig.from_dict(config))
     oracle.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         on_disk = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     assert "model.layers.0.block_sparse_moe.experts.2.w1.weight" in on_disk
-    disk.check_export_tensors(config, on_disk)
+    hf.check_export_tensors(config, on_disk)
     in_memory = {name: tuple(p.shape) for name, p in oracle.named_parameters()}
     if in_memory != on_disk:  # transformers 5 (4 holds what it saves)
         with pytest.raises(ValueError, match=r"^--export_hf: tensor model\.layers\.0\.mlp\.experts\.down_proj"):
-            disk.check_export_tensors(config, in_memory)
+            hf.check_export_tensors(config, in_memory)
 
 
 def paced_export(tmp_path, monkeypatch, rank: int, rank0_writes: bool = True, fail_file: str = ""):
-    """disk.export_hf on `rank` of W=2 with its collectives and writes recorded, not run: three units of
+    """hf.export_hf on `rank` of W=2 with its collectives and writes recorded, not run: three units of
     one file each. rank0_writes: what rank 0's per-file broadcast says (for rank 1)."""
-    from components import disk
+    from components import hf
+    from components import out_dir as OD
     events = []
     units = [types.SimpleNamespace(slots=[types.SimpleNamespace(name=f"layers.{i}.w", offset=0, shape=(4,))],
                                    numel=4, padded_numel=4) for i in range(3)]
@@ -222,16 +223,16 @@ def paced_export(tmp_path, monkeypatch, rank: int, rank0_writes: bool = True, fa
         events.append(("write", os.path.basename(path)))
 
     def broadcast(tensor, src, group):
-        assert src == 0 and group is disk.group  # the checkpoint group: gloo, on the CPU
+        assert src == 0 and group is OD.group  # the checkpoint group: gloo, on the CPU
         if rank != 0:  # [written, rank 0's errno]
             tensor[0] = int(rank0_writes)
         events.append(("broadcast", int(tensor[0])))
-    monkeypatch.setattr(disk, "group", object())
-    monkeypatch.setattr(disk, "gather_full_unit", gather)
-    monkeypatch.setattr(disk, "write_safetensors_streaming", write)
-    monkeypatch.setattr(disk.dist, "broadcast", broadcast)
-    monkeypatch.setattr(disk, "finish_export", lambda *args: events.append(("finish",)) or "")
-    disk.export_hf(units, None, str(tmp_path / "hf"), torch.bfloat16, 1e-9, rank, {})
+    monkeypatch.setattr(OD, "group", object())
+    monkeypatch.setattr(hf, "gather_full_unit", gather)
+    monkeypatch.setattr(OD, "write_safetensors_streaming", write)
+    monkeypatch.setattr(OD.dist, "broadcast", broadcast)
+    monkeypatch.setattr(hf, "finish_export", lambda *args: events.append(("finish",)) or "")
+    hf.export_hf(units, None, str(tmp_path / "hf"), torch.bfloat16, 1e-9, rank, {})
     return events
 
 
@@ -251,11 +252,11 @@ def test_export_is_paced_per_file_so_no_all_gather_waits_on_the_disk(tmp_path, m
 def test_a_file_rank_0_cannot_write_stops_every_rank_at_that_file(tmp_path, monkeypatch):
     """A full disk on rank 0's second file: rank 0 says so in one line and every rank stops there, gathering
     nothing more (before: rank 0 died with a traceback while the others gathered on and waited)."""
-    from components import disk
-    with pytest.raises(disk.CheckpointError, match=r"^--export_hf: cannot write .*model-00002-of-00003.*No space left on device"):
+    from components import out_dir as OD
+    with pytest.raises(OD.CheckpointError, match=r"^--export_hf: cannot write .*model-00002-of-00003.*No space left on device"):
         paced_export(tmp_path / "r0", monkeypatch, rank=0, fail_file="model-00002-of-00003.safetensors")
     assert not (tmp_path / "r0" / "hf.partial").exists()
-    with pytest.raises(disk.CheckpointError, match="rank 0 could not write model-00001-of-00003.safetensors"):
+    with pytest.raises(OD.CheckpointError, match="rank 0 could not write model-00001-of-00003.safetensors"):
         paced_export(tmp_path / "r1", monkeypatch, rank=1, rank0_writes=False)
 
 

@@ -67,7 +67,7 @@ def test_the_nccl_group_is_bound_to_the_ranks_gpu_so_its_set_up_fails_at_start(m
     monkeypatch.setattr(T.dist, "all_reduce", lambda tensor: None)  # the first contact's
     monkeypatch.setattr(T.torch, "ones", lambda n, device: torch.zeros(n))  # no CUDA here
     monkeypatch.setattr(T.torch.cuda, "set_device", lambda d: None)
-    monkeypatch.setattr(T.disk, "make_group", lambda timeout_min: None)
+    monkeypatch.setattr(T.OD, "make_group", lambda timeout_min: None)
     monkeypatch.setenv("LOCAL_RANK", "3")
     if rank_env:
         monkeypatch.setenv("RANK", "3")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from common import hf_model, save_hf, small_config
 
-from components import disk
+from components import hf
 import model as M
 
 
@@ -112,10 +112,10 @@ def test_refused_with_one_line(tmp_path, llama_folders, which, edit, message, tr
     dict(attention_dropout=0.1),
 ], ids=["mistral", "gemma", "classifier head", "no model_type", "mlp_bias", "attention_dropout"])
 def test_config_that_is_not_plain_llama_is_refused(changes):
-    hf = disk.config_to_hf(small_config(), torch.float32)
-    disk.config_from_hf(hf)  # the plain Llama form is accepted...
+    config = hf.config_to_hf(small_config(), torch.float32)
+    hf.config_from_hf(config)  # the plain Llama form is accepted...
     with pytest.raises(ValueError, match="^config.json: .* not"):  # ...and one change away from it is not
-        disk.config_from_hf({k: v for k, v in dict(hf, **changes).items() if v is not None})
+        hf.config_from_hf({k: v for k, v in dict(config, **changes).items() if v is not None})
 
 
 def write_index(folder, weight_map):
@@ -135,7 +135,7 @@ def test_a_weight_map_file_name_must_be_a_file_in_the_folder(tmp_path, name):
     index = write_index(folder, {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
                                  "model.norm.weight": name})
     with pytest.raises(ValueError) as e:
-        disk.hf_file_of_tensors(folder)
+        hf.hf_file_of_tensors(folder)
     assert str(e.value) == (f"--init_from: {index} names {name!r} as the file of model.norm.weight, which is not "
                             f"a file name in {folder} (a '/' or '..'); download the model again")
 
@@ -145,7 +145,7 @@ def test_an_index_that_is_not_a_json_object_is_one_line(tmp_path):
     index = write_index(folder, {})
     open(index, "w").write("[]")
     with pytest.raises(ValueError, match=f"^--init_from: {index} is not a safetensors index"):
-        disk.hf_file_of_tensors(folder)
+        hf.hf_file_of_tensors(folder)
 
 
 def test_files_that_are_links_as_in_the_hub_cache_are_read(llama_folders, tmp_path):
@@ -156,5 +156,5 @@ def test_files_that_are_links_as_in_the_hub_cache_are_read(llama_folders, tmp_pa
     for name in os.listdir(llama_folders[1]):
         shutil.copy(os.path.join(llama_folders[1], name), blobs / f"blob-{name}")
         os.symlink(f"../../blobs/blob-{name}", snapshot / name)
-    files = disk.hf_file_of_tensors(str(snapshot))
-    assert files == {k: str(snapshot / os.path.basename(v)) for k, v in disk.hf_file_of_tensors(llama_folders[1]).items()}
+    files = hf.hf_file_of_tensors(str(snapshot))
+    assert files == {k: str(snapshot / os.path.basename(v)) for k, v in hf.hf_file_of_tensors(llama_folders[1]).items()}

@@ -32,7 +32,7 @@ import pytest
 from common import ROOT, free_port, model_and_tokens, read_metrics, run_train
 
 from components import checks  # noqa: E402
-from components import disk  # noqa: E402
+from components import hf  # noqa: E402
 from components import offload as O  # noqa: E402
 from tools import plan as P  # noqa: E402
 import train as T  # noqa: E402
@@ -264,7 +264,7 @@ def sbatch_config():
 
 def sbatch_plan() -> dict:
     cfg = sbatch_config()
-    return P.plan(disk.model_config(cfg), cfg)
+    return P.plan(hf.model_config(cfg), cfg)
 
 
 def test_sbatch_runs_the_readme_recipe_and_it_fits():
@@ -290,7 +290,7 @@ def test_sbatch_plan_prints_the_save_stall_and_a_suggested_interval():
     """--plan on TRAIN_ARGS says what its --ckpt_every 200 costs, synchronous and asynchronous (--async_save
     auto: on, the node's host memory fits the staging buffer), and which interval Young/Daly suggests."""
     cfg = sbatch_config()
-    p = P.plan(disk.model_config(cfg), cfg)
+    p = P.plan(hf.model_config(cfg), cfg)
     text = P.table(p, cfg)
     assert p["async_save"] and p["save_copy_s"] < 2 < p["async_save_stall_s"] < 10 < 100 < p["sync_save_stall_s"]
     assert (f"save stall per save (predicted): synchronous {p['sync_save_stall_s']:.0f} s (every GPU waiting for the "
@@ -517,7 +517,7 @@ def test_the_host_memory_check_reads_the_jobs_cgroup_limit(tmp_path, monkeypatch
     monkeypatch.setattr(checks, "host_memory_limit", limit)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     cfg = T.parse_args(["--model=llama3-8b", "--offload_optimizer=true", f"--out_dir={tmp_path / 'out'}"])
-    host_bytes = P.run_host_bytes(disk.model_config(cfg), cfg, 16)  # the planner's, as agree.planner_figures brings them
+    host_bytes = P.run_host_bytes(hf.model_config(cfg), cfg, 16)  # the planner's, as agree.planner_figures brings them
     assert checks.check_host_memory(cfg, host_bytes, 16, 16) == []  # no limit on the job: 8 ranks' ~8 GiB each fit
     (folder / job / name).write_text(f"{64 * 2**30}\n")
     [line] = checks.check_host_memory(cfg, host_bytes, 16, 16)

@@ -12,7 +12,7 @@ BOTTOM = {"model", "data"}
 
 
 def module_files() -> dict[str, str]:
-    """Project module name ('train', 'components.disk') -> its path: the top level's and components/'s .py
+    """Project module name ('train', 'components.checkpoints') -> its path: the top level's and components/'s .py
     files (tests/ and bench/ use the project, they are not part of its layers)."""
     files = {os.path.basename(p)[:-3]: p for p in glob.glob(os.path.join(ROOT, "*.py"))}
     for p in glob.glob(os.path.join(ROOT, "components", "*.py")):
@@ -28,8 +28,8 @@ def project_imports(path: str, modules: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            # `from components import disk` names the module disk; `from components.checks import x` names checks;
-            # `from . import disk` inside components/ is the first
+            # `from components import hf` names the module hf; `from components.checks import x` names checks;
+            # `from . import hf` inside components/ is the first
             package = "components" if node.level and os.path.dirname(path).endswith("components") else ""
             module = ".".join(filter(None, [package, node.module])) if node.level else node.module
             names = [f"{module}.{alias.name}" for alias in node.names] + [module]
@@ -57,7 +57,8 @@ def test_top_level_is_the_design_card():
     top = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.py")))
     assert top == ["data.py", "model.py", "train.py"], f"top-level Python files {top}: the rest goes into components/"
     held = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "components", "*.py")))
-    assert set(held) >= {"checks.py", "disk.py", "flags.py", "metrics.py", "offload.py", "sample.py"}, held
+    assert set(held) >= {"checks.py", "checkpoints.py", "flags.py", "hf.py", "out_dir.py", "metrics.py", "offload.py",
+                         "sample.py"}, held
 
 
 def test_imports_have_no_cycle():

@@ -3,7 +3,7 @@ fp32, <= 1e-5."""
 import pytest
 import torch
 from common import M, hf_model, ours_from_hf, small_config
-from components import disk
+from components import hf
 
 
 SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
@@ -72,23 +72,23 @@ def test_each_family_round_trips_through_its_config_json():
     import transformers
     for cfg in (small_config(), qwen3_config(), olmo2_config()):
         family = M.FAMILIES[cfg.family]
-        hf = disk.config_to_hf(cfg, torch.float32)
-        assert hf["model_type"] == cfg.family and hf["architectures"] == [family["hf_class"]]
-        assert disk.config_from_hf(hf) == cfg
-        read = getattr(transformers, family["hf_config_class"]).from_dict(hf)
+        config = hf.config_to_hf(cfg, torch.float32)
+        assert config["model_type"] == cfg.family and config["architectures"] == [family["hf_class"]]
+        assert hf.config_from_hf(config) == cfg
+        read = getattr(transformers, family["hf_config_class"]).from_dict(config)
         assert (read.head_dim, read.num_key_value_heads) == (cfg.head_dim, cfg.n_kv_heads)
-        assert {key: hf[key] for key in family["config_keys"]} == family["config_keys"]
-    qwen3 = disk.config_to_hf(qwen3_config(), torch.float32)
+        assert {key: config[key] for key in family["config_keys"]} == family["config_keys"]
+    qwen3 = hf.config_to_hf(qwen3_config(), torch.float32)
     published = dict(qwen3, max_window_layers=7, sliding_window=4096)  # inert while use_sliding_window is false
-    exported = disk.config_to_hf(disk.config_from_hf(published), torch.float32)
+    exported = hf.config_to_hf(hf.config_from_hf(published), torch.float32)
     assert (exported["max_window_layers"], exported["sliding_window"]) == (7, 4096)
     assert M.PRESETS["qwen3-8b"]().family_keys == dict(use_sliding_window=False, sliding_window=None, max_window_layers=36)
-    assert disk.check_hf_config(dict(qwen3, rope_scaling=dict(rope_type="yarn", factor=4.0))) == [
+    assert hf.check_hf_config(dict(qwen3, rope_scaling=dict(rope_type="yarn", factor=4.0))) == [
         "rope type 'yarn' is not supported for qwen3 (only default)"]
-    assert disk.check_hf_config(dict(qwen3, use_sliding_window=True)) == [
+    assert hf.check_hf_config(dict(qwen3, use_sliding_window=True)) == [
         "use_sliding_window true is not supported (only full attention)"]
     # By meaning, not as one string: a fork that adds a family (a row of M.FAMILIES) changes the list, not this test.
-    [refused] = disk.check_hf_config(dict(qwen3, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]))
+    [refused] = hf.check_hf_config(dict(qwen3, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]))
     said, known = refused.split("; known: ")
     assert said == "model_type 'qwen3_moe' (architectures Qwen3MoeForCausalLM) is not a family this code builds"
     assert known.split(", ") == [f"model_type {name!r} with {family['hf_class']}" for name, family in M.FAMILIES.items()]
@@ -96,13 +96,13 @@ def test_each_family_round_trips_through_its_config_json():
 
 
 def _published_form(cfg):
-    d = disk.config_to_hf(cfg, torch.float32)
+    d = hf.config_to_hf(cfg, torch.float32)
     assert "rope_parameters" not in d and d["rope_scaling"]["rope_type"] == "llama3"
     return d
 
 
 def _rope_parameters_form(cfg):
-    d = disk.config_to_hf(cfg, torch.float32)
+    d = hf.config_to_hf(cfg, torch.float32)
     d["rope_parameters"] = dict(d.pop("rope_scaling"), rope_theta=d.pop("rope_theta"))
     return d
 
@@ -111,7 +111,7 @@ def _rope_parameters_form(cfg):
 def test_both_config_json_forms(make_form):
     cfg = small_config(rope_scaling=SCALING, rope_theta=50000.0)
     hf_dict = make_form(cfg)
-    parsed = disk.config_from_hf(hf_dict)
+    parsed = hf.config_from_hf(hf_dict)
     assert parsed == cfg
     ref = hf_model(parsed, hf_config=hf_dict)
     ours = ours_from_hf(parsed, ref)

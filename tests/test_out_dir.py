@@ -12,7 +12,8 @@ import torch
 from common import ROOT, model_and_tokens, read_metrics, run_train
 from test_launch import free_port, wait_all, wait_for_steps
 
-from components import disk  # noqa: E402
+from components import checkpoints  # noqa: E402
+from components import out_dir as OD  # noqa: E402
 import train as T  # noqa: E402
 
 BASE = ["--seq_len=16", "--batch_size=8", "--micro_batch_size=2", "--dtype=float32", "--steps=6", "--lr=3e-3",
@@ -109,31 +110,31 @@ def test_retention_keeps_the_new_save_whatever_else_is_in_the_folder(files, fini
 def test_a_retention_error_is_a_warning(tmp_path, monkeypatch, capsys):
     for step in (1, 2, 3):
         os.makedirs(tmp_path / f"step_{step:08d}")
-        (tmp_path / f"step_{step:08d}" / "manifest.json").write_text(json.dumps({"format": disk.CKPT_FORMAT}))
+        (tmp_path / f"step_{step:08d}" / "manifest.json").write_text(json.dumps({"format": checkpoints.CKPT_FORMAT}))
 
     def busy(path):
         raise OSError(16, "Device or resource busy", path)
-    monkeypatch.setattr(disk.shutil, "rmtree", busy)
-    disk.remove_old_checkpoints(str(tmp_path), 2, str(tmp_path / "step_00000003"))
+    monkeypatch.setattr(checkpoints.shutil, "rmtree", busy)
+    checkpoints.remove_old_checkpoints(str(tmp_path), 2, str(tmp_path / "step_00000003"))
     err = capsys.readouterr().err
     assert "warning: retention could not delete" in err and "step_00000001" in err, err
 
 
 def test_retention_deletes_a_frozen_set_once_no_checkpoint_left_names_it(tmp_path):
-    """--freeze's frozen sets (disk.py): one a kept checkpoint names stays; one named only by deleted checkpoints,
+    """--freeze's frozen sets (checkpoints.py): one a kept checkpoint names stays; one named only by deleted checkpoints,
     or by none (a save that stopped before its commit), goes; a manifest that cannot be read may name any: all stay."""
     for step, frozen in ((1, "frozen-a"), (2, "frozen-b"), (3, "frozen-b"), (4, None)):
         os.makedirs(tmp_path / f"step_{step:08d}")
         (tmp_path / f"step_{step:08d}" / "manifest.json").write_text(
-            json.dumps({"format": disk.CKPT_FORMAT, **({"frozen": {"folder": frozen}} if frozen else {})}))
+            json.dumps({"format": checkpoints.CKPT_FORMAT, **({"frozen": {"folder": frozen}} if frozen else {})}))
     for name in ("frozen-a", "frozen-b", "frozen-c", "step_00000005"):  # step 5: an unfinished save
         os.makedirs(tmp_path / name)
-    disk.remove_old_checkpoints(str(tmp_path), 3, str(tmp_path / "step_00000004"))
+    checkpoints.remove_old_checkpoints(str(tmp_path), 3, str(tmp_path / "step_00000004"))
     assert sorted(os.listdir(tmp_path)) == ["frozen-b", "step_00000002", "step_00000003", "step_00000004",
                                             "step_00000005"]
     (tmp_path / "step_00000003" / "manifest.json").write_text("{")
     os.makedirs(tmp_path / "frozen-d")
-    disk.remove_old_checkpoints(str(tmp_path), 3, str(tmp_path / "step_00000004"))
+    checkpoints.remove_old_checkpoints(str(tmp_path), 3, str(tmp_path / "step_00000004"))
     assert "frozen-d" in os.listdir(tmp_path)
 
 
@@ -206,7 +207,7 @@ def test_a_committing_rename_is_followed_by_an_fsync_of_its_folder(tmp_path, mon
         synced.append(os.readlink(f"/proc/self/fd/{fd}"))
         real_fsync(fd)
     monkeypatch.setattr(os, "fsync", recording_fsync)
-    disk.write_atomic(str(tmp_path / "latest"), "step_00000001\n")
+    OD.write_text_atomic(str(tmp_path / "latest"), "step_00000001\n")
     assert synced == [str(tmp_path / "latest.tmp"), str(tmp_path)]
 
 
@@ -230,11 +231,11 @@ def test_rerunning_a_finished_run_says_so_and_touches_nothing(files, tmp_path):
     # (an --export_hf not yet made is exported from that checkpoint: test_export.py):
     ckpt = tmp_path / "checkpoints" / "step_00000002"
     args = BASE + files + [f"--out_dir={tmp_path}"]
-    assert disk.finished_run(T.parse_args(args + ["--steps=1"])) == (
+    assert checkpoints.finished_run(T.parse_args(args + ["--steps=1"])) == (
         str(ckpt), f"already at step 2, beyond --steps 1 ({ckpt}); raise --steps to continue")
     for more in (["--steps=3"], ["--steps=0"], ["--steps=2", "--resume=never", "--overwrite"],
                  ["--steps=2", f"--from_ckpt={ckpt}", f"--export_hf={tmp_path / 'new'}"]):
-        assert disk.finished_run(T.parse_args(args + more)) is None, more
+        assert checkpoints.finished_run(T.parse_args(args + more)) is None, more
 
 
 def test_a_restart_after_overwrite_resumes_instead_of_deleting_the_run(files, tmp_path):
@@ -263,7 +264,7 @@ def test_overwrite_happens_once_per_run_whoever_restarts_it(tmp_path):
 
     def overwrites(**env) -> bool:
         used()
-        kept = disk.overwrite_once(str(tmp_path), env)
+        kept = OD.overwrite_once(str(tmp_path), env)
         deleted = not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
         assert deleted == (kept is None), kept
         return deleted

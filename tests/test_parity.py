@@ -21,7 +21,7 @@ from common import (DIST_WORKER, hf_model, learnable_tokens, read_metrics, run_s
 import data as D
 from tools import prepare as prep
 import model as M
-from components import disk
+from components import checkpoints, hf
 from components.checks import check_run
 import train as T
 
@@ -295,7 +295,7 @@ def test_a_pad_token_id_leaves_its_embedding_row_as_transformers_does(tmp_path, 
     counts[[cfg.bos_id, cfg.eos_id]] = 0
     pad = int(counts.argmax())  # the id the steps look up most: its row would move most if it took gradients
     assert counts[pad] >= 3
-    hf_config = dict(disk.config_to_hf(cfg, torch.float32), pad_token_id=pad)
+    hf_config = dict(hf.config_to_hf(cfg, torch.float32), pad_token_id=pad)
     ref = hf_model(cfg, seed=5, hf_config=hf_config)
     with torch.no_grad():
         ref.model.embed_tokens.weight[pad] = ref.model.embed_tokens.weight[(pad + 1) % cfg.vocab_size]
@@ -424,7 +424,7 @@ def test_a_fork_with_two_units_per_block_trains_as_its_oracle_and_is_planned_exa
         check_against_reference(out, reference)
     monkeypatch.setattr(M, "sharding_units", two_units_per_block)
     cfg = T.parse_args(args + ["--nproc_per_node=3"])
-    mcfg = disk.model_config(cfg)
+    mcfg = hf.model_config(cfg)
     sharded = T.build_sharded_model(cfg, mcfg, 0, 3, torch.device("cpu"))
     blocks = sharded.stages[1:-1]
     assert [[(u.name, u.trained) for u in stage.forward_units] for stage in blocks] == [
@@ -447,14 +447,14 @@ def with_adapters(weights: dict):
 
 def checkpoint_weights(ckpt: str, units: list) -> dict:
     """Hugging Face name -> fp32 master weight, read from the rank files of a checkpoint saved at any W (a frozen
-    unit's from the frozen set it names: disk.unit_file), laid out as `units` (one process's Units of the same
+    unit's from the frozen set it names: checkpoints.unit_file), laid out as `units` (one process's Units of the same
     model) lay them out."""
     from safetensors.torch import load_file
     manifest = json.load(open(os.path.join(ckpt, "manifest.json")))
     files = functools.cache(lambda fname: load_file(os.path.join(ckpt, fname)))
     state = {}
     for unit in units:
-        flat = torch.cat([files(disk.unit_file(manifest, unit.name, disk.rank_file(r, manifest["world_size"]))[0])
+        flat = torch.cat([files(checkpoints.unit_file(manifest, unit.name, checkpoints.rank_file(r, manifest["world_size"]))[0])
                           [f"{unit.name}.master_shard"] for r in range(manifest["world_size"])])
         state |= {M.hf_name(s.name): flat[s.offset:s.offset + math.prod(s.shape)].view(s.shape) for s in unit.slots}
     return state
@@ -491,9 +491,9 @@ def test_a_phase_that_adds_an_adapter_unit_takes_the_checkpoint_and_trains_as_it
     monkeypatch.setattr(M, "Block", LoraBlock)
     monkeypatch.setattr(M, "sharding_units", lora_units)
     cfg = T.parse_args(args)
-    mcfg = disk.model_config(cfg)
+    mcfg = hf.model_config(cfg)
     units = T.build_sharded_model(cfg, mcfg, 0, 1, torch.device("cpu")).units
-    disk.init_weights(cfg, mcfg, units, None)  # a run of the fork from scratch: its adapters are the fork's init
+    hf.init_weights(cfg, mcfg, units, None)  # a run of the fork from scratch: its adapters are the fork's init
     adapters = {M.hf_name(s.name): unit.master_shard[s.offset:s.offset + math.prod(s.shape)].view(s.shape)
                 for unit in units if unit.name.endswith(".lora") for s in unit.slots}
     reference = reference_run(str(plain / "hf"), data_path, doc_mask=True, frozen=lambda step, name: bool(re.search(

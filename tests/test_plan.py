@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import model as M  # noqa: E402
-from components import disk  # noqa: E402
+from components import checkpoints, hf  # noqa: E402
 from components import checks  # noqa: E402
 from tools import plan as P  # noqa: E402
 from components import offload as O  # noqa: E402
@@ -34,7 +34,7 @@ def config(**flags) -> T.TrainConfig:
 
 def predict(**flags) -> dict:
     cfg = config(**flags)
-    return P.plan(disk.model_config(cfg), cfg)
+    return P.plan(hf.model_config(cfg), cfg)
 
 
 def test_torchtitan_llama31_8b_anchor():
@@ -283,7 +283,7 @@ def test_offloaded_step_time_is_what_the_code_overlaps():
     backward, the last micro-batch's last unit (the embedding: its copy down and add overlap nothing) and
     the PCIe time beyond the host's cast, not the whole copy up."""
     cfg = config(**OFFLOAD_70B_ONE_NODE)
-    mcfg, gpu = disk.model_config(cfg), P.GPUS[cfg.gpu]
+    mcfg, gpu = hf.model_config(cfg), P.GPUS[cfg.gpu]
     p, o = P.plan(mcfg, cfg), P.offload_optimizer_time(mcfg, cfg, gpu, 8)
     embedding_slice = P.padded(P.unit_numels(mcfg)[0], 8) / 8
     assert o["last_unit_tail_s"] == pytest.approx(embedding_slice * 2 / 40e9
@@ -317,7 +317,7 @@ def test_host_memory_that_does_not_fit_is_named():
 def test_a_configuration_that_does_not_fit_gets_the_nearest_that_does():
     # The issue's case: 70B on 1 x 8 H100 without optimizer offload (141 GB of state per GPU).
     cfg = config(**dict(OFFLOAD_70B_ONE_NODE, offload_optimizer="false"))
-    mcfg = disk.model_config(cfg)
+    mcfg = hf.model_config(cfg)
     p = P.plan(mcfg, cfg)
     assert not p["fits"] and p["hours"] is None and p["cost_usd"] is None
     table = P.table(p, cfg)
@@ -335,7 +335,7 @@ def test_a_configuration_that_does_not_fit_gets_the_nearest_that_does():
     # Fewest changes first: a smaller micro-batch is enough for the 8B at seq 8192 with no recompute.
     cfg = config(model="llama3.1-8b", nnodes=1, nproc_per_node=8, seq_len=8192, batch_size=32, micro_batch_size=4,
                  ac="none")
-    mcfg = disk.model_config(cfg)
+    mcfg = hf.model_config(cfg)
     assert not P.plan(mcfg, cfg)["fits"]
     nearest = P.nearest_fit(mcfg, cfg)
     assert P.changed_flags(cfg, nearest).startswith("--micro_batch_size "), P.changed_flags(cfg, nearest)
@@ -479,9 +479,9 @@ def test_checkpoint_bytes_per_rank_are_what_the_trainer_writes(tmp_path, freeze)
     frozen = P.frozen_unit_names(mcfg, config(model="tiny", freeze=freeze))
     assert sorted(u.name for u in units if not u.trained) == sorted(frozen) and (frozen or not freeze)
     for later in (False, True):
-        own, frozen_set = disk.split_frozen(units, disk.rank_file_tensors(units), writes_frozen=not later)
-        os.makedirs(tmp_path / f"{later}" / disk.FROZEN_TMP)
-        report, _ = disk.write_rank_file(str(tmp_path / f"{later}"), own, 1, 0, world, frozen_set if frozen else None)
+        own, frozen_set = checkpoints.split_frozen(units, checkpoints.rank_file_tensors(units), writes_frozen=not later)
+        os.makedirs(tmp_path / f"{later}" / checkpoints.FROZEN_TMP)
+        report, _ = checkpoints.write_rank_file(str(tmp_path / f"{later}"), own, 1, 0, world, frozen_set if frozen else None)
         written = int(report[1] + report[35])
         assert written == sum(f.stat().st_size for f in (tmp_path / f"{later}").rglob("*.safetensors"))
         predicted = P.checkpoint_bytes_per_rank(mcfg, world, frozen, later)
@@ -621,19 +621,19 @@ def test_every_assumption_has_its_row_in_the_planning_docs():
 
 def test_staging_buffer_is_the_checkpoints_tensors_aligned():
     """--async_save's staging buffer holds a copy of every tensor a rank's checkpoint file holds
-    (disk.saved_tensors), each at a multiple of disk.STAGING_ALIGN_BYTES: rank 0's units at a W whose padding
+    (checkpoints.saved_tensors), each at a multiple of checkpoints.STAGING_ALIGN_BYTES: rank 0's units at a W whose padding
     is not zero, against plan.staging_bytes_per_rank, and the planner's host memory part."""
     mcfg, world = M.PRESETS["tiny"](), 3
     units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16)
     assert any(u.padded_numel != u.numel for u in units)
-    align = disk.STAGING_ALIGN_BYTES
-    tensors = [t for u in units for _, t in disk.saved_tensors(u)]
+    align = checkpoints.STAGING_ALIGN_BYTES
+    tensors = [t for u in units for _, t in checkpoints.saved_tensors(u)]
     assert len(tensors) == len(units) * (1 + len(M.OPTIMIZER_STATE))
     staged = sum(-(-t.numel() * t.element_size() // align) * align for t in tensors)
     assert staged > sum(t.numel() * t.element_size() for t in tensors)  # the alignment is counted too
     assert P.staging_bytes_per_rank(mcfg, world) == staged
     frozen_units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, freeze="embed")
-    frozen_tensors = [t for u in frozen_units for _, t in disk.saved_tensors(u)]  # the embedding's master alone
+    frozen_tensors = [t for u in frozen_units for _, t in checkpoints.saved_tensors(u)]  # the embedding's master alone
     assert len(frozen_tensors) == len(tensors) - len(M.OPTIMIZER_STATE)
     assert P.staging_bytes_per_rank(mcfg, world, ["embed"]) == sum(-(-t.numel() * t.element_size() // align) * align
                                                                    for t in frozen_tensors)
@@ -780,7 +780,7 @@ def test_plan_names_the_flag_to_drop_when_async_save_true_does_not_fit():
     assert "DOES NOT FIT in host memory (--async_save true: its staging buffer" in result.stdout
     both = dict(RECOMMENDED_70B, gpu="h100-pcie", offload_optimizer="true", async_save="true")
     cfg = config(**both)
-    q = P.plan(disk.model_config(cfg), cfg)
+    q = P.plan(hf.model_config(cfg), cfg)
     assert not q["host_fits"] and "drop --async_save true or --offload_optimizer (" in q["async_save_drop"]
     assert predict(**dict(both, async_save="auto"))["host_fits"]
     assert predict(**dict(both, offload_optimizer="false"))["fits"]
@@ -795,7 +795,7 @@ def test_the_final_export_is_predicted_but_not_part_of_the_stop_lead():
     """The 141 GB bf16 export runs after the last step: the planner predicts it and says how to run it on its
     own, and the stop's lead is the same with or without --export_hf."""
     cfg = config(**RECOMMENDED_70B, ckpt_every=200, out_dir="/shared/run", export_hf="/shared/run/hf")
-    p = P.plan(disk.model_config(cfg), cfg)
+    p = P.plan(hf.model_config(cfg), cfg)
     assert p["export_gb"] == pytest.approx(2 * 70.55e9 / 1e9, rel=1e-3) and p["export_s"] == pytest.approx(p["export_gb"] / 0.45)
     assert p["stop_lead_s"] == predict(**RECOMMENDED_70B, ckpt_every=200)["stop_lead_s"]
     text = P.table(p, cfg)
@@ -805,7 +805,7 @@ def test_the_final_export_is_predicted_but_not_part_of_the_stop_lead():
             "(launch.sbatch requeues it) exports") in text  # train.py makes the export when the run is finished
     # Without evaluations, on a slow filesystem, the 141 GB outlast the lead (2.7 saves against 2 and the rest).
     slow = dataclasses.replace(cfg, eval_every=0, fs_write_gbps=0.02)
-    q = P.plan(disk.model_config(slow), slow)
+    q = P.plan(hf.model_config(slow), slow)
     assert q["export_s"] > q["signal_lead_s"] and ("(NOT enough: export in a job of its own). Leave --export_hf out of "
                                                    "the training and run python train.py --from_ckpt /shared/run "
                                                    "--export_hf /shared/run/hf after it") in P.table(q, slow)
@@ -878,7 +878,7 @@ def test_frozen_units_are_planned():
 
 
 def test_a_frozen_base_is_saved_by_the_first_save_alone():
-    # --freeze: the frozen units' master shards are written once a run (disk.py: the frozen set), by its first save,
+    # --freeze: the frozen units' master shards are written once a run (checkpoints.py: the frozen set), by its first save,
     # which a restart reads back; each later save writes the trained units' master, m and v alone (12 B per
     # parameter / W). Llama-3-70B with its embedding and 78 of 80 blocks frozen, 16 GPUs, a save every 200 steps.
     mcfg, flags = M.PRESETS["llama3-70b"](), dict(SYNC_70B, ckpt_every=200)
@@ -940,7 +940,7 @@ def test_a_block_whose_shapes_depend_on_the_data_is_refused_by_plan_in_one_line(
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("error: --plan: the block's forward makes a tensor whose shape depends on the data") and "nonzero" in err
     cfg = config(model="tiny", nproc_per_node=8, seq_len=256, batch_size=8, micro_batch_size=1)
-    assert P.run_memory_gib(disk.model_config(cfg), cfg, 8, 8, "NVIDIA H100 80GB HBM3") is None
+    assert P.run_memory_gib(hf.model_config(cfg), cfg, 8, 8, "NVIDIA H100 80GB HBM3") is None
 
 
 def test_a_run_gets_the_planners_figures_from_the_tool_over_the_store(monkeypatch, capsys):

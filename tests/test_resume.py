@@ -1,5 +1,5 @@
 """What a resume compares (issue 26, part 4): docs/operations.md's table "What a resume compares" is read
-here and each row exercised against disk.config_changes on a manifest written by disk.checkpoint_manifest;
+here and each row exercised against checkpoints.config_changes on a manifest written by checkpoints.checkpoint_manifest;
 path flags are compared by what they name (real paths, mixes by exact normalised weights, in order), not by
 their spelling. One in-process run resumes a respelled mix from another folder for real."""
 import json
@@ -14,7 +14,8 @@ import pytest
 from common import ROOT, learnable_tokens, read_metrics, small_config, stopped_at
 
 import data as D
-from components import disk
+from components import checkpoints
+from components import out_dir as OD
 import train as T
 
 MIX = "fr.npy:0.6,en.npy:0.4"
@@ -61,10 +62,10 @@ def folder(tmp_path, monkeypatch):
 
 
 def manifest_of(cfg) -> dict:
-    """What disk.checkpoint_manifest writes for `cfg` (one unit), through JSON as a resume reads it."""
+    """What checkpoints.checkpoint_manifest writes for `cfg` (one unit), through JSON as a resume reads it."""
     unit = types.SimpleNamespace(name="u0", numel=6, shard_numel=6, optimizer_state={"exp_avg": None},
                                  trained=True, optimizer_steps=6)
-    return json.loads(json.dumps(disk.checkpoint_manifest(cfg, small_config(), disk.unit_records([unit]), 6, 1, None, {})))
+    return json.loads(json.dumps(checkpoints.checkpoint_manifest(cfg, small_config(), checkpoints.unit_records([unit]), 6, 1, None, {})))
 
 
 def base_config() -> T.TrainConfig:
@@ -94,33 +95,33 @@ def test_the_resume_table_holds(row, folder, tmp_path, monkeypatch):
     saved = manifest_of(cfg)
     all_flags = {f.name for f in fields(T.TrainConfig)}
     if kind(row) == "refused" and "model" in row[0]:  # the flags a resume must keep, and the model
-        assert flags_named(row[0]) - {"model"} == set(disk.RESUME_MUST_MATCH)
-        for key in disk.RESUME_MUST_MATCH:
-            must, may = disk.config_changes(saved, replace(cfg, **{key: another_value(key, getattr(cfg, key))}), mcfg)
+        assert flags_named(row[0]) - {"model"} == set(checkpoints.RESUME_MUST_MATCH)
+        for key in checkpoints.RESUME_MUST_MATCH:
+            must, may = checkpoints.config_changes(saved, replace(cfg, **{key: another_value(key, getattr(cfg, key))}), mcfg)
             assert len(must) == 1 and must[0].startswith(f"--{key} was {getattr(cfg, key)!r}, now ") and may == [], key
-        must, _ = disk.config_changes(saved, cfg, replace(mcfg, n_layers=3))
+        must, _ = checkpoints.config_changes(saved, cfg, replace(mcfg, n_layers=3))
         assert must == ["the model (from --model, --init_from's config.json, --data's tokenizer): n_layers was 2, now 3"]
     elif kind(row) == "a warning":
-        assert flags_named(row[0]) == set(disk.RESUME_MAY_CHANGE)
-        for key in disk.RESUME_MAY_CHANGE:
+        assert flags_named(row[0]) == set(checkpoints.RESUME_MAY_CHANGE)
+        for key in checkpoints.RESUME_MAY_CHANGE:
             value, new = getattr(cfg, key), another_value(key, getattr(cfg, key))
-            assert disk.config_changes(saved, replace(cfg, **{key: new}), mcfg) == ([], [f"--{key} {value} -> {new}"])
+            assert checkpoints.config_changes(saved, replace(cfg, **{key: new}), mcfg) == ([], [f"--{key} {value} -> {new}"])
     elif kind(row) == "not compared":
-        assert flags_named(row[0]) <= set(disk.RESUME_NOT_COMPARED)
-        assert set(disk.RESUME_NOT_COMPARED) == all_flags - set(disk.RESUME_MUST_MATCH) - set(disk.RESUME_MAY_CHANGE)
-        for key in disk.RESUME_NOT_COMPARED:
-            assert disk.config_changes(saved, replace(cfg, **{key: another_value(key, getattr(cfg, key))}), mcfg) == (
+        assert flags_named(row[0]) <= set(checkpoints.RESUME_NOT_COMPARED)
+        assert set(checkpoints.RESUME_NOT_COMPARED) == all_flags - set(checkpoints.RESUME_MUST_MATCH) - set(checkpoints.RESUME_MAY_CHANGE)
+        for key in checkpoints.RESUME_NOT_COMPARED:
+            assert checkpoints.config_changes(saved, replace(cfg, **{key: another_value(key, getattr(cfg, key))}), mcfg) == (
                 [], []), key
     elif kind(row) in ("the same value", "another mix"):
         pairs = respellings(row[0])
         assert len(pairs) >= (6 if kind(row) == "the same value" else 1), pairs
         for spelled, then in pairs:
-            for key in disk.PATH_FLAGS if ":" not in spelled + then else ("data", "eval_data"):
+            for key in checkpoints.PATH_FLAGS if ":" not in spelled + then else ("data", "eval_data"):
                 saved = manifest_of(replace(cfg, **{key: then}))  # saved by a run started in /data (the folder)
                 now = spelled.replace("/data/", f"{folder}/")
                 if now != spelled:  # an absolute spelling: resumed from another folder
                     monkeypatch.chdir(tmp_path / "elsewhere")
-                changes = disk.config_changes(saved, replace(cfg, **{key: now}), small_config())
+                changes = checkpoints.config_changes(saved, replace(cfg, **{key: now}), small_config())
                 if kind(row) == "the same value":
                     assert changes == ([], []), (key, now, then)
                 elif key == "data":
@@ -132,7 +133,7 @@ def test_the_resume_table_holds(row, folder, tmp_path, monkeypatch):
         assert kind(row) == "refused" and "another name" in row[0], row
         os.symlink("fr.npy", "french.npy")
         renamed = "french.npy:0.6,en.npy:0.4"
-        assert disk.config_changes(saved, replace(cfg, data=renamed), mcfg) == ([], [])
+        assert checkpoints.config_changes(saved, replace(cfg, data=renamed), mcfg) == ([], [])
         sources = D.parse_sources(renamed, "--data")
         windows = D.MixedWindows([n for n, _, _ in sources], [D.TokenWindows(D.TokenData(p), 8, 1) for _, p, _ in sources],
                                  [w for _, _, w in sources])
@@ -149,18 +150,16 @@ def test_the_table_has_every_row_the_test_checks():
         ["refused", "a warning", "not compared", "the same value", "another mix", "refused"])
 
 
-def test_a_checkpoint_saved_before_resolved_paths_reads_relative_ones_from_the_resumes_folder(folder, tmp_path,
-                                                                                               monkeypatch):
+def test_a_manifest_without_resolved_paths_is_refused_in_one_line(folder):
+    """A development build's manifest kept no resolved paths: refused, as a damaged one, never read as this run's."""
     cfg = replace(base_config(), data=MIX)
     old = manifest_of(cfg)
-    del old["resolved"]  # what a checkpoint saved before the manifest kept the resolved paths holds
-    absolute = f"{folder}/fr.npy:3,{folder}/en.npy:2"
-    assert disk.config_changes(old, replace(cfg, data=absolute), small_config()) == ([], [])  # from /data: the same
-    monkeypatch.chdir(tmp_path / "elsewhere")
-    must, _ = disk.config_changes(old, replace(cfg, data=absolute), small_config())
-    assert must and must[0].startswith(f"--data was {MIX!r}, now {absolute!r}")  # fr.npy is not here: not provably the same
-    assert disk.config_changes(manifest_of(replace(cfg, data=absolute)), replace(cfg, data=absolute), small_config()) == (
-        [], [])
+    del old["resolved"]
+    with pytest.raises(OD.CheckpointError) as e:
+        checkpoints.check_manifest_configs("DIR", old, cfg)
+    assert str(e.value) == ("checkpoint DIR: manifest.json: resolved lacks init_from, data, eval_data (saved by another "
+                            "version of this code)")
+    checkpoints.check_manifest_configs("DIR", manifest_of(cfg), cfg)  # what this code writes has every field
 
 
 def test_weights_are_compared_exactly_not_within_a_tolerance(folder):
@@ -175,9 +174,9 @@ def test_weights_are_compared_exactly_not_within_a_tolerance(folder):
     assert all(math.isclose(float(a), float(b), rel_tol=1e-6) for a, b in zip(exact.weights, close.weights))
     windows_70b = 28600 * 64
     assert any(exact.counts(n) != close.counts(n) for n in range(1, windows_70b, 7))
-    must, _ = disk.config_changes(manifest_of(cfg), replace(cfg, data=nearly), small_config())
+    must, _ = checkpoints.config_changes(manifest_of(cfg), replace(cfg, data=nearly), small_config())
     assert len(must) == 1 and must[0].startswith(f"--data was {cfg.data!r}, now {nearly!r}")
-    assert disk.config_changes(manifest_of(cfg), replace(cfg, data="fr.npy:0.5,en.npy:1"), small_config()) == ([], [])
+    assert checkpoints.config_changes(manifest_of(cfg), replace(cfg, data="fr.npy:0.5,en.npy:1"), small_config()) == ([], [])
 
 
 TINY = ["--model=tiny", "--dtype=float32", "--eval_every=0", "--seq_len=16", "--batch_size=4", "--micro_batch_size=1",

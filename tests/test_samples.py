@@ -12,7 +12,7 @@ from common import hf_model, learnable_tokens, ours_from_hf, run_train, save_hf,
 from common import live_tensor_bytes
 from test_data import TEXTS, hf_tokenizer, write_jsonl
 
-from components import disk
+from components import out_dir as OD
 from components import flags
 from tools import prepare as prep
 import data as D
@@ -119,7 +119,7 @@ def test_sharded_decoding_equals_generate_stops_at_end_ids_and_leaves_nothing_be
         assert stopped[1] == hf_generate(ref, sampler.prompts[1], 10, [first[k]])
     finally:
         T.dist.destroy_process_group()
-        disk.group = None
+        OD.group = None
 
 
 @pytest.fixture(scope="module")

@@ -295,7 +295,7 @@ def test_a_units_views_survive_free_and_refill():
         with torch.device("meta"):
             model = M.Llama(cfg)
         units = T.build_units(model, rank, dist.get_world_size(), torch.device("cpu"), torch.float32)
-        T.disk.init_weights(T.TrainConfig(), cfg, units, None)
+        T.hf.init_weights(T.TrainConfig(), cfg, units, None)
         block, unit = model.layers[0], units[1]
         states = [unit.state()]
         unit.wait_gather()

@@ -38,7 +38,7 @@ def warm_up():
     sys.path[0] = ROOT  # as `python train.py` sets it
     import torch._dynamo  # noqa: F401
     import transformers  # noqa: F401  (the export check and tokenizers)
-    import components.disk, components.sample, data, model  # noqa: F401,E401
+    import components.checkpoints, components.hf, components.sample, data, model  # noqa: F401,E401
 
 
 def run_script(script: str, args: list[str], env: dict):

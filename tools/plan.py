@@ -38,7 +38,8 @@ if __name__ == "__main__":  # run as a script: the repository's modules, as from
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as M  # noqa: E402
 import train as T  # noqa: E402
-from components import disk  # noqa: E402
+from components import checkpoints, hf  # noqa: E402
+from components import out_dir as OD  # noqa: E402
 from components import flags  # noqa: E402
 from components import metrics  # noqa: E402
 from components import offload as O  # noqa: E402
@@ -439,8 +440,8 @@ def unit_state_bytes_per_param(mcfg: M.ModelConfig, cfg) -> list[float]:
 
 def staging_bytes_per_rank(mcfg: M.ModelConfig, world: int, frozen: list | tuple = (), later: bool = False) -> int:
     """--async_save's staging buffer on each rank, exactly (docs/planning.md: async_save); `later`: what a save after
-    the first copies into it (not the frozen units', written once: disk.py)."""
-    align = disk.STAGING_ALIGN_BYTES
+    the first copies into it (not the frozen units', written once: checkpoints.py)."""
+    align = checkpoints.STAGING_ALIGN_BYTES
     return sum(-(-size * (padded(n, world) // world) // align) * align
                for name, n in zip(unit_names(mcfg), unit_numels(mcfg)) if not (later and name in frozen)
                for size in saved_bytes_per_element(name in frozen))
@@ -763,7 +764,7 @@ def prompt_sizes(cfg) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------------
 
 def checkpoint_bytes_per_rank(mcfg: M.ModelConfig, world: int, frozen: list | tuple = (), later: bool = False) -> int:
-    """What disk.save_checkpoint writes on each rank: every unit's saved shards (saved_bytes_per_element;
+    """What checkpoints.save_checkpoint writes on each rank: every unit's saved shards (saved_bytes_per_element;
     gradients are not saved) and the safetensors headers (checkpoint_header_bytes_per_tensor each, a bound). Frozen
     units' go into a file of their own (the frozen set), which only the run's first save writes: a `later` save
     writes the trained units' alone."""
@@ -1282,9 +1283,9 @@ def main(cfg) -> str | None:
     errors = check(cfg)
     if not errors:
         try:
-            mcfg = disk.model_config(cfg)
+            mcfg = hf.model_config(cfg)
             errors += M.check_model_config(mcfg)
-        except disk.CheckpointError as e:  # --init_from one of our checkpoints: its manifest
+        except OD.CheckpointError as e:  # --init_from one of our checkpoints: its manifest
             errors.append(str(e))
         except (OSError, KeyError, json.JSONDecodeError) as e:
             errors.append(f"--init_from: cannot read config.json: {e}")

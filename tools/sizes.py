@@ -24,7 +24,7 @@ def module_path(name: str) -> str | None:
 
 
 def imported_modules(path: str) -> set[str]:
-    """The project modules one file imports, anywhere in it: `import model as M`, `from components import disk`,
+    """The project modules one file imports, anywhere in it: `import model as M`, `from components import hf`,
     `from components.flags import TrainConfig`."""
     found = set()
     for node in ast.walk(ast.parse(open(path).read(), path)):

@@ -1,0 +1,516 @@
+"""Hugging Face folders, and where a run's model comes from: its config (model_config: a checkpoint's manifest, an
+--init_from folder's config.json, or a preset) and its first weights (init_weights: seeded, an --init_from folder's
+read by partial reads, or one of our checkpoints'); the export (--export_hf), one unit at a time, with its config.json
+and the tokenizer that prepared --data (a Hugging Face tokenizer's files copied, a data.py sentencepiece model
+converted and checked to encode as sentencepiece does: docs/data.md, "Hugging Face import and export")."""
+import errno
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict
+
+import torch
+
+import data as D
+import model as M
+from components import checkpoints  # our checkpoints: a new phase's weights, the manifests an export follows
+from components import out_dir as OD  # the file helpers, the checkpoint group
+from components import run_data  # the folder recording --data's tokenizer
+from components.out_dir import CheckpointError
+
+# tokenizer: a server then renders chats as they were trained.
+HEADER_FORMAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+                          "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
+                          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+# A Hugging Face tokenizer's files: what an export copies from an --init_from folder, when there.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                      "chat_template.jinja", "chat_template.json", "added_tokens.json")
+# English, French, chat markup, digits, whitespace runs, symbols, emoji, CJK and a control character: an
+# exported tokenizer must encode this exactly as the one that prepared the data (write_hf_tokenizer).
+ENCODING_PROBE = ("The lessee shall pay 1,250.00 EUR on the 1st. Le bailleur a résilié le contrat à défaut de "
+                  "paiement ; « Où est-il ? » <|start_header_id|>user<|end_header_id|>\n\nBonjour\t  !<|eot_id|> "
+                  "x<|eot_id|>y  ☃ ℃ ½ 😀 中文 \x00 \r\n end")
+
+
+def copy_hf_tokenizer_files(folder: str, out: str) -> list:
+    """Copies the HF_TOKENIZER_FILES `folder` has into `out` (contents only: modes follow the umask)."""
+    names = [n for n in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
+    for name in names:
+        shutil.copyfile(os.path.join(folder, name), os.path.join(out, name))
+    return names
+
+
+def write_hf_tokenizer(path: str, sha256: str, out: str) -> list:
+    """Writes into `out` what transformers' AutoTokenizer loads for the tokenizer meta.json records (`path`,
+    `sha256`): a Hugging Face tokenizer's files are copied, a sentencepiece model converted. Returns its end ids."""
+    if not os.path.exists(path):
+        raise D.DataError(f"the tokenizer that prepared --data, {path}, is not there")
+    tok = D.Tokenizer(path)
+    if tok.sha256 != sha256:
+        raise D.DataError(f"{path} has changed since it prepared --data (another SHA-256)")
+    if tok.kind == "huggingface":
+        copy_hf_tokenizer_files(path if os.path.isdir(path) else os.path.dirname(path), out)
+    else:
+        sentencepiece_to_hf(tok, out)
+    return tok.end_ids()
+
+
+def sentencepiece_to_hf(tok: D.Tokenizer, out: str):
+    """tokenizer.json and tokenizer_config.json for a sentencepiece model, converted by transformers (it needs
+    protobuf), with BOS added as prepare adds it and the header format's chat template. A conversion that
+    does not encode ENCODING_PROBE as sentencepiece does gives no tokenizer, never a wrong one. The one
+    difference left: a literal "<s>" in text is the control token to transformers, text to sentencepiece."""
+    from transformers import AutoTokenizer
+    sp = tok.sp
+    config = {"tokenizer_class": "TokenizersBackend", "bos_token": sp.id_to_piece(sp.bos_id()),
+              "eos_token": sp.id_to_piece(sp.eos_id()), "unk_token": sp.id_to_piece(sp.unk_id()),
+              "add_bos_token": True, "add_eos_token": False}
+    if all(tok.piece_id(t) is not None for t in D.CHAT_TOKENS):
+        config["chat_template"] = HEADER_FORMAT_TEMPLATE
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copyfile(tok.path, os.path.join(tmp, "tokenizer.model"))
+        with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
+            json.dump(config, f)
+        try:
+            hf = AutoTokenizer.from_pretrained(tmp)
+        except Exception as e:  # noqa: BLE001 (what fails depends on the transformers version: name it, go on)
+            raise D.DataError(f"transformers could not convert {tok.path} ({type(e).__name__}: {e}; it needs the "
+                              f"protobuf package)") from None
+    if hf(ENCODING_PROBE)["input_ids"] != [sp.bos_id()] + tok.encode([ENCODING_PROBE], True)[0]:
+        raise D.DataError(f"transformers' conversion of {tok.path} encodes differently from sentencepiece")
+    hf.save_pretrained(out)
+
+
+# The model a run builds, from the files its flags name (components/checks.py and the planner both ask).
+
+def checkpoint_source(cfg) -> str | None:
+    """The checkpoint folder --from_ckpt means, or --init_from when not a Hugging Face folder (checkpoints.find_checkpoint)."""
+    flag, path = ("--from_ckpt", cfg.from_ckpt) if cfg.from_ckpt else ("--init_from", cfg.init_from)
+    if not path or (flag == "--init_from" and os.path.isfile(os.path.join(path, "config.json"))):
+        return None
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{flag}: {path} is not a folder")
+    try:
+        found = checkpoints.find_checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{flag}: {e}") from None
+    if found is None:
+        neither = "a Hugging Face folder (no config.json) nor " if flag == "--init_from" else ""
+        raise CheckpointError(f"{flag}: {path} is neither {neither}one of our checkpoints (no manifest.json, and no "
+                              f"checkpoints/step_* folder in it)")
+    return found
+
+
+# What a preset takes from the prepared data's tokenizer (run_data.open_data), so a checkpoint of a preset differs
+# from the preset there; any other difference means another model.
+DATA_DECIDES = ("vocab_size", "bos_id", "eos_id")
+
+
+def model_config(cfg) -> M.ModelConfig:
+    """The model: a checkpoint's manifest's (a --model beside --init_from must be the same), an --init_from folder's
+    config.json, or a preset."""
+    checkpoint = checkpoint_source(cfg)
+    if checkpoint:
+        flag = "--from_ckpt" if cfg.from_ckpt else "--init_from"
+        try:
+            mcfg = M.ModelConfig(**OD.load_json(os.path.join(checkpoint, "manifest.json"))["model"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{flag}: checkpoint {checkpoint}: manifest.json has no readable model ({e})") from None
+        if cfg.model and not cfg.from_ckpt:
+            preset, saved = asdict(M.PRESETS[cfg.model]()), asdict(mcfg)
+            diff = [f"{k} {preset[k]} vs {v}" for k, v in saved.items() if k not in DATA_DECIDES and preset[k] != v]
+            if diff:
+                raise CheckpointError(f"--model: {cfg.model} is not the model of --init_from {checkpoint}, which "
+                                      f"decides the model (its manifest.json): they differ in {', '.join(diff)}; "
+                                      f"leave out --model")
+        return mcfg
+    if cfg.init_from:
+        return config_from_hf(OD.load_json(os.path.join(cfg.init_from, "config.json")))
+    return M.PRESETS[cfg.model or "tiny"]()
+
+
+
+def init_unit_random(unit, index: int, seed: int, std: float):
+    """HF's init (normal(0, std) matrices, ones for norms) on the unit's full shape from the unit's own
+    generator, then keep this rank's shard: the same weights for every W."""
+    device = unit.gathered.device  # the same numbers with and without --offload_optimizer
+    gen = torch.Generator(device=device).manual_seed(seed * 100003 + index)
+    full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
+    for slot in unit.slots:
+        piece = full[slot.offset:slot.offset + math.prod(slot.shape)]
+        piece.fill_(1.0) if len(slot.shape) == 1 else piece.normal_(0.0, std, generator=gen)
+    unit.master_shard.copy_(full[unit.shard_start:unit.shard_start + unit.shard_numel])
+
+
+def init_weights(cfg, mcfg: M.ModelConfig, units: list, weights: dict | str | None) -> str | None:
+    """Seeded random weights (`weights` None); this rank's shards of an --init_from Hugging Face folder (`weights`
+    {HF tensor name: file}); or of one of our checkpoints (`weights` its folder: a new phase, a fresh optimizer),
+    where the units it lacks (a fork's adapter) are initialised as a run from scratch initialises them: returns
+    which units were taken and which are new, for the phase's line."""
+    checkpoints.forget_frozen_set()  # this run did not resume: its first save writes its frozen units' set
+    if weights is None:
+        for i, unit in enumerate(units):
+            init_unit_random(unit, i, cfg.seed, mcfg.init_std)
+    elif isinstance(weights, str):
+        saved = checkpoints.load_weights(weights, units, "--init_from")["units"]  # the manifest every rank read: agreed
+        new = [(i, unit) for i, unit in enumerate(units) if unit.name not in saved]
+        for i, unit in new:
+            init_unit_random(unit, i, cfg.seed, mcfg.init_std)
+        taken, new_names = checkpoints.unit_list([u.name for u in units if u.name in saved]), [u.name for _, u in new]
+        return (f"taken: {taken}; new, initialised as a run from scratch (--seed {cfg.seed}): "
+                f"{checkpoints.unit_list(new_names) or 'none'}")
+    else:
+        open_files = {}
+        for unit in units:
+            load_unit_from_hf(unit, weights, open_files)
+
+
+
+# ================================================================================================
+# Hugging Face folders: import by partial reads, export one unit at a time
+# ================================================================================================
+
+# config.json, both forms seen in the wild: the published Llama 3.x one (`rope_theta` + `rope_scaling`) and
+# transformers 5's (`rope_parameters`). Written in the published form, which every transformers version reads.
+
+def hf_rope(hf: dict) -> tuple[dict, str]:
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return rope, rope.get("rope_type", rope.get("type", "default"))
+
+
+def check_hf_config(hf: dict) -> list[str]:
+    """What in a config.json says it is not a model this code builds (model.FAMILIES), one line each: Qwen2, Gemma
+    and Mistral name their tensors as Llama does, and would load, and train as another model, without a word."""
+    model_type, architectures = hf.get("model_type"), hf.get("architectures") or []
+    family = M.FAMILIES.get(model_type)
+    if family is None or architectures not in ([], [family["hf_class"]]):
+        known = ", ".join(f"model_type {t!r} with {f['hf_class']}" for t, f in M.FAMILIES.items())
+        return [f"model_type {model_type!r} (architectures {', '.join(architectures) or 'not given'}) is not a "
+                f"family this code builds; known: {known}"]
+    problems = []  # a config.json of a known family with options this code does not implement
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    for bias in ("attention_bias", "mlp_bias"):
+        if hf.get(bias, False):
+            problems.append(f"{bias} true is not supported (this model has no biases)")
+    if hf.get("attention_dropout", 0.0):
+        problems.append(f"attention_dropout {hf['attention_dropout']} is not supported (only 0.0)")
+    if hf.get("use_sliding_window", False):
+        problems.append("use_sliding_window true is not supported (only full attention)")
+    rope_type = hf_rope(hf)[1]
+    if rope_type not in family["rope_types"]:
+        problems.append(f"rope type {rope_type!r} is not supported for {model_type} (only {' and '.join(family['rope_types'])})")
+    return problems
+
+
+def config_from_hf(hf: dict) -> M.ModelConfig:
+    """Either form of config.json; anything but a family of model.FAMILIES, as it is published, is refused
+    (check_hf_config), never approximated."""
+    problems = check_hf_config(hf)
+    if problems:
+        raise ValueError("config.json: " + "; ".join(problems))
+    rope, rope_type = hf_rope(hf)
+    rope_theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = None
+    if rope_type == "llama3":
+        scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                         "original_max_position_embeddings")}
+    eos = hf.get("eos_token_id", 2)
+    family = M.FAMILIES[hf["model_type"]]
+    return M.ModelConfig(
+        vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+        n_heads=hf["num_attention_heads"], n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim") or 0, ffn_dim=hf["intermediate_size"], norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_theta), rope_scaling=scaling, max_seq_len=hf.get("max_position_embeddings", 8192),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), bos_id=hf.get("bos_token_id", 1),
+        eos_id=eos[0] if isinstance(eos, list) else eos, pad_id=hf.get("pad_token_id"),
+        init_std=hf.get("initializer_range", 0.02), family=hf["model_type"], **family["model_fields"],
+        family_keys={key: hf[key] for key in family["config_keys"] if key in hf})
+
+
+# A source config.json's keys for what config_to_hf writes in another spelling (transformers 5 writes
+# `rope_parameters` and `dtype`): dropped, so the two spellings cannot disagree.
+HF_RESPELLED = ("rope_parameters", "rope_scaling", "rope_theta", "dtype", "torch_dtype")
+
+
+def config_to_hf(cfg: M.ModelConfig, dtype: torch.dtype, source: dict | None = None, eos_ids: list | None = None) -> dict:
+    """The published form of cfg's family. `source`: the --init_from config.json, whose other fields are kept, and
+    its end-id list when it starts with cfg.eos_id (Llama 3.1 Instruct's three; training needs only the first).
+    `eos_ids`: the tokenizer's end ids, for a model without a source."""
+    family = M.FAMILIES[cfg.family]
+    ours = {
+        "architectures": [family["hf_class"]], "model_type": cfg.family,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.ffn_dim, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": dict(cfg.rope_scaling, rope_type="llama3") if cfg.rope_scaling else None,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": cfg.bos_id, "eos_token_id": cfg.eos_id,
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0,
+        "initializer_range": cfg.init_std, "use_cache": True, "torch_dtype": str(dtype).removeprefix("torch."),
+        **cfg.family_keys,
+    }
+    if cfg.pad_id is not None:
+        ours["pad_token_id"] = cfg.pad_id
+    if eos_ids and eos_ids[0] == cfg.eos_id:
+        ours["eos_token_id"] = list(eos_ids) if len(eos_ids) > 1 else cfg.eos_id
+    source = source or {}
+    source_eos = source.get("eos_token_id")
+    if isinstance(source_eos, list) and source_eos and source_eos[0] == cfg.eos_id:
+        ours["eos_token_id"] = source_eos
+    return dict({k: v for k, v in source.items() if k not in HF_RESPELLED}, **ours)
+
+
+def hf_file_of_tensors(folder: str) -> dict:
+    """{HF tensor name: safetensors file}, from the files' own headers (the index only says which files there are):
+    a file lacking what the index promises shows as a missing tensor, a damaged one is found before any training."""
+    from safetensors import SafetensorError, safe_open
+    index = os.path.join(folder, "model.safetensors.index.json")
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(index):
+        try:
+            tensor_files = list(OD.load_json(index)["weight_map"].items())  # (tensor name, file name)
+        except (ValueError, KeyError, AttributeError, TypeError) as e:
+            raise ValueError(f"--init_from: {index} is not a safetensors index ({e!r}); download it again") from None
+        for name, fname in tensor_files:  # a file of this folder (links are fine: the Hub's cache is made of them)
+            if not D.is_plain_name(fname):
+                raise ValueError(f"--init_from: {index} names {fname!r} as the file of {name}, which is not a file "
+                                 f"name in {folder} (a '/' or '..'); download the model again")
+        paths = sorted({os.path.join(folder, fname) for _, fname in tensor_files})
+    elif os.path.isfile(single):
+        paths = [single]
+    else:
+        raise FileNotFoundError(f"--init_from: neither model.safetensors nor model.safetensors.index.json in {folder}")
+    files = {}
+    for path in paths:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--init_from: {path} is named in {index} but does not exist")
+        try:  # safe_open checks the header covers the file: a truncated download or an HTML page fails here
+            with safe_open(path, framework="pt") as f:
+                files.update({name: path for name in f.keys()})
+        except SafetensorError as e:
+            raise ValueError(f"--init_from: {path} is not a readable safetensors file ({e}); download it "
+                             f"again") from None
+    return files
+
+
+def check_hf_tensors(files: dict, mcfg: M.ModelConfig, folder: str):
+    """The files hold exactly the parameters of config.json's model: an extra tensor (a Qwen2 q_proj.bias, a rotary
+    inv_freq, lm_head.weight beside tied embeddings) is refused, never dropped: the weights are another model's."""
+    with torch.device("meta"):  # names only: allocates nothing
+        expected = {M.hf_name(name) for name, _ in M.Llama(mcfg).named_parameters()}
+    missing, unexpected = sorted(expected - files.keys()), sorted(files.keys() - expected)
+    if missing:
+        raise ValueError(f"--init_from: tensor {missing[0]}{more(missing)} is missing from the safetensors files "
+                         f"in {folder}")
+    if unexpected:
+        hint = ""
+        if "lm_head.weight" in unexpected and mcfg.tie_embeddings:
+            hint = "; config.json has tie_word_embeddings true: set it false if lm_head.weight is the model's own"
+        raise ValueError(f"--init_from: {files[unexpected[0]]} holds {unexpected[0]}{more(unexpected)}, which the "
+                         f"{M.FAMILIES[mcfg.family]['hf_class']} described by config.json does not have: this is not "
+                         f"a plain {mcfg.family} checkpoint{hint}")
+
+
+def more(names: list) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+
+
+def load_unit_from_hf(unit, files: dict, open_files: dict):
+    """Reads only this rank's shard of each parameter: at most one extra row on each side, then cut away."""
+    from safetensors import safe_open
+    lo_shard, hi_shard = unit.shard_start, unit.shard_start + unit.shard_numel
+    for slot in unit.slots:
+        name, shape, offset = slot.name, slot.shape, slot.offset
+        lo, hi = max(offset, lo_shard), min(offset + math.prod(shape), hi_shard)
+        if lo >= hi:
+            continue
+        key = M.hf_name(name)  # in `files`: check_hf_tensors found every one there
+        if files[key] not in open_files:
+            open_files[files[key]] = safe_open(files[key], framework="pt")
+        tensor_slice = open_files[files[key]].get_slice(key)
+        if tuple(tensor_slice.get_shape()) != shape:
+            raise ValueError(f"--init_from: {key} in {files[key]} has shape {tuple(tensor_slice.get_shape())}, "
+                             f"config.json implies {shape}")
+        a, b = lo - offset, hi - offset  # flat range within this parameter
+        row = math.prod(shape[1:])       # elements per row (1 for a 1-D norm weight)
+        r0, r1 = a // row, -(-b // row)
+        rows = tensor_slice[r0:r1].reshape(-1)
+        unit.master_shard[lo - lo_shard:hi - lo_shard] = rows[a - r0 * row:b - r0 * row].float()
+
+
+def gather_full_unit(unit) -> torch.Tensor:
+    """The whole unit in fp32 on every rank (transient: one unit)."""
+    full = torch.empty(unit.padded_numel, dtype=torch.float32, device=unit.gathered.device)
+    OD.all_gather_flat(full, unit.master_shard.to(full.device))  # from host memory with --offload_optimizer
+    return full
+
+
+def check_export_tensors(config: dict, shapes: dict):
+    """What transformers builds from `config` (on the meta device) saves exactly the tensors `shapes` names:
+    from_pretrained drops a tensor it does not know with a warning, serving a fork's model as another."""
+    import transformers
+    family = M.FAMILIES[config["model_type"]]
+    with torch.device("meta"):
+        hf = getattr(transformers, family["hf_class"])(getattr(transformers, family["hf_config_class"]).from_dict(config))
+    built = {name: tuple(t.shape) for name, t in hf_saved_tensors(hf).items()}
+    extra, missing = sorted(shapes.keys() - built.keys()), sorted(built.keys() - shapes.keys())
+    reshaped = sorted(n for n in shapes.keys() & built.keys() if tuple(shapes[n]) != built[n])
+    where = f"the {family['hf_class']} that transformers builds from the exported config.json"
+    if extra:
+        raise ValueError(f"--export_hf: tensor {extra[0]}{more(extra)} of this model is not in {where}: from_pretrained "
+                         f"would drop it and serve another model; a model with parameters its family lacks cannot be "
+                         f"exported as one (config_to_hf describes what the export is; model.FAMILIES the families)")
+    if missing:
+        raise ValueError(f"--export_hf: {where} has {missing[0]}{more(missing)}, which this model lacks")
+    if reshaped:
+        raise ValueError(f"--export_hf: tensor {reshaped[0]}{more(reshaped)} has shape {tuple(shapes[reshaped[0]])} "
+                         f"here and {built[reshaped[0]]} in {where}")
+
+
+def hf_saved_tensors(hf) -> dict:
+    """The tensors save_pretrained writes for the transformers model `hf` (on the meta device too), by their names
+    on disk: tied embeddings once, and transformers 5's in-memory fusions undone (Mixtral's experts are one
+    tensor in memory, a weight per expert on disk, as other readers of the folder expect)."""
+    tensors = dict(hf.named_parameters())  # tied embeddings: listed once
+    try:
+        from transformers.core_model_loading import revert_weight_conversion  # transformers 5
+    except ImportError:
+        return tensors  # transformers 4 saves what it holds
+    return revert_weight_conversion(hf, tensors)
+
+
+def export_origin(train: dict, depth: int = 0) -> dict:
+    """Where an export's other files come from, for the run whose TrainConfig is `train`: {"hf_folder": the Hugging
+    Face folder its first weights came from or None, "tokenizer": tokenizer_record's}. A run from one of our
+    checkpoints (a phase, --from_ckpt) has the origin of the run that saved it, through the manifests."""
+    init = train.get("from_ckpt") or train.get("init_from") or ""
+    if init and not os.path.isfile(os.path.join(init, "config.json")) and depth < 100:
+        try:
+            manifest = OD.load_json(os.path.join(checkpoints.find_checkpoint(init), "manifest.json"))
+            return export_origin(manifest["train"], depth + 1)
+        except (CheckpointError, OSError, ValueError, KeyError, TypeError):
+            pass  # that run's folder is gone: what this run's own --data says
+    hf_folder = init if init and os.path.isfile(os.path.join(init, "config.json")) else None
+    return {"hf_folder": hf_folder, "tokenizer": tokenizer_record(train)}
+
+
+def tokenizer_record(train: dict) -> dict | None:
+    """The tokenizer that prepared a run's --data, as its meta.json records it ({path, kind, sha256}), or None."""
+    folder = run_data.first_prepared_folder(train.get("data") or "", train.get("out_dir") or "")  # a mix: one tokenizer
+    try:
+        tokenizer = OD.load_json(os.path.join(folder, "meta.json"))["tokenizer"]
+        return {k: tokenizer[k] for k in ("path", "kind", "sha256")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def export_tokenizer(origin: dict, folder: str) -> tuple[list | None, str]:
+    """The tokenizer's files into `folder`: an --init_from folder's copied, else --data's written
+    (write_hf_tokenizer), else none and a warning. Returns (its end ids or None, what was written)."""
+    source = origin.get("hf_folder")
+    if source and any(os.path.isfile(os.path.join(source, n)) for n in ("tokenizer.json", "tokenizer.model")):
+        copied = copy_hf_tokenizer_files(source, folder)
+        return None, f"tokenizer files copied from {source}: {', '.join(copied)}"
+    tokenizer = origin.get("tokenizer")
+    why = "--data is a token .npy, which names no tokenizer"
+    if tokenizer:
+        try:
+            end_ids = write_hf_tokenizer(tokenizer["path"], tokenizer["sha256"], folder)
+            return end_ids, f"tokenizer from {tokenizer['path']}"
+        except D.DataError as e:
+            why = str(e)
+    print(f"warning: --export_hf: no tokenizer files in the export ({why}); copy the tokenizer's files into it "
+          f"before loading it with AutoTokenizer", file=sys.stderr, flush=True)
+    return None, "no tokenizer"
+
+
+def source_json(source: str | None, name: str):
+    path = os.path.join(source or "", name)
+    return OD.load_json(path) if source and os.path.isfile(path) else None
+
+
+def finish_export(folder: str, mcfg: M.ModelConfig, dtype: torch.dtype, origin: dict, shapes: dict) -> str:
+    """Everything of an export but the weights: the tokenizer, config.json, generation_config.json (the --init_from
+    folder's, sampling defaults included; else the BOS and end ids) and check_export_tensors. Returns the note."""
+    end_ids, tokenizer_note = export_tokenizer(origin, folder)
+    source = origin.get("hf_folder")
+    config = config_to_hf(mcfg, dtype, source=source_json(source, "config.json"), eos_ids=end_ids)
+    check_export_tensors(config, shapes)
+    generation = source_json(source, "generation_config.json") or {"bos_token_id": config["bos_token_id"],
+                                                                   "eos_token_id": config["eos_token_id"]}
+    for name, content in (("config.json", config), ("generation_config.json", generation)):
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(content, f, indent=2)
+    return tokenizer_note
+
+
+def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, shard_gb: float, rank: int,
+              origin: dict) -> str:
+    """A folder that from_pretrained and AutoTokenizer load as is: model*.safetensors (+ index), and finish_export's
+    files. Written to OUT.partial and renamed: it appears complete or not at all. Rank 0 holds one file's tensors
+    at a time. Returns (rank 0) the tokenizer note; a failure raises CheckpointError on every rank, leaving none."""
+    shapes = {M.hf_name(slot.name): slot.shape for unit in units for slot in unit.slots}
+    files, size, bytes_per = [[]], 0, torch.tensor([], dtype=dtype).element_size()
+    for unit in units:  # files of at most shard_gb, planned first so each can be named "-0000i-of-0000n"
+        if files[-1] and size + unit.numel * bytes_per > shard_gb * 1e9:
+            files.append([])
+            size = 0
+        files[-1].append(unit)
+        size += unit.numel * bytes_per
+    tmp = out.rstrip("/") + ".partial"
+    # [written, errno]: rank 0's first write error stops its writing, not its gathering, so no rank waits for it
+    written, error = torch.tensor([1, 0]), ""
+    if rank == 0:  # a fresh folder: a crashed export's model.safetensors must not sit beside a new index
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            written[:] = torch.tensor([0, e.errno or errno.EIO])
+            error = f"--export_hf: cannot create {OD.write_error(tmp, e)}"
+    weight_map, total_bytes = {}, 0
+    for i, file_units in enumerate(files):
+        fname = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        tensors = []
+        for unit in file_units:
+            full = gather_full_unit(unit)
+            if rank == 0:
+                for slot in unit.slots:
+                    piece = full[slot.offset:slot.offset + math.prod(slot.shape)].view(slot.shape)
+                    tensors.append((M.hf_name(slot.name), piece.to(dtype).cpu().clone()))
+            del full
+        if rank == 0 and written[0]:
+            try:
+                OD.write_safetensors_streaming(os.path.join(tmp, fname), tensors, metadata={"format": "pt"})
+                weight_map.update({name: fname for name, _ in tensors})
+                total_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
+            except OSError as e:
+                written[:] = torch.tensor([0, e.errno or errno.EIO])
+                error = f"--export_hf: cannot write {OD.write_error(os.path.join(tmp, fname), e)}"
+                shutil.rmtree(tmp, ignore_errors=True)
+        # Paced per file: the other ranks wait here, on the CPU (gloo, --ckpt_timeout_min), while rank 0 writes,
+        # and queue the next file's all-gathers only then. Queued all at once, the last ones would wait on the
+        # GPU for rank 0's whole ~140 GB (70B) and NCCL's watchdog would end them after --timeout_min.
+        others = f"--export_hf: rank 0 could not write {fname} of {out} (its error says why)"
+        OD.raise_unless_done(written, error or others)
+    done, note = torch.zeros(2, dtype=torch.int64), ""
+    if rank == 0:
+        try:
+            if len(files) > 1:
+                with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                    json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2)
+            note = finish_export(tmp, mcfg, dtype, origin, shapes)
+            if os.path.isdir(out):
+                os.rmdir(out)  # checked empty before training started
+            os.replace(tmp, out)  # the folder appears complete or not at all
+            OD.fsync_dir(os.path.dirname(os.path.abspath(out)))
+            done[0] = 1
+        except (OSError, ValueError) as e:
+            error = str(e) if isinstance(e, ValueError) else f"--export_hf: cannot write {OD.write_error(tmp, e)}"
+            done[1] = (e.errno or errno.EIO) if isinstance(e, OSError) else 0
+            shutil.rmtree(tmp, ignore_errors=True)
+    OD.raise_unless_done(done, error or f"--export_hf: rank 0 could not write {out} (its error says why)")
+    return note
