@@ -389,7 +389,7 @@ def list_checkpoints(root: str) -> list[str]:
     return [os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))]
 
 
-def resume_candidates(root: str) -> list[str]:
+def candidates_on_disk(root: str) -> list[str]:
     """The checkpoints resume tries, newest first, from the one `latest` names: editing `latest` to an older step_*
     rolls the run back to it (newer folders are overwritten as the run passes their steps again)."""
     paths = list_checkpoints(root)
@@ -408,7 +408,7 @@ def finished_run(cfg) -> tuple[str, str] | None:
     if cfg.resume != "auto" or cfg.from_ckpt or cfg.steps == 0:  # --steps 0 exports the newest checkpoint
         return None
     try:
-        candidates = resume_candidates(os.path.join(cfg.out_dir, "checkpoints"))
+        candidates = candidates_on_disk(os.path.join(cfg.out_dir, "checkpoints"))
     except (CheckpointError, OSError):
         return None  # setup says what is wrong
     for path in candidates:
@@ -816,7 +816,7 @@ def find_checkpoint(path: str) -> str | None:
     if os.path.isfile(os.path.join(path, "manifest.json")):
         return path
     root = os.path.join(path, "checkpoints")
-    candidates = resume_candidates(root)  # `latest` first; it names a complete checkpoint (saved before it)
+    candidates = candidates_on_disk(root)  # `latest` first; it names a complete checkpoint (saved before it)
     if os.path.isfile(os.path.join(root, "latest")) or not candidates:
         return candidates[0] if candidates else None
     return next((p for p in candidates if is_complete(p)), candidates[0])

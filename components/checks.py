@@ -44,7 +44,7 @@ def check_resume_mix(cfg) -> list[str]:
     if cfg.steps == 0 or cfg.from_ckpt:  # a conversion reads no data
         return []
     try:
-        candidates = checkpoints.resume_candidates(os.path.join(cfg.out_dir, "checkpoints")) if cfg.resume == "auto" else []
+        candidates = checkpoints.candidates_on_disk(os.path.join(cfg.out_dir, "checkpoints")) if cfg.resume == "auto" else []
         state = OD.load_json(os.path.join(candidates[0], "manifest.json"))["data"]
         if not state:  # a conversion run saved none
             return []

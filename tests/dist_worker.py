@@ -194,7 +194,7 @@ def facts(overrides: dict):
         newest, list_checkpoints = overrides["checkpoints_up_to"], checkpoints.list_checkpoints
         checkpoints.list_checkpoints = lambda root: [p for p in list_checkpoints(root) if os.path.basename(p) <= newest]
         checkpoints.latest_name = lambda root: newest
-        checkpoints.resume_candidates = lambda root: checkpoints.list_checkpoints(root)  # the code before: its own reading
+        checkpoints.candidates_on_disk = lambda root: checkpoints.list_checkpoints(root)  # the code before: its own reading
 
 
 if __name__ == "__main__":

@@ -165,7 +165,7 @@ def resume_on_two_ranks(cmd) -> list:
     def rank_resume(rank):
         sharded = sharded_model(cfg, mcfg, weights)
         try:
-            return checkpoints.resume(cfg, mcfg, sharded.units, windows, rank, checkpoints.resume_candidates(root))
+            return checkpoints.resume(cfg, mcfg, sharded.units, windows, rank, checkpoints.candidates_on_disk(root))
         except OD.CheckpointError as e:  # each rank's own, to compare
             return e
     return run_ranks(2, rank_resume)
@@ -429,7 +429,7 @@ def test_a_folder_of_only_damaged_checkpoints_is_left_to_the_operator(files, tmp
     for name in ("step_00000002", "step_00000004"):
         os.makedirs(root / name)  # no manifest.json: unfinished saves
     with pytest.raises(OD.CheckpointError) as e:
-        checkpoints.resume(cfg, small_config(), [], None, 0, checkpoints.resume_candidates(str(root)))
+        checkpoints.resume(cfg, small_config(), [], None, 0, checkpoints.candidates_on_disk(str(root)))
     assert str(e.value) == (f"no intact checkpoint in {root}: each one is damaged (the warnings above say how); "
                             f"nothing was deleted. Repair or restore them, or start this run again in another --out_dir")
     assert "step_00000004: no manifest.json" in capsys.readouterr().err

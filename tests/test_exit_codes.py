@@ -229,7 +229,7 @@ def resume_on_two_ranks(cfg):
         for u in units:
             u.master_shard.zero_()
         try:
-            step = checkpoints.resume(cfg, small_config(), units, None, rank, checkpoints.resume_candidates(
+            step = checkpoints.resume(cfg, small_config(), units, None, rank, checkpoints.candidates_on_disk(
                 os.path.join(cfg.out_dir, "checkpoints")))
             return step, [u.master_shard.tolist() for u in units]
         except (OD.CheckpointError, OSError) as e:

@@ -367,7 +367,7 @@ def test_partial_checkpointing_activations_are_the_per_block_sum():
         for rest in ("none", "selective"):
             cfg = config(**dict(CASE_70B, ac="full", ac_blocks=k, ac_rest=rest, doc_mask="false"))
             policies = M.block_policies(layers, "full", k, rest)
-            assert P.block_policies(mcfg, cfg) == policies and policies.count("full") == k
+            assert P.policies_per_block(mcfg, cfg) == policies and policies.count("full") == k
             assert P.saved_activation_bytes(mcfg, cfg, layers) == tokens * (k * per_token["full"]
                                                                             + (layers - k) * per_token[rest])
             head = P.plan(mcfg, cfg)["memory_by_phase_gib"]["head backward"]["activations"]

@@ -136,7 +136,7 @@ class LiveStorages(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def attention_kernel(kernel: str):
+def attention_as_on_the_gpu(kernel: str):
     """model.attention as the GPU machines run it (docs/planning.md: attention). "flash": flash-attn or SDPA's flash
     kernel, as on the CPU. "efficient": SDPA's memory-efficient kernel with --doc_mask's mask and K/V repeated
     to the query's heads (model.sdpa_arguments on CUDA), its aten op called as CUDA's SDPA calls it."""
@@ -191,7 +191,7 @@ def measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, 
     """read_block's measurement, uncached. The output's gradient (memory_by_phase counts it) is not in `backward`."""
     with torch.device("meta"):
         block = M.Block(mcfg)
-    with FakeTensorMode(allow_non_fake_inputs=True), attention_kernel(kernel):
+    with FakeTensorMode(allow_non_fake_inputs=True), attention_as_on_the_gpu(kernel):
         for name, p in list(block.named_parameters()):  # bf16 fake weights, as train.Unit points them at its buffer
             module, _, attr = name.rpartition(".")
             weight = torch.nn.Parameter(torch.empty(p.shape, dtype=torch.bfloat16),
@@ -344,7 +344,7 @@ def unit_gradient_bytes(unit_numel: int, in_flight_numel: int, reduce_bytes: int
     return max(concat, cast, key=lambda parts: sum(parts.values()))
 
 
-def block_policies(mcfg: M.ModelConfig, cfg) -> list[str]:
+def policies_per_block(mcfg: M.ModelConfig, cfg) -> list[str]:
     """Each block's policy, the trainer's own rule (model.block_policies: --ac for the first --ac_blocks)."""
     return M.block_policies(mcfg.n_layers, cfg.ac, cfg.ac_blocks, cfg.ac_rest)
 
@@ -385,7 +385,7 @@ def block_readings(mcfg: M.ModelConfig, cfg, kernel: str = "flash") -> list[tupl
     """(read_block's bytes, offloaded?) of each block in forward order, by its policy, offload and training."""
     n_offloaded = offloaded_blocks(mcfg, cfg)
     blocks = [(policy, i < n_offloaded, *training)
-              for i, (policy, training) in enumerate(zip(block_policies(mcfg, cfg), block_training(mcfg, cfg)))]
+              for i, (policy, training) in enumerate(zip(policies_per_block(mcfg, cfg), block_training(mcfg, cfg)))]
     readings = {b: read_block(mcfg, b[0], cfg.micro_batch_size, cfg.seq_len, kernel, *b[1:]) for b in set(blocks)}
     return [(readings[b], b[1]) for b in blocks]
 
@@ -511,7 +511,7 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
     emb, block, head = padded(numels[0], world), max(block_numels(mcfg, world)), padded(numels[-1], world)
     cbytes, rbytes = COMPUTE_BYTES, REDUCE_BYTES[cfg.reduce_dtype]
     tied, layers, tokens = mcfg.tie_embeddings, mcfg.n_layers, cfg.micro_batch_size * cfg.seq_len
-    kernel = "efficient" if cfg.doc_mask and not flash_attn else "flash"  # attention_kernel
+    kernel = "efficient" if cfg.doc_mask and not flash_attn else "flash"  # attention_as_on_the_gpu
     # SDPA's mask, micro_batch x T x T (rows padded to 8), for each micro-batch of the step (train.micro_batches)
     micro_steps = max(1, cfg.batch_size // (world * cfg.micro_batch_size))
     mask_bytes = micro_steps * cfg.micro_batch_size * cfg.seq_len * (-(-cfg.seq_len // 8) * 8) * cbytes
@@ -566,7 +566,7 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
 
 def executed_flops(mcfg: M.ModelConfig, seq_len: int, ac, chunked_ce: bool) -> tuple[float, float]:
     """(matmul, attention) FLOPs per token computed: the MFU count plus recompute. `ac`: one policy for every
-    block, or each block's (block_policies)."""
+    block, or each block's (policies_per_block)."""
     counts = M.count_params(mcfg)
     block_numel = max(block_numels(mcfg))
     attention = 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
@@ -683,7 +683,7 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
     (docs/planning.md: overlap, offload_overlap); then AdamW, on the GPU or on the CPU with the exposed PCIe copies."""
     peak = gpu_peak_flops(gpu)
     tokens = cfg.micro_batch_size * cfg.seq_len
-    policies = block_policies(mcfg, cfg)
+    policies = policies_per_block(mcfg, cfg)
     matmul, attention = executed_flops(mcfg, cfg.seq_len, policies, 0 < cfg.ce_chunk < tokens)
     attn_eff = ASSUMPTIONS["attention_efficiency"][gpu["family"]]
     compute_s = tokens * (matmul / matmul_efficiency(gpu["family"], mcfg.dim) + attention / attn_eff) / peak
@@ -951,7 +951,7 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
         memory_by_phase_gib={p: {k: v / GIB for k, v in parts.items()} for p, parts in phases.items()},
         **time, tokens_per_sec_per_gpu=r["tokens_per_sec_per_gpu"], mfu=r["mfu"],
         hours=hours, cost_usd=None if hours is None else hours * world * cfg.gpu_hour_usd,
-        block_policies=block_policies(mcfg, cfg), offload_optimizer=cfg.offload_optimizer,
+        block_policies=policies_per_block(mcfg, cfg), offload_optimizer=cfg.offload_optimizer,
         host_gib_per_gpu=host_gib_per_gpu, host_gib_by_part_per_gpu={k: v / GIB for k, v in host.items()},
         host_gib_per_node=host_gib_per_gpu * cfg.nproc_per_node, host_usable_gib_per_node=host_usable_gib_per_node(cfg),
         host_fits=fits_host, async_save_drop=async_save_drop_hint(mcfg, cfg), **sampling, **stop,
