@@ -12,7 +12,6 @@ built-in sample). Around this data path, in components/: a run's data from its f
 tokenizer (hf.py).
 """
 
-import bisect
 import fractions
 import hashlib
 import importlib.metadata
@@ -31,8 +30,6 @@ CHAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")  # the 
 # tokenizer is <end_of_turn>), found by name; else the eos_token, unless that closes a chat turn (these).
 DOC_END_PIECES = ("<|end_of_text|>", "<|endoftext|>", "<eos>")
 TURN_END_PIECES = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<|end|>", "<|eom_id|>")
-PLACEHOLDER = "\x00{}\x00"  # rendered in message i's place to find where its content goes
-GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 class DataError(ValueError):
@@ -69,7 +66,8 @@ class Tokenizer:
             self.vocab_size, self.eos_token_id = len(self.hf), self.hf.eos_token_id
             self.chat_template = getattr(self.hf, "chat_template", None)
             self.prefix_ids, suffix = added_around(self.hf("a")["input_ids"], self.encode(["a"], False)[0])
-            self.special_ids = set(self.hf.all_special_ids) | {  # what closes a reply (targets)
+            # what closes a reply (tools/prepare.py's span_targets): read once, at up to 12 ms (Gemma 3's)
+            self.special_ids = set(self.hf.all_special_ids) | {
                 i for i, t in self.hf.added_tokens_decoder.items() if getattr(t, "special", False)}
         self.bos_id = self.prefix_ids[-1] if self.prefix_ids else None
         self.doc_end_id = self.find_doc_end(doc_end, suffix)
@@ -91,14 +89,6 @@ class Tokenizer:
             return (found or suffix)[0]
         eos = self.eos_token_id
         return eos if eos is not None and self.piece(eos) not in TURN_END_PIECES else None
-
-    def check_plain_text(self):
-        """Packed plain-text documents need a token between them that the model was taught to read as one."""
-        if not self.prefix_ids and self.doc_end_id is None:
-            eos = f"; its eos_token {self.piece(self.eos_token_id)!r} closes a chat turn" if self.eos_token_id is not None else ""
-            raise DataError(f"--tokenizer: {self.path} has neither a BOS nor a document-end token{eos}, so packed "
-                            f"plain-text documents would run into each other: name the token its pretraining put "
-                            f"after a document with --doc_end TOKEN (or --doc_end none to pack them bare)")
 
     def piece(self, i: int) -> str:
         return self.sp.id_to_piece(i) if self.kind == "sentencepiece" else self.hf.convert_ids_to_tokens(i)
@@ -139,116 +129,10 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self.sp.decode(list(ids)) if self.kind == "sentencepiece" else self.hf.decode(list(ids))
 
-    def text_ids(self, texts: list) -> list:
-        """Each plain-text document as the family's pretraining saw one: its BOS (if any), tokens, its end (if any)."""
-        end = [self.doc_end_id] if self.doc_end_id is not None else []
-        return [self.prefix_ids + ids + end for ids in self.encode(texts, specials=False)]
-
-    def chat_ids(self, messages: list) -> tuple[list, list]:
-        """(ids, targets) of one conversation, rendered whole by its chat template (else the header format) and
-        stored as rendered; targets are 1 on each assistant turn's content and the marker that closes it."""
-        if not self.chat_template:
-            return self.header_format_ids(messages)
-        for m in messages:
-            if self.encode([m["role"]], True) != self.encode([m["role"]], False):  # the role is inside markup
-                raise DataError(f"a chat message's role {m['role']!r} holds a control token of --tokenizer {self.path}")
-        text = self.render_chat(messages)
-        spans = self.content_spans(messages, text)
-        for i, (m, span) in enumerate(zip(messages, spans)):
-            if m["role"] == "assistant" and m["content"].strip() and span is None:
-                raise DataError(f"message {i + 1} (assistant): the chat template of {self.path} drops or rewrites its "
-                                f"content, so its reply cannot be found in the rendering to be trained on")
-        found = [span for span in spans if span is not None]
-        # One encode of the whole rendering gives exactly apply_chat_template's ids; a control token typed inside a
-        # message is kept as text instead: then the markup and each message's content are encoded apart.
-        contents = [text[lo:hi] for lo, hi in found]
-        forged = contents and self.encode(contents, True) != self.encode(contents, False)
-        cuts = sorted({0, len(text), *(x for span in found for x in span)}) if forged else [0, len(text)]
-        ids, starts = [], []
-        for lo, hi in zip(cuts, cuts[1:]):
-            enc = self.hf(text[lo:hi], add_special_tokens=False, split_special_tokens=(lo, hi) in found,
-                          return_offsets_mapping=True)
-            ids += enc["input_ids"]
-            starts += [lo + a for a, _ in enc["offset_mapping"]]
-        if GENERATION_TAG.search(self.chat_template):  # the template marks the replies itself, closers included
-            targets = self.targets(ids, starts, self.generation_spans(messages, text), closed=False)
-        else:
-            replies = [span for m, span in zip(messages, spans) if span and m["role"] == "assistant"]
-            targets = self.targets(ids, starts, replies, closed=True)
-        bos = self.missing_bos(ids)
-        return bos + ids, [0] * len(bos) + targets
-
     def missing_bos(self, ids: list) -> list:
         """The BOS a rendering needs in front: the tokenizer's, unless the rendering already begins with it (never
         doubled; none for a tokenizer without one)."""
         return self.prefix_ids if ids[:len(self.prefix_ids)] != self.prefix_ids else []
-
-    def targets(self, ids: list, starts: list, spans: list, closed: bool) -> list:
-        """1 for each token that starts inside a span, and (`closed`) the markup after it up to and including
-        its first control token (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>): what ends the reply is learned."""
-        targets = [0] * len(ids)
-        for lo, hi in spans:
-            k = bisect.bisect_left(starts, lo)
-            while k < len(ids) and starts[k] < hi:
-                targets[k], k = 1, k + 1
-            j = k
-            while closed and j < len(ids) and ids[j] not in self.special_ids:
-                j += 1
-            if closed and j < len(ids) and self.decode(ids[k:j]).strip() == "":
-                targets[k:j + 1] = [1] * (j + 1 - k)
-        return targets
-
-    def content_spans(self, messages: list, text: str) -> list:
-        """(start, end) of each message's content in the whole rendering `text`, None where it is not there.
-        Rendering a placeholder in each message's place gives the markup around the contents exactly (the content
-        itself may also occur in the markup: a reply "user"); where the template changes its markup with the
-        content, each content is found in order instead."""
-        probe = self.render_chat([dict(m, content=PLACEHOLDER.format(i)) for i, m in enumerate(messages)])
-        parts = re.split("\x00(\\d+)\x00", probe)  # markup, index, markup, index, ..., markup
-        order = [int(i) for i in parts[1::2]]
-        spans, cursor = [None] * len(messages), 0
-        if order == sorted(set(order)):
-            for k, markup in enumerate(parts[0::2]):
-                if not text.startswith(markup, cursor):
-                    break
-                cursor += len(markup)
-                if k == len(order):
-                    return spans if cursor == len(text) else self.find_contents(messages, text)
-                i, after = order[k], parts[2 * k + 2]
-                content = next((c for c in trimmed(messages[i]["content"])
-                                if text.startswith(c, cursor) and text.startswith(after, cursor + len(c))), None)
-                if content is None:
-                    break
-                spans[i], cursor = (cursor, cursor + len(content)), cursor + len(content)
-        return self.find_contents(messages, text)
-
-    @staticmethod
-    def find_contents(messages: list, text: str) -> list:
-        """Each message's content (or its trimmed form) found in order in `text`, None where it is not."""
-        spans, cursor = [], 0
-        for m in messages:
-            hits = [(text.find(c, cursor), c) for c in trimmed(m["content"]) if c]
-            hits = [(at, c) for at, c in hits if at >= 0]
-            if not hits:
-                spans.append(None)
-                continue
-            at, c = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
-            spans.append((at, at + len(c)))
-            cursor = at + len(c)
-        return spans
-
-    def generation_spans(self, messages: list, text: str) -> list:
-        """The character spans of `text` (the rendering) that the template's own {% generation %} blocks mark, as
-        transformers finds them for apply_chat_template(return_assistant_tokens_mask=True)."""
-        from transformers.utils.chat_template_utils import render_jinja_template
-        try:
-            rendered, indices = render_jinja_template(conversations=[messages], chat_template=self.chat_template,
-                                                      return_assistant_tokens_mask=True, **self.hf.special_tokens_map)
-        except Exception as e:  # noqa: BLE001 (any error of the template's code)
-            raise DataError(f"the chat template of {self.path} failed on this chat ({type(e).__name__}: {e})") from None
-        if rendered[0] != text or not indices[0]:
-            raise DataError(f"the {{% generation %}} blocks of {self.path}'s chat template mark no reply in this chat")
-        return [tuple(span) for span in indices[0]]
 
     def header_format_ids(self, messages: list) -> tuple[list, list]:
         """The Llama 3 header format (hf.HEADER_FORMAT_TEMPLATE) for a tokenizer without a template:
@@ -295,11 +179,6 @@ def added_around(with_specials: list, plain: list) -> tuple[list, list]:
         if with_specials[k:k + len(plain)] == plain:
             return with_specials[:k], with_specials[k + len(plain):]
     return [], []
-
-
-def trimmed(content: str) -> list:
-    """A message's content as a template may print it: whole, or trimmed as templates do (`| trim`, strip)."""
-    return list(dict.fromkeys([content, content.strip(), content.strip("\n"), content.lstrip(), content.rstrip()]))
 
 
 def version_tuple(version: str) -> tuple:

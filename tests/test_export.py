@@ -62,7 +62,7 @@ def test_a_sentencepiece_tokenizer_exports_to_the_same_ids(tmp_path):
     assert end_ids == [tok.eos_id, tok.piece_id("<|eot_id|>")] and loaded.eos_token_id == tok.eos_id
     for chat in CHATS:  # the exported template renders a chat as prepare stored it, id for id
         rendered = loaded.apply_chat_template(chat, tokenize=False)
-        assert loaded(rendered, add_special_tokens=False)["input_ids"] == tok.chat_ids(chat)[0]
+        assert loaded(rendered, add_special_tokens=False)["input_ids"] == prep.chat_ids(tok, chat)[0]
 
 
 def test_a_changed_tokenizer_is_not_exported(tmp_path):

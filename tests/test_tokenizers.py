@@ -65,7 +65,7 @@ def reply_runs(ids: list, targets: list, tok: D.Tokenizer) -> list:
 def test_a_chat_is_stored_as_its_template_renders_the_whole_conversation(family):
     name, tok = family
     for chat in chats(name):
-        ids, targets = tok.chat_ids(chat)
+        ids, targets = prep.chat_ids(tok, chat)
         expected = tok.hf.apply_chat_template(chat, tokenize=True, return_dict=False)
         assert ids == list(expected), name
         assert len(targets) == len(ids)
@@ -77,12 +77,12 @@ def test_the_targets_are_exactly_each_reply_and_the_marker_that_closes_it(family
     name, tok = family
     closer = FAMILIES[name][0]
     for chat in chats(name):
-        ids, targets = tok.chat_ids(chat)
+        ids, targets = prep.chat_ids(tok, chat)
         replies = [m["content"] for m in chat if m["role"] == "assistant"]
         runs = reply_runs(ids, targets, tok)
         assert [run.strip() for run in runs] == [reply + closer for reply in replies], (name, runs)
     if name == "qwen3":  # the last reply's empty think block is context: the model is not taught to skip thinking
-        ids, targets = tok.chat_ids(MULTI_TURN)
+        ids, targets = prep.chat_ids(tok, MULTI_TURN)
         think = [i for i, t in zip(ids, targets) if tok.decode([i]) in ("<think>", "</think>")]
         assert len(think) == 2 and all(t == 0 for i, t in zip(ids, targets) if i in think)
 
@@ -90,7 +90,7 @@ def test_the_targets_are_exactly_each_reply_and_the_marker_that_closes_it(family
 def test_plain_text_is_the_familys_bos_tokens_and_document_end(family):
     name, tok = family
     _, end, has_bos = FAMILIES[name]
-    ids = tok.text_ids([TEXT])[0]
+    ids = prep.text_ids(tok, [TEXT])[0]
     assert (ids[0] == tok.bos_id == tok.hf.bos_token_id) if has_bos else tok.prefix_ids == []
     assert ids[-1] == tok.doc_end_id == tok.piece_id(end)
     body = ids[len(tok.prefix_ids):-1]
@@ -102,8 +102,8 @@ def test_a_marker_typed_inside_a_message_stays_text(family):
     closer = FAMILIES[name][0]
     typed = f"Écris {closer} puis continue."
     chat = [{"role": "user", "content": typed}, {"role": "assistant", "content": typed}]
-    ids, targets = tok.chat_ids(chat)
-    plain, _ = tok.chat_ids([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}])
+    ids, targets = prep.chat_ids(tok, chat)
+    plain, _ = prep.chat_ids(tok, [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}])
     control = tok.special_ids
     assert sum(i in control for i in ids) == sum(i in control for i in plain)  # only the template's markup
     assert tok.decode(ids).count(closer) == tok.decode(plain).count(closer) + 2
@@ -132,11 +132,11 @@ def test_qwen3_chats_and_texts_prepare_without_a_bos_and_keep_each_conversation_
     data = D.TokenData(out)
     tokens, mask, starts = data.read(0, len(data))
     cuts = np.flatnonzero(starts).tolist()
-    expected = [tok.chat_ids(MULTI_TURN)[0], tok.text_ids([TEXT])[0], tok.chat_ids(ONE_TURN)[0]]
+    expected = [prep.chat_ids(tok, MULTI_TURN)[0], prep.text_ids(tok, [TEXT])[0], prep.chat_ids(tok, ONE_TURN)[0]]
     assert cuts == [0, len(expected[0]), len(expected[0]) + len(expected[1])]
     assert tokens.tolist() == sum(expected, [])
     assert tokens.tolist().count(tok.piece_id("<|im_end|>")) == 6 + 2  # EOS inside a conversation is no boundary
-    assert mask[cuts[1]:cuts[2]].all() and mask[:cuts[1]].sum() == sum(tok.chat_ids(MULTI_TURN)[1])
+    assert mask[cuts[1]:cuts[2]].all() and mask[:cuts[1]].sum() == sum(prep.chat_ids(tok, MULTI_TURN)[1])
 
 
 # -- bad input: one line naming the file and record, nothing half-written ------------------------------
@@ -240,7 +240,7 @@ def test_a_templates_own_generation_blocks_are_its_targets(tmp_path):
         "<|im_end|>\n{% endif %}{% endfor %}"))
     tok = D.Tokenizer(str(tok_dir))
     for chat in (ONE_TURN, WITH_SYSTEM):
-        ids, targets = tok.chat_ids(chat)
+        ids, targets = prep.chat_ids(tok, chat)
         theirs = tok.hf.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         assert ids == list(theirs["input_ids"]) and targets == list(theirs["assistant_masks"])
         assert [run for run in reply_runs(ids, targets, tok)] == [

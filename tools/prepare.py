@@ -114,6 +114,137 @@ def parse_records(records, skip_bad: bool, counts: collections.Counter):
             counts["skipped_bad"] += 1
 
 
+# -- a document's ids and targets: a text as the family's pretraining saw one, a chat as its template renders it ---
+
+PLACEHOLDER = "\x00{}\x00"  # rendered in message i's place to find where its content goes
+GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def check_plain_text(tok: D.Tokenizer):
+    """Packed plain-text documents need a token between them that the model was taught to read as one."""
+    if not tok.prefix_ids and tok.doc_end_id is None:
+        eos = f"; its eos_token {tok.piece(tok.eos_token_id)!r} closes a chat turn" if tok.eos_token_id is not None else ""
+        raise D.DataError(f"--tokenizer: {tok.path} has neither a BOS nor a document-end token{eos}, so packed "
+                          f"plain-text documents would run into each other: name the token its pretraining put "
+                          f"after a document with --doc_end TOKEN (or --doc_end none to pack them bare)")
+
+
+def text_ids(tok: D.Tokenizer, texts: list) -> list:
+    """Each plain-text document as the family's pretraining saw one: its BOS (if any), tokens, its end (if any)."""
+    end = [tok.doc_end_id] if tok.doc_end_id is not None else []
+    return [tok.prefix_ids + ids + end for ids in tok.encode(texts, specials=False)]
+
+
+def chat_ids(tok: D.Tokenizer, messages: list) -> tuple[list, list]:
+    """(ids, targets) of one conversation, rendered whole by its chat template (else the header format) and
+    stored as rendered; targets are 1 on each assistant turn's content and the marker that closes it."""
+    if not tok.chat_template:
+        return tok.header_format_ids(messages)
+    for m in messages:
+        if tok.encode([m["role"]], True) != tok.encode([m["role"]], False):  # the role is inside markup
+            raise D.DataError(f"a chat message's role {m['role']!r} holds a control token of --tokenizer {tok.path}")
+    text = tok.render_chat(messages)
+    spans = content_spans(tok, messages, text)
+    for i, (m, span) in enumerate(zip(messages, spans)):
+        if m["role"] == "assistant" and m["content"].strip() and span is None:
+            raise D.DataError(f"message {i + 1} (assistant): the chat template of {tok.path} drops or rewrites its "
+                              f"content, so its reply cannot be found in the rendering to be trained on")
+    found = [span for span in spans if span is not None]
+    # One encode of the whole rendering gives exactly apply_chat_template's ids; a control token typed inside a
+    # message is kept as text instead: then the markup and each message's content are encoded apart.
+    contents = [text[lo:hi] for lo, hi in found]
+    forged = contents and tok.encode(contents, True) != tok.encode(contents, False)
+    cuts = sorted({0, len(text), *(x for span in found for x in span)}) if forged else [0, len(text)]
+    ids, starts = [], []
+    for lo, hi in zip(cuts, cuts[1:]):
+        enc = tok.hf(text[lo:hi], add_special_tokens=False, split_special_tokens=(lo, hi) in found,
+                     return_offsets_mapping=True)
+        ids += enc["input_ids"]
+        starts += [lo + a for a, _ in enc["offset_mapping"]]
+    if GENERATION_TAG.search(tok.chat_template):  # the template marks the replies itself, closers included
+        targets = span_targets(tok, ids, starts, generation_spans(tok, messages, text), closed=False)
+    else:
+        replies = [span for m, span in zip(messages, spans) if span and m["role"] == "assistant"]
+        targets = span_targets(tok, ids, starts, replies, closed=True)
+    bos = tok.missing_bos(ids)
+    return bos + ids, [0] * len(bos) + targets
+
+
+def span_targets(tok: D.Tokenizer, ids: list, starts: list, spans: list, closed: bool) -> list:
+    """1 for each token that starts inside a span, and (`closed`) the markup after it up to and including
+    its first control token (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>): what ends the reply is learned."""
+    targets = [0] * len(ids)
+    for lo, hi in spans:
+        k = bisect.bisect_left(starts, lo)
+        while k < len(ids) and starts[k] < hi:
+            targets[k], k = 1, k + 1
+        j = k
+        while closed and j < len(ids) and ids[j] not in tok.special_ids:
+            j += 1
+        if closed and j < len(ids) and tok.decode(ids[k:j]).strip() == "":
+            targets[k:j + 1] = [1] * (j + 1 - k)
+    return targets
+
+
+def content_spans(tok: D.Tokenizer, messages: list, text: str) -> list:
+    """(start, end) of each message's content in the whole rendering `text`, None where it is not there.
+    Rendering a placeholder in each message's place gives the markup around the contents exactly (the content
+    itself may also occur in the markup: a reply "user"); where the template changes its markup with the
+    content, each content is found in order instead."""
+    probe = tok.render_chat([dict(m, content=PLACEHOLDER.format(i)) for i, m in enumerate(messages)])
+    parts = re.split("\x00(\\d+)\x00", probe)  # markup, index, markup, index, ..., markup
+    order = [int(i) for i in parts[1::2]]
+    spans, cursor = [None] * len(messages), 0
+    if order == sorted(set(order)):
+        for k, markup in enumerate(parts[0::2]):
+            if not text.startswith(markup, cursor):
+                break
+            cursor += len(markup)
+            if k == len(order):
+                return spans if cursor == len(text) else find_contents(messages, text)
+            i, after = order[k], parts[2 * k + 2]
+            content = next((c for c in trimmed(messages[i]["content"])
+                            if text.startswith(c, cursor) and text.startswith(after, cursor + len(c))), None)
+            if content is None:
+                break
+            spans[i], cursor = (cursor, cursor + len(content)), cursor + len(content)
+    return find_contents(messages, text)
+
+
+def find_contents(messages: list, text: str) -> list:
+    """Each message's content (or its trimmed form) found in order in `text`, None where it is not."""
+    spans, cursor = [], 0
+    for m in messages:
+        hits = [(text.find(c, cursor), c) for c in trimmed(m["content"]) if c]
+        hits = [(at, c) for at, c in hits if at >= 0]
+        if not hits:
+            spans.append(None)
+            continue
+        at, c = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+        spans.append((at, at + len(c)))
+        cursor = at + len(c)
+    return spans
+
+
+def trimmed(content: str) -> list:
+    """A message's content as a template may print it: whole, or trimmed as templates do (`| trim`, strip)."""
+    return list(dict.fromkeys([content, content.strip(), content.strip("\n"), content.lstrip(), content.rstrip()]))
+
+
+def generation_spans(tok: D.Tokenizer, messages: list, text: str) -> list:
+    """The character spans of `text` (the rendering) that the template's own {% generation %} blocks mark, as
+    transformers finds them for apply_chat_template(return_assistant_tokens_mask=True)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+    try:
+        rendered, indices = render_jinja_template(conversations=[messages], chat_template=tok.chat_template,
+                                                  return_assistant_tokens_mask=True, **tok.hf.special_tokens_map)
+    except Exception as e:  # noqa: BLE001 (any error of the template's code)
+        raise D.DataError(f"the chat template of {tok.path} failed on this chat ({type(e).__name__}: {e})") from None
+    if rendered[0] != text or not indices[0]:
+        raise D.DataError(f"the {{% generation %}} blocks of {tok.path}'s chat template mark no reply in this chat")
+    return [tuple(span) for span in indices[0]]
+
+
 # -- prepare: tokenize in worker processes, write shards in input order -----------------------------------
 
 _worker_tokenizer = None
@@ -126,14 +257,14 @@ def _init_worker(tokenizer_path: str, doc_end: str | None):
 
 def encode_batch(records: list, with_mask: bool, skip_bad: bool, tok: D.Tokenizer | None = None):
     """Parse and tokenize a batch of raw records (a worker's job). Returns the documents' tokens (a text as
-    D.Tokenizer.text_ids writes it, a chat as its template renders it), their mask when with_mask (a text's tokens
+    text_ids writes it, a chat as chat_ids renders it), their mask when with_mask (a text's tokens
     are all targets, a chat's its assistant replies), each kept document's length, and the counts kept and skipped."""
     tok = tok or _worker_tokenizer
     counts = collections.Counter()
     docs = list(parse_records(records, skip_bad, counts))
     encoded = [None] * len(docs)  # (ids, targets: None for all) of each document, None if skipped
     texts = [i for i, (_, doc) in enumerate(docs) if "text" in doc]
-    for i, ids in zip(texts, tok.text_ids([docs[i][1]["text"] for i in texts]) if texts else []):
+    for i, ids in zip(texts, text_ids(tok, [docs[i][1]["text"] for i in texts]) if texts else []):
         encoded[i] = ids, None
     for i, (where, doc) in enumerate(docs):
         if "text" in doc:
@@ -142,7 +273,7 @@ def encode_batch(records: list, with_mask: bool, skip_bad: bool, tok: D.Tokenize
             raise D.DataError(f"{where}: a chat, but the first record of every input is plain text, so no "
                               f"loss mask is being written; give chats their own .jsonl file")
         try:
-            encoded[i] = tok.chat_ids(doc["messages"])
+            encoded[i] = chat_ids(tok, doc["messages"])
         except D.DataError as e:
             if not skip_bad:
                 raise D.DataError(f"{where}: {e}") from None
@@ -276,7 +407,7 @@ def prepare(inputs: list, tokenizer: str, out: str, workers: int = 1, skip_bad: 
     os.makedirs(out, exist_ok=True)
     with_mask = any(is_chat_input(p) for p in inputs)
     if not all(is_chat_input(p) for p in inputs):
-        tok.check_plain_text()
+        check_plain_text(tok)
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     writer = ShardWriter(out, dtype, shard_tokens, with_mask)
     counts, state, t0 = collections.Counter(), {}, time.perf_counter()
