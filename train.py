@@ -17,11 +17,8 @@ What is not the story lives beside it: model.py, data.py (tokenize, pack, the wi
 the tests' fault hook; README.md, "Files", says which holds what). tools/ (the planner, the plot, data
 preparation) imports this file, never the reverse.
 
-Launch (`python train.py --help`: the flags; `python train.py --plan ...`: what fits and what it costs, no GPU):
-  python train.py --model tiny --steps 100                                     one process, CPU or one GPU
-  torchrun --nnodes 2 --nproc_per_node 8 --node_rank $NODE_RANK --rdzv_backend c10d \\
-      --rdzv_endpoint $MASTER_ADDR:29500 train.py --init_from /models/Llama-3-70B-Instruct ...     on each node
-  srun --nodes 2 --ntasks-per-node 1 ./launch.sh --init_from ...      SLURM (launch.sh reads SLURM_*, calls torchrun)
+Launch: `python train.py --model tiny --steps 100` (one process), `./launch.sh` (torchrun on every local GPU, several
+nodes, SLURM: README.md); `python train.py --help`: the flags; `python train.py --plan ...`: what fits, what it costs.
 """
 
 from __future__ import annotations  # annotations may name what is defined further down
@@ -720,22 +717,6 @@ class OffloadedModel(ShardedModel):
         O.refresh_compute_shards(self.units)  # the updated host master shards back to the device, in the compute dtype
 
 
-def left_behind(sharded: ShardedModel, step: int) -> str | None:
-    """The step's invariant, checked after each one (a loop over the units' storage sizes: nothing measurable):
-    every unit is free and no reduce-scatter is in flight. A unit left gathered (a fork whose backward never
-    reaches a unit's boundary, e.g. frozen first blocks) would be taken by the next step's wait_gather as
-    ready, and that step would compute with the weights from before this update: an error, not stale weights."""
-    gathered = [u.name for u in sharded.units if u.state() != "free"]
-    in_flight = [unit.name for unit, *_ in sharded.reduces_in_flight]
-    if not gathered and not in_flight:
-        return None
-    what = "; ".join(part for part in (f"unit(s) {', '.join(gathered)} still gathered" if gathered else "",
-                                       f"reduce-scatter(s) of {', '.join(in_flight)} in flight" if in_flight else "") if part)
-    return (f"step {step} ended with {what}: every unit must be freed and every gradient reduced by the end of a step "
-            f"(ShardedModel.on_backward frees a stage as backward leaves it, finish_reduces waits for the reduce-scatters); "
-            f"the next step would read weights from before this update")
-
-
 def evaluate(cfg, sharded: ShardedModel, eval_windows) -> float:
     """Mean loss over the first --eval_batches global batches of the held-out data's first epoch: a
     seeded sample of its windows, the same every time. The same gathers as training's forward, no backward."""
@@ -969,7 +950,7 @@ def timed_step(cfg, sharded: ShardedModel, windows, step: int, position: int, sk
             print(f"warning: {e} ({len(skipped)} of at most {cfg.max_skipped_steps})", file=sys.stderr, flush=True)
         record = dict(loss=None, grad_norm=None)  # null in metrics.jsonl
     compute_s = metrics.compute_seconds(compute_from, device)
-    leftover = left_behind(sharded, step)  # a fork's bug, named here rather than training on stale weights
+    leftover = metrics.left_behind(sharded, step)  # a fork's bug, named rather than training on stale weights
     if leftover:
         fail(leftover)
     if device.type == "cuda":

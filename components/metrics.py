@@ -167,6 +167,22 @@ def print_page_locking(sharded, hosts: list[str]):
         print(line, flush=True)
 
 
+def left_behind(sharded, step: int) -> str | None:
+    """The step's invariant, checked after each one (a loop over the units' storage sizes: nothing measurable):
+    every unit is free and no reduce-scatter is in flight. A unit left gathered (a fork whose backward never
+    reaches a unit's boundary, e.g. frozen first blocks) would be taken by the next step's wait_gather as
+    ready, and that step would compute with the weights from before this update: an error, not stale weights."""
+    gathered = [u.name for u in sharded.units if u.state() != "free"]
+    in_flight = [unit.name for unit, *_ in sharded.reduces_in_flight]
+    if not gathered and not in_flight:
+        return None
+    what = "; ".join(part for part in (f"unit(s) {', '.join(gathered)} still gathered" if gathered else "",
+                                       f"reduce-scatter(s) of {', '.join(in_flight)} in flight" if in_flight else "") if part)
+    return (f"step {step} ended with {what}: every unit must be freed and every gradient reduced by the end of a step "
+            f"(ShardedModel.on_backward frees a stage as backward leaves it, finish_reduces waits for the reduce-scatters); "
+            f"the next step would read weights from before this update")
+
+
 def where_in_code(e: BaseException) -> str:
     """The innermost line of the trainer's own files in `e`'s traceback: file:line in function (`statement`)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -403,7 +403,7 @@ def test_a_frozen_unit_keeps_its_master_shard_alone_and_is_never_reduced(tiny_to
         sharded = sharded_model(cfg, mcfg, weights)
         before = [u.master_shard.clone() for u in sharded.units]
         T.train_step(cfg, sharded, windows, 1, 0)
-        return dict(persistent=sum(u.persistent_bytes() for u in sharded.units), left=T.left_behind(sharded, 1),
+        return dict(persistent=sum(u.persistent_bytes() for u in sharded.units), left=T.metrics.left_behind(sharded, 1),
                     unchanged=[u.name for u, b in zip(sharded.units, before) if torch.equal(u.master_shard, b)],
                     kept={u.name: (u.grad_shard.numel(), list(u.optimizer_state), u.gathered.requires_grad)
                           for u in sharded.units if u.name in frozen})
