@@ -41,7 +41,6 @@ from torch.optim.adamw import adamw  # torch.optim.AdamW's functional form: the 
 from torch.profiler import record_function  # named ranges for --profile; ~11 us each without a profiler (BENCHMARKS.md)
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-import data as D
 import model as M
 from components import agree  # what each rank reads from its own machine, agreed by every rank before it acts
 from components import checkpoints, hf  # our checkpoints; the model's config and first weights, Hugging Face folders
@@ -55,7 +54,7 @@ from components import flags  # the flags: TrainConfig, their checks, --freeze a
 from components.checks import check_run, flash_attn_unsaved_warning  # inputs
 from components.flags import TrainConfig, config_warnings, param_group_warnings
 from components import processes  # the ranks met, the process group made on the store they met in
-from components.processes import catch_stop_signals, compute_dtype, error_line, exit_code, fail, init_processes
+from components.processes import catch_stop_signals, compute_dtype, error_line, exit_code, fail
 
 
 def parse_args(argv=None) -> TrainConfig:

@@ -240,7 +240,7 @@ def main() -> int:
               for tied in (False, True)}
     # Both runs share one group: train.main uses a group that exists and leaves it to its maker (a
     # second init_process_group on the same torchrun store would read the first one's stale addresses).
-    T.init_processes(T.parse_args(["--device=cpu"]))
+    T.processes.init_processes(T.parse_args(["--device=cpu"]))
     for tied in (False, True):
         rows, ok = run(tied, *inputs[tied])
         failed |= not ok
