@@ -347,10 +347,11 @@ def ask_planner(cfg, mcfg, world: int, local_world: int, device_name: str, outsi
 def planner_figures(store, cfg, mcfg, rank: int, world: int, device) -> dict | None:
     """The planner's figures for this run (ask_planner), asked by rank 0 alone and shared over the store the ranks
     met in (gather_over_store), when rank 0's run reads one: on a GPU (the free-memory check, the lines beside the
-    plan), or for a host-memory check (--offload_optimizer, --async_save true). None otherwise, or when the planner
+    plan), or for a CPU's host-memory check (--offload_optimizer, --async_save true) that counts --offload_activations'
+    block inputs (the run counts the rest itself: checks.host_bytes_per_rank). None otherwise, or when the planner
     could not say. Every rank takes part, so a rank that would decide otherwise cannot leave the others waiting."""
     name = gpu_name(device)
-    needed = name is not None or cfg.offload_optimizer or cfg.async_save == "true"
+    needed = name is not None or (cfg.offload_activations and (cfg.offload_optimizer or cfg.async_save == "true"))
     mine = (ask_planner(cfg, mcfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), name or "")
             if rank == 0 and needed else None)
     return gather_over_store(store, "planner", mine, rank, world, device)[0]
@@ -394,7 +395,7 @@ def read_facts(cfg, mcfg, world: int, device, state_bytes_per_param: int, planne
     node's own files too: a node that was given another command, or another copy of a file, would train another job.
     `planned`: the planner's figures for the run (planner_figures), or None."""
     limit = checks.host_memory_limit()
-    host_bytes = planned and planned["host_bytes"]
+    host_bytes = checks.host_bytes_per_rank(cfg, mcfg, world, planned)
     async_fits, async_note = checks.async_save_on(cfg, host_bytes, world, limit)
     problems = checks.check_flash_attn(cfg) + checks.check_host_memory(cfg, host_bytes, world, state_bytes_per_param, limit)
     host = host_name()

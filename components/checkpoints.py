@@ -17,6 +17,7 @@ frozen by --freeze) and `optimizer_steps` (the unit's own count for AdamW's bias
 import contextlib
 import errno
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -81,13 +82,17 @@ def rank_file(rank: int, world: int) -> str:
     return f"rank{rank:05d}-of-{world:05d}.safetensors"
 
 
-
 def saved_tensors(unit) -> list:
     return [("master_shard", unit.master_shard)] + list(unit.optimizer_state.items())
 
 
 # Each tensor's place in BackgroundSave's host buffer is a multiple of this: every view is aligned for any dtype.
 STAGING_ALIGN_BYTES = 64
+
+
+def staging_offsets(nbytes: list[int]) -> list[int]:
+    """Where each tensor of `nbytes` starts in BackgroundSave's host buffer, then the buffer's size."""
+    return list(itertools.accumulate((-(-n // STAGING_ALIGN_BYTES) * STAGING_ALIGN_BYTES for n in nbytes), initial=0))
 
 
 def rank_file_tensors(units: list) -> list:
@@ -295,7 +300,7 @@ class BackgroundSave:
 
     def __init__(self, units: list, device: torch.device):
         # Zeroed (no page faults in the first copy) and page-locked in a thread while the first steps train: tens of
-        # GB at ~1 GB/s is a minute off the path to step 1. plan.staging_bytes_per_rank counts these bytes.
+        # GB at ~1 GB/s is a minute off the path to step 1. checks.staging_bytes counts these bytes.
         self.staging = self.staged = self.prepare_error = None
         self.preparing = threading.Thread(target=self.prepare, args=(rank_file_tensors(units), device),
                                           name="staging-buffer", daemon=True)
@@ -309,9 +314,7 @@ class BackgroundSave:
         t0 = time.perf_counter()
         try:
             nbytes = [t.numel() * t.element_size() for _, t in tensors]
-            offsets = [0]
-            for n in nbytes:
-                offsets.append(offsets[-1] + -(-n // STAGING_ALIGN_BYTES) * STAGING_ALIGN_BYTES)
+            offsets = staging_offsets(nbytes)
             self.staging = torch.zeros(offsets[-1], dtype=torch.uint8)
             if device.type == "cuda":
                 O.page_lock(self.staging, "--async_save")

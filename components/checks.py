@@ -14,6 +14,7 @@ import torch
 import data as D
 import model as M
 from components import checkpoints, flags, hf
+from components import offload as O
 from components import out_dir as OD
 from components import run_data
 
@@ -136,10 +137,40 @@ def host_memory_limit(meminfo: str = "/proc/meminfo", proc_cgroup: str = "/proc/
 HOST_MEMORY_USABLE = 0.9  # pinned memory cannot be swapped: leave 10% to the rest of the machine
 
 
+def rank_units(model: torch.nn.Module, frozen: list[str], world: int) -> list[tuple[int, bool]]:
+    """(shard elements, trained) of each of a rank's units (model.sharding_units of `model`, which may be on the meta
+    device), padded and sharded over `world` ranks as train.Unit does; `frozen`: the units --freeze freezes."""
+    params = dict(model.named_parameters())
+    return [(-(-sum(params[n].numel() for n in names) // world), name not in frozen)
+            for name, names in M.sharding_units(model)]
+
+
+def staging_bytes(units: list[tuple[int, bool]]) -> int:
+    """--async_save's staging buffer on one rank (checkpoints.BackgroundSave), in bytes, for `units` (rank_units):
+    the fp32 tensors of its checkpoint file (checkpoints.saved_tensors: a unit's master, a trained one's optimizer
+    state too), each at checkpoints.staging_offsets' aligned place."""
+    return checkpoints.staging_offsets([4 * n for n, trained in units
+                                        for _ in range(1 + len(M.OPTIMIZER_STATE) * trained)])[-1]
+
+
+def host_bytes_per_rank(cfg, mcfg, world: int, planned: dict | None) -> dict | None:
+    """What each rank pins by part, with the save's staging buffer ("async") and without ("sync"): --offload_optimizer's
+    state (offload.host_state_bytes) and the staging buffer (staging_bytes), computed here from the model, the flags
+    and `world`; --offload_activations' block inputs, the planner's, which measures a block (`planned`, the planner's
+    figures: agree.planner_figures). None when those count and the planner could not say."""
+    if cfg.offload_activations and planned is None:
+        return None
+    with torch.device("meta"):
+        model = M.Llama(mcfg)
+    units = rank_units(model, flags.frozen_units(model, cfg.freeze)[0], world)
+    parts = dict(state=O.host_state_bytes(units) if cfg.offload_optimizer else 0,
+                 activations=planned["host_bytes"]["sync"]["activations"] if cfg.offload_activations else 0)
+    return {"async": dict(parts, staging=staging_bytes(units)), "sync": dict(parts, staging=0)}
+
+
 def node_host_bytes(host_bytes: dict, world: int, async_save: bool) -> tuple[int, dict]:
-    """(ranks on this node, the bytes they pin together by part): the planner's count per rank (`host_bytes`, its
-    host_bytes_per_gpu with and without the save's staging buffer: what offload.HostState and the staging buffer
-    allocate, byte for byte; agree.planner_figures) x LOCAL_WORLD_SIZE."""
+    """(ranks on this node, the bytes they pin together by part): each rank's (`host_bytes`, host_bytes_per_rank:
+    what offload.HostState and the staging buffer allocate, byte for byte) x LOCAL_WORLD_SIZE."""
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     parts = host_bytes["async" if async_save else "sync"]
     return local_world, {name: nbytes * local_world for name, nbytes in parts.items()}
@@ -153,8 +184,8 @@ def async_save_on(cfg, host_bytes: dict | None, world: int, limit=None) -> tuple
     """--async_save on this node, and, when 'auto' turns it off for lack of host memory, one line saying so.
     'true' and 'false' are what they say; 'auto' is off on CPU (the cores would share training and writing)
     and on for a CUDA run whose ranks on this node fit their staging buffers beside what they already pin
-    (`limit`, host_memory_limit's when None, less 10%; on, as with no limit known, without the planner's
-    `host_bytes`). The run's decision is every node's (agree.decide)."""
+    (`limit`, host_memory_limit's when None, less 10%; on, as with no limit known, without `host_bytes`: the
+    planner's block inputs of --offload_activations missing). The run's decision is every node's (agree.decide)."""
     if cfg.async_save != "auto":
         return cfg.async_save == "true", None
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
@@ -177,7 +208,8 @@ def check_host_memory(cfg, host_bytes: dict | None, world: int, state_bytes_per_
     """What the node's ranks pin in host memory must fit in what the machine has now and what the job may use,
     or the kernel kills the job mid-run instead of this line: --offload_optimizer's fp32 state (and the block
     inputs of --offload_activations), and --async_save's staging buffer, a copy of each rank's checkpoint. Without
-    the planner's `host_bytes` (its subprocess failed, and said so) nothing is checked."""
+    `host_bytes` (--offload_activations' block inputs are the planner's, and its subprocess failed, and said so)
+    nothing is checked."""
     if cfg.plan or host_bytes is None:
         return []
     limit = limit or host_memory_limit()

@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+import model as M  # OPTIMIZER_STATE: the fp32 tensors each trained unit keeps
+
 
 class OffloadedInput:
     """One block's input, kept in host memory for its backward, and its copy back to the device."""
@@ -132,9 +134,21 @@ GRAD_SLOTS = 2  # reduce-scattered shards on their way to host memory at once (b
 
 def host_buffer_numel(shard_numels: list[int], tensors_per_unit: list[int]) -> int:
     """fp32 elements of a rank's one host buffer: each unit's state tensors (master, gradient, optimizer
-    state: its `tensors_per_unit` x its shard), then GRAD_SLOTS staging slots as large as the largest shard.
-    What plan.host_bytes_per_gpu and checks.check_host_memory count, byte for byte."""
+    state: its `tensors_per_unit` x its shard), then GRAD_SLOTS staging slots as large as the largest shard."""
     return sum(c * n for c, n in zip(tensors_per_unit, shard_numels)) + GRAD_SLOTS * max(shard_numels)
+
+
+def state_tensors(trained: bool, optimizer_state) -> int:
+    """fp32 tensors of a unit's state in the host buffer: master, gradient and optimizer state (its names: a fork's
+    unit may keep another list); a frozen unit's (--freeze) master shard only."""
+    return (2 if trained else 1) + len(optimizer_state)
+
+
+def host_state_bytes(units: list[tuple[int, bool]]) -> int:
+    """--offload_optimizer's host buffer on one rank (HostState), in bytes: `units`, each (shard elements, trained)
+    (checks.rank_units). What the run's host-memory check and plan.host_bytes_per_gpu count, byte for byte."""
+    counts = [state_tensors(trained, M.OPTIMIZER_STATE if trained else ()) for _, trained in units]  # as train.Unit
+    return 4 * host_buffer_numel([n for n, _ in units], counts)
 
 
 PAGE_LOCKED = []  # (bytes, seconds) of each page_lock in this process
@@ -166,7 +180,7 @@ class HostState:
 
     def __init__(self, units: list, device: torch.device):
         # Each unit's own: master, gradient and optimizer state; a frozen unit's (--freeze) master shard only.
-        tensors_per_unit = [(2 if u.trained else 1) + len(u.optimizer_state) for u in units]
+        tensors_per_unit = [state_tensors(u.trained, u.optimizer_state) for u in units]
         shards = [u.shard_numel for u in units]
         state_numel = sum(c * n for c, n in zip(tensors_per_unit, shards))
         start = time.perf_counter()

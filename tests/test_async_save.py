@@ -215,8 +215,10 @@ def test_background_saves_of_frozen_units_are_the_synchronous_saves(data, main_i
 
 
 def test_the_staging_buffer_is_what_the_planner_counts_and_is_taken_once(data, main_in_process, monkeypatch, tmp_path):
-    """The buffer BackgroundSave allocates is plan.staging_bytes_per_rank's, byte for byte (at W=1 here; the
-    planner's own test checks its formula against real units at W=3), taken once and reused by every save."""
+    """The buffer BackgroundSave allocates is what the run's start-up check counts (checks.host_bytes_per_rank) and
+    plan.staging_bytes_per_rank's, byte for byte (at W=1 here; the planner's own test checks its formula against
+    real units at W=3), taken once and reused by every save."""
+    from components import checks
     from tools import plan
     made, copied_into, models = [], [], []
     real_init, real_start, real_setup = checkpoints.BackgroundSave.__init__, checkpoints.BackgroundSave.start, T.setup
@@ -239,6 +241,8 @@ def test_the_staging_buffer_is_what_the_planner_counts_and_is_taken_once(data, m
     assert main_in_process(args(data, tmp_path, "--ckpt_every=1", "--async_save=true")) == 0
     assert len(made) == 1 and len(copied_into) == 5  # steps 1..5 in the background, step 6 at the end
     assert made[0].staging.numel() == plan.staging_bytes_per_rank(models[0], 1)
+    run_count = checks.host_bytes_per_rank(T.TrainConfig(async_save="true"), models[0], 1, None)["async"]["staging"]
+    assert made[0].staging.numel() == run_count
     assert set(copied_into) == {made[0].staging.data_ptr()}
 
 

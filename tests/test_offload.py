@@ -159,7 +159,8 @@ def test_offloaded_state_lives_in_host_memory(tmp_path):
 def test_the_host_state_is_one_buffer_of_exactly_the_planners_bytes():
     """Pinned memory from pin_memory=True is rounded up to a power of two per allocation (a 70B block's 408 MiB
     shard at W=8 takes 512 MiB): the state is one buffer, registered as it is, every unit's fp32 tensor a view
-    of it, and plan.py (and so the start-up check) counts its bytes exactly, staging slots included."""
+    of it, and the start-up check (checks.host_bytes_per_rank) and plan.py count its bytes exactly, staging slots
+    included."""
     import dataclasses
     import torch
     import model as M
@@ -181,6 +182,8 @@ def test_the_host_state_is_one_buffer_of_exactly_the_planners_bytes():
     assert any(u.padded_numel != u.numel for u in units)  # the padding is counted too
     cfg = dataclasses.replace(T.TrainConfig(offload_optimizer=True), nnodes=1, nproc_per_node=world)
     assert P.host_bytes_per_gpu(mcfg, cfg, world)["state"] == buffer.numel() * buffer.element_size()
+    from components import checks  # the run's own count, which a CPU run's check reads without asking the planner
+    assert checks.host_bytes_per_rank(cfg, mcfg, world, None)["sync"]["state"] == buffer.numel() * buffer.element_size()
     # 70B at W=8: exact where pin_memory=True would take 512 MiB per 408 MiB block shard
     big, cfg8 = M.PRESETS["llama3-70b"](), dataclasses.replace(cfg, nproc_per_node=8)
     block_slice = P.unit_numels(big)[1] * 4 // 8

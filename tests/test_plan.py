@@ -946,8 +946,10 @@ def test_a_block_whose_shapes_depend_on_the_data_is_refused_by_plan_in_one_line(
 def test_a_run_gets_the_planners_figures_from_the_tool_over_the_store(monkeypatch, capsys):
     """The trainer never imports the planner: rank 0 asks `tools/plan.py --run_figures` in a subprocess and every
     rank reads its answer from the store (agree.planner_figures). The answer is the planner's own figures, for the
-    run's flags and model; a run that reads none (a CPU, nothing pinned) asks nothing, and a planner that cannot
-    answer is one warning line and no figures."""
+    run's flags and model; a run that reads none asks nothing: a CPU run, even one that pins --offload_optimizer's
+    state or --async_save's staging buffer (the run counts those itself: checks.host_bytes_per_rank), unless
+    --offload_activations' block inputs count too; and a planner that cannot answer is one warning line and no
+    figures."""
     from components import agree
 
     def store():  # what ranks 1-15 sent: nothing (rank 0 alone asks)
@@ -965,8 +967,31 @@ def test_a_run_gets_the_planners_figures_from_the_tool_over_the_store(monkeypatc
     monkeypatch.setattr(agree, "PLANNER", "/nonexistent/plan.py")  # asked, it would fail
     assert agree.planner_figures(store(), cfg, mcfg, 0, 16, cpu) is None
     assert capsys.readouterr().err == ""
-    offloaded = dataclasses.replace(cfg, offload_optimizer=True)  # its host-memory check counts pinned bytes
+    for pinned in (dict(offload_optimizer=True), dict(async_save="true")):  # counted by the run: nothing asked
+        assert agree.planner_figures(store(), dataclasses.replace(cfg, **pinned), mcfg, 0, 16, cpu) is None
+        assert capsys.readouterr().err == ""
+    offloaded = dataclasses.replace(cfg, offload_optimizer=True, offload_activations=True, ac="full")  # block inputs
     assert agree.planner_figures(store(), offloaded, mcfg, 0, 16, cpu) is None
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith("warning: the planner's figures for this run are missing (/nonexistent/plan.py "
                            "--run_figures: ") and line.endswith("; the run goes on without them"), line
+
+
+def test_the_runs_own_host_bytes_are_the_planners():
+    """The run counts --offload_optimizer's host state and --async_save's staging buffer itself
+    (checks.host_bytes_per_rank, without asking the planner on a CPU); the planner's host_bytes_per_gpu counts them
+    with the same functions: the same bytes, trained, frozen (--freeze) and at several world sizes. The block inputs
+    of --offload_activations are the planner's, passed through."""
+    tied = dataclasses.replace(M.tiny(), tie_embeddings=True)
+    for mcfg in (M.tiny(), tied, M.PRESETS["llama3-8b"]()):
+        for freeze in ("", r"embed_tokens", r"embed_tokens|layers\.[01]\."):
+            cfg = dataclasses.replace(config(model="tiny", offload_optimizer="true"), freeze=freeze)
+            for world in (1, 3, 8, 16):
+                ours = checks.host_bytes_per_rank(cfg, mcfg, world, None)
+                assert ours == P.run_host_bytes(mcfg, cfg, world), (mcfg, freeze, world)
+                assert ours["async"]["state"] > 0 and ours["async"]["staging"] > 0
+    offloaded = config(model="tiny", offload_optimizer="true", offload_activations="true", ac="full")
+    planned = dict(host_bytes=P.run_host_bytes(M.tiny(), offloaded, 8))
+    assert planned["host_bytes"]["sync"]["activations"] > 0
+    assert checks.host_bytes_per_rank(offloaded, M.tiny(), 8, planned) == planned["host_bytes"]
+    assert checks.host_bytes_per_rank(offloaded, M.tiny(), 8, None) is None  # the planner could not say

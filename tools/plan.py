@@ -38,7 +38,7 @@ if __name__ == "__main__":  # run as a script: the repository's modules, as from
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as M  # noqa: E402
 import train as T  # noqa: E402
-from components import checkpoints, hf  # noqa: E402
+from components import checks, hf  # noqa: E402
 from components import out_dir as OD  # noqa: E402
 from components import flags  # noqa: E402
 from components import metrics  # noqa: E402
@@ -420,14 +420,12 @@ def recompute_peak_bytes(mcfg: M.ModelConfig, cfg, kernel: str = "flash") -> dic
 def host_bytes_per_gpu(mcfg: M.ModelConfig, cfg, world: int, async_save: bool | None = None) -> dict:
     """Pinned host memory per GPU by part, as allocated (docs/planning.md: pinning): --offload_optimizer's state,
     --offload_activations' block inputs, --async_save's staging buffer. `async_save`: None, as planned."""
-    state = 0
-    if cfg.offload_optimizer:
-        shards = [padded(n, world) // world for n in unit_numels(mcfg)]
-        state = 4 * O.host_buffer_numel(shards, [int(b) // 4 for b in unit_state_bytes_per_param(mcfg, cfg)])
+    frozen = frozen_unit_names(mcfg, cfg)
+    state = O.host_state_bytes(rank_units(mcfg, frozen, world)) if cfg.offload_optimizer else 0  # the run's count
     activations = (sum(pinned_allocation_bytes(b) for b, off in block_kept_bytes(mcfg, cfg) if off)
                    if cfg.offload_activations else 0)
     async_save = async_save_planned(mcfg, cfg) if async_save is None else async_save
-    staging = staging_bytes_per_rank(mcfg, world, frozen_unit_names(mcfg, cfg)) if async_save else 0
+    staging = staging_bytes_per_rank(mcfg, world, frozen) if async_save else 0
     return dict(state=state, activations=activations, staging=staging)
 
 
@@ -439,12 +437,17 @@ def unit_state_bytes_per_param(mcfg: M.ModelConfig, cfg) -> list[float]:
 
 
 def staging_bytes_per_rank(mcfg: M.ModelConfig, world: int, frozen: list | tuple = (), later: bool = False) -> int:
-    """--async_save's staging buffer on each rank, exactly (docs/planning.md: async_save); `later`: what a save after
-    the first copies into it (not the frozen units', written once: checkpoints.py)."""
-    align = checkpoints.STAGING_ALIGN_BYTES
-    return sum(-(-size * (padded(n, world) // world) // align) * align
-               for name, n in zip(unit_names(mcfg), unit_numels(mcfg)) if not (later and name in frozen)
-               for size in saved_bytes_per_element(name in frozen))
+    """--async_save's staging buffer on each rank, exactly: the run's own count (checks.staging_bytes); `later`: what
+    a save after the first copies into it (not the frozen units', written once: checkpoints.py)."""
+    return checks.staging_bytes([(n, trained) for n, trained in rank_units(mcfg, frozen, world) if trained or not later])
+
+
+def rank_units(mcfg: M.ModelConfig, frozen: list | tuple, world: int) -> list[tuple[int, bool]]:
+    """(shard elements, trained) of each of a rank's units: the run's own reading (checks.rank_units)."""
+    key = ("rank units", repr(mcfg), tuple(frozen), world, M.sharding_units)
+    if key not in READINGS:
+        READINGS[key] = checks.rank_units(meta_model(mcfg), list(frozen), world)
+    return READINGS[key]
 
 
 def async_save_planned(mcfg: M.ModelConfig, cfg) -> bool:
