@@ -603,16 +603,6 @@ optimizer_step = adamw_step
 # The variations are chosen here, not in the core: --freeze and --lr_mult set each unit's `trained` and
 # `ranges`, --offload_activations a stage's `offload`, --offload_optimizer the classes (OffloadedModel below).
 
-def state_bytes_per_param() -> int:
-    """A trained unit's persistent bytes per parameter (master, gradient, optimizer state: 16 with AdamW), read
-    from a Unit of a tiny model's head on the meta device: what the start-up host-memory checks print."""
-    with torch.device("meta"):
-        model = M.Llama(M.tiny())
-    name, names = M.sharding_units(model)[-1]
-    unit = Unit(name, model, names, 0, 1, torch.device("meta"), torch.bfloat16)
-    return round(unit.persistent_bytes() / unit.shard_numel)
-
-
 def build_sharded_model(cfg: TrainConfig, mcfg: M.ModelConfig, rank: int, world: int, device: torch.device):
     with torch.device("meta"):  # shapes only: construction allocates nothing
         model = M.Llama(mcfg)
@@ -756,8 +746,8 @@ def setup(cfg: TrainConfig):
     # decided the same on every rank: one line per problem on every rank before NCCL or any weights (agree.py).
     warnings = config_warnings(cfg) + param_group_warnings(cfg, mcfg)  # allowed, but probably not meant
     unsaved = flash_attn_unsaved_warning(SAVED_OPS) if "selective" in (cfg.ac, cfg.ac_rest) else None
-    facts = agree.gather_over_store(store, "facts", agree.read_facts(cfg, mcfg, world, device, state_bytes_per_param(),
-                                    planned, warnings + ([unsaved] if unsaved else []), windows), rank, world, device)
+    facts = agree.gather_over_store(store, "facts", agree.read_facts(cfg, mcfg, world, device, planned,
+                                     warnings + ([unsaved] if unsaved else []), windows), rank, world, device)
     problems, warnings, async_save = agree.decide(facts)
     if problems:
         processes.fail_before_group("\nerror: ".join(problems), store, rank, world)
@@ -822,17 +812,6 @@ def save(cfg, sharded: ShardedModel, saving, step: int, data_state, background: 
         fail(str(e), exit_code(e))
     if sharded.rank == 0:
         print(message, flush=True)
-
-
-def finish_background_save(cfg, sharded: ShardedModel, saving):
-    """Commits the save in flight, after every rank's write: the wait, measured, is how long training stalled."""
-    try:
-        path, wait_s, write_s = saving.finish(cfg, sharded.model.cfg, sharded.rank, sharded.world)
-    except OD.CheckpointError as e:
-        fail(str(e), exit_code(e))
-    if sharded.rank == 0:
-        print(f"saved checkpoint {path} (written in the background in {write_s:.2f} s; training waited {wait_s:.2f} s "
-              f"for its commit)", flush=True)
 
 
 def main(argv=None):
@@ -974,8 +953,14 @@ def save_or_stop(cfg, sharded: ShardedModel, saving, step: int, steps: int, data
              "run stops without saving", int(unwritable))
     save_due = bool(signalled) or step == steps or (cfg.ckpt_every and step % cfg.ckpt_every == 0)
     in_flight = saving is not None and saving.pending is not None
-    if in_flight and (not writing or write_failed or save_due):  # its write is done, failed, or must be
-        finish_background_save(cfg, sharded, saving)
+    if in_flight and (not writing or write_failed or save_due):  # its write is done, failed, or must be: committed
+        try:  # after every rank's write; the wait, measured, is how long training stalled
+            path, wait_s, write_s = saving.finish(cfg, sharded.model.cfg, sharded.rank, sharded.world)
+        except OD.CheckpointError as e:
+            fail(str(e), exit_code(e))
+        if sharded.rank == 0:
+            print(f"saved checkpoint {path} (written in the background in {write_s:.2f} s; training waited "
+                  f"{wait_s:.2f} s for its commit)", flush=True)
     # A stop while a rank still writes keeps that save (docs/operations.md, "The stop save"): the steps since
     # its snapshot took less time than its write, so redoing them after the restart costs less than saving
     # again now. Otherwise the stop saves now. Either way at most one write follows the signal (the planner's

@@ -387,7 +387,7 @@ def code_sha256() -> str:
     return digest.hexdigest()[:16]
 
 
-def read_facts(cfg, mcfg, world: int, device, state_bytes_per_param: int, planned: dict | None, warnings: list[str],
+def read_facts(cfg, mcfg, world: int, device, planned: dict | None, warnings: list[str],
                windows=None) -> dict:
     """Everything this rank reads from its own machine that changes what the ranks run, with the problems and
     warnings it finds alone (a broken flash-attn, the node's host memory): the rest is decide's, over all ranks.
@@ -397,7 +397,7 @@ def read_facts(cfg, mcfg, world: int, device, state_bytes_per_param: int, planne
     limit = checks.host_memory_limit()
     host_bytes = checks.host_bytes_per_rank(cfg, mcfg, world, planned)
     async_fits, async_note = checks.async_save_on(cfg, host_bytes, world, limit)
-    problems = checks.check_flash_attn(cfg) + checks.check_host_memory(cfg, host_bytes, world, state_bytes_per_param, limit)
+    problems = checks.check_flash_attn(cfg) + checks.check_host_memory(cfg, host_bytes, world, limit)
     host = host_name()
     cuda = device.type == "cuda"
     return dict(host=host, netns=network_namespace(), code=code_sha256(), flags=asdict(cfg), model=asdict(mcfg),

@@ -204,7 +204,7 @@ def async_save_on(cfg, host_bytes: dict | None, world: int, limit=None) -> tuple
                    f"{limit[1]}; every save stalls training for its whole write")
 
 
-def check_host_memory(cfg, host_bytes: dict | None, world: int, state_bytes_per_param: int, limit=None) -> list[str]:
+def check_host_memory(cfg, host_bytes: dict | None, world: int, limit=None) -> list[str]:
     """What the node's ranks pin in host memory must fit in what the machine has now and what the job may use,
     or the kernel kills the job mid-run instead of this line: --offload_optimizer's fp32 state (and the block
     inputs of --offload_activations), and --async_save's staging buffer, a copy of each rank's checkpoint. Without
@@ -221,6 +221,7 @@ def check_host_memory(cfg, host_bytes: dict | None, world: int, state_bytes_per_
     if fits_host_memory(needed, limit):
         return []
     fix = "ask SLURM for all of the node's memory (sbatch --mem=0), " if "cgroup" in limit[1] else ""
+    state_bytes_per_param = 4 * O.state_tensors(True, M.OPTIMIZER_STATE)  # fp32 master, gradient, optimizer state
     gib = {name: nbytes / 2**30 for name, nbytes in parts.items()}
     if asynchronous:  # --async_save true
         drop = ["--async_save true"] + (["--offload_optimizer"] if cfg.offload_optimizer and fits_host_memory(

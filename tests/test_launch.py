@@ -518,9 +518,9 @@ def test_the_host_memory_check_reads_the_jobs_cgroup_limit(tmp_path, monkeypatch
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     cfg = T.parse_args(["--model=llama3-8b", "--offload_optimizer=true", f"--out_dir={tmp_path / 'out'}"])
     host_bytes = P.run_host_bytes(hf.model_config(cfg), cfg, 16)  # the planner's, as agree.planner_figures brings them
-    assert checks.check_host_memory(cfg, host_bytes, 16, 16) == []  # no limit on the job: 8 ranks' ~8 GiB each fit
+    assert checks.check_host_memory(cfg, host_bytes, 16) == []  # no limit on the job: 8 ranks' ~8 GiB each fit
     (folder / job / name).write_text(f"{64 * 2**30}\n")
-    [line] = checks.check_host_memory(cfg, host_bytes, 16, 16)
+    [line] = checks.check_host_memory(cfg, host_bytes, 16)
     assert line.startswith("--offload_optimizer: the 8 rank(s) on this node need "), line
     assert line.endswith(f"and this job's cgroup allows 64.0 GiB ({folder / job / name}); ask SLURM for all of the "
                          f"node's memory (sbatch --mem=0), use more nodes, or train without --offload_optimizer"), line

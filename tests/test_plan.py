@@ -734,7 +734,7 @@ def test_async_save_that_does_not_fit_host_memory_is_one_line(tmp_path, monkeypa
         return cfg, P.run_host_bytes(mcfg, cfg, 16)
 
     fake_host_memory(monkeypatch, staging_gib / 0.9 * 0.99)  # just under what 8 staging buffers need with 10% free
-    [line] = checks.check_host_memory(*host(run(async_save="true")), 16, 16)
+    [line] = checks.check_host_memory(*host(run(async_save="true")), 16)
     assert line.startswith(f"--async_save true: the 8 rank(s) on this node need {staging_gib:,.1f} GiB of host memory "
                            f"({staging_gib:,.1f} GiB for the save's staging buffer), and this machine has "), line
     assert line.endswith("; drop --async_save true (--async_save auto turns it off where it does not fit), or use "
@@ -742,17 +742,17 @@ def test_async_save_that_does_not_fit_host_memory_is_one_line(tmp_path, monkeypa
     on, why = checks.async_save_on(*host(run(async_save="auto", device="cuda")), 16)
     assert not on and why.startswith(f"--async_save auto: off: the 8 rank(s) on this node would need "
                                      f"{staging_gib:,.1f} GiB of host memory for the save's staging buffer"), why
-    assert checks.check_host_memory(*host(run(async_save="auto", device="cuda")), 16, 16) == []  # auto: off, no error
+    assert checks.check_host_memory(*host(run(async_save="auto", device="cuda")), 16) == []  # auto: off, no error
     assert checks.async_save_on(*host(run(async_save="auto", device="cpu")), 16) == (False, None)
     assert checks.async_save_on(*host(run(async_save="false", device="cuda")), 16) == (False, None)
     fake_host_memory(monkeypatch, staging_gib / 0.9 * 1.01)  # just over: it fits
     assert checks.async_save_on(*host(run(async_save="auto", device="cuda")), 16) == (True, None)
-    assert checks.check_host_memory(*host(run(async_save="true")), 16, 16) == []
+    assert checks.check_host_memory(*host(run(async_save="true")), 16) == []
     # With --offload_optimizer both parts count: the state alone fits, the staging buffer beside it does not.
     state_gib = 8 * P.host_bytes_per_gpu(mcfg, run(offload_optimizer="true"), 16, False)["state"] / 2**30
     fake_host_memory(monkeypatch, (state_gib + staging_gib) / 0.9 * 0.99)
-    assert checks.check_host_memory(*host(run(offload_optimizer="true", async_save="false")), 16, 16) == []
-    [line] = checks.check_host_memory(*host(run(offload_optimizer="true", async_save="true")), 16, 16)
+    assert checks.check_host_memory(*host(run(offload_optimizer="true", async_save="false")), 16) == []
+    [line] = checks.check_host_memory(*host(run(offload_optimizer="true", async_save="true")), 16)
     assert line.startswith(f"--async_save true with --offload_optimizer: the 8 rank(s) on this node need "
                            f"{state_gib + staging_gib:,.1f} GiB of host memory ({staging_gib:,.1f} GiB for the save's "
                            f"staging buffer, {state_gib:,.1f} GiB for --offload_optimizer's state"), line
