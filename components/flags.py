@@ -302,7 +302,7 @@ def check_sample_flags(cfg) -> list[str]:
             tokenizer = run_data.run_tokenizer(cfg)
             if tokenizer is None:
                 errors.append(f"--sample_prompts: no tokenizer to encode {cfg.sample_prompts} with: --data {cfg.data} "
-                              f"is token ids without one (data.py prepare records it) and --init_from "
+                              f"is token ids without one (tools/prepare.py records it) and --init_from "
                               f"{cfg.init_from or '(not given)'} has no tokenizer.json")
             elif cfg.data != "sample" and not os.path.exists(tokenizer):
                 errors.append(f"--sample_prompts: --data {cfg.data} was prepared with the tokenizer {tokenizer}, "

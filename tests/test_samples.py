@@ -208,7 +208,7 @@ def test_bad_sampling_input_is_one_line_naming_the_flag_and_file(tmp_path, bad_p
     no_tokenizer = save_hf(hf_model(small_config(vocab_size=300)), str(tmp_path / "no_tok"))
     assert errors(f"--sample_prompts={good}", init=no_tokenizer) == (
         f"--sample_prompts: no tokenizer to encode {good} with: --data {hf_tokenizer_run['data']} is token ids "
-        f"without one (data.py prepare records it) and --init_from {no_tokenizer} has no tokenizer.json")
+        f"without one (tools/prepare.py records it) and --init_from {no_tokenizer} has no tokenizer.json")
 
 
 def test_planner_states_what_sampling_adds_per_evaluation_for_70b(tmp_path):
