@@ -46,9 +46,8 @@ from components import agree  # what each rank reads from its own machine, agree
 from components import checkpoints, hf  # our checkpoints; the model's config and first weights, Hugging Face folders
 from components import out_dir as OD  # the out_dir's lock, the checkpoint group, all_gather_flat (below)
 from components.out_dir import all_gather_flat
-from components import metrics
+from components import metrics, sample  # what each step reports; completions at each evaluation
 from components import offload as O  # --offload_activations and --offload_optimizer
-from components import sample
 from components import run_data  # the run's data from --data and --eval_data (data.py reads the tokens)
 from components import flags  # the flags: TrainConfig, their checks, --freeze and --lr_mult; the tests' fault_hook
 from components.checks import check_run, flash_attn_unsaved_warning  # inputs
@@ -259,6 +258,7 @@ def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict]
     soon as its unit's gradient is complete, activation checkpointing, a fused optimizer kernel, skipping
     non-finite steps."""
     views = [[getattr(slot.module, slot.attr) for slot in unit.slots] for unit in units]  # put back at the end
+    trained = [u for u in units if u.trained]  # a frozen unit (--freeze) has no gradient and no optimizer state
     full = {}
     for unit in units:
         full[unit.name] = torch.empty(unit.padded_numel, dtype=unit.gathered.dtype, device=unit.gathered.device)
@@ -274,7 +274,7 @@ def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict]
         loss = sum(model.head_loss(x, batch["targets"], cfg.ce_chunk).values()) / batch["n_tokens"]
         loss.backward()  # gradients accumulate into full[...].grad over the micro-batches
         loss_sum += loss.detach().float()
-    for unit in [u for u in units if u.trained]:  # a frozen unit (--freeze) has no gradient
+    for unit in trained:
         out = torch.empty(unit.shard_numel, device=device)
         reduce_scatter_flat(out, full[unit.name].grad.float(), op=dist.ReduceOp.SUM)
         unit.grad_shard.copy_(out)
@@ -283,7 +283,7 @@ def train_step_naive(cfg, units: list[Unit], model: M.Llama, batches: list[dict]
     scale = min(1.0, cfg.grad_clip / (grad_norm.item() + 1e-6)) if cfg.grad_clip > 0 else 1.0
     for unit in units:
         unit.grad_shard.mul_(scale)
-    adamw_step_reference([u for u in units if u.trained], cfg, lr_at(cfg, step), step)
+    adamw_step_reference(trained, cfg, lr_at(cfg, step), step)
     for unit in units:
         unit.grad_shard.zero_()
     for unit, kept in zip(units, views):  # the modules point where they did, not into `full`, which goes now
