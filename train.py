@@ -12,7 +12,7 @@ and components/processes.py, read when needed):
   3. loop        weights (seeded, or sharded reads of a Hugging Face folder or a checkpoint),
                  set-up, the training loop, saving and stopping
 
-What is not the story lives beside it: model.py, data.py (tokenize, pack, the window order), and components/
+What is not the story lives beside it: model.py, data.py (tokenizers, token files, the window order), and components/
 (which never imports this file: checks, agreement across ranks, state on disk, metrics, offload, samples,
 the tests' fault hook; README.md, "Files", says which holds what). tools/ (the planner, the plot, data
 preparation) imports this file, never the reverse.
@@ -60,7 +60,7 @@ def parse_args(argv=None) -> TrainConfig:
     return flags.parse_args(argv, __doc__)
 
 
-# torch 2.13 renames the two collectives ZeRO-3 is made of; accept both names (all_gather_flat: out_dir.py).
+# torch 2.13 renames the two collectives ZeRO-3 is made of; accept both names (all_gather_flat: out_dir.py's, shared).
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -548,7 +548,7 @@ def reduce_scatter_grad(unit: Unit, reduces_in_flight: list, reduce_dtype: torch
     time: each holds a full-unit gradient, and an unbounded queue would hold the whole model's.
     The oldest one is waited for *before* the cast, not after the launch: otherwise its gradient, this
     one in the compute dtype and its copy in the reduce dtype would be alive together (3 units where
-    plan.reduce_hook_bytes counts 2). On GPUs this costs no overlap: NCCL runs a group's collectives
+    tools/plan.py's reduce_hook_bytes counts 2). On GPUs this costs no overlap: NCCL runs a group's collectives
     one after another on one stream, so the new reduce-scatter could not start before the old one
     ends anyway."""
     finish_reduces(reduces_in_flight, keep=MAX_REDUCES_IN_FLIGHT - 1)
@@ -590,7 +590,7 @@ def adamw_step(units: list[Unit], cfg: TrainConfig, lr: float, step: int):
 
 # The optimizer: a fork swaps it here and in M.OPTIMIZER_STATE, the names of the fp32 tensors each unit keeps
 # per element of its shard (Unit makes them; checkpoints, memory accounting and the planner iterate over them;
-# model.py holds them so that the planner, which never imports this file, reads the same ones). Any
+# model.py holds them so that components/, which never import this file, read the same ones). Any
 # elementwise optimizer works on shards unchanged: each element sees the same arithmetic as in the whole tensor.
 optimizer_step = adamw_step
 
