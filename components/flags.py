@@ -203,9 +203,8 @@ def unknown_flag_message(unknown: list[str], known: list[str]) -> str:
     return f"unrecognized flag {flag}; python train.py --help lists the flags"
 
 
-def check_config(cfg, world: int) -> list[str]:
-    """Every problem with the flags and the files they name, as one line each, found before any process group exists
-    (checks.check_run then looks at what earlier runs left: an --export_hf folder, a checkpoint's --data mix)."""
+def check_flags(cfg, world: int) -> list[str]:
+    """The flags alone, one line each: what a run and the planner (tools/plan.py, at its world) both refuse."""
     errors = []
     choices = dict(schedule=("cosine", "constant"), dtype=("auto", "bfloat16", "float32"),
                    reduce_dtype=("float32", "bfloat16"), ac=("none", "full", "selective"),
@@ -233,11 +232,6 @@ def check_config(cfg, world: int) -> list[str]:
         errors.append(f"--adam_eps: must be > 0, got {cfg.adam_eps}")
     if cfg.model and cfg.model not in M.PRESETS:
         errors.append(f"--model: unknown preset {cfg.model!r}; known: {', '.join(M.PRESETS)}")
-    for flag in ("--data", "--eval_data") if trains else ():  # each source exists, each weight > 0
-        try:
-            run_data.sources(cfg, flag)
-        except D.DataError as e:
-            errors.append(str(e))
     if cfg.eval_data == "sample" and cfg.data != "sample":
         errors.append("--eval_data: 'sample' evaluates the built-in sample's tokens; use it with --data sample")
     if cfg.ac_rest not in ("none", "selective") or cfg.ac_blocks < -1:
@@ -254,6 +248,37 @@ def check_config(cfg, world: int) -> list[str]:
         errors.append(f"--first_contact_s: must be > 0, got {cfg.first_contact_s:g}")
     if cfg.keep_ckpts < 2 or cfg.ckpt_every < 0:
         errors.append(f"--keep_ckpts must be >= 2 and --ckpt_every >= 0, got {cfg.keep_ckpts}, {cfg.ckpt_every}")
+    return errors
+
+
+def check_plan_flags(cfg, gpus: list[str]) -> list[str]:
+    """--plan's own flags (tools/plan.py), one line each, then check_flags at the planned world size and the
+    sampling flags; `gpus`: the GPU types the planner knows."""
+    errors = [] if cfg.gpu in gpus else [f"--gpu: {cfg.gpu!r} is not one of {', '.join(gpus)}"]
+    if cfg.dtype not in ("bfloat16", "auto"):  # auto is bfloat16 on GPUs
+        errors.append(f"--dtype: the planner models bfloat16 compute only, got {cfg.dtype!r}")
+    for name in ("nnodes", "nproc_per_node"):
+        if getattr(cfg, name) < 1:
+            errors.append(f"--{name}: must be >= 1, got {getattr(cfg, name)}")
+    for name in ("nics_per_node", "nic_gbps", "outside_gib", "train_tokens"):
+        if getattr(cfg, name) < 0:
+            errors.append(f"--{name}: must be >= 0, got {getattr(cfg, name)}")
+    for name, unit in (("fs_write_gbps", "GB/s per rank"), ("mtbf_hours", "hours between failures of the job")):
+        if getattr(cfg, name) <= 0:
+            errors.append(f"--{name}: must be > 0 ({unit}), got {getattr(cfg, name)}")
+    return errors + check_flags(cfg, max(1, cfg.nnodes * cfg.nproc_per_node)) + check_sample_flags(cfg)
+
+
+def check_config(cfg, world: int) -> list[str]:
+    """Every problem with the flags and the files they name, as one line each, found before any process group exists
+    (checks.check_run then looks at what earlier runs left: an --export_hf folder, a checkpoint's --data mix)."""
+    errors = check_flags(cfg, world)
+    trains = cfg.steps > 0 and not cfg.from_ckpt  # converting a checkpoint needs no batch and no data
+    for flag in ("--data", "--eval_data") if trains else ():  # each source exists, each weight > 0
+        try:
+            run_data.sources(cfg, flag)
+        except D.DataError as e:
+            errors.append(str(e))
     for flag, path in (("--init_from", cfg.init_from), ("--from_ckpt", cfg.from_ckpt)):
         if path and not os.path.exists(path):
             errors.append(f"{flag}: {path} does not exist")

@@ -993,7 +993,7 @@ def nearest_fit(mcfg: M.ModelConfig, cfg):
             for chosen in itertools.combinations(savers, n_changes):
                 for changes in itertools.product(*chosen):
                     trial = dataclasses.replace(base, **{k: v for change in changes for k, v in change.items()})
-                    if check(trial) or (trial.offload_activations and trial.ac != "full"):
+                    if flags.check_flags(trial, trial.nnodes * trial.nproc_per_node):
                         continue  # not a configuration the trainer accepts
                     if not (fit_and_speed(mcfg, trial)["fits"] and host_fits(mcfg, trial)):
                         continue
@@ -1053,48 +1053,6 @@ def async_save_drop_hint(mcfg: M.ModelConfig, cfg) -> str | None:
         return f"{does_not_fit}, and dropping {either} alone does not make this configuration fit"
     return (f"{does_not_fit}: drop {' or '.join(drop)} (--async_save auto turns it off where it does not fit; saves "
             f"then stall for the whole write)")
-
-
-def check(cfg) -> list[str]:
-    """The flags the planner reads, one message each."""
-    errors = []
-    if cfg.gpu not in GPUS:
-        errors.append(f"--gpu: {cfg.gpu!r} is not one of {', '.join(GPUS)}")
-    if cfg.dtype not in ("bfloat16", "auto"):  # auto is bfloat16 on GPUs
-        errors.append(f"--dtype: the planner models bfloat16 compute only, got {cfg.dtype!r}")
-    choices = dict(reduce_dtype=("float32", "bfloat16"), ac=("none", "full", "selective"),
-                   ac_rest=("none", "selective"), async_save=("auto", "true", "false"))
-    for name, allowed in choices.items():
-        if getattr(cfg, name) not in allowed:
-            errors.append(f"--{name}: {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
-    for name in ("nnodes", "nproc_per_node", "seq_len", "batch_size", "micro_batch_size"):
-        if getattr(cfg, name) < 1:
-            errors.append(f"--{name}: must be >= 1, got {getattr(cfg, name)}")
-    if cfg.ac_blocks < -1:
-        errors.append(f"--ac_blocks: must be >= -1 (-1: every block uses --ac), got {cfg.ac_blocks}")
-    world = cfg.nnodes * cfg.nproc_per_node
-    if not errors and cfg.batch_size % (world * cfg.micro_batch_size):
-        errors.append(f"--batch_size: {cfg.batch_size} is not a multiple of world size x --micro_batch_size "
-                      f"= {world} x {cfg.micro_batch_size} = {world * cfg.micro_batch_size}")
-    for name in ("nics_per_node", "nic_gbps", "outside_gib"):
-        if getattr(cfg, name) < 0:
-            errors.append(f"--{name}: must be >= 0, got {getattr(cfg, name)}")
-    for name, unit in (("fs_write_gbps", "GB/s per rank"), ("mtbf_hours", "hours between failures of the job")):
-        if getattr(cfg, name) <= 0:
-            errors.append(f"--{name}: must be > 0 ({unit}), got {getattr(cfg, name)}")
-    for name in ("train_tokens", "gpu_hour_usd", "ce_chunk"):
-        if getattr(cfg, name) < 0:
-            errors.append(f"--{name}: must be >= 0, got {getattr(cfg, name)}")
-    if cfg.model and cfg.model not in M.PRESETS:
-        errors.append(f"--model: unknown preset {cfg.model!r}; known: {', '.join(M.PRESETS)}")
-    if cfg.sample_tokens < 1:
-        errors.append(f"--sample_tokens: must be >= 1, got {cfg.sample_tokens}")
-    elif cfg.sample_prompts:
-        try:
-            flags.read_prompts(cfg.sample_prompts)
-        except ValueError as e:  # data.DataError: the file and line
-            errors.append(str(e))
-    return errors
 
 
 def seconds(s: float) -> str:
@@ -1283,7 +1241,7 @@ def main(cfg) -> str | None:
     """`python tools/plan.py` (or `train.py --plan`): check the flags, print the table, write --plan_json. Returns
     None, or the one error line the command ends with (exit code 2): bad flags, or a configuration that does not
     fit (GPU or host memory), naming the nearest that does."""
-    errors = check(cfg)
+    errors = flags.check_plan_flags(cfg, list(GPUS))
     if not errors:
         try:
             mcfg = hf.model_config(cfg)
