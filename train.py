@@ -548,7 +548,7 @@ def reduce_scatter_grad(unit: Unit, reduces_in_flight: list, reduce_dtype: torch
     time: each holds a full-unit gradient, and an unbounded queue would hold the whole model's.
     The oldest one is waited for *before* the cast, not after the launch: otherwise its gradient, this
     one in the compute dtype and its copy in the reduce dtype would be alive together (3 units where
-    tools/plan.py's reduce_hook_bytes counts 2). On GPUs this costs no overlap: NCCL runs a group's collectives
+    tools/plan_memory.py's reduce_hook_bytes counts 2). On GPUs this costs no overlap: NCCL runs a group's collectives
     one after another on one stream, so the new reduce-scatter could not start before the old one
     ends anyway."""
     finish_reduces(reduces_in_flight, keep=MAX_REDUCES_IN_FLIGHT - 1)

@@ -60,6 +60,7 @@ import data as D  # noqa: E402
 from components import metrics  # noqa: E402
 import model as M  # noqa: E402
 from tools import plan as P  # noqa: E402
+from tools import plan_memory as PM  # noqa: E402
 import train as T  # noqa: E402
 
 GIB = 2**30
@@ -266,7 +267,7 @@ def planned_peak_bytes(layers: int, seq_len: int, world: int, gpu: str) -> float
     """plan.py's peak memory per GPU for our run of `layers` 8B-shaped layers (the flags main times)."""
     cfg = T.parse_args(["--seq_len", str(seq_len), "--micro_batch_size", "1", "--batch_size", str(2 * world),
                         "--ac", "selective", "--nproc_per_node", str(world), "--gpu", gpu])
-    phases = P.memory_by_phase(bench_model(layers, dry=False), cfg, world)
+    phases = PM.memory_by_phase(bench_model(layers, dry=False), cfg, world)
     return max(sum(parts.values()) for parts in phases.values())
 
 

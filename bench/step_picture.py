@@ -18,7 +18,7 @@ made (the rules are `kind_of_allocation`'s, and they approximate; see there):
   attention scratch   the attention backward kernel's workspace (modelled by tests/fake_cuda.py, not measured)
   other               the optimizer's and the gradient norm's temporaries
 It draws the bytes of each kind over the step (x: allocation events in order, not time: nothing runs) with
-the planner's three phases (plan.memory_by_phase, allocated bytes without the CUDA context and the
+the planner's three phases (plan_memory.memory_by_phase, allocated bytes without the CUDA context and the
 fragmentation it adds) and its predicted peak marked. --layers N runs the 70B model with N of its 80
 blocks (every shape the same), to be quicker; the picture says so. Without matplotlib it writes FILE.json
 and says how to draw it (draw-memory, on a machine that has matplotlib).

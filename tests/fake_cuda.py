@@ -694,8 +694,9 @@ def planned(mcfg, cfg, world: int, flash_attn: bool) -> dict:
     part but CUDA/NCCL's own and the allocator's slack."""
     import dataclasses
     from tools import plan as P  # it runs train.py's blocks and optimizer, a fork's (--variant) included
+    from tools import plan_memory as PM  # it runs train.py's blocks and optimizer, a fork's (--variant) included
     cfg = dataclasses.replace(cfg, nnodes=1, nproc_per_node=world)
-    phases = P.memory_by_phase(mcfg, cfg, world, flash_attn)
+    phases = PM.memory_by_phase(mcfg, cfg, world, flash_attn)
     allocated_by_phase = {p: sum(v for k, v in parts.items() if k not in ("context_and_nccl", "fragmentation"))
                           for p, parts in phases.items()}
     peak_phase = max(allocated_by_phase, key=allocated_by_phase.get)

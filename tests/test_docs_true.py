@@ -17,7 +17,7 @@ CODE = ["train.py", "model.py", "data.py", "launch.sh", "launch.sbatch"] + [
     if n.endswith((".py", ".sh"))]
 # Our modules as the text names them, and where each lives
 MODULES = {"train": "train", "model": "model", "data": "data", "disk": None, "out_dir": "components.out_dir",
-           "checkpoints": "components.checkpoints", "hf": "components.hf", "plan": "tools.plan",
+           "checkpoints": "components.checkpoints", "hf": "components.hf", "plan": "tools.plan", "plan_memory": "tools.plan_memory",
            "agree": "components.agree", "metrics": "components.metrics", "checks": "components.checks",
            "offload": "components.offload", "sample": "components.sample", "faults": "faults", "processes": "components.processes",
            "flags": "components.flags", "config": None, "run_data": "components.run_data", "sample_corpus": "tools.sample_corpus",

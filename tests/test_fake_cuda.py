@@ -126,7 +126,7 @@ def fork_results(shim, tmp_path_factory, request):
 @pytest.mark.parametrize("fork", FORKS, ids=[f[0] for f in FORKS])
 def test_a_fork_is_planned_within_2_percent(fork_results, fork):
     """The peak device memory of a fork's step at 70B-class widths is what plan.py predicts, in the same process,
-    for the same code: the planner runs the fork's block and optimizer (plan.read_block, train.Unit readings)."""
+    for the same code: the planner runs the fork's block and optimizer (plan_memory.read_block, train.Unit readings)."""
     name, model, world, flash, flags, tolerance, variant, pending = fork
     if pending:
         pytest.skip(pending)

@@ -1,5 +1,5 @@
 """Memory the planner promises is memory the code uses: the full-unit gradients alive when the reduce-scatter
-hook casts and launches a unit's gradient, counted tensor by tensor, against plan.reduce_hook_bytes.
+hook casts and launches a unit's gradient, counted tensor by tensor, against plan_memory.reduce_hook_bytes.
 
 Run as a script under torchrun by the test (one JSON file per rank):
     torchrun --nproc_per_node 2 tests/test_memory.py OUT_DIR [train.py flags...]
@@ -78,6 +78,7 @@ def worker(out_dir, flags):
 def test_gradients_alive_in_the_reduce_hook_are_what_the_planner_counts(tmp_path, dtype, reduce_dtype):
     import numpy as np
     from tools import plan as P
+    from tools import plan_memory as PM
     np.save(tmp_path / "tok.npy", (np.arange(400) * 7 % 500).astype(np.uint16))
     flags = ["--model=tiny", f"--data={tmp_path / 'tok.npy'}", "--seq_len=16", "--batch_size=4",
              "--micro_batch_size=1", "--ac=none", "--eval_every=0", f"--dtype={dtype}",
@@ -93,7 +94,7 @@ def test_gradients_alive_in_the_reduce_hook_are_what_the_planner_counts(tmp_path
         for hook in r["hooks"]:
             # Nothing but this unit's gradient (and its copy in the reduce dtype): the previous unit's
             # reduce-scatter, with its whole gradient, is finished before the cast.
-            expected = P.reduce_hook_bytes(hook["numel"], compute_bytes, reduce_bytes)
+            expected = PM.reduce_hook_bytes(hook["numel"], compute_bytes, reduce_bytes)
             assert hook["most_alive_bytes"] == expected, (hook, expected)
 
 

@@ -166,6 +166,7 @@ def test_the_host_state_is_one_buffer_of_exactly_the_planners_bytes():
     import model as M
     from components import offload as O
     from tools import plan as P
+    from tools import plan_memory as PM
     import train as T
     mcfg, world = small_config(), 3
     with torch.device("meta"):
@@ -186,11 +187,11 @@ def test_the_host_state_is_one_buffer_of_exactly_the_planners_bytes():
     assert checks.host_bytes_per_rank(cfg, mcfg, world, None)["sync"]["state"] == buffer.numel() * buffer.element_size()
     # 70B at W=8: exact where pin_memory=True would take 512 MiB per 408 MiB block shard
     big, cfg8 = M.PRESETS["llama3-70b"](), dataclasses.replace(cfg, nproc_per_node=8)
-    block_slice = P.unit_numels(big)[1] * 4 // 8
+    block_slice = PM.unit_numels(big)[1] * 4 // 8
     assert P.pinned_allocation_bytes(block_slice) == 512 * 2**20 and 400 * 2**20 < block_slice < 410 * 2**20
-    exact = 4 * O.host_buffer_numel([P.padded(n, 8) // 8 for n in P.unit_numels(big)], [4] * len(P.unit_numels(big)))
+    exact = 4 * O.host_buffer_numel([PM.padded(n, 8) // 8 for n in PM.unit_numels(big)], [4] * len(PM.unit_numels(big)))
     assert P.host_bytes_per_gpu(big, cfg8, 8)["state"] == exact < 133 * 2**30
-    rounded = sum(4 * P.pinned_allocation_bytes(4 * (P.padded(n, 8) // 8)) for n in P.unit_numels(big))
+    rounded = sum(4 * P.pinned_allocation_bytes(4 * (PM.padded(n, 8) // 8)) for n in PM.unit_numels(big))
     assert rounded > 1.2 * exact  # what one pin_memory=True tensor per state shard would have taken
 
 

@@ -19,6 +19,7 @@ import model as M  # noqa: E402
 from components import checkpoints, hf  # noqa: E402
 from components import checks  # noqa: E402
 from tools import plan as P  # noqa: E402
+from tools import plan_memory as PM  # noqa: E402
 from components import offload as O  # noqa: E402
 import train as T  # noqa: E402
 
@@ -132,7 +133,7 @@ def test_activation_policies_order_and_offload():
 def test_logits_grow_linearly_with_ce_chunk():
     # At a chunk's softmax backward: the fp32 log-softmax, its gradient and the fp32 logits' gradient.
     mcfg = M.PRESETS["llama3-70b"]()
-    logits = [P.logits_bytes(mcfg, config(**CASE_70B, ce_chunk=c)) for c in (512, 1024, 2048)]
+    logits = [PM.logits_bytes(mcfg, config(**CASE_70B, ce_chunk=c)) for c in (512, 1024, 2048)]
     assert logits[1] == pytest.approx(2 * logits[0]) and logits[2] == pytest.approx(2 * logits[1])
     assert logits[1] == 1024 * 128256 * (4 + 4 + 4)
 
@@ -158,16 +159,16 @@ def test_head_backward_is_the_worst_of_its_three_moments():
     # rank's output shard; bf16 reduce: a chunk's weight-gradient matmul, the gradient summed over the earlier
     # chunks + this chunk's (vocab x dim, bf16 each) + the chunk's bf16 logits gradient.
     mcfg = M.PRESETS["llama3-70b"]()
-    head, emb = (P.padded(n, 16) for n in (P.unit_numels(mcfg)[-1], P.unit_numels(mcfg)[0]))
+    head, emb = (PM.padded(n, 16) for n in (PM.unit_numels(mcfg)[-1], PM.unit_numels(mcfg)[0]))
     weight = 128256 * 8192
-    fp32 = P.head_backward_bytes(mcfg, config(**CASE_70B, reduce_dtype="float32"), head, emb, 16)
+    fp32 = PM.head_backward_bytes(mcfg, config(**CASE_70B, reduce_dtype="float32"), head, emb, 16)
     assert fp32 == dict(gradients=2 * head, reduce_buffers=4 * head + 4 * head / 16, logits=0)
-    bf16 = P.head_backward_bytes(mcfg, config(**CASE_70B, reduce_dtype="bfloat16"), head, emb, 16)
+    bf16 = PM.head_backward_bytes(mcfg, config(**CASE_70B, reduce_dtype="bfloat16"), head, emb, 16)
     assert bf16 == dict(gradients=2 * 2 * weight, reduce_buffers=0, logits=2 * 1024 * 128256)
     # Unchunked (--ce_chunk 0): no earlier chunk's gradient; the softmax backward's 12 B per logit win.
-    whole = P.head_backward_bytes(mcfg, config(**CASE_70B, reduce_dtype="bfloat16", ce_chunk=0), head, emb, 16)
+    whole = PM.head_backward_bytes(mcfg, config(**CASE_70B, reduce_dtype="bfloat16", ce_chunk=0), head, emb, 16)
     assert whole == dict(gradients=0, reduce_buffers=0, logits=12 * 8192 * 128256)
-    assert P.reduce_hook_bytes(head, 2, 4) == 6 * head and P.reduce_hook_bytes(head, 2, 2) == 2 * head
+    assert PM.reduce_hook_bytes(head, 2, 4) == 6 * head and PM.reduce_hook_bytes(head, 2, 2) == 2 * head
 
 
 def test_without_flash_attn_the_mask_and_expanded_kv_are_counted():
@@ -176,14 +177,14 @@ def test_without_flash_attn_the_mask_and_expanded_kv_are_counted():
     # whichever needs more: the trainer falls back to SDPA without a word.
     mcfg = M.PRESETS["llama3-70b"]()
     cfg = config(**OFFLOAD_70B_ONE_NODE, ac_blocks=65, ac_rest="none")
-    flash, sdpa, either = (P.memory_by_phase(mcfg, cfg, 8, f) for f in (True, False, None))
+    flash, sdpa, either = (PM.memory_by_phase(mcfg, cfg, 8, f) for f in (True, False, None))
     masks = 8 * 8192 * 8192 * 2                   # 8 micro-batches of one 8192-token row, bf16
     expanded = 15 * 8192 * 2 * 2 * (64 - 8) * 128  # the 15 blocks without recompute: k and v, bf16
     rng_state = 15 * 2 * 8  # and the memory-efficient kernel's seed and offset (two int64), which it saves too
     assert sdpa["head backward"]["activations"] - flash["head backward"]["activations"] == masks + expanded + rng_state
     assert either == sdpa
     no_mask = config(**OFFLOAD_70B_ONE_NODE, ac_blocks=65, ac_rest="none", doc_mask="false")
-    assert P.memory_by_phase(mcfg, no_mask, 8, True) == P.memory_by_phase(mcfg, no_mask, 8, False)
+    assert PM.memory_by_phase(mcfg, no_mask, 8, True) == PM.memory_by_phase(mcfg, no_mask, 8, False)
     assert not P.plan(mcfg, cfg)["fits"] and P.plan(mcfg, config(**OFFLOAD_70B_ONE_NODE, ac_blocks=66))["fits"]
 
 
@@ -192,15 +193,15 @@ def test_slices_and_outputs_alive_beside_the_units():
     # prefetched unit arrives, a reduce-scatter's output shard while it runs, and an offloaded block's
     # recomputed output through its backward.
     mcfg = M.PRESETS["llama3-70b"]()
-    block, head = (P.padded(n, 16) for n in (P.unit_numels(mcfg)[1], P.unit_numels(mcfg)[-1]))
+    block, head = (PM.padded(n, 16) for n in (PM.unit_numels(mcfg)[1], PM.unit_numels(mcfg)[-1]))
     cfg = config(**CASE_70B, ac="full", doc_mask="false")
-    phase = P.memory_by_phase(mcfg, cfg, 16)["block recompute"]
+    phase = PM.memory_by_phase(mcfg, cfg, 16)["block recompute"]
     assert phase["gathered_weights"] == 2 * (2 * block + block / 16)
     assert phase["reduce_buffers"] == 4 * head * (1 + 1 / 16)
-    offloaded = P.memory_by_phase(mcfg, config(**CASE_70B, ac="full", offload_optimizer="true"), 16)
+    offloaded = PM.memory_by_phase(mcfg, config(**CASE_70B, ac="full", offload_optimizer="true"), 16)
     assert offloaded["block recompute"]["gathered_weights"] == 2 * 2 * block  # it gathers the bf16 copy it keeps
-    # measured (plan.read_block): offloaded, the recomputed block's output (8192 x 8192 bf16) is alive through its backward
-    backward = [sum(P.read_block(mcfg, "full", 1, 8192, offload=off)[k] for k in ("backward", "gradients"))
+    # measured (plan_memory.read_block): offloaded, the recomputed block's output (8192 x 8192 bf16) is alive through its backward
+    backward = [sum(PM.read_block(mcfg, "full", 1, 8192, offload=off)[k] for k in ("backward", "gradients"))
                 for off in (True, False)]
     assert backward[0] - backward[1] == 8192 * 2 * 8192
 
@@ -255,7 +256,7 @@ def test_offloaded_optimizer_state_matches_the_trainers_units_with_padding():
     p = predict(**flags, offload_optimizer="true")
     assert p["state_gib_per_gpu"] * 2**30 == on_device == 2 * slice_numel
     slots = 4 * O.GRAD_SLOTS * max(u.shard_numel for u in units)
-    assert on_host == P.state_bytes_per_param() * slice_numel
+    assert on_host == PM.state_bytes_per_param() * slice_numel
     assert p["host_gib_per_node"] * 2**30 == (on_host + slots) * world == buffer.numel() * 4 * world
     assert predict(**flags)["host_gib_per_node"] == 0  # nothing offloaded, nothing on the host
     # With the block inputs offloaded too: every block's input of one micro-batch, bf16, per GPU, each one
@@ -285,11 +286,11 @@ def test_offloaded_step_time_is_what_the_code_overlaps():
     cfg = config(**OFFLOAD_70B_ONE_NODE)
     mcfg, gpu = hf.model_config(cfg), P.GPUS[cfg.gpu]
     p, o = P.plan(mcfg, cfg), P.offload_optimizer_time(mcfg, cfg, gpu, 8)
-    embedding_slice = P.padded(P.unit_numels(mcfg)[0], 8) / 8
+    embedding_slice = PM.padded(PM.unit_numels(mcfg)[0], 8) / 8
     assert o["last_unit_tail_s"] == pytest.approx(embedding_slice * 2 / 40e9
                                                   + embedding_slice / o["host_accumulate_elements_per_s_per_gpu"])
     host_gbps = gpu["host_memory_gbps_per_node"] * P.ASSUMPTIONS["host_memory_efficiency"] / 8
-    cast_s = 6 * sum(P.padded(n, 8) for n in P.unit_numels(mcfg)) / 8 / (1e9 * host_gbps)
+    cast_s = 6 * sum(PM.padded(n, 8) for n in PM.unit_numels(mcfg)) / 8 / (1e9 * host_gbps)
     assert o["h2d_exposed_s"] == max(0.0, o["h2d_s"] - cast_s) == 0.0  # 70B, 8 per node: PCIe outruns the cast
     assert p["pcie_h2d_s"] > 0.4 and p["pcie_exposed_s"] < 0.1  # the 0.44 s up no longer adds to the step
     assert p["pcie_exposed_s"] >= o["last_unit_tail_s"] > 0
@@ -343,7 +344,7 @@ def test_a_configuration_that_does_not_fit_gets_the_nearest_that_does():
 
 
 def test_measured_block_bytes_are_the_count_by_hand():
-    # What the planner measures (plan.read_block: one block run under fake tensors) is what a count by hand
+    # What the planner measures (plan_memory.read_block: one block run under fake tensors) is what a count by hand
     # of model.py's ops' saved tensors gives (bf16, shared tensors once), at 70B widths and seq 8192.
     mcfg = M.PRESETS["llama3-70b"]()
     d, h, kv, dh, f = mcfg.dim, mcfg.n_heads, mcfg.n_kv_heads, mcfg.head_dim, mcfg.ffn_dim
@@ -352,30 +353,30 @@ def test_measured_block_bytes_are_the_count_by_hand():
     none = 2 * norm + 2 * d + 2 * d + attention + 4 * 2 * f  # + the norms' outputs, gate, silu(gate), up, down's input
     selective = 2 * d + 2 * (h * dh + 2 * kv * dh + d + 2 * f + d) + 2 * h * dh + 4 * h  # input, matmuls, attention
     for policy, per_token in dict(none=none, selective=selective, full=2 * d).items():
-        assert P.read_block(mcfg, policy, 1, 8192)["kept"] == 8192 * per_token, policy
+        assert PM.read_block(mcfg, policy, 1, 8192)["kept"] == 8192 * per_token, policy
     # A frozen prefix's block keeps nothing (no input needs a gradient); a frozen block between trained ones
     # keeps what its input's gradient needs: not its matmuls' inputs (no weight gradient), less than a trained one.
-    assert P.read_block(mcfg, "none", 1, 8192, trained=False, input_grad=False)["kept"] == 0
-    assert 0 < P.read_block(mcfg, "none", 1, 8192, trained=False)["kept"] < 8192 * none
+    assert PM.read_block(mcfg, "none", 1, 8192, trained=False, input_grad=False)["kept"] == 0
+    assert 0 < PM.read_block(mcfg, "none", 1, 8192, trained=False)["kept"] < 8192 * none
 
 
 def test_partial_checkpointing_activations_are_the_per_block_sum():
     mcfg = M.PRESETS["llama3-70b"]()
     tokens, layers = 8192, mcfg.n_layers
-    per_token = {p: P.read_block(mcfg, p, 1, tokens)["kept"] / tokens for p in ("none", "selective", "full")}
+    per_token = {p: PM.read_block(mcfg, p, 1, tokens)["kept"] / tokens for p in ("none", "selective", "full")}
     for k in (0, 1, 30, layers):
         for rest in ("none", "selective"):
             cfg = config(**dict(CASE_70B, ac="full", ac_blocks=k, ac_rest=rest, doc_mask="false"))
             policies = M.block_policies(layers, "full", k, rest)
-            assert P.policies_per_block(mcfg, cfg) == policies and policies.count("full") == k
-            assert P.saved_activation_bytes(mcfg, cfg, layers) == tokens * (k * per_token["full"]
+            assert PM.policies_per_block(mcfg, cfg) == policies and policies.count("full") == k
+            assert PM.saved_activation_bytes(mcfg, cfg, layers) == tokens * (k * per_token["full"]
                                                                             + (layers - k) * per_token[rest])
             head = P.plan(mcfg, cfg)["memory_by_phase_gib"]["head backward"]["activations"]
             # + the final norm's saved tensors (fp32 input, normalized, output) and the head input's gradient
-            assert head * 2**30 == P.saved_activation_bytes(mcfg, cfg, layers) + tokens * (8 + 2) * mcfg.dim
+            assert head * 2**30 == PM.saved_activation_bytes(mcfg, cfg, layers) + tokens * (8 + 2) * mcfg.dim
     # Offloaded, only the `full` blocks' inputs go to the host (2 in transit); the others stay on the GPU.
     cfg = config(**dict(CASE_70B, ac="full", ac_blocks=50, offload_activations="true"))
-    assert P.saved_activation_bytes(mcfg, cfg, layers) == tokens * (2 * per_token["full"] + 30 * per_token["none"])
+    assert PM.saved_activation_bytes(mcfg, cfg, layers) == tokens * (2 * per_token["full"] + 30 * per_token["none"])
     # -1 and every block are the same plan; fewer recomputed blocks, fewer executed FLOPs.
     same = [predict(**dict(CASE_70B, ac="full", ac_blocks=b)) for b in (-1, layers)]
     assert {k: v for k, v in same[0].items() if k != "assumptions"} == {
@@ -406,7 +407,7 @@ def test_pcie_and_cpu_adamw_scale_with_the_slice():
     one, two = (predict(**dict(OFFLOAD_70B_ONE_NODE, nnodes=n)) for n in (1, 2))
     mcfg = M.PRESETS["llama3-70b"]()
     for p, world in ((one, 8), (two, 16)):
-        slice_numel = sum(P.padded(n, world) for n in P.unit_numels(mcfg)) / world
+        slice_numel = sum(PM.padded(n, world) for n in PM.unit_numels(mcfg)) / world
         assert p["pcie_h2d_gb"] == pytest.approx(2 * slice_numel / 1e9)  # bf16 up, once per step
         assert p["pcie_d2h_gb"] == pytest.approx(p["micro_steps"] * 2 * slice_numel / 1e9)  # bf16 reduce, down
         assert p["pcie_h2d_s"] == pytest.approx(2 * slice_numel / 40e9)
@@ -448,11 +449,11 @@ print((status_kib("VmHWM") - before) * 1024 / gathered.numel() / 4)
 @pytest.mark.parametrize("n_params", [2, 9])
 def test_gradient_peak_of_a_unit_matches_autograd(n_params):
     # The parameters are the pieces of one split of a flat leaf, as in train.Unit: the peak of gradient memory
-    # during its backward, in units, against plan.grad_peak_numel.
+    # during its backward, in units, against plan_memory.grad_peak_numel.
     result = subprocess.run([sys.executable, "-c", PROBE, str(n_params)], capture_output=True, text=True,
                             timeout=120, check=True)
     measured_units = float(result.stdout)
-    assert measured_units == pytest.approx(P.grad_peak_numel(n_params) / n_params, abs=0.15)
+    assert measured_units == pytest.approx(PM.grad_peak_numel(n_params) / n_params, abs=0.15)
 
 
 def run_plan(*flags):
@@ -476,7 +477,7 @@ def test_checkpoint_bytes_per_rank_are_what_the_trainer_writes(tmp_path, freeze)
     # (--freeze) save their master shard alone, into the frozen set, which only the first save writes.
     mcfg, world = M.PRESETS["tiny"](), 3
     units = T.build_units(M.Llama(mcfg), 0, world, torch.device("cpu"), torch.bfloat16, freeze=freeze)
-    frozen = P.frozen_unit_names(mcfg, config(model="tiny", freeze=freeze))
+    frozen = PM.frozen_unit_names(mcfg, config(model="tiny", freeze=freeze))
     assert sorted(u.name for u in units if not u.trained) == sorted(frozen) and (frozen or not freeze)
     for later in (False, True):
         own, frozen_set = checkpoints.split_frozen(units, checkpoints.rank_file_tensors(units), writes_frozen=not later)
@@ -858,12 +859,12 @@ def test_frozen_units_are_planned():
     flags = dict(model="llama3-8b", nnodes=1, nproc_per_node=8, seq_len=8192, batch_size=8, micro_batch_size=1,
                  ac="none", doc_mask="false")
     cfg, base = config(**flags, freeze=r"model\.(embed_tokens|layers\.([0-9]|[12][0-9]))\."), config(**flags)
-    assert P.frozen_unit_names(mcfg, cfg) == ["embed"] + [f"layers.{i}" for i in range(30)]
-    numels = [P.padded(n, 8) for n in P.unit_numels(mcfg)]
-    frozen, plain = P.memory_by_phase(mcfg, cfg, 8), P.memory_by_phase(mcfg, base, 8)
+    assert PM.frozen_unit_names(mcfg, cfg) == ["embed"] + [f"layers.{i}" for i in range(30)]
+    numels = [PM.padded(n, 8) for n in PM.unit_numels(mcfg)]
+    frozen, plain = PM.memory_by_phase(mcfg, cfg, 8), PM.memory_by_phase(mcfg, base, 8)
     assert frozen["head backward"]["state"] == (4 * sum(numels[:31]) + 16 * sum(numels[31:])) / 8
     assert plain["head backward"]["state"] == 16 * sum(numels) / 8
-    kept, kept_plain = ([b for b, _ in P.block_kept_bytes(mcfg, c)] for c in (cfg, base))
+    kept, kept_plain = ([b for b, _ in PM.block_kept_bytes(mcfg, c)] for c in (cfg, base))
     # The first trained block's input needs no gradient either: it keeps only what its weights' gradients need.
     assert kept[:30] == [0] * 30 and 0 < kept[30] < kept_plain[30] and kept[31] == kept_plain[31]
     assert plain["head backward"]["activations"] - frozen["head backward"]["activations"] == sum(kept_plain) - sum(kept)
@@ -872,7 +873,7 @@ def test_frozen_units_are_planned():
     assert frozen["head backward"]["state"] < 0.4 * plain["head backward"]["state"]  # issue 30: 66% less
     # A frozen head (lm_head and the final norm) and last block: no weight gradient in the head's backward or at
     # the last block's end.
-    tail = P.memory_by_phase(mcfg, config(**flags, freeze=r"(lm_head|model\.norm|model\.layers\.31)\."), 8)
+    tail = PM.memory_by_phase(mcfg, config(**flags, freeze=r"(lm_head|model\.norm|model\.layers\.31)\."), 8)
     assert tail["head backward"]["gradients"] == tail["block gradient sum"]["gradients"] == 0
     assert plain["head backward"]["gradients"] > 0 and plain["block gradient sum"]["gradients"] > 0
 
@@ -884,8 +885,8 @@ def test_a_frozen_base_is_saved_by_the_first_save_alone():
     mcfg, flags = M.PRESETS["llama3-70b"](), dict(SYNC_70B, ckpt_every=200)
     frozen_flags = dict(flags, freeze=r"model\.(embed_tokens|layers\.([0-9]|[1-6][0-9]|7[0-7]))\.")
     p, base = predict(**frozen_flags), predict(**flags)
-    frozen = P.frozen_unit_names(mcfg, config(**frozen_flags))
-    shards = {name: P.padded(n, 16) // 16 for name, n in zip(P.unit_names(mcfg), P.unit_numels(mcfg))}
+    frozen = PM.frozen_unit_names(mcfg, config(**frozen_flags))
+    shards = {name: PM.padded(n, 16) // 16 for name, n in zip(PM.unit_names(mcfg), PM.unit_numels(mcfg))}
     trained_bytes = 12 * sum(n for name, n in shards.items() if name not in frozen)
     frozen_bytes = 4 * sum(n for name, n in shards.items() if name in frozen)
     assert p["later_checkpoint_gb_per_rank"] == pytest.approx(trained_bytes / 1e9, rel=1e-6)  # 1.4 GB
@@ -909,7 +910,7 @@ def test_a_frozen_base_is_saved_by_the_first_save_alone():
 
 def test_an_optimizers_temporary_is_planned(monkeypatch):
     # A fork's optimizer that builds each unit's whole update before applying its shard's part (as Muon
-    # orthogonalises a whole matrix): plan.optimizer_temporary_bytes runs it and finds the largest unit's
+    # orthogonalises a whole matrix): plan_memory.optimizer_temporary_bytes runs it and finds the largest unit's
     # fp32 copy, the 70B embedding's, with no edit to the planner.
     def whole_unit_step(units, cfg, lr, step):
         for u in units:
@@ -917,10 +918,10 @@ def test_an_optimizers_temporary_is_planned(monkeypatch):
             u.master_shard.add_(update[u.shard_start:u.shard_start + u.shard_numel], alpha=-lr)
             del update
     mcfg, cfg = M.PRESETS["llama3-70b"](), config(**CASE_70B)
-    assert P.memory_by_phase(mcfg, cfg, 16)["optimizer step"]["optimizer_temporaries"] < 2**20  # fused AdamW
+    assert PM.memory_by_phase(mcfg, cfg, 16)["optimizer step"]["optimizer_temporaries"] < 2**20  # fused AdamW
     monkeypatch.setattr(T, "optimizer_step", whole_unit_step)
-    phase = P.memory_by_phase(mcfg, cfg, 16)["optimizer step"]
-    assert phase["optimizer_temporaries"] == 4 * max(P.padded(n, 16) for n in P.unit_numels(mcfg))
+    phase = PM.memory_by_phase(mcfg, cfg, 16)["optimizer step"]
+    assert phase["optimizer_temporaries"] == 4 * max(PM.padded(n, 16) for n in PM.unit_numels(mcfg))
 
 
 def test_a_block_whose_shapes_depend_on_the_data_is_refused_by_plan_in_one_line(monkeypatch, capsys, main_in_process):

@@ -18,6 +18,7 @@ from tools import prepare as prep
 import data as D
 import model as M
 from tools import plan as P
+from tools import plan_memory as PM
 from components import sample as S
 import train as T
 
@@ -219,7 +220,7 @@ def test_planner_states_what_sampling_adds_per_evaluation_for_70b(tmp_path):
              "--micro_batch_size=1", "--ac=full", "--offload_activations=true", "--reduce_dtype=bfloat16",
              f"--sample_prompts={prompts}", "--eval_every=200"]
     mcfg = M.PRESETS["llama3-70b"]()
-    model_bytes = 2 * sum(P.padded(n, 16) for n in P.unit_numels(mcfg))
+    model_bytes = 2 * sum(PM.padded(n, 16) for n in PM.unit_numels(mcfg))
     two = P.plan(mcfg, T.parse_args(flags + ["--nnodes=2"]))
     assert two["sampling_prompts"] == 8 and two["sampling_prompt_tokens"] == 256
     assert two["sampling_gathered_gb"] == pytest.approx(64 * model_bytes / 1e9)
