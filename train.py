@@ -51,9 +51,9 @@ from components import offload as O  # --offload_activations and --offload_optim
 from components import run_data  # the run's data from --data and --eval_data (data.py reads the tokens)
 from components import flags  # the flags: TrainConfig, their checks, --freeze and --lr_mult; the tests' fault_hook
 from components.checks import check_run, flash_attn_unsaved_warning  # inputs
-from components.flags import TrainConfig, config_warnings, param_group_warnings
+from components.flags import TrainConfig, compute_dtype, config_warnings, param_group_warnings
 from components import processes  # the ranks met, the process group made on the store they met in
-from components.processes import catch_stop_signals, compute_dtype, error_line, exit_code, fail
+from components.processes import catch_stop_signals, error_line, exit_code, fail
 
 
 def parse_args(argv=None) -> TrainConfig:

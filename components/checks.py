@@ -3,11 +3,9 @@ one line each: the flags (flags.py), what earlier runs left (an --export_hf fold
 the model's config (a preset, config.json, or a checkpoint's manifest), the safetensors headers of --init_from,
 and this machine (its node's processes, host memory, flash-attn). train.py's setup stops on the first list that
 is not empty (check_run)."""
-import json
 import os
 import socket
 import sys
-from dataclasses import asdict
 
 import torch
 
@@ -54,29 +52,6 @@ def check_resume_mix(cfg) -> list[str]:
     sources = run_data.sources(cfg, "--data")
     mismatch = D.mix_mismatch(state, [n for n, _, _ in sources], [w for _, _, w in sources])
     return [f"{mismatch} ({candidates[0]})"] if mismatch else []
-
-
-def check_export(mcfg: M.ModelConfig) -> list[str]:
-    """--export_hf: what transformers builds from this model's config.json must be this model, found now
-    rather than after the training (hf.check_export_tensors; export_hf checks again)."""
-    with torch.device("meta"):
-        shapes = {M.hf_name(n): tuple(p.shape) for n, p in M.Llama(mcfg).named_parameters()}
-    try:
-        hf.check_export_tensors(hf.config_to_hf(mcfg, torch.float32), shapes)
-    except ValueError as e:
-        return [str(e)]
-    return []
-
-
-def check_phase_tokenizer(cfg, checkpoint: str) -> list[str]:
-    """A new phase from one of our checkpoints trains on data of the model's tokenizer: the one that
-    prepared the data of the run that saved it (or of its own origin), when both are known."""
-    theirs = hf.export_origin(OD.load_json(os.path.join(checkpoint, "manifest.json"))["train"])["tokenizer"]
-    ours = hf.tokenizer_record(asdict(cfg))
-    if ours and theirs and ours["sha256"] != theirs["sha256"]:
-        return [f"--data: {cfg.data} was tokenized with {ours['path']}, and the model of --init_from {checkpoint} was "
-                f"trained on data tokenized with {theirs['path']}, another tokenizer; prepare the data with that one"]
-    return []
 
 
 def host_memory_available_bytes(meminfo: str = "/proc/meminfo") -> int | None:
@@ -276,50 +251,15 @@ def flash_attn_unsaved_warning(saved_ops) -> str | None:
             f"--no-build-isolation")
 
 
-def unit_numels(mcfg: M.ModelConfig) -> dict[str, int]:
-    """{unit: its parameters} as model.sharding_units names them (a fork's units too), on the meta device."""
-    with torch.device("meta"):
-        model = M.Llama(mcfg)
-    params = dict(model.named_parameters())
-    return {name: sum(params[n].numel() for n in names) for name, names in M.sharding_units(model)}
-
-
 def check_run(cfg, world: int):
-    """Returns (model config, where the first weights come from, errors). The weights: None (seeded),
-    {HF tensor name: file} (an --init_from Hugging Face folder), or a checkpoint folder (--from_ckpt, or
-    --init_from one of ours: its manifest and file sizes checked here, its SHA-256 as it is read)."""
+    """Returns (model config, where the first weights come from, errors): the flags and the files they name
+    (flags.check_config), what earlier runs left (an --export_hf folder, a checkpoint's --data mix), then the model
+    and its first weights (hf.check_start)."""
     errors = check_nodes() or flags.check_config(cfg, world)  # what depends on the node: agree.read_facts
     if not errors and cfg.export_hf and OD.export_made(cfg.export_hf):
         errors.append(f"--export_hf: {cfg.export_hf} exists and is not empty; remove it or choose another")
     if not errors:
         errors += check_resume_mix(cfg)
-    mcfg = weights = None
-    if not errors:
-        try:
-            weights = hf.checkpoint_source(cfg)
-            mcfg = hf.model_config(cfg)
-        except OD.CheckpointError as e:
-            errors.append(str(e))
-        except (KeyError, json.JSONDecodeError) as e:
-            errors.append(f"--init_from: cannot read config.json: {e}")
-        except ValueError as e:  # config.json describes a model this code does not build
-            errors.append(f"--init_from: {e}")
-    if mcfg is not None:
-        errors += M.check_model_config(mcfg) or flags.check_param_groups(cfg, mcfg)
-    if not errors and weights is not None:
-        try:
-            checkpoints.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from",
-                                               unit_numels(mcfg))
-        except OD.CheckpointError as e:
-            errors.append(str(e))
-    if not errors and weights is not None and cfg.init_from and cfg.steps > 0 and not cfg.from_ckpt:
-        errors += check_phase_tokenizer(cfg, weights)
-    if not errors and cfg.init_from and weights is None and not cfg.from_ckpt:
-        try:  # headers only: a bad weight file is one line here, not a traceback at load
-            weights = hf.hf_file_of_tensors(cfg.init_from)
-            hf.check_hf_tensors(weights, mcfg, cfg.init_from)
-        except (ValueError, FileNotFoundError) as e:
-            errors.append(str(e))
-    if not errors and cfg.export_hf:
-        errors += check_export(mcfg)
-    return mcfg, weights, errors
+    if errors:
+        return None, None, errors
+    return hf.check_start(cfg)

@@ -17,6 +17,7 @@ import torch
 import data as D
 import model as M
 from components import checkpoints  # our checkpoints: a new phase's weights, the manifests an export follows
+from components import flags  # check_param_groups: --freeze and --lr_mult against the model
 from components import out_dir as OD  # the file helpers, the checkpoint group
 from components import run_data  # the folder recording --data's tokenizer
 from components.out_dir import CheckpointError
@@ -131,6 +132,73 @@ def model_config(cfg) -> M.ModelConfig:
         return config_from_hf(OD.load_json(os.path.join(cfg.init_from, "config.json")))
     return M.PRESETS[cfg.model or "tiny"]()
 
+
+
+def check_start(cfg) -> tuple:
+    """(model config, where the first weights come from, errors): the model the flags name and the files of its
+    first weights, read before any work. The weights: None (seeded), {HF tensor name: file} (an --init_from Hugging
+    Face folder), or a checkpoint folder (--from_ckpt, or --init_from one of ours: its manifest and file sizes
+    checked here, its SHA-256 as it is read); with --export_hf, what transformers will build from its config."""
+    errors, mcfg, weights = [], None, None
+    try:
+        weights = checkpoint_source(cfg)
+        mcfg = model_config(cfg)
+    except OD.CheckpointError as e:
+        errors.append(str(e))
+    except (KeyError, json.JSONDecodeError) as e:
+        errors.append(f"--init_from: cannot read config.json: {e}")
+    except ValueError as e:  # config.json describes a model this code does not build
+        errors.append(f"--init_from: {e}")
+    if mcfg is not None:
+        errors += M.check_model_config(mcfg) or flags.check_param_groups(cfg, mcfg)
+    if not errors and weights is not None:
+        try:
+            checkpoints.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from",
+                                               numels_by_unit(mcfg))
+        except OD.CheckpointError as e:
+            errors.append(str(e))
+    if not errors and weights is not None and cfg.init_from and cfg.steps > 0 and not cfg.from_ckpt:
+        errors += check_phase_tokenizer(cfg, weights)
+    if not errors and cfg.init_from and weights is None and not cfg.from_ckpt:
+        try:  # headers only: a bad weight file is one line here, not a traceback at load
+            weights = hf_file_of_tensors(cfg.init_from)
+            check_hf_tensors(weights, mcfg, cfg.init_from)
+        except (ValueError, FileNotFoundError) as e:
+            errors.append(str(e))
+    if not errors and cfg.export_hf:
+        errors += check_export(mcfg)
+    return mcfg, weights, errors
+
+
+def numels_by_unit(mcfg: M.ModelConfig) -> dict[str, int]:
+    """{unit: its parameters} as model.sharding_units names them (a fork's units too), on the meta device."""
+    with torch.device("meta"):
+        model = M.Llama(mcfg)
+    params = dict(model.named_parameters())
+    return {name: sum(params[n].numel() for n in names) for name, names in M.sharding_units(model)}
+
+
+def check_phase_tokenizer(cfg, checkpoint: str) -> list[str]:
+    """A new phase from one of our checkpoints trains on data of the model's tokenizer: the one that
+    prepared the data of the run that saved it (or of its own origin), when both are known."""
+    theirs = export_origin(OD.load_json(os.path.join(checkpoint, "manifest.json"))["train"])["tokenizer"]
+    ours = tokenizer_record(asdict(cfg))
+    if ours and theirs and ours["sha256"] != theirs["sha256"]:
+        return [f"--data: {cfg.data} was tokenized with {ours['path']}, and the model of --init_from {checkpoint} was "
+                f"trained on data tokenized with {theirs['path']}, another tokenizer; prepare the data with that one"]
+    return []
+
+
+def check_export(mcfg: M.ModelConfig) -> list[str]:
+    """--export_hf: what transformers builds from this model's config.json must be this model, found now
+    rather than after the training (check_export_tensors; export_hf checks again)."""
+    with torch.device("meta"):
+        shapes = {M.hf_name(n): tuple(p.shape) for n, p in M.Llama(mcfg).named_parameters()}
+    try:
+        check_export_tensors(config_to_hf(mcfg, torch.float32), shapes)
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 def init_unit_random(unit, index: int, seed: int, std: float):

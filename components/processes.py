@@ -136,13 +136,6 @@ def first_contact_line(cfg, backend: str, rank: int, hosts: list[str], absent: l
             f"same way")
 
 
-def compute_dtype(flag: str, device: torch.device) -> torch.dtype:
-    if flag == "auto":  # a CPU without native bf16 matmuls runs them ~16x slower than fp32 (measured)
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, flag)
-
-
-
 def fail(message: str, exit_code: int = 2, together: bool = False):
     """One line, on every rank, and the exit code: never a traceback wall or a hang. Exit code 2 (the default:
     a line our own checks wrote, a bad flag) says a restart would meet the same error, so launch.sh, which gives
