@@ -635,6 +635,17 @@ def gpu_now(device) -> dict | None:
                 total=total)
 
 
+def nearest_fit_words(answer: dict | None, outside_gib: float) -> str:
+    """What a GPU that cannot hold the planned peak is told to change: the planner's nearest fit at the measured
+    figure (`answer`: its run_figures, None when it could not answer, which its warning line says)."""
+    if answer is None:
+        return "; the planner could not name a configuration that fits at that figure (its warning says why)"
+    if answer["nearest_fit"] is None:
+        return "; no configuration --plan tries fits at that figure"
+    return (f"; the nearest configuration that fits at --outside_gib {outside_gib:.2f}: {answer['nearest_fit']} "
+            f"(--plan with it prints the rest)")
+
+
 def before_step_one(cfg, sharded, hosts: list[str], planned: dict | None) -> list[str]:
     """Each GPU's health (read_health: a GPU that computes wrongly or reports uncorrectable errors is a problem
     naming its host; a slow one, skewed clocks, the allocator setting not in effect are warnings), then what --plan
@@ -670,10 +681,7 @@ def before_step_one(cfg, sharded, hosts: list[str], planned: dict | None) -> lis
         if problems:
             answer = (ask_planner(cfg, sharded.model.cfg, world, local_world, gpu["name"], outside[r] / GIB)
                       if sharded.rank == 0 else None)
-            nearest = gather_json(answer and answer["nearest_fit"], device)[0]  # rank 0's, on every rank
-            problems[-1] += (f"; the nearest configuration that fits at --outside_gib {outside[r] / GIB:.2f}: "
-                             f"{nearest} (--plan with it prints the rest)" if nearest else
-                             "; no configuration --plan tries fits at that figure")
+            problems[-1] += nearest_fit_words(gather_json(answer, device)[0], outside[r] / GIB)  # rank 0's answer
     for line in lines if sharded.rank == 0 else []:
         print(line, file=sys.stderr if line.startswith("warning") else sys.stdout, flush=True)
     return unhealthy + problems

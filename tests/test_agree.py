@@ -744,6 +744,16 @@ def test_a_gpu_that_cannot_hold_the_planned_peak_beside_what_it_holds_outside_th
                      "needs 80.00 GiB of its 79.65"]
 
 
+def test_a_planner_that_cannot_answer_is_not_read_as_no_configuration_fitting():
+    """The nearest fit is the planner's, asked in a subprocess: a planner that failed (its warning says why) is not
+    'no configuration fits', which would send the user looking for a configuration that does not exist."""
+    assert agree.nearest_fit_words(None, 2.5) == ("; the planner could not name a configuration that fits at that "
+                                                  "figure (its warning says why)")
+    assert agree.nearest_fit_words({"nearest_fit": None}, 2.5) == "; no configuration --plan tries fits at that figure"
+    assert agree.nearest_fit_words({"nearest_fit": "--micro_batch_size 1"}, 2.5) == (
+        "; the nearest configuration that fits at --outside_gib 2.50: --micro_batch_size 1 (--plan with it prints the rest)")
+
+
 def test_before_step_1_the_fabric_and_the_memory_outside_the_allocator_are_measured_and_a_peak_that_cannot_fit_stops_every_rank(
         files, tmp_path):
     """Both ranks' GPUs are H100s as agree.gpu_now reads them; rank 1's holds its whole memory outside PyTorch's
