@@ -517,6 +517,12 @@ def sharding_units(model: nn.Module) -> list[tuple[str, list[str]]]:
     return units + [("head", [n for n in names if n.startswith(("norm.", "lm_head."))])]
 
 
+def numels_by_unit(model: nn.Module) -> dict[str, int]:
+    """{unit: its parameters} of sharding_units (a fork's units too), read from `model` (the meta device's will do)."""
+    params = dict(model.named_parameters())
+    return {name: sum(params[n].numel() for n in names) for name, names in sharding_units(model)}
+
+
 def block_of(unit: str) -> int | None:
     """The block a unit belongs to: 3 for `layers.3` and for a fork's `layers.3.lora`; None for embed and head."""
     return int(unit.split(".")[1]) if unit.startswith("layers.") else None

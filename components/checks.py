@@ -115,9 +115,7 @@ HOST_MEMORY_USABLE = 0.9  # pinned memory cannot be swapped: leave 10% to the re
 def rank_units(model: torch.nn.Module, frozen: list[str], world: int) -> list[tuple[int, bool]]:
     """(shard elements, trained) of each of a rank's units (model.sharding_units of `model`, which may be on the meta
     device), padded and sharded over `world` ranks as train.Unit does; `frozen`: the units --freeze freezes."""
-    params = dict(model.named_parameters())
-    return [(-(-sum(params[n].numel() for n in names) // world), name not in frozen)
-            for name, names in M.sharding_units(model)]
+    return [(-(-numel // world), name not in frozen) for name, numel in M.numels_by_unit(model).items()]
 
 
 def staging_bytes(units: list[tuple[int, bool]]) -> int:

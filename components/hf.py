@@ -153,8 +153,9 @@ def check_start(cfg) -> tuple:
         errors += M.check_model_config(mcfg) or flags.check_param_groups(cfg, mcfg)
     if not errors and weights is not None:
         try:
-            checkpoints.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from",
-                                               numels_by_unit(mcfg))
+            with torch.device("meta"):
+                numels = M.numels_by_unit(M.Llama(mcfg))
+            checkpoints.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from", numels)
         except OD.CheckpointError as e:
             errors.append(str(e))
     if not errors and weights is not None and cfg.init_from and cfg.steps > 0 and not cfg.from_ckpt:
@@ -168,14 +169,6 @@ def check_start(cfg) -> tuple:
     if not errors and cfg.export_hf:
         errors += check_export(mcfg)
     return mcfg, weights, errors
-
-
-def numels_by_unit(mcfg: M.ModelConfig) -> dict[str, int]:
-    """{unit: its parameters} as model.sharding_units names them (a fork's units too), on the meta device."""
-    with torch.device("meta"):
-        model = M.Llama(mcfg)
-    params = dict(model.named_parameters())
-    return {name: sum(params[n].numel() for n in names) for name, names in M.sharding_units(model)}
 
 
 def check_phase_tokenizer(cfg, checkpoint: str) -> list[str]:

@@ -218,9 +218,8 @@ def model_units(mcfg: M.ModelConfig) -> list[tuple[str, int, list[str]]]:
     key = ("units", repr(mcfg), M.sharding_units, M.Llama, M.Block)
     if key not in READINGS:
         model = meta_model(mcfg)
-        params = dict(model.named_parameters())
-        READINGS[key] = [(name, sum(params[n].numel() for n in names), names)
-                         for name, names in M.sharding_units(model)]
+        numels = M.numels_by_unit(model)
+        READINGS[key] = [(name, numels[name], names) for name, names in M.sharding_units(model)]
     return READINGS[key]
 
 
