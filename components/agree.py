@@ -346,10 +346,9 @@ def ask_planner(cfg, mcfg, world: int, local_world: int, device_name: str, outsi
 
 def planner_figures(store, cfg, mcfg, rank: int, world: int, device) -> dict | None:
     """The planner's figures for this run (ask_planner), asked by rank 0 alone and shared over the store the ranks
-    met in (gather_over_store), when rank 0's run reads one: on a GPU (the free-memory check, the lines beside the
-    plan), or for a CPU's host-memory check (--offload_optimizer, --async_save true) that counts --offload_activations'
-    block inputs (the run counts the rest itself: checks.host_bytes_per_rank). None otherwise, or when the planner
-    could not say. Every rank takes part, so a rank that would decide otherwise cannot leave the others waiting."""
+    met in, when rank 0's run reads one: on a GPU (the free-memory check, the lines beside the plan), or for a CPU's
+    host-memory check that counts --offload_activations' block inputs (the rest: checks.host_bytes_per_rank). None
+    otherwise, or when the planner could not say. Every rank takes part: none is left waiting on another."""
     name = gpu_name(device)
     needed = name is not None or (cfg.offload_activations and (cfg.offload_optimizer or cfg.async_save == "true"))
     mine = (ask_planner(cfg, mcfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), name or "")
@@ -387,8 +386,7 @@ def code_sha256() -> str:
     return digest.hexdigest()[:16]
 
 
-def read_facts(cfg, mcfg, world: int, device, planned: dict | None, warnings: list[str],
-               windows=None) -> dict:
+def read_facts(cfg, mcfg, world: int, device, planned: dict | None, warnings: list[str], windows=None) -> dict:
     """Everything this rank reads from its own machine that changes what the ranks run, with the problems and
     warnings it finds alone (a broken flash-attn, the node's host memory): the rest is decide's, over all ranks.
     The flags, the model (config.json, the data's tokenizer) and the data (windows per source) are read from each
@@ -636,12 +634,10 @@ def gpu_now(device) -> dict | None:
 
 
 def nearest_fit_words(answer: dict | None, outside_gib: float) -> str:
-    """What a GPU that cannot hold the planned peak is told to change: the planner's nearest fit at the measured
-    figure (`answer`: its run_figures, None when it could not answer, which its warning line says)."""
-    if answer is None:
-        return "; the planner could not name a configuration that fits at that figure (its warning says why)"
-    if answer["nearest_fit"] is None:
-        return "; no configuration --plan tries fits at that figure"
+    """The planner's nearest fit at the measured figure (`answer`: its run_figures; None: it could not answer)."""
+    if answer is None or answer["nearest_fit"] is None:
+        return ("; no configuration --plan tries fits at that figure" if answer else
+                "; the planner could not name a configuration that fits at that figure (its warning says why)")
     return (f"; the nearest configuration that fits at --outside_gib {outside_gib:.2f}: {answer['nearest_fit']} "
             f"(--plan with it prints the rest)")
 
