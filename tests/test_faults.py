@@ -84,6 +84,11 @@ def test_a_leftover_fault_does_nothing_outside_the_tests(files, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ZERO3_FAULT" not in proc.stderr
     assert all(m["loss"] is not None for m in read_metrics(tmp_path / "leftover"))
+    # Only train.py's own process installs the hook: torchrun's launcher (launch.sh quiets it after a fatal line, which
+    # a torch imported before that would bypass) and every other python keep their start-up as it is.
+    probe = subprocess.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], capture_output=True,
+                           text=True, timeout=60, env=dict(os.environ, ZERO3_FAULT="nan:1"))
+    assert probe.stdout.strip() == "False", probe.stdout + probe.stderr
     # Under the tests, a malformed value is one line before any work, not a traceback at step 1.
     proc = subprocess.run(cmd + [f"--out_dir={tmp_path / 'malformed'}"], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, OMP_NUM_THREADS="1", ZERO3_FAULT="nan:three"))

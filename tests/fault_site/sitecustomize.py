@@ -4,7 +4,10 @@ train.py runs, however it is started (python, torchrun, launch.sh, a SLURM job).
 import os
 import sys
 
-if os.environ.get("ZERO3_FAULT"):
+# Only in the process that runs train.py (sys.argv is known before the script runs): torchrun's own launcher, launch.sh's
+# helpers and the tools stay as they are. Installing imports torch (components.flags), and torch's log handlers,
+# made before launch.sh quiets torchrun after a fatal line, would print torchrun's shutdown lines after it.
+if os.environ.get("ZERO3_FAULT") and os.path.basename(getattr(sys, "argv", [""])[0]) == "train.py":
     TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # tests/ for faults.py, the repository for components.flags
     import faults
