@@ -20,7 +20,6 @@ import ipaddress
 import json
 import os
 import resource
-import shutil
 import socket
 import statistics
 import subprocess
@@ -33,7 +32,7 @@ import torch.distributed as dist
 
 import data as D
 import model as M
-from components import checkpoints, checks, flags, metrics, run_data
+from components import checkpoints, checks, run_data
 from components import out_dir as OD
 
 GIB = 2**30
@@ -653,7 +652,7 @@ def before_step_one(cfg, sharded, hosts: list[str], planned: dict | None) -> lis
     rank 0). `planned`: the planner's memory figures for the run (planner_figures), or None."""
     device, world = sharded.device, sharded.world
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    unhealthy, health_warnings = decide_health(gather_json(read_health(device, sharded.rank), device), hosts)
+    unhealthy, health_warnings = decide_health(gather_json(read_health(device), device), hosts)
     gpu = gpu_now(device)
     lines, problems = [f"warning: {warning}" for warning in health_warnings], []
     if world > 1:
@@ -688,106 +687,33 @@ def before_step_one(cfg, sharded, hosts: list[str], planned: dict | None) -> lis
 # A GPU whose check matmul is this fraction slower than the ranks' median is named: every collective waits for
 # it, so one throttled GPU (power or thermal capping, a degraded PCIe link) slows every rank's every step.
 HEALTH_SLOWER_FRACTION = 0.2
-HEALTH_MATMUL_N = dict(cuda=8192, cpu=384)  # about 20 ms on an H100 in TF32/fp32; a few ms on a CPU core
-HEALTH_REPEATS = 5  # timed, after one to warm up; the fastest counts (interference only ever adds time)
 # torchrun's rendezvous stamps each node's heartbeat with that node's clock and drops a node whose last heartbeat
 # looks older than keep_alive_interval x keep_alive_max_attempt (5 s x 3 in torch 2.13's dynamic_rendezvous):
 # clocks 10 s apart make a live node look dead at the next restart. Named from a few seconds on.
 CLOCK_SKEW_MOST_S = 5.0
+# Each rank's device check (tools/gpu_check.py, a tool: the trainer runs it, never imports it). Its time: python and
+# torch starting beside the node's other ranks, CUDA's context, nvidia-smi (60 s at most), a few matmuls.
+GPU_CHECK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "gpu_check.py")
+GPU_CHECK_TIMEOUT_S = 180
 
 
-def exact_matmul_inputs(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two n x n matrices of integers in [-8, 8], the same on every rank (a seeded CPU generator). Their product's
-    entries are integers under 2^24, which fp32 (and TF32's 10-bit mantissa for the inputs) holds exactly in any
-    summation order: a correct GPU's result is exact, so a wrong one is told from it, not from the other ranks."""
-    generator = torch.Generator().manual_seed(0)
-    return (torch.randint(-8, 9, (n, n), generator=generator), torch.randint(-8, 9, (n, n), generator=generator))
-
-
-def timed_matmul(a, b, device, rank: int) -> tuple[torch.Tensor, float]:
-    """(a @ b, its milliseconds): CUDA events on a GPU; on a CPU this thread's CPU time, which a loaded machine
-    does not inflate as it does wall time."""
-    hook = flags.fault_hook  # tests only (tests/faults.py): this rank's matmul slowed, or its result made wrong
-    start = metrics.compute_clock(device)  # the step line's own-compute clock
-    product = a @ b
-    hook and hook("matmul", 0, rank, product)
-    return product, metrics.compute_seconds(start, device) * 1e3
-
-
-def check_matmul(device, rank: int) -> dict:
-    """This rank's check matmul: the fastest of HEALTH_REPEATS (ms), and whether its row and column sums equal the
-    exact ones (computed in int64 on the CPU: A (B 1) and (1 A) B, n^2 each, not another n^3 matmul)."""
-    n = HEALTH_MATMUL_N["cuda" if device.type == "cuda" else "cpu"]
-    a, b = exact_matmul_inputs(n)
-    on_device = a.to(device, torch.float32), b.to(device, torch.float32)
-    times_ms = []
-    for _ in range(1 + HEALTH_REPEATS):
-        product, ms = timed_matmul(*on_device, device, rank)
-        times_ms.append(ms)
-    rows, cols = product.double().sum(1).cpu(), product.double().sum(0).cpu()
-    right = torch.equal(rows, (a @ b.sum(1)).double()) and torch.equal(cols, (a.sum(0) @ b).double())
-    return dict(n=n, matmul_ms=min(times_ms[1:]), wrong=not right)
-
-
-def ecc_state(report: str) -> dict:
-    """From `nvidia-smi -q -d ECC,ROW_REMAPPER` (one GPU): uncorrectable ECC errors since the driver loaded
-    (Volatile: "DRAM Uncorrectable", "SRAM Uncorrectable" on H100; "Double Bit ... Total" on older drivers), and the
-    row remapper's state (A100 and later: a remap pending until the GPU is reset, a remap that failed). Unknown lines
-    and N/A values are skipped: what the driver does not report is no fact."""
-    state = dict(volatile_uncorrectable=0, remap_pending=False, remap_failed=False)
-    section = sub = ""
-    for line in report.splitlines():
-        key, _, value = (part.strip() for part in line.partition(":"))
-        if not value:  # a heading: Volatile, Aggregate, Double Bit, Remapped Rows, ...
-            section = key.lower() if key.lower() in ("volatile", "aggregate", "remapped rows") else section
-            sub = key.lower()
-            continue
-        if section == "volatile" and value.isdigit() and ("uncorrectable" in key.lower()
-                                                           or sub == "double bit" and key == "Total"):
-            state["volatile_uncorrectable"] += int(value)
-        if section == "remapped rows" and key == "Pending":
-            state["remap_pending"] = value.lower() == "yes"
-        if section == "remapped rows" and key == "Remapping Failure Occurred":
-            state["remap_failed"] = value.lower() == "yes"
-    return state
-
-
-def gpu_ecc(device) -> dict | None:
-    """ecc_state of this rank's GPU (named by its UUID: CUDA_VISIBLE_DEVICES renumbers GPUs, nvidia-smi does not);
-    None on a CPU or without nvidia-smi."""
-    if device.type != "cuda" or not shutil.which("nvidia-smi"):
-        return None
+def device_health(device) -> dict:
+    """tools/gpu_check.py's facts of this rank's device (the check matmul, ECC and row remapping, the allocator
+    setting: its device_facts), run with --json in a subprocess, as the planner's figures are (ask_planner). On a
+    CPU none (no GPU to check; ZERO3_GPU_CHECK_ON_CPU=1, which the tests set, runs it there too). A failure is a
+    warning, said once by rank 0 with the ranks it names (decide_health), and the run goes on without them."""
+    if device.type != "cuda" and not os.environ.get("ZERO3_GPU_CHECK_ON_CPU"):
+        return dict(warnings=[])
     try:
-        uuid = f"GPU-{torch.cuda.get_device_properties(device).uuid}"
-        report = subprocess.run(["nvidia-smi", "-q", "-d", "ECC,ROW_REMAPPER", "-i", uuid], capture_output=True,
-                                text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError, AttributeError, RuntimeError):
-        return None
-    return ecc_state(report)
-
-
-def alloc_conf_warning(env, settings: dict | None, torch_version: str) -> str | None:
-    """A warning when the allocator setting asks for expandable segments and the CUDA allocator runs without them
-    (`settings`: its allocator_settings as read back; None where it cannot be read: no warning)."""
-    asked = [name for name in ALLOC_CONF_NAMES if "expandable_segments:true" in env.get(name, "").replace(" ", "").lower()]
-    if not asked or settings is None or settings.get("expandable_segments"):
-        return None
-    return (f"{' and '.join(asked)} asks for expandable_segments:True, but torch {torch_version}'s CUDA allocator runs "
-            f"without it (read back from torch.cuda.memory._snapshot()): freed gathered units can strand reserved "
-            f"memory, and the plan's peak assumes they do not. Some torch versions read only one of the names "
-            f"(pytorch/pytorch#183387: 2.9 ignores PYTORCH_ALLOC_CONF's expandable_segments); export both, or check "
-            f"that the driver supports CUDA's virtual memory management (expandable segments need it)")
-
-
-def allocator_settings(device) -> dict | None:
-    """What the CUDA caching allocator runs with, read back after CUDA started; None on a CPU or where this torch
-    does not report it."""
-    if device.type != "cuda":
-        return None
-    try:
-        return torch.cuda.memory._snapshot(device).get("allocator_settings")
-    except (AttributeError, RuntimeError, TypeError):
-        return None
+        proc = subprocess.run([sys.executable, GPU_CHECK, "--device", str(device), "--json"], text=True,
+                              capture_output=True, timeout=GPU_CHECK_TIMEOUT_S)
+        if proc.returncode == 0:
+            return json.loads(proc.stdout)[0]
+        why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:  # ValueError: JSON that does not parse
+        why = f"{type(e).__name__}: {e}"
+    return dict(warnings=[f"the device health check is missing ({GPU_CHECK} --device {device}: {why}); the run goes "
+                          f"on without it"])
 
 
 def meet(device):
@@ -809,23 +735,21 @@ def read_clock(device) -> dict:
     return dict(clock_s=time.time(), meet_s=meet_s)
 
 
-def read_health(device, rank: int) -> dict:
-    """What this rank says of its GPU (or CPU) before step 1: the check matmul, ECC and row remapping, the
-    allocator setting in effect (a warning when not), its clock."""
-    settings = allocator_settings(device)
-    note = alloc_conf_warning(os.environ, settings, torch.__version__)
-    return dict(what=f"GPU {device.index}" if device.type == "cuda" else "CPU", **check_matmul(device, rank),
-                ecc=gpu_ecc(device), warnings=[note] if note else [], **read_clock(device))
+def read_health(device) -> dict:
+    """What this rank says before step 1: its GPU's facts (device_health; none on a CPU), then its clock."""
+    return dict(device_health(device), **read_clock(device))
 
 
 def decide_health(health: list[dict], hosts: list[str]) -> tuple[list[str], list[str]]:
     """(problems, warnings) from every rank's read_health: a wrong result, uncorrectable ECC errors or a row remap
     pending or failed is a problem naming the rank, host and device (leave the node out: it fails every attempt);
-    a matmul more than HEALTH_SLOWER_FRACTION slower than the median, a clock skew over CLOCK_SKEW_MOST_S beyond
-    what the reading can tell, and the allocator setting not in effect are warnings."""
+    a matmul more than HEALTH_SLOWER_FRACTION slower than the median (of the ranks whose device was checked), a
+    clock skew over CLOCK_SKEW_MOST_S beyond what the reading can tell, the allocator setting not in effect and a
+    device check that failed are warnings."""
     problems, warnings = [], []
     exclude = lambda r: f"leave the node out (sbatch --exclude={hosts[r]})"  # noqa: E731
-    for r, h in enumerate(health):
+    checked = {r: h for r, h in enumerate(health) if "matmul_ms" in h}  # none on a CPU, nor where the check failed
+    for r, h in checked.items():
         if h["wrong"]:
             problems.append(f"{who([r], hosts)}: {h['what']}'s check matmul ({h['n']} x {h['n']}, exact integers) gave "
                             f"a wrong result: the device computes wrongly; {exclude(r)} and have it tested (dcgmi diag)")
@@ -838,8 +762,8 @@ def decide_health(health: list[dict], hosts: list[str]) -> tuple[list[str], list
             state = "a row remapping failed" if ecc.get("remap_failed") else "a row remapping is pending until a reset"
             problems.append(f"{who([r], hosts)}: {h['what']}: {state} (nvidia-smi -q -d ROW_REMAPPER); {exclude(r)} "
                             f"and reset the GPU (a failed remapping: replace it)")
-    median_ms = statistics.median(h["matmul_ms"] for h in health)
-    for r, h in enumerate(health):
+    median_ms = statistics.median(h["matmul_ms"] for h in checked.values()) if checked else 0.0
+    for r, h in checked.items():
         if h["matmul_ms"] > (1 + HEALTH_SLOWER_FRACTION) * median_ms:
             warnings.append(f"{who([r], hosts)}: {h['what']}'s check matmul took {h['matmul_ms']:.1f} ms, "
                             f"{h['matmul_ms'] / median_ms - 1:.0%} over the ranks' median {median_ms:.1f} ms: every "

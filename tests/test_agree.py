@@ -7,17 +7,20 @@ two runs under torchrun show the whole path, each rank patched to see its own ma
 facts): a refusal before step 1 on every rank, and a resume where rank 1's view of the out_dir is stale."""
 import errno
 import json
+import os
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
-from common import DIST_WORKER, model_and_tokens, read_metrics, run_script, run_train, stopped_at
+from common import DIST_WORKER, ROOT, model_and_tokens, read_metrics, run_script, run_train, stopped_at
 from ranks import run_ranks
 
 from components import agree  # noqa: E402
 from components import checkpoints  # noqa: E402
 from components import out_dir as OD  # noqa: E402
+from tools import gpu_check  # noqa: E402  the device health check a run runs (agree.device_health)
 import train as T  # noqa: E402
 
 GIB = 2**30
@@ -271,7 +274,7 @@ def test_the_override_flags_parse():
     assert not T.parse_args([]).allow_low_memlock
 
 
-# -- each GPU's health, the clocks, the allocator's setting (issue 51) ---------------------------------------
+# -- each GPU's health (tools/gpu_check.py's facts), the clocks, the allocator's setting (issue 51) ---------------
 
 H100_ECC = """
 ==============NVSMI LOG==============
@@ -315,12 +318,12 @@ V100_ECC = """
 
 
 def test_ecc_and_row_remapping_are_read_from_nvidia_smi_as_it_prints_them():
-    assert agree.ecc_state(H100_ECC.format(dram=0, pending="No")) == dict(volatile_uncorrectable=0, remap_pending=False,
+    assert gpu_check.ecc_state(H100_ECC.format(dram=0, pending="No")) == dict(volatile_uncorrectable=0, remap_pending=False,
                                                                          remap_failed=False)
-    assert agree.ecc_state(H100_ECC.format(dram=2, pending="Yes")) == dict(volatile_uncorrectable=2, remap_pending=True,
+    assert gpu_check.ecc_state(H100_ECC.format(dram=2, pending="Yes")) == dict(volatile_uncorrectable=2, remap_pending=True,
                                                                           remap_failed=False)
-    assert agree.ecc_state(V100_ECC)["volatile_uncorrectable"] == 2  # Double Bit's volatile total; aggregate is history
-    assert agree.ecc_state("") == dict(volatile_uncorrectable=0, remap_pending=False, remap_failed=False)
+    assert gpu_check.ecc_state(V100_ECC)["volatile_uncorrectable"] == 2  # Double Bit's volatile total; aggregate is history
+    assert gpu_check.ecc_state("") == dict(volatile_uncorrectable=0, remap_pending=False, remap_failed=False)
 
 
 def health(what="GPU 0", ms=20.0, wrong=False, ecc=None, clock_s=1000.0, meet_s=0.01, warnings=()):
@@ -366,21 +369,83 @@ def test_a_clock_skew_is_named_beyond_what_the_reading_can_tell():
 
 
 def test_the_check_matmul_is_exact_and_a_wrong_entry_is_found(monkeypatch):
-    assert agree.check_matmul(T.torch.device("cpu"), 0)["wrong"] is False
-    monkeypatch.setattr(agree.flags, "fault_hook", lambda where, step, rank, product: product.view(-1).__setitem__(
+    assert gpu_check.check_matmul(T.torch.device("cpu"), 0)["wrong"] is False
+    monkeypatch.setattr(gpu_check.flags, "fault_hook", lambda where, step, rank, product: product.view(-1).__setitem__(
         5, product.view(-1)[5] + 1))
-    assert agree.check_matmul(T.torch.device("cpu"), 0)["wrong"] is True
+    assert gpu_check.check_matmul(T.torch.device("cpu"), 0)["wrong"] is True
+
+
+def gpu_check_run(*args, rank=0, fault=""):
+    """tools/gpu_check.py on this CPU, as a run's rank `rank` runs it (RANK from torchrun), with the tests' fault
+    (tests/fault_site reaches it: common.py puts that folder on PYTHONPATH)."""
+    env = dict(os.environ, RANK=str(rank), ZERO3_FAULT=fault, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--device", "cpu", *args],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_the_device_check_by_hand_prints_a_line_per_device_and_exits_1_on_a_wrong_result():
+    clean = gpu_check_run()
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    assert clean.stdout.startswith("CPU: check matmul 384 x 384 exact, "), clean.stdout
+    assert "(fastest of 5); ECC and row remapping not read (no nvidia-smi, or a CPU)" in clean.stdout
+    wrong = gpu_check_run(rank=1, fault="wrong_matmul:1")
+    assert wrong.returncode == 1, wrong.stderr[-2000:]
+    assert wrong.stdout.startswith("error: CPU: check matmul 384 x 384 WRONG: the device computes wrongly, have it "
+                                   "tested (dcgmi diag), "), wrong.stdout
+    assert len(wrong.stdout.splitlines()) == 1
+
+
+def test_the_ranks_facts_the_device_check_prints_are_decided_across_ranks():
+    """What tests/test_faults.py's runs show end to end, from the tool's JSON on the CPU: rank 1's check matmul made
+    wrong is a problem naming rank 1, its host and the node to exclude; rank 1's slowed by 50 ms of CPU a time is a
+    warning (the run goes on: a slow GPU slows the job, it does not break it)."""
+    def facts(rank, fault):
+        proc = gpu_check_run("--json", rank=rank, fault=fault)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        [one] = json.loads(proc.stdout)
+        return dict(one, clock_s=1000.0, meet_s=0.01)  # read_health adds the clock
+    hosts, rank_0 = ["node0", "node1"], facts(0, "")  # as rank 0 runs it with either fault: no fault on rank 0
+    problems, warnings = agree.decide_health([rank_0, facts(1, "wrong_matmul:1")], hosts)
+    assert problems == ["rank 1 (node1): CPU's check matmul (384 x 384, exact integers) gave a wrong result: the device "
+                        "computes wrongly; leave the node out (sbatch --exclude=node1) and have it tested (dcgmi diag)"]
+    assert warnings == []
+    problems, warnings = agree.decide_health([rank_0, facts(1, "slow_matmul:1:0.05")], hosts)
+    assert problems == [] and len(warnings) == 1, warnings
+    assert warnings[0].startswith("rank 1 (node1): CPU's check matmul took ") and "over the ranks' median" in warnings[0]
+    assert "leave the node out (sbatch --exclude=node1)" in warnings[0]
+
+
+def test_a_cpu_run_skips_the_device_check_and_a_check_that_fails_is_one_warning(monkeypatch):
+    """On a CPU a rank says only its clock; a device check that cannot run (here: no tool) is a warning said once,
+    and the ranks whose device was checked are still decided among themselves."""
+    cpu = T.torch.device("cpu")
+    monkeypatch.delenv("ZERO3_GPU_CHECK_ON_CPU", raising=False)
+    assert agree.device_health(cpu) == dict(warnings=[])
+    monkeypatch.setenv("ZERO3_GPU_CHECK_ON_CPU", "1")
+    monkeypatch.setattr(agree, "GPU_CHECK", "/nonexistent/gpu_check.py")
+    [line] = agree.device_health(cpu)["warnings"]
+    assert line.startswith("the device health check is missing (/nonexistent/gpu_check.py --device cpu: "), line
+    assert line.endswith("; the run goes on without it")
+    clock = dict(clock_s=1000.0, meet_s=0.01)
+    unchecked = dict(clock, warnings=[line])
+    problems, warnings = agree.decide_health([dict(health(ms=20.0), **clock), unchecked, health(ms=20.2),
+                                              health(ms=25.0, wrong=True)], HOSTS)
+    assert [p[:28] for p in problems] == ["rank 3 (node1): GPU 0's chec"]
+    assert warnings[0].startswith("rank 3 (node1): GPU 0's check matmul took 25.0 ms, 24% over the ranks' median "
+                                  "20.2 ms"), warnings  # ranks 0, 2 and 3: rank 1 has no figure
+    assert warnings[1:] == [f"rank 1 (node0): {line}"]
+    assert agree.decide_health([dict(clock, warnings=[])] * 4, HOSTS) == ([], [])  # a CPU run: the clocks alone
 
 
 def test_an_allocator_setting_not_in_effect_is_a_warning():
     env = dict(PYTORCH_ALLOC_CONF="expandable_segments:True")
-    line = agree.alloc_conf_warning(env, dict(expandable_segments=False), "2.9.1+cu128")
+    line = gpu_check.alloc_conf_warning(env, dict(expandable_segments=False), "2.9.1+cu128")
     assert line.startswith("PYTORCH_ALLOC_CONF asks for expandable_segments:True, but torch 2.9.1+cu128's CUDA allocator "
                            "runs without it"), line
     assert "pytorch/pytorch#183387" in line
-    assert agree.alloc_conf_warning(env, dict(expandable_segments=True), "2.13.0") is None
-    assert agree.alloc_conf_warning(env, None, "2.13.0") is None  # not readable here: no fact
-    assert agree.alloc_conf_warning({}, dict(expandable_segments=False), "2.13.0") is None  # not asked for
+    assert gpu_check.alloc_conf_warning(env, dict(expandable_segments=True), "2.13.0") is None
+    assert gpu_check.alloc_conf_warning(env, None, "2.13.0") is None  # not readable here: no fact
+    assert gpu_check.alloc_conf_warning({}, dict(expandable_segments=False), "2.13.0") is None  # not asked for
 
 
 @pytest.mark.parametrize("version, both", [("2.8.0+cu128", True), ("2.9.1+cu128", True), ("2.10.0", True),

@@ -114,11 +114,16 @@ def test_a_rank_slowed_in_its_own_compute_is_named_the_slowest_in_every_step(fil
     assert len(named) == 6 and all(" | slowest rank 1 (" in line for line in named), proc.stdout[-2000:]
 
 
+# A run checks each rank's device in a subprocess, tools/gpu_check.py, on GPUs only; ZERO3_GPU_CHECK_ON_CPU runs it on
+# a CPU too, so that the fault reaches the tool and its facts reach the cross-rank decision as on a GPU.
+DEVICE_CHECK = {"ZERO3_GPU_CHECK_ON_CPU": "1"}
+
+
 def test_a_rank_whose_check_matmul_is_wrong_stops_every_rank_before_step_1_naming_it(files, tmp_path):
     """One entry of rank 1's health-check product is off by one, as a faulty GPU's would be: every rank prints the
     line naming rank 1, its host and the node to exclude, and exits 2 (a restart would run on the same device)."""
-    proc = run_train(BASE + files + [f"--out_dir={tmp_path}"], nproc=2, env={"ZERO3_FAULT": "wrong_matmul:1"},
-                     check=False)
+    proc = run_train(BASE + files + [f"--out_dir={tmp_path}"], nproc=2,
+                     env={"ZERO3_FAULT": "wrong_matmul:1", **DEVICE_CHECK}, check=False)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error: rank 1 (")]
     assert len(lines) == 2 and lines[0] == lines[1], proc.stderr[-3000:]  # said on each rank
     assert "CPU's check matmul (384 x 384, exact integers) gave a wrong result" in lines[0]
@@ -130,7 +135,7 @@ def test_a_rank_whose_check_matmul_is_slower_than_the_median_is_named_with_its_h
     """Rank 1's health-check matmul burns 50 ms of CPU more each time: rank 0 warns, naming rank 1 and the node to
     exclude, before step 1; the run goes on (a slow GPU slows the job, it does not break it)."""
     proc = run_train(BASE + files + [f"--out_dir={tmp_path}", "--steps=1"], nproc=2,
-                     env={"ZERO3_FAULT": "slow_matmul:1:0.05"})
+                     env={"ZERO3_FAULT": "slow_matmul:1:0.05", **DEVICE_CHECK})
     [line] = [line for line in proc.stderr.splitlines() if "check matmul took" in line]
     assert line.startswith("warning: rank 1 (") and "over the ranks' median" in line, line
     assert "leave the node out (sbatch --exclude=" in line
