@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU benchmark, in one call of at most BENCH_BUDGET_S seconds (default 540: a 9-minute device session), the
 # most valuable measurements first, each part given what is left of the budget (and no more than its own cap):
-#   0. the first contact between the GPUs (NCCL's set-up within --first_contact_s; its watchdog firing on a late
-#      rank) and each GPU's health check before step 1 (issue 51).
+#   0. each GPU's health by hand (tools/gpu_check.py: the check matmul, ECC and row remapping, one line per GPU), the
+#      first contact between the GPUs (NCCL's set-up within --first_contact_s; its watchdog firing on a late rank)
+#      and each GPU's health check before step 1, which the run runs per rank in a subprocess (issue 51).
 #   1. bench/gpu.py on all local GPUs: correctness against the oracle on the device, then each run's peak memory
 #      beside the plan's and the fake-CUDA figure, then our step against transformers + FSDP2 (Llama-3-8B-shaped
 #      blocks, seq 8192). Its --json is rewritten after each run, so a stopped benchmark still reports.
@@ -72,11 +73,14 @@ PY
 }
 
 # 0. The first contact between the GPUs and each GPU's health before step 1 (issue 51): what only real GPUs show,
-#    first. NCCL's communicator formed within --first_contact_s on every local GPU, the check matmul's times and
-#    results, ECC and row remapping read, the slowest rank named by its own compute (CUDA events); then the
+#    first. Each GPU's check by hand (tools/gpu_check.py: one line per GPU, exit 1 on a wrong result or an ECC or
+#    row-remapping problem); NCCL's communicator formed within --first_contact_s on every local GPU, the check
+#    matmul's times and results as the run's ranks read them (the same tool, one subprocess per rank), ECC and row
+#    remapping read, the slowest rank named by its own compute (CUDA events); then the
 #    watchdog firing on real NCCL (the GIL released inside ProcessGroupNCCL's eager init): the last rank reaches
 #    the first contact 120 s late, and every other rank must print the line naming it and exit 2 within ~30 s.
 if ! $DRY; then
+    part gpu_check 60 '^GPU|^error|^warning' "$PYTHON" tools/gpu_check.py
     part first_contact 120 'first contact|check matmul|ECC|row remap|slowest rank|expandable|^error|^warning' \
         "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" train.py --model tiny --steps 3 \
         --eval_every 0 --first_contact_s 60 --out_dir "$WORK/first_contact"

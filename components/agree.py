@@ -712,8 +712,7 @@ def device_health(device) -> dict:
         why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
     except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:  # ValueError: JSON that does not parse
         why = f"{type(e).__name__}: {e}"
-    return dict(warnings=[f"the device health check is missing ({GPU_CHECK} --device {device}: {why}); the run goes "
-                          f"on without it"])
+    return dict(warnings=[f"the device health check is missing ({GPU_CHECK}: {why}); the run goes on without it"])
 
 
 def meet(device):

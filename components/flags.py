@@ -19,10 +19,10 @@ from components import run_data
 
 # The tests' fault injection (tests/faults.py: a rank killed, hung, slowed, or given a NaN loss) reaches the trainer
 # through this one hook, None in every run the tests do not start: they set it before train.py runs
-# (tests/fault_site/sitecustomize.py) and the trainer calls it at four points, fault_hook(where, step, rank[, obj]):
-# 'step' (train.main, as each step starts), 'save' (each rank's checkpoint file written), 'matmul' (agree's health
-# check) and 'contact' (processes.make_group, before the first contact). It sits here, at the bottom of
-# components/, so that every caller can import it. docs/operations.md, "Faults".
+# (tests/fault_site/sitecustomize.py) and the trainer calls it at three points, fault_hook(where, step, rank[, obj]):
+# 'step' (train.main, as each step starts), 'save' (each rank's checkpoint file written) and 'contact'
+# (processes.make_group, before the first contact); tools/gpu_check.py at a fourth, 'matmul' (its check matmul). It
+# sits here, at the bottom of components/, so that every caller can import it. docs/operations.md, "Faults".
 fault_hook = None
 
 

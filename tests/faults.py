@@ -1,9 +1,10 @@
 """Fault injection, for the tests only. The trainer holds one hook, components/flags.py's fault_hook (None in every
-run the tests do not start), and calls it at four points: the start of each step, each rank's checkpoint file
-written, the health check's matmul, the process group's first contact. install() sets it to `hook` when ZERO3_FAULT
-is set: tests/fault_site/sitecustomize.py at every python's start (tests/common.py puts that folder first on
-PYTHONPATH for every process the tests start: plain python, torchrun, launch.sh, SLURM jobs), and
-tests/warm_start.py in each run it forks. The trainer never imports this file, so a ZERO3_FAULT left over in a
+run the tests do not start), and calls it at three points: the start of each step, each rank's checkpoint file
+written, the process group's first contact; tools/gpu_check.py, the device health check a run runs in a
+subprocess, calls it at a fourth, its check matmul. install() sets it to `hook` when ZERO3_FAULT is set:
+tests/fault_site/sitecustomize.py at the start of python for train.py and tools/gpu_check.py (tests/common.py puts
+that folder first on PYTHONPATH for every process the tests start: plain python, torchrun, launch.sh, SLURM jobs),
+and tests/warm_start.py in each run it forks. The trainer never imports this file, so a ZERO3_FAULT left over in a
 shell does nothing to a real run. The step itself holds no seam: the mid-step faults strike from a forward hook
 (PyTorch's own extension point) on the model's final norm, the head's first module.
 
@@ -18,7 +19,8 @@ shell does nothing to a real run. The step itself holds no seam: the mid-step fa
     ZERO3_FAULT=busy:RANK:SECONDS            every step, rank RANK burns SECONDS of CPU in its forward (its own
                                              compute time rises; the step line names it)
     ZERO3_FAULT=slow_matmul:RANK:SECONDS     before step 1, rank RANK's health-check matmul burns SECONDS of CPU
-                                             more each time (agree.read_health)
+                                             more each time (tools/gpu_check.py, with RANK from its environment;
+                                             a run on a CPU runs it with ZERO3_GPU_CHECK_ON_CPU=1)
     ZERO3_FAULT=wrong_matmul:RANK            before step 1, one entry of rank RANK's health-check product is off by 1
     ZERO3_FAULT=late_contact:RANK:SECONDS    rank RANK reaches the process group's first contact SECONDS late
                                              (processes.make_group: a rank hung before NCCL's set-up)
@@ -80,7 +82,7 @@ def install(env=os.environ):
 
 def hook(where: str, step: int, rank: int, model=None):
     """where: 'step' (train.main, as each step starts; `model`: the sharded model's modules), 'save', 'matmul'
-    (agree.timed_matmul; `model`: the product, on that rank) or 'contact' (processes.make_group, before the first
+    (gpu_check.timed_matmul; `model`: the product, on that rank) or 'contact' (processes.make_group, before the first
     contact; `step` is 0)."""
     spec = os.environ.get("ZERO3_FAULT", "").split(":")
     kind = spec[0]
