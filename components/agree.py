@@ -799,8 +799,8 @@ def launch_settings(out_dir: str, env=os.environ, torch_version: str = torch.__v
       allocator starts (the first CUDA tensor), after this. PYTORCH_CUDA_ALLOC_CONF is its deprecated name, and
       the only one some torch versions the requirements allow honour for expandable segments (pytorch/pytorch#183387:
       2.9.1 ignores the new name's expandable_segments; verified fixed in 2.11): below ALLOC_CONF_ONE_NAME_FROM the
-      value is set under both names (torch then warns once that the old name is deprecated). read_health reads the
-      setting back once CUDA has started and warns when it is not in effect.
+      value is set under both names (torch then warns once that the old name is deprecated). read_health's device
+      check reads the setting back once CUDA has started and warns when it is not in effect.
     - NCCL's flight recorder: the last 2000 collectives per rank, dumped when the watchdog times one out, into
       OUT_DIR/nccl_trace/rank_<N> (every node shares it, and it outlives the job) instead of torch's default
       /tmp/nccl_trace_rank_<N>, which many sites wipe; `torchfrtrace OUT_DIR/nccl_trace` names the collective and
