@@ -395,6 +395,27 @@ def test_the_device_check_by_hand_prints_a_line_per_device_and_exits_1_on_a_wron
     assert len(wrong.stdout.splitlines()) == 1
 
 
+def test_the_device_check_by_hand_names_ecc_and_remapping_problems_and_a_device_that_cannot_run_it(monkeypatch, capsys):
+    healthy = dict(what="GPU 3", name="NVIDIA H100 80GB HBM3", n=8192, matmul_ms=19.84, wrong=False, warnings=[],
+                   ecc=dict(volatile_uncorrectable=0, remap_pending=False, remap_failed=False))
+    assert gpu_check.device_line(healthy) == ("GPU 3 (NVIDIA H100 80GB HBM3): check matmul 8192 x 8192 exact, 19.84 ms "
+                                              "(fastest of 5); 0 uncorrectable ECC error(s) since the driver loaded, no "
+                                              "row remapping pending or failed")
+    ecc = dict(healthy, ecc=dict(healthy["ecc"], volatile_uncorrectable=2, remap_pending=True))
+    assert gpu_check.device_line(ecc).startswith("error: GPU 3 (NVIDIA H100 80GB HBM3): check matmul 8192 x 8192 exact")
+    assert gpu_check.device_line(ecc).endswith("2 uncorrectable ECC error(s) since the driver loaded, a row remapping "
+                                               "pending until a reset")
+    failed = dict(healthy, ecc=dict(healthy["ecc"], remap_failed=True))
+    assert gpu_check.unhealthy(failed) and gpu_check.device_line(failed).endswith("a row remapping failed: replace the GPU")
+
+    def cuda_error(device, rank):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ...")
+    monkeypatch.setattr(gpu_check, "device_facts", cuda_error)
+    assert gpu_check.main(["--device", "cpu"]) == 1
+    assert capsys.readouterr().out == ("error: cpu: the check could not run (CUDA error: an illegal memory access was "
+                                       "encountered)\n")
+
+
 def test_the_ranks_facts_the_device_check_prints_are_decided_across_ranks():
     """What tests/test_faults.py's runs show end to end, from the tool's JSON on the CPU: rank 1's check matmul made
     wrong is a problem naming rank 1, its host and the node to exclude; rank 1's slowed by 50 ms of CPU a time is a

@@ -7,7 +7,8 @@ whether the CUDA allocator runs with the expandable segments the environment ask
     python tools/gpu_check.py --device cuda:3 --json   # the facts as JSON (what a run reads), exit 0 whatever they say
 
 By hand, a pre-flight for a node, like `dcgmi diag -r 1` but seconds (and far less thorough): exit 1 when a device
-computes wrongly, reports uncorrectable ECC errors or a row remapping pending or failed, or no GPU is visible.
+computes wrongly, reports uncorrectable ECC errors or a row remapping pending or failed, cannot run the check (a CUDA
+error), or no GPU is visible.
 A run (train.py) runs it before step 1 on each rank's own GPU, with --json, in a subprocess (agree.read_health):
 a tool, above the trainer, which never imports it. Every rank's facts are then decided together
 (agree.decide_health: a GPU much slower than the ranks' median is named too). On a CPU the run skips it: there is
@@ -187,15 +188,24 @@ def main(argv: list[str]) -> int:
                         "device, and exit 0 whatever they say (a run's rank decides: agree.decide_health)")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", 0))  # the run's rank whose device this is (torchrun's), for the tests' faults
-    checked = [device_facts(device, rank) for device in parse_devices(args.device)]
-    if args.json:
-        print(json.dumps(checked))
+    devices = parse_devices(args.device)
+    if args.json:  # a failure is a traceback and a non-zero exit: the run warns and goes on (agree.device_health)
+        print(json.dumps([device_facts(device, rank) for device in devices]))
         return 0
-    for facts in checked:
+    failed = False
+    for device in devices:
+        try:
+            facts = device_facts(device, rank)
+        except RuntimeError as e:  # a CUDA error: the device cannot even run the check
+            print(f"error: {device}: the check could not run ({next(iter(str(e).splitlines()), type(e).__name__)})",
+                  flush=True)
+            failed = True
+            continue
         print(device_line(facts), flush=True)
         for note in facts["warnings"]:
             print(f"warning: {note}", file=sys.stderr, flush=True)
-    return int(any(unhealthy(facts) for facts in checked))
+        failed = failed or unhealthy(facts)
+    return int(failed)
 
 
 if __name__ == "__main__":
