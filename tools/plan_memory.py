@@ -100,15 +100,17 @@ def read_block(mcfg: M.ModelConfig, policy: str, micro_batch: int, seq_len: int,
     if key not in READINGS:
         gc.disable()  # the cycle collector would free what cycles made here hold at moments that depend on
         # the process's history: off while measuring, the readings are the same in any process
+        M.FIXED_SHAPES = True  # fake tensors hold no values: a routed block takes its fixed-shape path
         try:
             READINGS[key] = measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, input_grad,
                                           frozen)
-        except (DynamicOutputShapeException, DataDependentOutputException) as e:  # fake tensors hold no values
+        except (DynamicOutputShapeException, DataDependentOutputException) as e:
             raise Unplannable(f"the block's forward makes a tensor whose shape depends on the data ({e.func}: an "
-                              f"MoE's routing, say), which the planner cannot run on fake tensors; plan the fork with "
-                              f"its block's shapes fixed (docs/forking.md, \"A block whose shapes depend on the "
-                              f"data\")") from None
+                              f"MoE's routing, say), which the planner cannot run on fake tensors; give the block a "
+                              f"path with fixed shapes under model.FIXED_SHAPES, which the planner sets while it "
+                              f"measures (docs/forking.md, \"A block whose shapes depend on the data\")") from None
         finally:
+            M.FIXED_SHAPES = False
             gc.enable()
     return READINGS[key]
 
@@ -406,9 +408,11 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
     frozen = frozen_unit_names(mcfg, cfg)
     block_unit = max((padded(n, world) for name, n, _ in model_units(mcfg)
                       if M.block_of(name) is not None and name not in frozen), default=0)
-    in_flight = max(head, block_unit)  # the head's gradient is reduced while the last block runs backward
+    # the head's gradient is reduced while the last block runs backward; a frozen unit has none to reduce
+    in_flight = max(head * ("head" not in frozen), block_unit)
     reduce_buffers = in_flight_reduce_bytes(in_flight, rbytes, world)
-    waiting = cbytes * emb * tied  # tied: the head's part of the embedding gradient waits for the embedding's
+    # tied: the head's part of the embedding gradient waits for the embedding's (none if it is frozen)
+    waiting = cbytes * emb * (tied and "embed" not in frozen)
     # --offload_optimizer: the fp32 state lives in host memory; the GPU keeps a compute-dtype copy of its shards
     per_param = [cbytes] * len(numels) if cfg.offload_optimizer else unit_state_bytes_per_param(mcfg, cfg)
     state = sum(b * padded(n, world) for b, n in zip(per_param, numels)) / world
