@@ -426,7 +426,8 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
     head_parts = head_backward_bytes(mcfg, cfg, head, emb, world)
     block_grads = (unit_gradient_bytes(block_unit, in_flight, rbytes, world)
                    if block_training(mcfg, cfg)[-1][0] else dict(gradients=0, reduce_buffers=0))  # frozen: none
-    head_saved = tokens * (4 + 2 + 2) * mcfg.dim  # final norm: fp32 input, normalized, output
+    # final norm: fp32 input, output, and normalized (for its weight's gradient: none if the head is frozen)
+    head_saved = tokens * (4 + 2 + 2 * ("head" not in frozen)) * mcfg.dim
     input_gradient = tokens * cbytes * mcfg.dim  # the gradient of the stage's input, on its way to the stage before
     saved = saved_activation_bytes(mcfg, cfg, layers, kernel)
     recompute = recompute_peak_bytes(mcfg, cfg, kernel)
