@@ -60,9 +60,8 @@ class ModelConfig:
     qk_norm_whole: bool = False    # ... the whole projection's, every head at once (OLMo-2)
     norm_after: bool = False       # each sublayer's output normalised before its residual add (OLMo-2), not its input
     norm_weight_fp32: bool = False  # an RMSNorm multiplies by its weight in fp32, then casts (OLMo-2)
-    # A fork's routed MLP (an MoE: Mixtral's num_local_experts, num_experts_per_tok): n_experts MLPs of ffn_dim
-    # and a router (dim x n_experts) per block, of which each token runs experts_per_token. 0, 0: one dense MLP.
-    # count_params and flops_per_token read them: MFU, the planner's step time and recompute count active weights.
+    # A fork's MoE (Mixtral's num_local_experts, num_experts_per_tok): n_experts MLPs of ffn_dim and a router
+    # (dim x n_experts) per block, experts_per_token run per token (count_params' "active"). 0, 0: one dense MLP.
     n_experts: int = 0
     experts_per_token: int = 0
     # config.json's keys only its family has (FAMILIES' config_keys; the row's value for one not given): read by
@@ -469,19 +468,18 @@ def count_params(cfg: ModelConfig) -> dict:
     embedding = cfg.vocab_size * d
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
     total = embedding + cfg.n_layers * block + d + head
-    idle = cfg.n_layers * expert * (cfg.n_experts - cfg.experts_per_token) if cfg.n_experts else 0
+    idle = cfg.n_layers * expert * (cfg.n_experts - cfg.experts_per_token)
     return {"total": total, "embedding": embedding, "active": total - idle}
 
 
 
 def flops_per_token(mcfg: ModelConfig, seq_len: int) -> float:
-    """6 * (N - embedding) + 12 * L * d * T, N the active parameters (count_params: a routed block's experts a token
-    runs): weights' matmuls forward and backward, plus attention's
-    QK^T and AV over the whole window of T tokens, causal mask not discounted (the PaLM / torchtitan
-    convention). With --doc_mask attention runs within each packed document, fewer FLOPs than this count:
-    MFU still counts the window (the startup line says so), so it overstates the attention work done by
-    up to T / (mean document length) on that part. MFU's numerator (components/metrics.py) and the
-    planner's compute (tools/plan.py)."""
+    """6 * (N - embedding) + 12 * L * d * T, N the active parameters (count_params): weights' matmuls forward and
+    backward, plus attention's QK^T and AV over the whole window of T tokens, causal mask not discounted (the PaLM /
+    torchtitan convention). With --doc_mask attention runs within each packed document, fewer FLOPs than this count:
+    MFU still counts the window (the startup line says so), so it overstates the attention work done by up to
+    T / (mean document length) on that part. MFU's numerator (components/metrics.py) and the planner's compute
+    (tools/plan.py)."""
     counts = count_params(mcfg)
     return 6 * (counts["active"] - counts["embedding"]) + 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
 

@@ -696,10 +696,10 @@ def table(p: dict, cfg) -> str:
               f"tokens/s/GPU {p['tokens_per_sec_per_gpu']:,.0f} | MFU {100 * p['mfu']:.1f}% | matmul efficiency "
               f"{p['assumptions']['matmul_efficiency']:.3f} (from published runs, see --plan_json assumptions)"]
     if p["experts"][1]:  # a routed block (model.ModelConfig's n_experts, experts_per_token)
-        lines.append(f"routed blocks: each token runs {p['experts'][0]} of {p['experts'][1]} experts, so MFU, step time "
-                     f"and recompute count {p['active_params'] / 1e9:.2f}B active parameters of {p['params'] / 1e9:.2f}B; "
-                     f"memory holds every expert, each block's activations measured on its fixed-shape path "
-                     f"(model.FIXED_SHAPES)")
+        lines.append(f"routed blocks: each token runs {p['experts'][0]} of {p['experts'][1]} experts, so MFU, step "
+                     f"time and recompute count {p['active_params'] / 1e9:.2f}B active parameters of "
+                     f"{p['params'] / 1e9:.2f}B; memory holds every expert, each block's activations measured on its "
+                     f"fixed-shape path (model.FIXED_SHAPES)")
     if cfg.offload_optimizer:
         lines.append(f"optimizer offload per step per GPU (predicted): PCIe down {p['pcie_d2h_gb']:.1f} GB "
                      f"({p['pcie_d2h_s']:.2f} s) and host accumulation {p['host_accumulate_s']:.2f} s, both during "
