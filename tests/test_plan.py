@@ -922,6 +922,10 @@ def test_an_optimizers_temporary_is_planned(monkeypatch):
     monkeypatch.setattr(T, "optimizer_step", whole_unit_step)
     phase = PM.memory_by_phase(mcfg, cfg, 16)["optimizer step"]
     assert phase["optimizer_temporaries"] == 4 * max(PM.padded(n, 16) for n in PM.unit_numels(mcfg))
+    # The optimizer steps the trained units alone (--freeze): the embedding and head frozen, a block's copy.
+    frozen = config(**CASE_70B, freeze=r"embed_tokens|lm_head|model\.norm")
+    phase = PM.memory_by_phase(mcfg, frozen, 16)["optimizer step"]
+    assert phase["optimizer_temporaries"] == 4 * PM.padded(PM.unit_numels(mcfg)[1], 16)
 
 
 def test_a_block_whose_shapes_depend_on_the_data_is_refused_by_plan_in_one_line(monkeypatch, capsys, main_in_process):
