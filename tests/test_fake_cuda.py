@@ -6,8 +6,8 @@ Each scenario is one optimizer step as rank 0 of W in a fresh process (the shim 
 torch); they cover --ac none/selective/full, partial checkpointing, both offloads, --doc_mask, the
 flash_attn stand-in on and off and both --reduce_dtype, at W = 2..4, and the two-node 70B recipe's flags
 at 70B widths (4 blocks: the widths decide the memory per block, not the depth). FORKS: changes a researcher
-makes (a block that keeps more, another optimizer, Qwen3's QK-norm, frozen units), each planned within 2% of
-its step with no edit to plan.py, which runs the fork's code in the same process."""
+makes (a block that keeps more, another optimizer, Qwen3's QK-norm, frozen units, LoRA and DoRA adapters), each
+planned within 2% of its step with no edit to plan.py, which runs the fork's code in the same process."""
 import json
 import math
 import os
