@@ -186,11 +186,18 @@ def fake_units(mcfg: M.ModelConfig, world: int, device=torch.device("cpu"), trai
             for name, names in M.sharding_units(model)]
 
 
+def unit_kind(name: str) -> str:
+    """A unit's name as block 0's (`layers.7.lora`: `layers.0.lora`): fake_units builds one block."""
+    block = M.block_of(name)
+    return name if block is None else "layers.0" + name.removeprefix(f"layers.{block}")
+
+
 def optimizer_temporary_bytes(mcfg: M.ModelConfig, cfg, world: int) -> int:
     """What train.optimizer_step allocates beside the state at its peak, on rank 0's shards of the embedding, a
     block and the head (fused AdamW: next to nothing): of those that train, as the trainer steps them (--freeze)."""
     trained = {unit_kind(name) for name in unit_names(mcfg) if name not in frozen_unit_names(mcfg, cfg)}
-    key = ("optimizer", repr(mcfg), world, T.optimizer_step, T.Unit.__init__, M.OPTIMIZER_STATE, tuple(sorted(trained)))
+    key = ("optimizer", repr(mcfg), world, T.optimizer_step, T.Unit.__init__, M.OPTIMIZER_STATE,
+           M.sharding_units, tuple(sorted(trained)))
     if key not in READINGS:
         with FakeTensorMode(allow_non_fake_inputs=True):
             units = [u for u in fake_units(mcfg, world) if unit_kind(u.name) in trained]
@@ -205,12 +212,6 @@ def optimizer_temporary_bytes(mcfg: M.ModelConfig, cfg, world: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # Memory
 # ----------------------------------------------------------------------------------------------
-
-def unit_kind(name: str) -> str:
-    """A unit's name as block 0's (`layers.7.lora`: `layers.0.lora`): fake_units builds one block."""
-    block = M.block_of(name)
-    return name if block is None else "layers.0" + name.removeprefix(f"layers.{block}")
-
 
 def meta_model(mcfg: M.ModelConfig) -> M.Llama:
     """`mcfg`'s model on the meta device (shapes only), built once per config and model code."""
