@@ -60,6 +60,10 @@ class ModelConfig:
     qk_norm_whole: bool = False    # ... the whole projection's, every head at once (OLMo-2)
     norm_after: bool = False       # each sublayer's output normalised before its residual add (OLMo-2), not its input
     norm_weight_fp32: bool = False  # an RMSNorm multiplies by its weight in fp32, then casts (OLMo-2)
+    # A fork's MoE (Mixtral's num_local_experts, num_experts_per_tok): n_experts MLPs of ffn_dim and a router
+    # (dim x n_experts) per block, experts_per_token run per token (count_params' "active"). 0, 0: one dense MLP.
+    n_experts: int = 0
+    experts_per_token: int = 0
     # config.json's keys only its family has (FAMILIES' config_keys; the row's value for one not given): read by
     # hf.config_from_hf, written back in the export. This model computes with none; a fork's may (Mixtral's experts).
     family_keys: dict = field(default_factory=dict)
@@ -69,6 +73,10 @@ class ModelConfig:
             self.head_dim = self.dim // self.n_heads
         self.family_keys = {**FAMILIES[self.family]["config_keys"], **self.family_keys}
 
+
+# True while the planner measures a block on fake tensors, which hold shapes, not values (tools/plan_memory.py): a
+# block whose shapes depend on the data (an MoE's routing) takes a path with fixed shapes then (docs/forking.md).
+FIXED_SHAPES = False
 
 # The model families this code builds, keyed by config.json's model_type. Everything else is shared: the
 # block (attention with grouped K/V and RoPE, SwiGLU MLP, the norms before or after each: norm_after), the tensor
@@ -450,26 +458,30 @@ class Llama(nn.Module):
 
 
 def count_params(cfg: ModelConfig) -> dict:
-    """Parameter counts from the shapes alone (no model needed): total and embedding."""
+    """Parameter counts from the shapes alone (no model needed): total, embedding, and active: those a token runs
+    through, each routed block's experts_per_token experts of n_experts (n_experts 0: all of them)."""
     d, hd = cfg.dim, cfg.head_dim
     attn = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
     qk_norm = ((cfg.n_heads + cfg.n_kv_heads) * hd if cfg.qk_norm_whole else 2 * hd) if cfg.qk_norm else 0
-    block = attn + 3 * d * cfg.ffn_dim + 2 * d + qk_norm
+    expert, router = 3 * d * cfg.ffn_dim, d * cfg.n_experts
+    block = attn + expert * max(1, cfg.n_experts) + router + 2 * d + qk_norm
     embedding = cfg.vocab_size * d
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
-    return {"total": embedding + cfg.n_layers * block + d + head, "embedding": embedding}
+    total = embedding + cfg.n_layers * block + d + head
+    idle = cfg.n_layers * expert * (cfg.n_experts - cfg.experts_per_token)
+    return {"total": total, "embedding": embedding, "active": total - idle}
 
 
 
 def flops_per_token(mcfg: ModelConfig, seq_len: int) -> float:
-    """6 * (N - embedding) + 12 * L * d * T: weights' matmuls forward and backward, plus attention's
-    QK^T and AV over the whole window of T tokens, causal mask not discounted (the PaLM / torchtitan
-    convention). With --doc_mask attention runs within each packed document, fewer FLOPs than this count:
-    MFU still counts the window (the startup line says so), so it overstates the attention work done by
-    up to T / (mean document length) on that part. MFU's numerator (components/metrics.py) and the
-    planner's compute (tools/plan.py)."""
+    """6 * (N - embedding) + 12 * L * d * T, N the active parameters (count_params): weights' matmuls forward and
+    backward, plus attention's QK^T and AV over the whole window of T tokens, causal mask not discounted (the PaLM /
+    torchtitan convention). With --doc_mask attention runs within each packed document, fewer FLOPs than this count:
+    MFU still counts the window (the startup line says so), so it overstates the attention work done by up to
+    T / (mean document length) on that part. MFU's numerator (components/metrics.py) and the planner's compute
+    (tools/plan.py)."""
     counts = count_params(mcfg)
-    return 6 * (counts["total"] - counts["embedding"]) + 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
+    return 6 * (counts["active"] - counts["embedding"]) + 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
 
 
 def check_model_config(cfg: ModelConfig) -> list[str]:

@@ -635,8 +635,64 @@ def two_units_per_block(M, T):
     M.sharding_units = dist_worker.two_units_per_block
 
 
+ADAPTER_RANK, ADAPTER_SCALE = 16, 2.0  # peft's r and lora_alpha / r
+
+
+def adapted_projections(M, make_linear):
+    """Each block's q_proj and v_proj made by `make_linear`, keeping their Hugging Face names; their adapters'
+    parameters (`lora_` names) sharded as a unit of their own, `layers.i.lora` (tests/dist_worker.py's lora_units)."""
+    sys.path.insert(0, HERE)
+    import dist_worker
+    make_attention = M.Attention.__init__
+
+    def init(self, cfg):
+        make_attention(self, cfg)
+        self.q_proj, self.v_proj = (make_linear(p.in_features, p.out_features) for p in (self.q_proj, self.v_proj))
+    M.Attention.__init__, M.sharding_units = init, dist_worker.lora_units
+
+
+def lora(M, T):
+    """LoRA (Hu et al. 2021) as peft's LoraLayer runs it: W x + scale * B(A x) on q_proj and v_proj."""
+    import torch
+    import torch.nn.functional as F
+
+    class LoraLinear(torch.nn.Linear):
+        def __init__(self, n_in, n_out):
+            super().__init__(n_in, n_out, bias=False)
+            self.lora_a = torch.nn.Parameter(torch.empty(ADAPTER_RANK, n_in))
+            self.lora_b = torch.nn.Parameter(torch.empty(n_out, ADAPTER_RANK))
+
+        def forward(self, x):
+            return super().forward(x) + F.linear(F.linear(x, self.lora_a), self.lora_b) * ADAPTER_SCALE
+    adapted_projections(M, LoraLinear)
+
+
+def dora(M, T):
+    """DoRA (Liu et al. 2024) as peft's DoraLinearLayer runs it: LoRA's B and A and a magnitude m per output,
+    m / ||W + scale * B A|| (the norm detached, the paper's section 4.3) times the base output and the adapter's."""
+    import torch
+    import torch.nn.functional as F
+
+    class DoraLinear(torch.nn.Linear):
+        def __init__(self, n_in, n_out):
+            super().__init__(n_in, n_out, bias=False)
+            self.lora_a = torch.nn.Parameter(torch.empty(ADAPTER_RANK, n_in))
+            self.lora_b = torch.nn.Parameter(torch.empty(n_out, ADAPTER_RANK))
+            self.lora_magnitude = torch.nn.Parameter(torch.empty(n_out))
+
+        def forward(self, x):
+            base = super().forward(x)
+            with torch.no_grad():
+                norm = torch.linalg.norm(self.weight + ADAPTER_SCALE * (self.lora_b @ self.lora_a), dim=1)
+            scale = (self.lora_magnitude / norm).view(1, -1)
+            adapter = F.linear(F.linear(x, self.lora_a), self.lora_b)
+            return base + ((scale - 1) * base + scale * adapter * ADAPTER_SCALE)
+    adapted_projections(M, DoraLinear)
+
+
 VARIANTS = {"soft-capped attention": soft_capped_attention, "sgd momentum": sgd_momentum,
-            "sgd momentum in bf16": sgd_bf16_momentum, "two units per block": two_units_per_block}
+            "sgd momentum in bf16": sgd_bf16_momentum, "two units per block": two_units_per_block,
+            "lora": lora, "dora": dora}
 
 
 # ------------------------------------------------------------------------------------------------

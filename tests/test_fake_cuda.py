@@ -6,8 +6,8 @@ Each scenario is one optimizer step as rank 0 of W in a fresh process (the shim 
 torch); they cover --ac none/selective/full, partial checkpointing, both offloads, --doc_mask, the
 flash_attn stand-in on and off and both --reduce_dtype, at W = 2..4, and the two-node 70B recipe's flags
 at 70B widths (4 blocks: the widths decide the memory per block, not the depth). FORKS: changes a researcher
-makes (a block that keeps more, another optimizer, Qwen3's QK-norm, frozen units), each planned within 2% of
-its step with no edit to plan.py, which runs the fork's code in the same process."""
+makes (a block that keeps more, another optimizer, Qwen3's QK-norm, frozen units, LoRA and DoRA adapters), each
+planned within 2% of its step with no edit to plan.py, which runs the fork's code in the same process."""
 import json
 import math
 import os
@@ -71,6 +71,14 @@ FORKS = [
     ("each block two units, its attention frozen", WIDE_70B, 16, True,
      "--seq_len 8192 --batch_size 16 --micro_batch_size 1 --ac full --offload_activations true --reduce_dtype bfloat16 "
      "--freeze self_attn|input_layernorm", 0.02, "two units per block", ""),
+    # Adapters beside a frozen base, the head frozen too (issue 52): each block's adapters a unit of their own on q_proj
+    # and v_proj. No gradient or reduce buffer for a frozen head or block unit; DoRA keeps its base outputs.
+    ("LoRA on q_proj and v_proj, everything else frozen", WIDE_70B, 16, True,
+     "--seq_len 8192 --batch_size 16 --micro_batch_size 1 --ac full --reduce_dtype bfloat16 "
+     "--freeze ^(?!.*lora_)", 0.02, "lora", ""),
+    ("DoRA on q_proj and v_proj, everything else frozen", WIDE_70B, 16, True,
+     "--seq_len 8192 --batch_size 16 --micro_batch_size 1 --ac none --reduce_dtype bfloat16 "
+     "--freeze ^(?!.*lora_)", 0.02, "dora", ""),
 ]
 
 O_GRAD_SLOTS = 2  # offload.GRAD_SLOTS (offload.py is not imported here: the shim loads before torch)

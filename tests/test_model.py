@@ -133,6 +133,20 @@ def test_presets_have_published_sizes():
         assert M.count_params(cfg)["total"] == sum(p.numel() for p in M.Llama(cfg).parameters())
 
 
+def test_a_routed_models_active_parameters_are_its_published_count():
+    """ModelConfig's n_experts and experts_per_token (an MoE fork's): count_params counts every expert in "total"
+    and the experts_per_token a token runs in "active", what flops_per_token (MFU) counts. Mixtral-8x7B's shapes
+    (its config.json: 8 experts, 2 per token; Jiang et al. 2024): 46.7B parameters, 12.9B active."""
+    mixtral = M.ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                            n_experts=8, experts_per_token=2)
+    counts = M.count_params(mixtral)
+    assert (round(counts["total"] / 1e9, 1), round(counts["active"] / 1e9, 1)) == (46.7, 12.9)
+    assert counts["total"] - counts["active"] == 32 * 6 * 3 * 4096 * 14336  # 6 idle experts of 3 matrices per block
+    assert M.flops_per_token(mixtral, 4096) == 6 * (counts["active"] - counts["embedding"]) + 12 * 32 * 4096 * 4096
+    dense = M.PRESETS["llama3-8b"]()
+    assert M.count_params(dense)["active"] == M.count_params(dense)["total"]
+
+
 def test_bad_shapes_are_reported():
     assert "n_kv_heads=3 must divide n_heads=4" in M.check_model_config(small_config(n_kv_heads=3))[0]
     assert "n_heads=5 must divide dim=32" in M.check_model_config(small_config(n_heads=5, n_kv_heads=1))[0]

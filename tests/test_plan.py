@@ -922,6 +922,10 @@ def test_an_optimizers_temporary_is_planned(monkeypatch):
     monkeypatch.setattr(T, "optimizer_step", whole_unit_step)
     phase = PM.memory_by_phase(mcfg, cfg, 16)["optimizer step"]
     assert phase["optimizer_temporaries"] == 4 * max(PM.padded(n, 16) for n in PM.unit_numels(mcfg))
+    # The optimizer steps the trained units alone (--freeze): the embedding and head frozen, a block's copy.
+    frozen = config(**CASE_70B, freeze=r"embed_tokens|lm_head|model\.norm")
+    phase = PM.memory_by_phase(mcfg, frozen, 16)["optimizer step"]
+    assert phase["optimizer_temporaries"] == 4 * PM.padded(PM.unit_numels(mcfg)[1], 16)
 
 
 def test_a_block_whose_shapes_depend_on_the_data_is_refused_by_plan_in_one_line(monkeypatch, capsys, main_in_process):
@@ -996,3 +1000,125 @@ def test_the_runs_own_host_bytes_are_the_planners():
     assert planned["host_bytes"]["sync"]["activations"] > 0
     assert checks.host_bytes_per_rank(offloaded, M.tiny(), 8, planned) == planned["host_bytes"]
     assert checks.host_bytes_per_rank(offloaded, M.tiny(), 8, None) is None  # the planner could not say
+
+
+def test_a_frozen_unit_has_no_gradient_in_flight_nor_collective_nor_host_copy():
+    """--freeze (issue 52): a frozen unit is never reduce-scattered (train.ShardedModel hooks the trained units
+    alone), so nothing of a frozen head is in flight while the last block runs backward, and the collectives, the
+    copies down to the host and the host's AdamW count the trained units only. Llama-3-8B with everything but its
+    last block frozen, the head included: the head's 1.05B-element reduce was a phantom 2.08 GiB in the plan."""
+    mcfg, world = M.PRESETS["llama3-8b"](), 8
+    flags = dict(model="llama3-8b", nnodes=1, nproc_per_node=world, seq_len=8192, batch_size=8, micro_batch_size=1,
+                 ac="full", doc_mask="false", reduce_dtype="bfloat16")
+    freeze = r"model\.(embed_tokens|norm|layers\.([0-9]|[12][0-9]|30))\.|lm_head"
+    cfg = config(**flags, freeze=freeze)
+    assert PM.frozen_unit_names(mcfg, cfg) == ["embed"] + [f"layers.{i}" for i in range(31)] + ["head"]
+    numels = [PM.padded(n, world) for n in PM.unit_numels(mcfg)]
+    block, head = numels[-2], numels[-1]
+    assert head > block  # untrained, the head's reduce would be the largest in flight
+    phases = PM.memory_by_phase(mcfg, cfg, world)
+    assert phases["block recompute"]["reduce_buffers"] == PM.in_flight_reduce_bytes(block, 2, world)
+    assert phases["block gradient sum"] == dict(phases["block gradient sum"],
+                                                **PM.unit_gradient_bytes(block, block, 2, world))
+    assert PM.memory_by_phase(mcfg, config(**flags), world)["block recompute"]["reduce_buffers"] == \
+        PM.in_flight_reduce_bytes(head, 2, world)  # trained, it is
+    # The collectives: the frozen prefix's 31 blocks gathered once (no backward), the last twice; one reduce-scatter.
+    gathered, reduced = P.collective_bytes_per_micro_step(mcfg, cfg, world)
+    assert gathered == 2 * (numels[0] + sum(numels[1:-2]) + 2 * block + head) and reduced == 2 * block
+    # --offload_optimizer: the gradient shards down, their host adds and AdamW for the last block alone; every
+    # unit's bf16 copy up (offload.refresh_compute_shards refreshes them all).
+    o = P.offload_optimizer_time(mcfg, dataclasses.replace(cfg, offload_optimizer=True), P.GPUS["h100"], world)
+    plain = P.offload_optimizer_time(mcfg, dataclasses.replace(config(**flags), offload_optimizer=True),
+                                     P.GPUS["h100"], world)
+    assert o["pcie_d2h_gb"] == pytest.approx(plain["pcie_d2h_gb"] * block / sum(numels), rel=1e-12)
+    assert o["host_adamw_s"] == pytest.approx(plain["host_adamw_s"] * block / sum(numels), rel=1e-12)
+    assert o["pcie_h2d_gb"] == plain["pcie_h2d_gb"]
+
+
+class RoutedMLP(torch.nn.Module):
+    """A tiny Mixtral-style sparse MLP (transformers' MixtralSparseMoeBlock): a router (`gate`) gives each token its
+    top experts_per_token of n_experts SwiGLU MLPs, weighted by its softmax renormalised over them. Which tokens an
+    expert takes depends on the data; under model.FIXED_SHAPES (the planner measuring on fake tensors) each expert
+    takes tokens x experts_per_token / n_experts of them, as balanced routing would."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.top_k = cfg.experts_per_token
+        self.gate = torch.nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = torch.nn.ModuleList(M.MLP(cfg) for _ in range(cfg.n_experts))
+
+    def forward(self, x):
+        flat = x.flatten(0, -2)
+        weights, chosen = torch.topk(self.gate(flat).float().softmax(-1), self.top_k)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            if M.FIXED_SHAPES:
+                taken = len(flat) * self.top_k // len(self.experts)
+                token = (torch.arange(taken, device=x.device) + e * taken) % len(flat)
+                slot = torch.zeros_like(token)
+            else:
+                token, slot = torch.where(chosen == e)  # nonzero: a shape from the values
+            out = out.index_add(0, token, expert(flat[token]) * weights[token, slot, None])
+        return out.view_as(x)
+
+
+class MixtralBlock(M.Block):
+    """model.Block with its MLP routed (RoutedMLP) when the config says experts (ModelConfig.n_experts)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        if cfg.n_experts:
+            self.mlp = RoutedMLP(cfg)
+
+
+def test_a_routed_blocks_flops_count_the_experts_a_token_runs(monkeypatch):
+    """An MoE fork (issue 52): ModelConfig's n_experts and experts_per_token say how many experts a block has and a
+    token runs. model.count_params counts the module's parameters ("total") and the ones a token runs ("active");
+    flops_per_token (MFU's numerator), the planner's step time and --ac full's recompute count the active ones, and
+    --plan says so in one line. The planner measures the block on its fixed-shape path (model.FIXED_SHAPES)."""
+    monkeypatch.setattr(M, "Block", MixtralBlock)
+    mcfg = M.ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=24, max_seq_len=64,
+                         n_experts=4, experts_per_token=2)
+    model = M.Llama(mcfg)
+    expert = sum(p.numel() for p in model.layers[0].mlp.experts[0].parameters())
+    # By hand: attention 16 x 16 x 2 + 16 x 8 x 2 = 768, an expert 3 x 16 x 24 = 1152, the router 16 x 4, the
+    # norms 2 x 16: a block 768 + 4 x 1152 + 64 + 32 = 5472, of which a token runs 768 + 2 x 1152 + 64 + 32 = 3168;
+    # the embedding and the head 64 x 16 each, the final norm 16.
+    assert expert == 1152 and sum(p.numel() for p in model.parameters()) == 2 * 5472 + 2 * 1024 + 16 == 13008
+    assert M.count_params(mcfg) == dict(total=13008, embedding=1024, active=2 * 3168 + 2 * 1024 + 16)
+    assert M.flops_per_token(mcfg, 32) == 6 * (2 * 3168 + 1024 + 16) + 12 * 2 * 4 * 4 * 32
+    dense = dataclasses.replace(mcfg, n_experts=0, experts_per_token=0)  # one MLP: every parameter active
+    assert M.count_params(dense)["active"] == M.count_params(dense)["total"] == 2 * (768 + 1152 + 32) + 2 * 1024 + 16
+    # --ac full recomputes each block's forward: 2 FLOPs per active parameter of each, not per expert held.
+    full, none = (P.executed_flops(mcfg, 32, ac, False)[0] for ac in ("full", "none"))
+    assert full - none == 2 * 2 * 3168
+    # The plan: no refusal (the block's fixed-shape path ran), MFU from the active count, the assumption in one line.
+    cfg = config(nproc_per_node=8, seq_len=32, batch_size=8, micro_batch_size=1, ac="full")
+    p = P.plan(mcfg, cfg)
+    assert (p["params"], p["active_params"], p["experts"]) == (13008, 8400, [2, 4])
+    assert p["mfu"] == pytest.approx(p["tokens_per_sec_per_gpu"] * M.flops_per_token(mcfg, 32)
+                                     / P.gpu_peak_flops(P.GPUS["h100"]), rel=1e-12)
+    line = [x for x in P.table(p, cfg).splitlines() if x.startswith("routed blocks")]
+    assert line == ["routed blocks: each token runs 2 of 4 experts, so MFU, step time and recompute count 0.00B "
+                    "active parameters of 0.00B; memory holds every expert, each block's activations measured on "
+                    "its fixed-shape path (model.FIXED_SHAPES)"]  # 8,400 of 13,008
+    assert not any(x.startswith("routed blocks") for x in P.table(P.plan(dense, cfg), cfg).splitlines())
+
+
+def test_the_planner_runs_a_routed_block_on_its_fixed_shape_path(monkeypatch):
+    """model.FIXED_SHAPES is up while plan_memory.read_block measures a block, and only then: the same MoE block
+    runs its data-dependent routing in training (FIXED_SHAPES down) and its fixed shapes under the planner."""
+    monkeypatch.setattr(M, "Block", MixtralBlock)
+    mcfg = M.ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=24, max_seq_len=64,
+                         n_experts=4, experts_per_token=2)
+    seen = []
+    monkeypatch.setattr(RoutedMLP, "forward", lambda self, x, forward=RoutedMLP.forward: (
+        seen.append(M.FIXED_SHAPES), forward(self, x))[1])
+    reading = PM.read_block(mcfg, "none", 2, 32)
+    assert seen and all(seen) and M.FIXED_SHAPES is False and reading["kept"] > 0
+    block = M.Block(mcfg)
+    x = torch.randn(2, 8, 16)
+    cos, sin = M.rope_cos_sin(mcfg, torch.arange(8).expand(2, 8), torch.float32)
+    block(x, cos, sin).sum().backward()  # the routed path, real tensors
+    assert seen[-1] is False

@@ -37,7 +37,7 @@ from components import metrics  # noqa: E402
 from components import offload as O  # noqa: E402
 from tools.plan_memory import (  # noqa: E402  the memory model: tools/plan_memory.py
     COMPUTE_BYTES, FRAGMENTATION, GIB, READINGS, REDUCE_BYTES, Unplannable, block_kept_bytes, block_numels,
-    frozen_unit_names, memory_by_phase, meta_model, offloaded_blocks, padded, policies_per_block,
+    block_training, frozen_unit_names, memory_by_phase, meta_model, offloaded_blocks, padded, policies_per_block,
     saved_bytes_per_element, unit_names, unit_numels, unit_state_bytes_per_param,
 )
 
@@ -141,10 +141,12 @@ def host_fits(mcfg: M.ModelConfig, cfg, async_save: bool | None = None) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 def executed_flops(mcfg: M.ModelConfig, seq_len: int, ac, chunked_ce: bool) -> tuple[float, float]:
-    """(matmul, attention) FLOPs per token computed: the MFU count plus recompute. `ac`: one policy for every
-    block, or each block's (policies_per_block)."""
+    """(matmul, attention) FLOPs per token computed: the MFU count plus recompute, both of the active parameters (a
+    routed block's experts a token runs: model.count_params). `ac`: one policy for every block, or each block's
+    (policies_per_block)."""
     counts = M.count_params(mcfg)
-    block_numel = max(block_numels(mcfg))
+    idle_per_block = (counts["total"] - counts["active"]) // mcfg.n_layers  # experts a token skips
+    block_numel = max(block_numels(mcfg)) - idle_per_block
     attention = 12 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim * seq_len
     matmul = M.flops_per_token(mcfg, seq_len) - attention
     if mcfg.tie_embeddings:  # the head's matmul reads the embedding, which 6(N - emb) leaves out
@@ -210,12 +212,23 @@ def bus_gbps(gpu: dict, cfg) -> float:
 
 def collective_bytes_per_micro_step(mcfg: M.ModelConfig, cfg, world: int) -> tuple[float, float]:
     """(all-gather, reduce-scatter) bytes of the full buffers, one forward + backward. Blocks are gathered
-    twice; the head stays gathered across the turn; the embedding's backward needs no weights (the tied
-    head gathers it once more instead). Every unit's gradient is reduce-scattered once."""
-    numels = [padded(n, world) for n in unit_numels(mcfg)]
-    emb, blocks, head = numels[0], numels[1:-1], numels[-1]
-    gathers = emb * (2 if mcfg.tie_embeddings else 1) + 2 * sum(blocks) + head
-    return COMPUTE_BYTES * gathers, REDUCE_BYTES[cfg.reduce_dtype] * sum(numels)
+    twice, but a frozen prefix's once (no backward: --freeze); the head stays gathered across the turn; the
+    embedding's backward needs no weights (the tied head gathers it once more instead). Every trained unit's
+    gradient is reduce-scattered once; a frozen unit has none."""
+    numels, frozen = [padded(n, world) for n in unit_numels(mcfg)], frozen_unit_names(mcfg, cfg)
+    emb, head = numels[0], numels[-1]
+    backward = [trained or input_grad for trained, input_grad, _ in block_training(mcfg, cfg)]
+    blocks = sum((1 + backward[i]) * n for i, n in enumerate(block_numels(mcfg, world)))
+    gathers = emb * (2 if mcfg.tie_embeddings else 1) + blocks + head
+    reduced = sum(n for name, n in zip(unit_names(mcfg), numels) if name not in frozen)
+    return COMPUTE_BYTES * gathers, REDUCE_BYTES[cfg.reduce_dtype] * reduced
+
+
+def first_trained_numel(mcfg: M.ModelConfig, cfg, world: int) -> int:
+    """The padded elements of the first unit that trains: backward's last reduce-scatter (the embedding's without
+    --freeze); 0 when none trains."""
+    frozen = frozen_unit_names(mcfg, cfg)
+    return next((padded(n, world) for name, n in zip(unit_names(mcfg), unit_numels(mcfg)) if name not in frozen), 0)
 
 
 def host_elements_per_s(gpu: dict, nproc_per_node: int, per_core: float, bytes_per_element: int) -> float:
@@ -232,25 +245,29 @@ def host_gbps_per_gpu(gpu: dict, nproc_per_node: int) -> float:
 
 def offload_optimizer_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
     """--offload_optimizer per step per GPU (docs/planning.md: offload_optimizer): the PCIe copies both ways, the
-    host's gradient accumulation and its update."""
+    host's gradient accumulation and its update. Gradients come down and AdamW runs for the trained units only
+    (--freeze); every unit's compute-dtype copy goes up (offload.refresh_compute_shards)."""
+    frozen = frozen_unit_names(mcfg, cfg)
     slice_numel = sum(padded(n, world) for n in unit_numels(mcfg)) / world
+    trained_numel = sum(padded(n, world) for name, n in zip(unit_names(mcfg), unit_numels(mcfg))
+                        if name not in frozen) / world
     rbytes = REDUCE_BYTES[cfg.reduce_dtype]
     micro_steps = cfg.batch_size // (world * cfg.micro_batch_size)
     host_gbps = host_gbps_per_gpu(gpu, cfg.nproc_per_node)
     pcie = 1e9 * min(gpu["pcie_gbps"], host_gbps)
-    d2h_bytes, h2d_bytes = rbytes * slice_numel, COMPUTE_BYTES * slice_numel  # per micro-batch / per step
+    d2h_bytes, h2d_bytes = rbytes * trained_numel, COMPUTE_BYTES * slice_numel  # per micro-batch / per step
     accumulate = host_elements_per_s(gpu, cfg.nproc_per_node, ASSUMPTIONS["host_accumulate_per_core"],
                                      4 + rbytes + 4)
     adamw = host_elements_per_s(gpu, cfg.nproc_per_node, ASSUMPTIONS["host_adamw_per_core"], ADAMW_HOST_BYTES)
     extra_s = ASSUMPTIONS["host_update_extra_bytes"] * slice_numel / (1e9 * host_gbps)
     cast_s = (4 + COMPUTE_BYTES) * slice_numel / (1e9 * host_gbps)  # part of extra_s: the copies up overlap it
-    last_numel = padded(unit_numels(mcfg)[0], world) / world  # the embedding: backward's last unit
+    last_numel = first_trained_numel(mcfg, cfg, world) / world  # backward's last gradient
     return dict(pcie_d2h_gb=micro_steps * d2h_bytes / 1e9, pcie_h2d_gb=h2d_bytes / 1e9,
                 d2h_s_per_micro=d2h_bytes / pcie, h2d_s=h2d_bytes / pcie,
                 h2d_exposed_s=max(0.0, h2d_bytes / pcie - cast_s),
                 last_unit_tail_s=last_numel * rbytes / pcie + last_numel / accumulate,
-                accumulate_s_per_micro=slice_numel / accumulate,
-                host_adamw_s=slice_numel / adamw, host_extra_s=extra_s,
+                accumulate_s_per_micro=trained_numel / accumulate,
+                host_adamw_s=trained_numel / adamw, host_extra_s=extra_s,
                 host_adamw_elements_per_s_per_gpu=adamw, host_accumulate_elements_per_s_per_gpu=accumulate)
 
 
@@ -273,11 +290,12 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
     block_input_bytes = max(b for b, _ in block_kept_bytes(mcfg, cfg)[:n_offloaded]) if n_offloaded else 0
     offload_s = 2 * n_offloaded * block_input_bytes / (1e9 * gpu["pcie_gbps"]) if n_offloaded else 0.0
     # Exposed: the last block's offloaded input coming back, and, with --prefetch, the embedding's first
-    # all-gather and last reduce-scatter (without, the collectives are all in the sum already).
-    embedding_bytes = padded(unit_numels(mcfg)[0], world) * (COMPUTE_BYTES + REDUCE_BYTES[cfg.reduce_dtype])
+    # all-gather and the last reduce-scatter, the first trained unit's (without, the collectives are all in the sum).
+    ends_bytes = (padded(unit_numels(mcfg)[0], world) * COMPUTE_BYTES
+                  + first_trained_numel(mcfg, cfg, world) * REDUCE_BYTES[cfg.reduce_dtype])
     exposed_s = block_input_bytes / (1e9 * gpu["pcie_gbps"]) if n_offloaded else 0.0
     if cfg.prefetch:
-        exposed_s += ring * embedding_bytes / bandwidth
+        exposed_s += ring * ends_bytes / bandwidth
         micro_s = max(compute_s, comm_s, offload_s) + exposed_s
     else:  # the offload copies run on their own stream either way
         micro_s = max(compute_s + comm_s, offload_s) + exposed_s
@@ -295,9 +313,11 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
                     pcie_exposed_s=micro_steps * d2h_exposed + o["last_unit_tail_s"] + o["h2d_exposed_s"],
                     host_accumulate_s=micro_steps * o["accumulate_s_per_micro"],
                     host_adamw_elements_per_s_per_gpu=o["host_adamw_elements_per_s_per_gpu"])
-    else:  # the update reads and writes every fp32 shard once (docs/planning.md: adamw)
-        state_bytes = sum(b * padded(n, world) for b, n in zip(unit_state_bytes_per_param(mcfg, cfg),
-                                                                unit_numels(mcfg))) / world
+    else:  # the update reads and writes every fp32 shard of the trained units once (docs/planning.md: adamw)
+        frozen = frozen_unit_names(mcfg, cfg)
+        state_bytes = sum(b * padded(n, world) for b, n, name in zip(unit_state_bytes_per_param(mcfg, cfg),
+                                                                      unit_numels(mcfg), unit_names(mcfg))
+                          if name not in frozen) / world
         optimizer_s = 2 * state_bytes / (0.8e9 * gpu["hbm_gbps"])
     # What bounds a micro-batch: the longest of what runs at once (with --prefetch), else compute + collectives
     parts = dict(compute=compute_s, collectives=comm_s, offload=offload_s) if cfg.prefetch else \
@@ -316,7 +336,7 @@ def sampling_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int, n_prompts: in
     gathered_bytes = COMPUTE_BYTES * (sum(numels) + (numels[0] if mcfg.tie_embeddings else 0))  # tied: the head
     bandwidth = 1e9 * bus_gbps(gpu, cfg)
     gather_s = (world - 1) / world * gathered_bytes / bandwidth
-    prefill_flops = 2 * M.count_params(mcfg)["total"] * n_prompts * prompt_tokens
+    prefill_flops = 2 * M.count_params(mcfg)["active"] * n_prompts * prompt_tokens
     prefill_s = prefill_flops / (gpu_peak_flops(gpu) * matmul_efficiency(gpu["family"], mcfg.dim))
     decode_s = n_prompts * gathered_bytes / (0.8e9 * gpu["hbm_gbps"])
     pass_s = [max(gather_s, s) if cfg.prefetch else gather_s + s for s in (prefill_s, decode_s)]
@@ -520,7 +540,9 @@ def plan(mcfg: M.ModelConfig, cfg) -> dict:
                        matmul_efficiency=matmul_efficiency(gpu["family"], mcfg.dim),  # from these anchors
                        anchors=[a[-1] for a in published_anchors() if a[0] == gpu["family"]])
     return dict(
-        model=cfg.init_from or cfg.model or "tiny", params=M.count_params(mcfg)["total"], world=world, gpu=cfg.gpu,
+        model=cfg.init_from or cfg.model or "tiny", params=M.count_params(mcfg)["total"],
+        active_params=M.count_params(mcfg)["active"], experts=[mcfg.experts_per_token, mcfg.n_experts], world=world,
+        gpu=cfg.gpu,
         state_gib_per_gpu=phases[peak_phase]["state"] / GIB, peak_gib_per_gpu=r["peak_gib"], peak_phase=peak_phase,
         usable_gib=r["usable_gib"], fits=r["fits"],
         memory_gib={k: v / GIB for k, v in phases[peak_phase].items()},
@@ -673,6 +695,11 @@ def table(p: dict, cfg) -> str:
               f"{p['bound']}",
               f"tokens/s/GPU {p['tokens_per_sec_per_gpu']:,.0f} | MFU {100 * p['mfu']:.1f}% | matmul efficiency "
               f"{p['assumptions']['matmul_efficiency']:.3f} (from published runs, see --plan_json assumptions)"]
+    if p["experts"][1]:  # a routed block (model.ModelConfig's n_experts, experts_per_token)
+        lines.append(f"routed blocks: each token runs {p['experts'][0]} of {p['experts'][1]} experts, so MFU, step "
+                     f"time and recompute count {p['active_params'] / 1e9:.2f}B active parameters of "
+                     f"{p['params'] / 1e9:.2f}B; memory holds every expert, each block's activations measured on its "
+                     f"fixed-shape path (model.FIXED_SHAPES)")
     if cfg.offload_optimizer:
         lines.append(f"optimizer offload per step per GPU (predicted): PCIe down {p['pcie_d2h_gb']:.1f} GB "
                      f"({p['pcie_d2h_s']:.2f} s) and host accumulation {p['host_accumulate_s']:.2f} s, both during "

@@ -100,15 +100,17 @@ def read_block(mcfg: M.ModelConfig, policy: str, micro_batch: int, seq_len: int,
     if key not in READINGS:
         gc.disable()  # the cycle collector would free what cycles made here hold at moments that depend on
         # the process's history: off while measuring, the readings are the same in any process
+        M.FIXED_SHAPES = True  # fake tensors hold no values: a routed block takes its fixed-shape path
         try:
             READINGS[key] = measure_block(mcfg, policy, micro_batch, seq_len, kernel, offload, trained, input_grad,
                                           frozen)
-        except (DynamicOutputShapeException, DataDependentOutputException) as e:  # fake tensors hold no values
+        except (DynamicOutputShapeException, DataDependentOutputException) as e:
             raise Unplannable(f"the block's forward makes a tensor whose shape depends on the data ({e.func}: an "
-                              f"MoE's routing, say), which the planner cannot run on fake tensors; plan the fork with "
-                              f"its block's shapes fixed (docs/forking.md, \"A block whose shapes depend on the "
-                              f"data\")") from None
+                              f"MoE's routing, say), which the planner cannot run on fake tensors; give the block a "
+                              f"path with fixed shapes under model.FIXED_SHAPES, which the planner sets while it "
+                              f"measures (docs/forking.md, \"A block whose shapes depend on the data\")") from None
         finally:
+            M.FIXED_SHAPES = False
             gc.enable()
     return READINGS[key]
 
@@ -184,13 +186,21 @@ def fake_units(mcfg: M.ModelConfig, world: int, device=torch.device("cpu"), trai
             for name, names in M.sharding_units(model)]
 
 
+def unit_kind(name: str) -> str:
+    """A unit's name as block 0's (`layers.7.lora`: `layers.0.lora`): fake_units builds one block."""
+    block = M.block_of(name)
+    return name if block is None else "layers.0" + name.removeprefix(f"layers.{block}")
+
+
 def optimizer_temporary_bytes(mcfg: M.ModelConfig, cfg, world: int) -> int:
     """What train.optimizer_step allocates beside the state at its peak, on rank 0's shards of the embedding, a
-    block and the head (fused AdamW: next to nothing)."""
-    key = ("optimizer", repr(mcfg), world, T.optimizer_step, T.Unit.__init__, M.OPTIMIZER_STATE)
+    block and the head (fused AdamW: next to nothing): of those that train, as the trainer steps them (--freeze)."""
+    trained = {unit_kind(name) for name in unit_names(mcfg) if name not in frozen_unit_names(mcfg, cfg)}
+    key = ("optimizer", repr(mcfg), world, T.optimizer_step, T.Unit.__init__, M.OPTIMIZER_STATE,
+           M.sharding_units, tuple(sorted(trained)))
     if key not in READINGS:
         with FakeTensorMode(allow_non_fake_inputs=True):
-            units = fake_units(mcfg, world)
+            units = [u for u in fake_units(mcfg, world) if unit_kind(u.name) in trained]
             live = LiveStorages([t.untyped_storage() for u in units
                                  for t in (u.master_shard, u.grad_shard, u.gathered, *u.optimizer_state.values())])
             with live:
@@ -406,9 +416,11 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
     frozen = frozen_unit_names(mcfg, cfg)
     block_unit = max((padded(n, world) for name, n, _ in model_units(mcfg)
                       if M.block_of(name) is not None and name not in frozen), default=0)
-    in_flight = max(head, block_unit)  # the head's gradient is reduced while the last block runs backward
+    # the head's gradient is reduced while the last block runs backward; a frozen unit has none to reduce
+    in_flight = max(head * ("head" not in frozen), block_unit)
     reduce_buffers = in_flight_reduce_bytes(in_flight, rbytes, world)
-    waiting = cbytes * emb * tied  # tied: the head's part of the embedding gradient waits for the embedding's
+    # tied: the head's part of the embedding gradient waits for the embedding's (none if it is frozen)
+    waiting = cbytes * emb * (tied and "embed" not in frozen)
     # --offload_optimizer: the fp32 state lives in host memory; the GPU keeps a compute-dtype copy of its shards
     per_param = [cbytes] * len(numels) if cfg.offload_optimizer else unit_state_bytes_per_param(mcfg, cfg)
     state = sum(b * padded(n, world) for b, n in zip(per_param, numels)) / world
@@ -422,7 +434,8 @@ def memory_by_phase(mcfg: M.ModelConfig, cfg, world: int, flash_attn: bool | Non
     head_parts = head_backward_bytes(mcfg, cfg, head, emb, world)
     block_grads = (unit_gradient_bytes(block_unit, in_flight, rbytes, world)
                    if block_training(mcfg, cfg)[-1][0] else dict(gradients=0, reduce_buffers=0))  # frozen: none
-    head_saved = tokens * (4 + 2 + 2) * mcfg.dim  # final norm: fp32 input, normalized, output
+    # final norm: fp32 input, output, and normalized (for its weight's gradient: none if the head is frozen)
+    head_saved = tokens * (4 + 2 + 2 * ("head" not in frozen)) * mcfg.dim
     input_gradient = tokens * cbytes * mcfg.dim  # the gradient of the stage's input, on its way to the stage before
     saved = saved_activation_bytes(mcfg, cfg, layers, kernel)
     recompute = recompute_peak_bytes(mcfg, cfg, kernel)
