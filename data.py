@@ -135,7 +135,7 @@ class Tokenizer:
         return self.prefix_ids if ids[:len(self.prefix_ids)] != self.prefix_ids else []
 
     def header_format_ids(self, messages: list) -> tuple[list, list]:
-        """The Llama 3 header format (hf.HEADER_FORMAT_TEMPLATE) for a tokenizer without a template:
+        """The Llama 3 header format (export_hf.HEADER_FORMAT_TEMPLATE) for a tokenizer without a template:
         BOS, then per message a header, its content and <|eot_id|>; markup only is encoded with special tokens."""
         ids, targets = list(self.prefix_ids), [0] * len(self.prefix_ids)
         for m in messages:

@@ -519,6 +519,14 @@ def hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
 
+def hf_tensors(name: str, tensor: torch.Tensor, weight_of) -> dict:
+    """What the export (tools/export_hf.py) writes for parameter `name`, and its check expects: {Hugging Face name:
+    tensor}. A fork's hook (docs/forking.md): an adapter merged into the weight it adapts returns {} for its own
+    parameters and W + B A for the base's (weight_of(name): another parameter's whole tensor); a fork that writes
+    its parameters under names of its own returns those, and the export check then refuses what the family lacks."""
+    return {hf_name(name): tensor}
+
+
 def sharding_units(model: nn.Module) -> list[tuple[str, list[str]]]:
     """(unit name, its parameters' names) in the order they run: embed, layers.0 .. layers.{L-1}, head (the final
     norm and the untied lm_head). train.build_units shards these; the planner and --freeze's check read them. A

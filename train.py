@@ -30,7 +30,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
 from functools import partial
 from typing import NamedTuple
 
@@ -736,7 +735,7 @@ def setup(cfg: TrainConfig):
         fail("; ".join(errors))
 
     windows = eval_windows = None
-    if cfg.steps > 0 and not cfg.from_ckpt:
+    if cfg.steps > 0:
         mcfg, windows, eval_windows = run_data.open_data(cfg, mcfg)
 
     device = processes.pick_device(cfg)
@@ -769,14 +768,10 @@ def setup(cfg: TrainConfig):
     dist.barrier()
     # A checkpoint in --out_dir wins over --init_from: re-running the same command continues the run.
     # After --overwrite, what is left is this run's own: a restart's checkpoints (overwrite_once).
-    resumes = not cfg.from_ckpt and (cfg.resume == "auto" or cfg.overwrite)
+    resumes = cfg.resume == "auto" or cfg.overwrite
     candidates = agree.resume_candidates(ckpt_root, rank, agreed["hosts"], device) if resumes else []  # every rank's
     step, position, load_started_s = 0, 0, time.perf_counter()
-    if cfg.from_ckpt:  # weights to export, not to train
-        step = checkpoints.load_weights(weights, sharded.units, "--from_ckpt")["step"]
-        if rank == 0:
-            print(f"read checkpoint {weights} (step {step})", flush=True)
-    elif candidates:
+    if candidates:
         step, position = checkpoints.resume(cfg, mcfg, sharded.units, windows, rank, candidates)
     else:
         taken_and_new = hf.init_weights(cfg, mcfg, sharded.units, weights)  # seeded per unit: the same at any W
@@ -821,7 +816,7 @@ def main(argv=None):
     owns_group = not dist.is_initialized()  # a caller's group (bench/) is the caller's to destroy
     try:
         sharded, windows, eval_windows, start_step, position, agreed = setup(cfg)
-        steps = 0 if cfg.from_ckpt else cfg.steps
+        steps = cfg.steps
         log = metrics.MetricsLog(cfg, sharded.model.cfg, sharded.world, sharded.device, sharded.rank, start_step, steps,
                                  agreed["hosts"])
         sampler = sample.Sampler(cfg, sharded.model.cfg, sharded.rank, start_step) if cfg.sample_prompts and steps else None
@@ -849,7 +844,7 @@ def main(argv=None):
                         stop_signals, log, sampler):
             break
     else:  # not stopped by a signal
-        export(cfg, sharded)
+        export(cfg, sharded, max(start_step, steps), saving)  # --steps 0 after a resume: the step it resumed
     log.close()
     gc.unfreeze()
     gc.enable()
@@ -872,7 +867,11 @@ def start(argv=None):
     if cfg.plot or cfg.plan:  # a tool above the trainer (tools/: never imported here), run as a command: its exit code
         tool = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools", "plot.py" if cfg.plot else "plan.py")
         sys.exit(subprocess.call([sys.executable, tool, *([cfg.plot] if cfg.plot else argv or sys.argv[1:])]))
-    return checkpoints.unless_finished(cfg)  # a finished run's command again: say so and stop, or make its missing export
+    cfg = checkpoints.unless_finished(cfg)  # a finished run's command again: None, or the flags that export it
+    if cfg and cfg.from_ckpt:  # a checkpoint to export, no training: tools/export_hf.py, run once (rank 0 of torchrun)
+        code, error = hf.export_alone(cfg, processes.pick_device(cfg))
+        return fail(error, code) if code else None
+    return cfg
 
 
 def before_step_one(cfg, sharded: ShardedModel, agreed: dict, start_step: int, steps: int):
@@ -973,17 +972,17 @@ def save_or_stop(cfg, sharded: ShardedModel, saving, step: int, steps: int, data
     return bool(signalled)
 
 
-def export(cfg, sharded: ShardedModel):
-    """--export_hf after the last step: a Hugging Face folder of the trained weights (hf.export_hf)."""
+def export(cfg, sharded: ShardedModel, step: int, saving):
+    """--export_hf after the last step, from its checkpoint (saved now if this run saved none: --steps 0) by
+    tools/export_hf.py, each rank writing its share of the files (hf.export_checkpoint); a failure is one line."""
     if not cfg.export_hf:
         return
-    try:
-        note = hf.export_hf(sharded.units, sharded.model.cfg, cfg.export_hf, sharded.compute_dtype,
-                              cfg.export_shard_gb, sharded.rank, hf.export_origin(asdict(cfg)))
-    except OD.CheckpointError as e:
-        fail(str(e), exit_code(e))
-    if sharded.rank == 0:
-        print(f"exported a Hugging Face folder to {cfg.export_hf} ({note})", flush=True)
+    path = checkpoints.save_paths(cfg, step)[2]
+    if not os.path.isfile(os.path.join(path, "manifest.json")):
+        save(cfg, sharded, saving, step, None, background=False)
+    code, error = hf.export_checkpoint(path, cfg, sharded.compute_dtype, sharded.rank, sharded.world)
+    if code:
+        fail(error, code)
 
 
 if __name__ == "__main__":

@@ -167,7 +167,8 @@ def check_written(folder: str, files: dict):
 def unit_records(units) -> dict:
     """The manifest's "units", taken with the snapshot (a background save commits after later steps)."""
     return {u.name: {"numel": u.numel, "shard_numel": u.shard_numel, "optimizer_state": list(u.optimizer_state),
-                     "trained": u.trained, "optimizer_steps": u.optimizer_steps} for u in units}
+                     "trained": u.trained, "optimizer_steps": u.optimizer_steps,
+                     "params": [[slot.name, list(slot.shape)] for slot in u.slots]} for u in units}  # the export's layout
 
 
 def checkpoint_manifest(cfg, mcfg, units: dict, step, world, data_state, files, frozen=None) -> dict:
@@ -677,10 +678,11 @@ def check_file_size(path: str, fname: str, expect: dict | None):
                               f"(truncated?)")
 
 
-def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = False):
+def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = False, verified: set | None = None):
     """Fills this rank's shards from the checkpoint, whatever world size saved it: a unit's flat layout does not
     depend on W, so a new shard [a, b) is read from the old rank files that cover it, each checked against the
-    manifest's size and SHA-256 first. `master_only`: the fp32 master shards alone (a new phase)."""
+    manifest's size and SHA-256 first (once: `verified`, the files checked so far, for a reader of a unit at a
+    time, tools/export_hf.py). `master_only`: the fp32 master shards alone (a new phase, an export)."""
     from safetensors import safe_open
     check_manifest_numbers(path, manifest)
     old_world = manifest["world_size"]
@@ -708,7 +710,7 @@ def load_checkpoint(path: str, manifest: dict, units: list, master_only: bool = 
                                   f"{', '.join(unit.optimizer_state) or 'none'} for it")
         with_state.add(unit.name)
         unit.optimizer_steps = saved["optimizer_steps"]
-    verified = set()
+    verified = set() if verified is None else verified
     for unit in units:
         old_shard = manifest["units"][unit.name]["shard_numel"]
         lo, hi = unit.shard_start, min(unit.shard_start + unit.shard_numel, unit.numel)
@@ -846,22 +848,19 @@ def unit_list(names: list[str]) -> str:
                      for key, blocks in runs.items())
 
 
-def check_units(path: str, manifest: dict, numels: dict, flag: str):
-    """The units of this model (`numels`: name -> parameters) against the checkpoint's, for a new phase (--init_from)
-    or an export (--from_ckpt). Refused: a unit of another size; a unit the checkpoint holds that this model lacks
-    (its trained weights would be dropped: the checkpoint of a fork run without it, or units named otherwise);
-    for an export, a unit the checkpoint lacks. A new phase initialises those as a run from scratch (init_weights)."""
+def check_units(path: str, manifest: dict, numels: dict):
+    """The units of this model (`numels`: name -> parameters) against the checkpoint's, for a new phase (--init_from).
+    Refused: a unit of another size; a unit the checkpoint holds that this model lacks (its trained weights would be
+    dropped: the checkpoint of a fork run without it, or units named otherwise). A unit the checkpoint lacks (a fork's
+    adapter) the new phase initialises as a run from scratch does (hf.init_weights)."""
     saved = manifest["units"]
     for name, numel in numels.items():
         if name in saved and saved[name]["numel"] != numel:
             raise CheckpointError(f"checkpoint {path}: {unit_sizes(name, saved[name]['numel'], numel)}")
-    dropped, lacking = [n for n in saved if n not in numels], [n for n in numels if n not in saved]
+    dropped = [n for n in saved if n not in numels]
     if dropped:
         raise CheckpointError(f"checkpoint {path} holds unit(s) {unit_list(dropped)}, which this model does not have: "
                               f"their trained weights would be dropped; run the code (the fork) that saved them")
-    if lacking and flag == "--from_ckpt":
-        raise CheckpointError(f"checkpoint {path} lacks unit(s) {unit_list(lacking)} of this model: an export would "
-                              f"hold weights never trained; export it with the code (the fork) that saved it")
 
 
 def check_checkpoint_files(path: str, flag: str, numels: dict):
@@ -876,7 +875,7 @@ def check_checkpoint_files(path: str, flag: str, numels: dict):
             check_file_size(path, fname, expect)
         for fname, expect in frozen["files"].items():
             check_file_size(path, os.path.join("..", frozen["folder"], fname), expect)
-        check_units(path, manifest, numels, flag)
+        check_units(path, manifest, numels)
     except (KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{flag}: checkpoint {path}: manifest.json lacks {e}") from None
     except CheckpointError as e:

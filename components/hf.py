@@ -1,18 +1,17 @@
 """Hugging Face folders, and where a run's model comes from: its config (model_config: a checkpoint's manifest, an
 --init_from folder's config.json, or a preset) and its first weights (init_weights: seeded, an --init_from folder's
-read by partial reads, or one of our checkpoints'); the export (--export_hf), one unit at a time, with its config.json
-and the tokenizer that prepared --data (a Hugging Face tokenizer's files copied, a data.py sentencepiece model
-converted and checked to encode as sentencepiece does: docs/data.md, "Hugging Face import and export")."""
-import errno
+read by partial reads, or one of our checkpoints'); what an export will be (config_to_hf, check_export_tensors), the
+export itself being tools/export_hf.py's, run on a checkpoint (export_checkpoint: docs/data.md, "Hugging Face import
+and export")."""
 import json
 import math
 import os
-import shutil
+import subprocess
 import sys
-import tempfile
 from dataclasses import asdict
 
 import torch
+import torch.distributed as dist
 
 import data as D
 import model as M
@@ -22,67 +21,6 @@ from components import out_dir as OD  # the file helpers, the checkpoint group
 from components import run_data  # the folder recording --data's tokenizer
 from components.out_dir import CheckpointError
 
-# tokenizer: a server then renders chats as they were trained.
-HEADER_FORMAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
-                          "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
-                          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
-# A Hugging Face tokenizer's files: what an export copies from an --init_from folder, when there.
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                      "chat_template.jinja", "chat_template.json", "added_tokens.json")
-# English, French, chat markup, digits, whitespace runs, symbols, emoji, CJK and a control character: an
-# exported tokenizer must encode this exactly as the one that prepared the data (write_hf_tokenizer).
-ENCODING_PROBE = ("The lessee shall pay 1,250.00 EUR on the 1st. Le bailleur a résilié le contrat à défaut de "
-                  "paiement ; « Où est-il ? » <|start_header_id|>user<|end_header_id|>\n\nBonjour\t  !<|eot_id|> "
-                  "x<|eot_id|>y  ☃ ℃ ½ 😀 中文 \x00 \r\n end")
-
-
-def copy_hf_tokenizer_files(folder: str, out: str) -> list:
-    """Copies the HF_TOKENIZER_FILES `folder` has into `out` (contents only: modes follow the umask)."""
-    names = [n for n in HF_TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))]
-    for name in names:
-        shutil.copyfile(os.path.join(folder, name), os.path.join(out, name))
-    return names
-
-
-def write_hf_tokenizer(path: str, sha256: str, out: str) -> list:
-    """Writes into `out` what transformers' AutoTokenizer loads for the tokenizer meta.json records (`path`,
-    `sha256`): a Hugging Face tokenizer's files are copied, a sentencepiece model converted. Returns its end ids."""
-    if not os.path.exists(path):
-        raise D.DataError(f"the tokenizer that prepared --data, {path}, is not there")
-    tok = D.Tokenizer(path)
-    if tok.sha256 != sha256:
-        raise D.DataError(f"{path} has changed since it prepared --data (another SHA-256)")
-    if tok.kind == "huggingface":
-        copy_hf_tokenizer_files(path if os.path.isdir(path) else os.path.dirname(path), out)
-    else:
-        sentencepiece_to_hf(tok, out)
-    return tok.end_ids()
-
-
-def sentencepiece_to_hf(tok: D.Tokenizer, out: str):
-    """tokenizer.json and tokenizer_config.json for a sentencepiece model, converted by transformers (it needs
-    protobuf), with BOS added as prepare adds it and the header format's chat template. A conversion that
-    does not encode ENCODING_PROBE as sentencepiece does gives no tokenizer, never a wrong one. The one
-    difference left: a literal "<s>" in text is the control token to transformers, text to sentencepiece."""
-    from transformers import AutoTokenizer
-    sp = tok.sp
-    config = {"tokenizer_class": "TokenizersBackend", "bos_token": sp.id_to_piece(sp.bos_id()),
-              "eos_token": sp.id_to_piece(sp.eos_id()), "unk_token": sp.id_to_piece(sp.unk_id()),
-              "add_bos_token": True, "add_eos_token": False}
-    if all(tok.piece_id(t) is not None for t in D.CHAT_TOKENS):
-        config["chat_template"] = HEADER_FORMAT_TEMPLATE
-    with tempfile.TemporaryDirectory() as tmp:
-        shutil.copyfile(tok.path, os.path.join(tmp, "tokenizer.model"))
-        with open(os.path.join(tmp, "tokenizer_config.json"), "w") as f:
-            json.dump(config, f)
-        try:
-            hf = AutoTokenizer.from_pretrained(tmp)
-        except Exception as e:  # noqa: BLE001 (what fails depends on the transformers version: name it, go on)
-            raise D.DataError(f"transformers could not convert {tok.path} ({type(e).__name__}: {e}; it needs the "
-                              f"protobuf package)") from None
-    if hf(ENCODING_PROBE)["input_ids"] != [sp.bos_id()] + tok.encode([ENCODING_PROBE], True)[0]:
-        raise D.DataError(f"transformers' conversion of {tok.path} encodes differently from sentencepiece")
-    hf.save_pretrained(out)
 
 
 # The model a run builds, from the files its flags name (components/checks.py and the planner both ask).
@@ -183,10 +121,11 @@ def check_phase_tokenizer(cfg, checkpoint: str) -> list[str]:
 
 
 def check_export(mcfg: M.ModelConfig) -> list[str]:
-    """--export_hf: what transformers builds from this model's config.json must be this model, found now
-    rather than after the training (check_export_tensors; export_hf checks again)."""
+    """--export_hf: what transformers builds from this model's config.json must be this model, found now rather
+    than after the training (check_export_tensors on model.hf_tensors' names; tools/export_hf.py checks again)."""
     with torch.device("meta"):
-        shapes = {M.hf_name(n): tuple(p.shape) for n, p in M.Llama(mcfg).named_parameters()}
+        params = dict(M.Llama(mcfg).named_parameters())
+    shapes = {hf: tuple(t.shape) for n, p in params.items() for hf, t in M.hf_tensors(n, p, params.get).items()}
     try:
         check_export_tensors(config_to_hf(mcfg, torch.float32), shapes)
     except ValueError as e:
@@ -403,13 +342,6 @@ def load_unit_from_hf(unit, files: dict, open_files: dict):
         unit.master_shard[lo - lo_shard:hi - lo_shard] = rows[a - r0 * row:b - r0 * row].float()
 
 
-def gather_full_unit(unit) -> torch.Tensor:
-    """The whole unit in fp32 on every rank (transient: one unit)."""
-    full = torch.empty(unit.padded_numel, dtype=torch.float32, device=unit.gathered.device)
-    OD.all_gather_flat(full, unit.master_shard.to(full.device))  # from host memory with --offload_optimizer
-    return full
-
-
 def check_export_tensors(config: dict, shapes: dict):
     """What transformers builds from `config` (on the meta device) saves exactly the tensors `shapes` names:
     from_pretrained drops a tensor it does not know with a warning, serving a fork's model as another."""
@@ -469,109 +401,52 @@ def tokenizer_record(train: dict) -> dict | None:
         return None
 
 
-def export_tokenizer(origin: dict, folder: str) -> tuple[list | None, str]:
-    """The tokenizer's files into `folder`: an --init_from folder's copied, else --data's written
-    (write_hf_tokenizer), else none and a warning. Returns (its end ids or None, what was written)."""
-    source = origin.get("hf_folder")
-    if source and any(os.path.isfile(os.path.join(source, n)) for n in ("tokenizer.json", "tokenizer.model")):
-        copied = copy_hf_tokenizer_files(source, folder)
-        return None, f"tokenizer files copied from {source}: {', '.join(copied)}"
-    tokenizer = origin.get("tokenizer")
-    why = "--data is a token .npy, which names no tokenizer"
-    if tokenizer:
-        try:
-            end_ids = write_hf_tokenizer(tokenizer["path"], tokenizer["sha256"], folder)
-            return end_ids, f"tokenizer from {tokenizer['path']}"
-        except D.DataError as e:
-            why = str(e)
-    print(f"warning: --export_hf: no tokenizer files in the export ({why}); copy the tokenizer's files into it "
-          f"before loading it with AutoTokenizer", file=sys.stderr, flush=True)
-    return None, "no tokenizer"
-
-
 def source_json(source: str | None, name: str):
     path = os.path.join(source or "", name)
     return OD.load_json(path) if source and os.path.isfile(path) else None
 
 
-def finish_export(folder: str, mcfg: M.ModelConfig, dtype: torch.dtype, origin: dict, shapes: dict) -> str:
-    """Everything of an export but the weights: the tokenizer, config.json, generation_config.json (the --init_from
-    folder's, sampling defaults included; else the BOS and end ids) and check_export_tensors. Returns the note."""
-    end_ids, tokenizer_note = export_tokenizer(origin, folder)
-    source = origin.get("hf_folder")
-    config = config_to_hf(mcfg, dtype, source=source_json(source, "config.json"), eos_ids=end_ids)
-    check_export_tensors(config, shapes)
-    generation = source_json(source, "generation_config.json") or {"bos_token_id": config["bos_token_id"],
-                                                                   "eos_token_id": config["eos_token_id"]}
-    for name, content in (("config.json", config), ("generation_config.json", generation)):
-        with open(os.path.join(folder, name), "w") as f:
-            json.dump(content, f, indent=2)
-    return tokenizer_note
+EXPORT_TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "export_hf.py")
 
 
-def export_hf(units: list, mcfg: M.ModelConfig, out: str, dtype: torch.dtype, shard_gb: float, rank: int,
-              origin: dict) -> str:
-    """A folder that from_pretrained and AutoTokenizer load as is: model*.safetensors (+ index), and finish_export's
-    files. Written to OUT.partial and renamed: it appears complete or not at all. Rank 0 holds one file's tensors
-    at a time. Returns (rank 0) the tokenizer note; a failure raises CheckpointError on every rank, leaving none."""
-    shapes = {M.hf_name(slot.name): slot.shape for unit in units for slot in unit.slots}
-    files, size, bytes_per = [[]], 0, torch.tensor([], dtype=dtype).element_size()
-    for unit in units:  # files of at most shard_gb, planned first so each can be named "-0000i-of-0000n"
-        if files[-1] and size + unit.numel * bytes_per > shard_gb * 1e9:
-            files.append([])
-            size = 0
-        files[-1].append(unit)
-        size += unit.numel * bytes_per
-    tmp = out.rstrip("/") + ".partial"
-    # [written, errno]: rank 0's first write error stops its writing, not its gathering, so no rank waits for it
-    written, error = torch.tensor([1, 0]), ""
-    if rank == 0:  # a fresh folder: a crashed export's model.safetensors must not sit beside a new index
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as e:
-            written[:] = torch.tensor([0, e.errno or errno.EIO])
-            error = f"--export_hf: cannot create {OD.write_error(tmp, e)}"
-    weight_map, total_bytes = {}, 0
-    for i, file_units in enumerate(files):
-        fname = "model.safetensors" if len(files) == 1 else f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        tensors = []
-        for unit in file_units:
-            full = gather_full_unit(unit)
-            if rank == 0:
-                for slot in unit.slots:
-                    piece = full[slot.offset:slot.offset + math.prod(slot.shape)].view(slot.shape)
-                    tensors.append((M.hf_name(slot.name), piece.to(dtype).cpu().clone()))
-            del full
-        if rank == 0 and written[0]:
-            try:
-                OD.write_safetensors_streaming(os.path.join(tmp, fname), tensors, metadata={"format": "pt"})
-                weight_map.update({name: fname for name, _ in tensors})
-                total_bytes += sum(t.numel() * t.element_size() for _, t in tensors)
-            except OSError as e:
-                written[:] = torch.tensor([0, e.errno or errno.EIO])
-                error = f"--export_hf: cannot write {OD.write_error(os.path.join(tmp, fname), e)}"
-                shutil.rmtree(tmp, ignore_errors=True)
-        # Paced per file: the other ranks wait here, on the CPU (gloo, --ckpt_timeout_min), while rank 0 writes,
-        # and queue the next file's all-gathers only then. Queued all at once, the last ones would wait on the
-        # GPU for rank 0's whole ~140 GB (70B) and NCCL's watchdog would end them after --timeout_min.
-        others = f"--export_hf: rank 0 could not write {fname} of {out} (its error says why)"
-        OD.raise_unless_done(written, error or others)
-    done, note = torch.zeros(2, dtype=torch.int64), ""
+def export_tool(checkpoint: str, cfg, dtype: torch.dtype, *mode: str) -> tuple[int, str]:
+    """tools/export_hf.py on `checkpoint` into --export_hf, in a subprocess (the trainer never imports a tool): (its
+    exit code, its error line). Its other lines are printed as it ends."""
+    command = [sys.executable, EXPORT_TOOL, checkpoint, cfg.export_hf, f"--dtype={str(dtype).removeprefix('torch.')}",
+               f"--shard_gb={cfg.export_shard_gb}", f"--flag={'--from_ckpt' if cfg.from_ckpt else '--out_dir'}", *mode]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True)
+    except OSError as e:
+        return 1, f"--export_hf: cannot run {EXPORT_TOOL} ({e})"
+    print(proc.stdout, end="", flush=True)
+    lines = proc.stderr.splitlines()
+    print("".join(line + "\n" for line in lines if not line.startswith("error: ")), end="", file=sys.stderr, flush=True)
+    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    return proc.returncode, (errors or lines or [f"--export_hf: {EXPORT_TOOL} exited with {proc.returncode}"])[-1]
+
+
+def export_checkpoint(checkpoint: str, cfg, dtype: torch.dtype, rank: int, world: int) -> tuple[int, str]:
+    """--export_hf from the checkpoint this run has just written: every rank writes its share of the weight files at
+    once (tools/export_hf.py --part: 1/W of the reads and writes each), then rank 0 the rest (--finish). (Exit code,
+    line), the same on every rank: a rank's failure is its own line there, and names it on the others."""
+    code, error = export_tool(checkpoint, cfg, dtype, f"--part={rank}", f"--parts={world}", "--written_now")
+    codes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(codes, torch.tensor([code]), group=OD.group)  # gloo, --ckpt_timeout_min: parts take minutes
+    failed = [r for r in range(world) if codes[r].item()]
+    if failed:
+        return codes[failed[0]].item(), error if rank == failed[0] else f"--export_hf: rank {failed[0]} could not " \
+                                                                        f"write its part (its line says why)"
+    finished = torch.tensor([0])
     if rank == 0:
-        try:
-            if len(files) > 1:
-                with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-                    json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2)
-            note = finish_export(tmp, mcfg, dtype, origin, shapes)
-            if os.path.isdir(out):
-                os.rmdir(out)  # checked empty before training started
-            os.replace(tmp, out)  # the folder appears complete or not at all
-            OD.fsync_dir(os.path.dirname(os.path.abspath(out)))
-            done[0] = 1
-        except (OSError, ValueError) as e:
-            error = str(e) if isinstance(e, ValueError) else f"--export_hf: cannot write {OD.write_error(tmp, e)}"
-            done[1] = (e.errno or errno.EIO) if isinstance(e, OSError) else 0
-            shutil.rmtree(tmp, ignore_errors=True)
-    OD.raise_unless_done(done, error or f"--export_hf: rank 0 could not write {out} (its error says why)")
-    return note
+        finished[0], error = export_tool(checkpoint, cfg, dtype, "--finish")
+    dist.broadcast(finished, src=0, group=OD.group)
+    return finished.item(), error if rank == 0 else "--export_hf: rank 0 could not finish it (its line says why)"
+
+
+def export_alone(cfg, device) -> tuple[int, str]:
+    """--from_ckpt DIR --export_hf OUT (or a finished run's missing export): the checkpoint exported by one
+    process, tools/export_hf.py, before any process group; under torchrun by rank 0, the others with nothing to do."""
+    errors = flags.check_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    if errors or os.environ.get("RANK", "0") != "0":
+        return (2, "; ".join(errors)) if errors else (0, "")
+    return export_tool(cfg.from_ckpt, cfg, flags.compute_dtype(cfg.dtype, device))

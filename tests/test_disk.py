@@ -39,7 +39,7 @@ def tiny_units():
     """What save_checkpoint reads of train.py's units: a name, sizes, the fp32 slices."""
     return [SimpleNamespace(name=f"u{i}", numel=6, shard_numel=6, shard_start=0, master_shard=torch.arange(6.0) + i,
                             optimizer_state={"exp_avg": torch.zeros(6), "exp_avg_sq": torch.ones(6)}, trained=True,
-                            optimizer_steps=1)
+                            optimizer_steps=1, slots=[SimpleNamespace(name=f"u{i}.w", shape=(6,), offset=0)])
             for i in range(2)]
 
 
@@ -241,7 +241,7 @@ def test_a_network_error_while_starting_exits_1_for_torchrun_to_retry(tmp_path):
 
 EXPORT_FAULTS = {
     "folder: disk full": ("makedirs", "hf.partial", errno.ENOSPC,
-                          "cannot create {hf}.partial: No space left on device (the filesystem is full, of bytes or "
+                          "cannot write {hf}.partial: No space left on device (the filesystem is full, of bytes or "
                           "of inodes: df -h and df -i say which)"),
     "weights: quota": ("fsync", "model.safetensors", errno.EDQUOT,
                        "cannot write {hf}.partial/model.safetensors: Disk quota exceeded (the disk quota is used up: "
@@ -252,13 +252,17 @@ EXPORT_FAULTS = {
 @pytest.mark.parametrize("where", list(EXPORT_FAULTS))
 def test_a_disk_fault_in_the_export_is_one_line_and_leaves_no_folder(main_in_process, tmp_path, monkeypatch, capsys,
                                                                      where):
+    """tools/export_hf.py (what --export_hf and --from_ckpt run) meeting a full disk or quota: one line, exit code 2
+    (it repeats on a restart: launch.sh stops), and neither the folder nor its .partial."""
+    from tools import export_hf as X
     hf = tmp_path / "hf"
+    assert main_in_process(tiny_run(tmp_path, "--steps=2")) == 0
     name, suffix, code, why = EXPORT_FAULTS[where]
     fault(monkeypatch, name, suffix, code)
-    assert main_in_process(tiny_run(tmp_path, "--steps=2", f"--export_hf={hf}")) == 2
+    capsys.readouterr()
+    assert X.main([str(tmp_path / "out"), str(hf), "--dtype=float32"]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == f"error: --export_hf: {why.format(hf=hf)}"
     assert not os.path.exists(hf) and not os.path.exists(f"{hf}.partial")
-    assert (tmp_path / "out" / "checkpoints" / "latest").read_text() == "step_00000002\n"  # saved before the export
 
 
 # -- a checkpoint's manifest is input: its numbers are checked before any is used ------------------------------

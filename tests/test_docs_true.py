@@ -21,7 +21,7 @@ MODULES = {"train": "train", "model": "model", "data": "data", "disk": None, "ou
            "agree": "components.agree", "metrics": "components.metrics", "checks": "components.checks",
            "offload": "components.offload", "sample": "components.sample", "faults": "faults", "processes": "components.processes",
            "flags": "components.flags", "config": None, "run_data": "components.run_data", "sample_corpus": "tools.sample_corpus",
-           "gpu_check": "tools.gpu_check",
+           "gpu_check": "tools.gpu_check", "export_hf": "tools.export_hf",
            "tokenizer_export": None, "checkpoint": None}  # no module of that name: a reference to it is stale
 FILE = re.compile(r"(?<![\w./-])((?:components|tools|bench|tests|docs|\.ci)/[\w./-]+\.(?:py|md|sh|json|cpp|png)|"
                   r"[\w-]+\.(?:py|sh|sbatch))(?![\w/])")

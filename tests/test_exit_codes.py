@@ -190,7 +190,7 @@ def units_of(rank: int, world: int = 2):
     return [SimpleNamespace(name=f"u{i}", numel=6, shard_numel=n, shard_start=n * rank,
                             master_shard=torch.arange(n * rank, n * rank + n, dtype=torch.float32) + 10 * i,
                             optimizer_state={"exp_avg": torch.zeros(n), "exp_avg_sq": torch.ones(n)}, trained=True,
-                            optimizer_steps=1)
+                            optimizer_steps=1, slots=[SimpleNamespace(name=f"u{i}.w", shape=(6,), offset=0)])
             for i in range(2)]
 
 

@@ -9,15 +9,15 @@ import signal
 import stat
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
-from common import ROOT, hf_model, ours_from_hf, save_hf, small_config
+from common import ROOT, hf_model, learnable_tokens, ours_from_hf, save_hf, small_config
 from test_data import CHATS, TEXTS, hf_tokenizer
 
 import data as D
 from tools import prepare as prep
+from tools import export_hf as X
 from components import hf
 
 # Each kind of text the ids must agree on: French, English, chat markup, digits and whitespace runs,
@@ -51,7 +51,7 @@ def test_a_sentencepiece_tokenizer_exports_to_the_same_ids(tmp_path):
     tok = D.Tokenizer(model)
     out = tmp_path / "hf"
     out.mkdir()
-    end_ids = hf.write_hf_tokenizer(model, tok.sha256, str(out))
+    end_ids = X.write_hf_tokenizer(model, tok.sha256, str(out))
     loaded = AutoTokenizer.from_pretrained(str(out))
     for text in SAMPLES:
         ids = tok.encode([text], True)[0]
@@ -71,9 +71,9 @@ def test_a_changed_tokenizer_is_not_exported(tmp_path):
     corpus.write_text("\n".join(TEXTS * 20), encoding="utf-8")
     prep.train_tokenizer([str(corpus)], 300, str(model))
     with pytest.raises(D.DataError, match="has changed since it prepared --data"):
-        hf.write_hf_tokenizer(str(model), "0" * 64, str(tmp_path))
+        X.write_hf_tokenizer(str(model), "0" * 64, str(tmp_path))
     with pytest.raises(D.DataError, match="is not there"):
-        hf.write_hf_tokenizer(str(tmp_path / "gone.model"), "0" * 64, str(tmp_path))
+        X.write_hf_tokenizer(str(tmp_path / "gone.model"), "0" * 64, str(tmp_path))
 
 
 def test_without_a_tokenizer_the_export_says_so_in_one_line(tmp_path, capsys):
@@ -81,7 +81,7 @@ def test_without_a_tokenizer_the_export_says_so_in_one_line(tmp_path, capsys):
     from components import hf
     origin = hf.export_origin({"init_from": "", "data": str(tmp_path / "tokens.npy"), "out_dir": str(tmp_path)})
     assert origin == {"hf_folder": None, "tokenizer": None}
-    assert hf.export_tokenizer(origin, str(tmp_path)) == (None, "no tokenizer")
+    assert X.export_tokenizer(origin, str(tmp_path)) == (None, "no tokenizer")
     assert capsys.readouterr().err == ("warning: --export_hf: no tokenizer files in the export (--data is a token .npy, "
                                        "which names no tokenizer); copy the tokenizer's files into it before loading "
                                        "it with AutoTokenizer\n")
@@ -204,60 +204,43 @@ def test_a_fork_familys_row_carries_its_config_keys_and_its_export_is_held_to_th
             hf.check_export_tensors(config, in_memory)
 
 
-def paced_export(tmp_path, monkeypatch, rank: int, rank0_writes: bool = True, fail_file: str = ""):
-    """hf.export_hf on `rank` of W=2 with its collectives and writes recorded, not run: three units of
-    one file each. rank0_writes: what rank 0's per-file broadcast says (for rank 1)."""
-    from components import hf
-    from components import out_dir as OD
-    events = []
-    units = [types.SimpleNamespace(slots=[types.SimpleNamespace(name=f"layers.{i}.w", offset=0, shape=(4,))],
-                                   numel=4, padded_numel=4) for i in range(3)]
-
-    def gather(unit):
-        events.append(("all-gather", units.index(unit)))
-        return torch.zeros(unit.padded_numel)
-
-    def write(path, tensors, metadata=None):
-        if os.path.basename(path) == fail_file:
-            raise OSError(28, "No space left on device", path)
-        events.append(("write", os.path.basename(path)))
-
-    def broadcast(tensor, src, group):
-        assert src == 0 and group is OD.group  # the checkpoint group: gloo, on the CPU
-        if rank != 0:  # [written, rank 0's errno]
-            tensor[0] = int(rank0_writes)
-        events.append(("broadcast", int(tensor[0])))
-    monkeypatch.setattr(OD, "group", object())
-    monkeypatch.setattr(hf, "gather_full_unit", gather)
-    monkeypatch.setattr(OD, "write_safetensors_streaming", write)
-    monkeypatch.setattr(OD.dist, "broadcast", broadcast)
-    monkeypatch.setattr(hf, "finish_export", lambda *args: events.append(("finish",)) or "")
-    hf.export_hf(units, None, str(tmp_path / "hf"), torch.bfloat16, 1e-9, rank, {})
-    return events
-
-
-def test_export_is_paced_per_file_so_no_all_gather_waits_on_the_disk(tmp_path, monkeypatch):
-    """Ranks other than 0 queue one file's all-gathers, then wait in the checkpoint group (gloo, on the CPU)
-    until rank 0 has written that file, and only then queue the next: NCCL's watchdog never sees an all-gather
-    waiting while rank 0 writes the other ~140 GB (70B). Rank 0 writes each file before it lets them go on."""
-    files = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
-    assert paced_export(tmp_path / "r1", monkeypatch, rank=1) == [
-        ("all-gather", 0), ("broadcast", 1), ("all-gather", 1), ("broadcast", 1), ("all-gather", 2), ("broadcast", 1),
-        ("broadcast", 1)]  # the last: rank 0's "done"
-    assert paced_export(tmp_path / "r0", monkeypatch, rank=0) == [
-        ("all-gather", 0), ("write", files[0]), ("broadcast", 1), ("all-gather", 1), ("write", files[1]), ("broadcast", 1),
-        ("all-gather", 2), ("write", files[2]), ("broadcast", 1), ("finish",), ("broadcast", 1)]
-
-
-def test_a_file_rank_0_cannot_write_stops_every_rank_at_that_file(tmp_path, monkeypatch):
-    """A full disk on rank 0's second file: rank 0 says so in one line and every rank stops there, gathering
-    nothing more (before: rank 0 died with a traceback while the others gathered on and waited)."""
-    from components import out_dir as OD
-    with pytest.raises(OD.CheckpointError, match=r"^--export_hf: cannot write .*model-00002-of-00003.*No space left on device"):
-        paced_export(tmp_path / "r0", monkeypatch, rank=0, fail_file="model-00002-of-00003.safetensors")
-    assert not (tmp_path / "r0" / "hf.partial").exists()
-    with pytest.raises(OD.CheckpointError, match="rank 0 could not write model-00001-of-00003.safetensors"):
-        paced_export(tmp_path / "r1", monkeypatch, rank=1, rank0_writes=False)
+def test_an_export_that_fails_is_one_line_on_every_rank_and_leaves_no_folder(tmp_path):
+    """tools/export_hf.py makes --export_hf from the last step's checkpoint, each rank writing its share of the files
+    (--part): when they fail, every rank stops with a line (here an OUT.partial that is a file, exit 1) and no
+    folder appears. The same command then makes it from that checkpoint, one process (a finished run's export), a
+    file of --export_shard_gb at a time. A full disk at the tool's second file is one line, exit code 2 (it repeats
+    on a restart), no folder."""
+    from common import run_train
+    from safetensors.torch import load_file
+    data = learnable_tokens(str(tmp_path / "tok.npy"), 256, n=2000)
+    out = tmp_path / "hf"
+    command = [f"--data={data}", "--model=tiny", "--dtype=float32", "--seq_len=16", "--batch_size=4",
+               "--micro_batch_size=2", "--steps=2", "--warmup_steps=1", "--eval_every=0", "--export_shard_gb=0.00002",
+               f"--out_dir={tmp_path / 'run'}", f"--export_hf={out}"]
+    (tmp_path / "hf.partial").write_text("not a folder")
+    proc = run_train(command, nproc=2, check=False)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 1 and sorted(said) == [
+        f"error: --export_hf: cannot write {out}.partial: File exists",
+        "error: --export_hf: rank 0 could not write its part (its line says why)"], proc.stderr[-3000:]
+    assert not out.exists()
+    os.remove(tmp_path / "hf.partial")
+    assert "making it now" in run_train(command, nproc=2).stdout
+    files = sorted(n for n in os.listdir(out) if n.endswith(".safetensors"))
+    weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(files) > 2 and sorted(set(weight_map.values())) == files
+    assert sum(len(load_file(out / n)) for n in files) == len(weight_map)
+    full = tmp_path / "full"
+    fault = (f"import sys, errno; sys.path.insert(0, {ROOT!r}); from tools import export_hf as X; from components import "
+             f"out_dir as OD; real = OD.write_safetensors_streaming\n"
+             f"def write(path, *a, **k):\n    if path.endswith({files[1]!r}): raise OSError(errno.ENOSPC, "
+             f"'No space left on device', path)\n    return real(path, *a, **k)\n"
+             f"OD.write_safetensors_streaming = write; sys.exit(X.main(sys.argv[1:]))")
+    proc = subprocess.run([sys.executable, "-c", fault, str(tmp_path / "run"), str(full), "--shard_gb=0.00002"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1].startswith(
+        f"error: --export_hf: cannot write {full}.partial/{files[1]}: No space left on device (the filesystem is full")
+    assert not full.exists() and not os.path.exists(f"{full}.partial")
 
 
 def folder_files(root) -> dict:

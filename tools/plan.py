@@ -408,6 +408,7 @@ def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: flo
     eval_s = cfg.eval_batches * step_time_s + sampling_s if cfg.eval_every else 0.0
     lead_s = ASSUMPTIONS["stop_margin"] * (before_step_s + step_time_s + eval_s + save_s)
     export_bytes = COMPUTE_BYTES * M.count_params(mcfg)["total"]
+    export_read_bytes = 4 * M.count_params(mcfg)["total"]  # tools/export_hf.py reads the fp32 master weights back
     return dict(checkpoint_gb_per_rank=ckpt_bytes / 1e9, save_s=save_s, load_s=load_s, async_save=asynchronous,
                 later_checkpoint_gb_per_rank=later_bytes / 1e9, later_save_s=later_save_s,
                 later_save_copy_s=later_copy_s,
@@ -415,7 +416,8 @@ def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: flo
                 restart_setup_s=restart_setup_s, restart_s=restart_s,
                 before_step_s=before_step_s, eval_s=eval_s, stop_lead_s=lead_s,
                 signal_lead_s=60 * math.ceil(lead_s / 60),
-                export_gb=export_bytes / 1e9, export_s=export_bytes / (1e9 * cfg.fs_write_gbps))
+                export_gb=export_bytes / 1e9, export_read_gb=export_read_bytes / 1e9,
+                export_s=(export_read_bytes + export_bytes) / (1e9 * cfg.fs_write_gbps))  # one process, reading then writing
 
 
 def checkpoint_interval(cfg, step_time_s: float, save_s: float, restart_s: float, copy_s: float,
@@ -804,9 +806,10 @@ def checkpoint_lines(p: dict, cfg) -> list[str]:
         enough = p["export_s"] <= p["signal_lead_s"]
         then = ("A stop request during the last step saves it without exporting; the same command run again "
                 "(launch.sbatch requeues it) exports" if enough else
-                f"Leave --export_hf out of the training and run python train.py --from_ckpt {cfg.out_dir} "
-                f"--export_hf {cfg.export_hf} after it")
-        lines.append(f"final export (predicted): {p['export_gb']:.1f} GB of bf16 weights written by rank 0, "
+                f"Leave --export_hf out of the training and run python tools/export_hf.py {cfg.out_dir} "
+                f"{cfg.export_hf} after it")
+        lines.append(f"final export (predicted): the checkpoint's {p['export_read_gb']:.1f} GB of fp32 weights read and "
+                     f"{p['export_gb']:.1f} GB of bf16 weights written by one process (tools/export_hf.py), "
                      f"{p['export_s']:.0f} s at {cfg.fs_write_gbps:g} GB/s; not in the stop's lead: it runs after the "
                      f"last step's save, which, ending before the stop request, leaves {p['signal_lead_s']} s "
                      f"({'enough' if enough else 'NOT enough: export in a job of its own'}). {then} "
