@@ -417,7 +417,7 @@ def stop_lead_time(mcfg: M.ModelConfig, cfg, step_time_s: float, sampling_s: flo
                 before_step_s=before_step_s, eval_s=eval_s, stop_lead_s=lead_s,
                 signal_lead_s=60 * math.ceil(lead_s / 60),
                 export_gb=export_bytes / 1e9, export_read_gb=export_read_bytes / 1e9,
-                export_s=(export_read_bytes + export_bytes) / (1e9 * cfg.fs_write_gbps))  # one process, reading then writing
+                export_s=(export_read_bytes + export_bytes) / world / (1e9 * cfg.fs_write_gbps))  # 1/W per rank
 
 
 def checkpoint_interval(cfg, step_time_s: float, save_s: float, restart_s: float, copy_s: float,
@@ -803,16 +803,13 @@ def checkpoint_lines(p: dict, cfg) -> list[str]:
              f"{100 * p['overhead_fraction']:.2f}% of the training time now, "
              f"{100 * p['suggested_overhead_fraction']:.2f}% at the suggested interval"]
     if cfg.export_hf:  # after the last step's save: the lead's time left at the least, unless stopped in that step
-        enough = p["export_s"] <= p["signal_lead_s"]
-        then = ("A stop request during the last step saves it without exporting; the same command run again "
-                "(launch.sbatch requeues it) exports" if enough else
-                f"Leave --export_hf out of the training and run python tools/export_hf.py {cfg.out_dir} "
-                f"{cfg.export_hf} after it")
+        enough = "enough" if p["export_s"] <= p["signal_lead_s"] else "NOT enough: a time limit could cut it"
         lines.append(f"final export (predicted): the checkpoint's {p['export_read_gb']:.1f} GB of fp32 weights read and "
-                     f"{p['export_gb']:.1f} GB of bf16 weights written by one process (tools/export_hf.py), "
-                     f"{p['export_s']:.0f} s at {cfg.fs_write_gbps:g} GB/s; not in the stop's lead: it runs after the "
-                     f"last step's save, which, ending before the stop request, leaves {p['signal_lead_s']} s "
-                     f"({'enough' if enough else 'NOT enough: export in a job of its own'}). {then} "
+                     f"{p['export_gb']:.1f} GB of bf16 weights written, 1/{cfg.nnodes * cfg.nproc_per_node} by each rank "
+                     f"(tools/export_hf.py), {p['export_s']:.0f} s at {cfg.fs_write_gbps:g} GB/s; not in the stop's "
+                     f"lead: it runs after the last step's save, which, ending before the stop request, leaves "
+                     f"{p['signal_lead_s']} s ({enough}). A stop request during the last step saves it without "
+                     f"exporting; the same command run again (launch.sbatch requeues it) exports it, in one process "
                      f"(docs/operations.md)")
     return lines
 
