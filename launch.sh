@@ -225,6 +225,9 @@ while kill -0 "$TORCHRUN" 2>/dev/null; do
     if [ -n "$EXCLUDE" ]; then
       { mkdir -p "$OUT_DIR" && echo "$EXCLUDE" >> "$OUT_DIR/exclude_hosts"; } || true
     fi
+    # The line, in OUT_DIR/fatal_errors too: srun reports the largest of the nodes' exit codes, and the 143 of a
+    # node it ended (--kill-on-bad-exit) would hide this node's 2 from launch.sbatch, which then requeues.
+    { mkdir -p "$OUT_DIR" && cat "$ZERO3_FATAL_FILE" >> "$OUT_DIR/fatal_errors"; } || true
     echo "launch.sh: train.py stopped with an error a restart would repeat (above); not restarting" >&2
     exit 2
   fi

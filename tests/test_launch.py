@@ -307,13 +307,13 @@ def test_sbatch_plan_prints_the_save_stall_and_a_suggested_interval():
 
 
 def run_sbatch(tmp_path, saved_before: int, saved_after: int, exit_code: int, check_fails: bool = False,
-               without_progress: str | None = None, exports: bool = True):
+               without_progress: str | None = None, exports: bool = True, fatal_line: str = ""):
     """launch.sbatch with stand-ins for srun and scontrol that record their arguments. The srun stand-in
     fails the network check if asked, and 'trains' by pointing OUT_DIR/checkpoints/latest at step
     saved_after and exiting with exit_code, and at the last step writes the --export_hf folder when
     `exports`. --out_dir is moved into tmp_path; `without_progress`, when given, is what earlier allocations
-    left in OUT_DIR/allocations_without_progress. Returns (exit code, stdout + stderr, srun's calls,
-    scontrol's calls)."""
+    left in OUT_DIR/allocations_without_progress; `fatal_line`, what a node's launch.sh wrote to OUT_DIR/fatal_errors.
+    Returns (exit code, stdout + stderr, srun's calls, scontrol's calls)."""
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
     if without_progress is not None:
@@ -325,6 +325,7 @@ echo "$@" >> {tmp_path}/srun.calls
 case "$*" in *--check*) exit {int(check_fails)} ;; esac
 echo step_{saved_after:08d} > {out}/checkpoints/latest
 {f"mkdir -p {out}/hf && touch {out}/hf/config.json" if exports and saved_after >= 28600 else ""}
+{f"echo '{fatal_line}' >> {out}/fatal_errors" if fatal_line else ""}
 exit {exit_code}
 """)
     (tmp_path / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/scontrol.calls\n')
@@ -389,6 +390,19 @@ def test_sbatch_requeues_a_run_whose_last_step_was_saved_without_its_export(tmp_
     assert code == exit_code and f"launch.sbatch: {says}" in log, log
     assert scontrol_calls == (["requeue 777"] if requeued else []), log
     assert "the run is finished" not in log
+
+
+def test_sbatch_does_not_requeue_an_error_a_restart_repeats_on_one_node_whatever_srun_reports(tmp_path):
+    """One node's train.py stops with an error a restart repeats (exit 2, its line in OUT_DIR/fatal_errors), and
+    srun ends the other node's task (--kill-on-bad-exit), which exits 143: srun reports 143, the largest. The job
+    is not requeued (before: requeued, up to three allocations without progress). A fatal line of an earlier
+    allocation does not count: launch.sbatch clears the file."""
+    code, log, _, scontrol_calls = run_sbatch(tmp_path, 400, 400, 143, fatal_line="error: --data: bad (the line)")
+    assert code == 2 and "stopped by an error a restart would repeat (above); not requeued" in log, log
+    assert scontrol_calls == [], log
+    (tmp_path / "run" / "fatal_errors").write_text("error: an earlier allocation's\n")
+    code, log, _, scontrol_calls = run_sbatch(tmp_path / "again", 400, 600, 1)
+    assert code == 1 and scontrol_calls == ["requeue 777"], log
 
 
 def test_sbatch_stops_when_the_check_fails(tmp_path):
