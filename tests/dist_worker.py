@@ -5,9 +5,9 @@ MODE is `load` (how much of the checkpoint each rank reads), `sgd` (a whole run 
 swapped in for AdamW; writes no JSON), `zloss` (a whole run with a z-loss term added where docs/forking.md
 says, and TensorBoard's writer replaced by one that writes OUT_DIR/tensorboard.jsonl), `two_units` (a whole
 run of a fork that shards each block as two units: two_units_per_block), `lora` (a whole run of a fork that adds
-an adapter unit to each block: LoraBlock), `dora` (the same with DoRA on q_proj and v_proj: DoraBlock), or `facts` (a whole run
-in which each rank sees its own machine as ZERO3_TEST_FACTS says: see facts(); writes the launch settings it
-ran under). Checks of the step itself run in one process (tests/ranks.py).
+an adapter unit to each block: LoraBlock), `dora` (the same with DoRA on q_proj and v_proj: DoraBlock), or `facts`
+(a whole run in which each rank sees its own machine as ZERO3_TEST_FACTS says: see facts(); writes the launch settings
+it ran under). Checks of the step itself run in one process (tests/ranks.py).
 """
 import json
 import os

@@ -6,7 +6,6 @@ norms, gathered from another unit), against oracles computed here in fp32. Multi
 import json
 import math
 import os
-import re
 
 import pytest
 import torch
@@ -19,7 +18,8 @@ import model as M
 from components import hf
 import train as T
 
-FLAGS = ["--seq_len=16", "--batch_size=4", "--micro_batch_size=2", "--dtype=float32", "--seed=3", "--warmup_steps=0", "--eval_every=0"]
+FLAGS = ["--seq_len=16", "--batch_size=4", "--micro_batch_size=2", "--dtype=float32", "--seed=3", "--warmup_steps=0",
+         "--eval_every=0"]
 BASE = r"layers\.\d+\.(?!.*(lora_|magnitude))|embed_tokens|norm|lm_head"  # all but the adapters: frozen
 
 
@@ -62,7 +62,8 @@ def fork_units(args: list):
 
 def whole(units) -> dict:
     """Our name -> the whole fp32 tensor, from units of one process."""
-    return {s.name: u.master_shard[s.offset:s.offset + math.prod(s.shape)].view(s.shape) for u in units for s in u.slots}
+    return {slot.name: unit.master_shard[slot.offset:slot.offset + math.prod(slot.shape)].view(slot.shape)
+            for unit in units for slot in unit.slots}
 
 
 def test_a_lora_fork_starts_from_a_hugging_face_folder_as_the_base_model_and_trains(folder, monkeypatch):
@@ -124,7 +125,8 @@ def test_a_dora_forks_magnitudes_start_as_the_norms_of_the_base_weights_rows(fol
 
 def test_a_folder_lacking_blocks_of_the_family_or_part_of_a_forks_unit_is_refused(folder, tmp_path, monkeypatch):
     """config.json says 4 blocks, the files hold 2: blocks 2-3 are the family's, never a fork's new units (refused as
-    a plain model refuses them). A fork's unit the files hold in part (block 1's lora_b lost) is a damaged folder."""
+    a plain model refuses them). A fork's unit the files hold in part (block 1's lora_b lost) is a damaged folder;
+    whole, it is taken."""
     from dist_worker import LoraBlock, lora_init_parameter, lora_units
     fork(monkeypatch, LoraBlock, lora_units, lora_init_parameter)
     short = tmp_path / "short"
@@ -133,17 +135,19 @@ def test_a_folder_lacking_blocks_of_the_family_or_part_of_a_forks_unit_is_refuse
     (short / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=4)))
     args = [f"--out_dir={tmp_path / 'out'}", "--steps=1"]
     assert hf.check_start(T.parse_args([f"--init_from={short}", *args]))[2] == [
-        f"--init_from: tensor model.layers.2.input_layernorm.weight (and 17 more) is missing from the safetensors files "
-        f"in {short}"]
+        f"--init_from: tensor model.layers.2.input_layernorm.weight (and 17 more) is missing from the safetensors "
+        f"files in {short}"]
 
     partial = tmp_path / "partial"
     save_hf(folder["ref"], str(partial))
     tensors = load_file(str(partial / "model.safetensors"))
-    tensors |= {f"model.layers.0.lora_a": torch.zeros(2, 32), "model.layers.0.lora_b": torch.zeros(32, 2),
+    tensors |= {"model.layers.0.lora_a": torch.zeros(2, 32), "model.layers.0.lora_b": torch.zeros(32, 2),
                 "model.layers.1.lora_a": torch.zeros(2, 32)}
     save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
     assert hf.check_start(T.parse_args([f"--init_from={partial}", *args]))[2] == [
         f"--init_from: tensor model.layers.1.lora_b of unit layers.1.lora is missing from the safetensors files in "
         f"{partial}, which hold its other tensors: a damaged folder (a fork's new parameters start from it only as "
         f"whole units of their own: model.sharding_units)"]
-    assert not re.search(BASE, "model.layers.0.lora_a") and re.search(BASE, "model.layers.0.mlp.up_proj.weight")
+    save_file(tensors | {"model.layers.1.lora_b": torch.zeros(32, 2)}, str(partial / "model.safetensors"),
+              metadata={"format": "pt"})  # a fork's own folder, its adapters whole under their names: taken
+    assert hf.check_start(T.parse_args([f"--init_from={partial}", *args]))[2] == []
