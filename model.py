@@ -554,3 +554,17 @@ def block_of(unit: str) -> int | None:
 # train.Unit and train.optimizer_step. A fork that swaps the optimizer changes this line and
 # train.optimizer_step.
 OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq")
+
+
+# ----------------------------------------------------------------------------------------------
+# A fork's parameters: how one starts when the starting weights lack it (a run from scratch; a unit new to an
+# --init_from checkpoint or Hugging Face folder). hf.init_unit_random calls it on every rank alike: docs/forking.md.
+# ----------------------------------------------------------------------------------------------
+
+def init_parameter(name: str, full: torch.Tensor, std: float, generator: torch.Generator, weight_of) -> None:
+    """Fills `full`, parameter `name`'s whole fp32 tensor: ones for a 1-D norm weight, else normal(0, std) from the
+    unit's own `generator` (Hugging Face's rule; the same at any W). `weight_of(other)` is another parameter's whole
+    fp32 tensor, all-gathered from its unit: one taken from the starting weights or earlier in the list. A LoRA fork
+    adds `if name.endswith("lora_b"): return full.zero_()`, a DoRA fork its magnitude's
+    `full.copy_(weight_of(name.removesuffix("magnitude") + "weight").norm(dim=1))`."""
+    full.fill_(1.0) if full.dim() == 1 else full.normal_(0.0, std, generator=generator)

@@ -774,10 +774,9 @@ def setup(cfg: TrainConfig):
     if candidates:
         step, position = checkpoints.resume(cfg, mcfg, sharded.units, windows, rank, candidates)
     else:
-        taken_and_new = hf.init_weights(cfg, mcfg, sharded.units, weights)  # seeded per unit: the same at any W
-        if taken_and_new and rank == 0:
-            print(f"started from the weights of checkpoint {weights} (a new phase: step 1, a fresh optimizer and data "
-                  f"position); {taken_and_new}", flush=True)
+        started = hf.init_weights(cfg, mcfg, sharded.units, weights)  # seeded per unit: the same at any W
+        if started and rank == 0:  # the units taken from --init_from, and those new to it
+            print(started, flush=True)
     slow_load = agree.loads_waited(load_started_s, rank, agreed["hosts"])  # every rank's weights read: --ckpt_timeout_min
     if slow_load and rank == 0:
         print(f"warning: {slow_load}", file=sys.stderr, flush=True)

@@ -133,40 +133,49 @@ def check_export(mcfg: M.ModelConfig) -> list[str]:
     return []
 
 
-def init_unit_random(unit, index: int, seed: int, std: float):
-    """HF's init (normal(0, std) matrices, ones for norms) on the unit's full shape from the unit's own
-    generator, then keep this rank's shard: the same weights for every W."""
+def init_unit_random(unit, index: int, seed: int, std: float, weight_of):
+    """model.init_parameter on each of the unit's parameters at its whole shape, from the unit's own generator, then
+    keep this rank's shard: the same weights for every W."""
     device = unit.gathered.device  # the same numbers with and without --offload_optimizer
     gen = torch.Generator(device=device).manual_seed(seed * 100003 + index)
     full = torch.zeros(unit.padded_numel, dtype=torch.float32, device=device)
     for slot in unit.slots:
-        piece = full[slot.offset:slot.offset + math.prod(slot.shape)]
-        piece.fill_(1.0) if len(slot.shape) == 1 else piece.normal_(0.0, std, generator=gen)
+        piece = full[slot.offset:slot.offset + math.prod(slot.shape)].view(slot.shape)
+        M.init_parameter(slot.name, piece, std, gen, weight_of)
     unit.master_shard.copy_(full[unit.shard_start:unit.shard_start + unit.shard_numel])
 
 
-def init_weights(cfg, mcfg: M.ModelConfig, units: list, weights: dict | str | None) -> str | None:
-    """Seeded random weights (`weights` None); this rank's shards of an --init_from Hugging Face folder (`weights`
-    {HF tensor name: file}); or of one of our checkpoints (`weights` its folder: a new phase, a fresh optimizer),
-    where the units it lacks (a fork's adapter) are initialised as a run from scratch initialises them: returns
-    which units were taken and which are new, for the phase's line."""
-    checkpoints.forget_frozen_set()  # this run did not resume: its first save writes its frozen units' set
-    if weights is None:
-        for i, unit in enumerate(units):
-            init_unit_random(unit, i, cfg.seed, mcfg.init_std)
-    elif isinstance(weights, str):
-        saved = checkpoints.load_weights(weights, units, "--init_from")["units"]  # the manifest every rank read: agreed
-        new = [(i, unit) for i, unit in enumerate(units) if unit.name not in saved]
-        for i, unit in new:
-            init_unit_random(unit, i, cfg.seed, mcfg.init_std)
-        taken, new_names = checkpoints.unit_list([u.name for u in units if u.name in saved]), [u.name for _, u in new]
-        return (f"taken: {taken}; new, initialised as a run from scratch (--seed {cfg.seed}): "
-                f"{checkpoints.unit_list(new_names) or 'none'}")
-    else:
-        open_files = {}
-        for unit in units:
-            load_unit_from_hf(unit, weights, open_files)
+def whole_parameter(units: list, name: str) -> torch.Tensor:
+    """model.init_parameter's `weight_of`: parameter `name`'s whole fp32 tensor, all-gathered from its unit's shards."""
+    unit, slot = {slot.name: (unit, slot) for unit in units for slot in unit.slots}[name]
+    full = torch.empty(unit.padded_numel, dtype=torch.float32, device=unit.gathered.device)
+    OD.all_gather_flat(full, unit.master_shard.to(full.device))  # from host memory with --offload_optimizer
+    return full[slot.offset:slot.offset + math.prod(slot.shape)].view(slot.shape)
 
+
+def init_weights(cfg, mcfg: M.ModelConfig, units: list, weights: dict | str | None) -> str | None:
+    """Seeded random weights (`weights` None); or this rank's shards of the units an --init_from Hugging Face folder
+    (`weights` {HF tensor name: file}) or one of our checkpoints (`weights` its folder: a new phase, a fresh optimizer)
+    holds, the units it lacks (a fork's adapter) initialised as a run from scratch initialises them, after the units
+    taken (model.init_parameter may read those). Returns, for a start from other weights, the line naming both."""
+    checkpoints.forget_frozen_set()  # this run did not resume: its first save writes its frozen units' set
+    if isinstance(weights, str):
+        saved = checkpoints.load_weights(weights, units, "--init_from")["units"]  # the manifest every rank read: agreed
+        taken = {unit.name for unit in units if unit.name in saved}
+    else:  # a Hugging Face folder's units: whole ones (check_hf_tensors), read from the files' headers by every rank
+        taken, open_files = {u.name for u in units if M.hf_name(u.slots[0].name) in (weights or {})}, {}
+        for unit in [u for u in units if u.name in taken]:
+            load_unit_from_hf(unit, weights, open_files)
+    new = [(i, unit) for i, unit in enumerate(units) if unit.name not in taken]
+    for i, unit in new:
+        init_unit_random(unit, i, cfg.seed, mcfg.init_std, lambda name: whole_parameter(units, name))
+    if weights is None:
+        return None
+    source = (f"checkpoint {weights} (a new phase: step 1, a fresh optimizer and data position)"
+              if isinstance(weights, str) else f"Hugging Face folder {cfg.init_from}")
+    taken_names, new_names = [u.name for u in units if u.name in taken], [u.name for _, u in new]
+    return (f"started from the weights of {source}; taken: {checkpoints.unit_list(taken_names)}; new, initialised as a "
+            f"run from scratch (--seed {cfg.seed}): {checkpoints.unit_list(new_names) or 'none'}")
 
 
 # ================================================================================================
@@ -298,14 +307,24 @@ def hf_file_of_tensors(folder: str) -> dict:
 
 
 def check_hf_tensors(files: dict, mcfg: M.ModelConfig, folder: str):
-    """The files hold exactly the parameters of config.json's model: an extra tensor (a Qwen2 q_proj.bias, a rotary
-    inv_freq, lm_head.weight beside tied embeddings) is refused, never dropped: the weights are another model's."""
+    """The files hold config.json's model, each unit whole: an extra tensor (a Qwen2 q_proj.bias, a rotary inv_freq,
+    lm_head.weight beside tied embeddings) is refused, never dropped: the weights are another model's. A unit none of
+    whose tensors is there is a fork's new one (init_weights initialises it), unless it lacks a tensor of the family
+    (family_tensors): a folder missing blocks of the plain model is damaged, never a start."""
     with torch.device("meta"):  # names only: allocates nothing
-        expected = {M.hf_name(name) for name, _ in M.Llama(mcfg).named_parameters()}
+        units = {unit: [M.hf_name(n) for n in names] for unit, names in M.sharding_units(M.Llama(mcfg))}
+    expected = {name for names in units.values() for name in names}
     missing, unexpected = sorted(expected - files.keys()), sorted(files.keys() - expected)
-    if missing:
-        raise ValueError(f"--init_from: tensor {missing[0]}{more(missing)} is missing from the safetensors files "
-                         f"in {folder}")
+    family_missing = sorted(family_tensors(folder) & set(missing)) if missing else []
+    if family_missing:
+        raise ValueError(f"--init_from: tensor {family_missing[0]}{more(family_missing)} is missing from the "
+                         f"safetensors files in {folder}")
+    for unit, names in units.items():
+        lacking = [name for name in names if name not in files]
+        if 0 < len(lacking) < len(names):
+            raise ValueError(f"--init_from: tensor {lacking[0]}{more(lacking)} of unit {unit} is missing from the "
+                             f"safetensors files in {folder}, which hold its other tensors: a damaged folder (a fork's "
+                             f"new parameters start from it only as whole units of their own: model.sharding_units)")
     if unexpected:
         hint = ""
         if "lm_head.weight" in unexpected and mcfg.tie_embeddings:
@@ -313,6 +332,16 @@ def check_hf_tensors(files: dict, mcfg: M.ModelConfig, folder: str):
         raise ValueError(f"--init_from: {files[unexpected[0]]} holds {unexpected[0]}{more(unexpected)}, which the "
                          f"{M.FAMILIES[mcfg.family]['hf_class']} described by config.json does not have: this is not "
                          f"a plain {mcfg.family} checkpoint{hint}")
+
+
+def family_tensors(folder: str) -> set:
+    """The tensors transformers' class of the family builds from `folder`'s config.json (none of a fork's)."""
+    import transformers
+    config = OD.load_json(os.path.join(folder, "config.json"))
+    family = M.FAMILIES[config["model_type"]]
+    with torch.device("meta"):
+        hf = getattr(transformers, family["hf_class"])(getattr(transformers, family["hf_config_class"]).from_dict(config))
+    return set(hf_saved_tensors(hf))
 
 
 def more(names: list) -> str:
@@ -328,7 +357,7 @@ def load_unit_from_hf(unit, files: dict, open_files: dict):
         lo, hi = max(offset, lo_shard), min(offset + math.prod(shape), hi_shard)
         if lo >= hi:
             continue
-        key = M.hf_name(name)  # in `files`: check_hf_tensors found every one there
+        key = M.hf_name(name)  # in `files`: a unit taken from the folder is whole there (check_hf_tensors)
         if files[key] not in open_files:
             open_files[files[key]] = safe_open(files[key], framework="pt")
         tensor_slice = open_files[files[key]].get_slice(key)

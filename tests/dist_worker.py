@@ -5,9 +5,9 @@ MODE is `load` (how much of the checkpoint each rank reads), `sgd` (a whole run 
 swapped in for AdamW; writes no JSON), `zloss` (a whole run with a z-loss term added where docs/forking.md
 says, and TensorBoard's writer replaced by one that writes OUT_DIR/tensorboard.jsonl), `two_units` (a whole
 run of a fork that shards each block as two units: two_units_per_block), `lora` (a whole run of a fork that adds
-an adapter unit to each block: LoraBlock), or `facts` (a whole run
-in which each rank sees its own machine as ZERO3_TEST_FACTS says: see facts(); writes the launch settings it
-ran under). Checks of the step itself run in one process (tests/ranks.py).
+an adapter unit to each block: LoraBlock), `dora` (the same with DoRA on q_proj and v_proj: DoraBlock), or `facts`
+(a whole run in which each rank sees its own machine as ZERO3_TEST_FACTS says: see facts(); writes the launch settings
+it ran under). Checks of the step itself run in one process (tests/ranks.py).
 """
 import json
 import os
@@ -58,12 +58,13 @@ def two_units_per_block(model) -> list:
 
 
 LORA_RANK = 2
+PLAIN_INIT = M.init_parameter  # the families' rule, which the forks below keep for their other parameters
 
 
 class LoraBlock(M.Block):
-    """A fork's adapter on each block's output, h + B(A(h)) (`lora_a`, `lora_b`), initialised by the trainer's rule
-    (hf.init_unit_random) and sharded as a unit of its own, `layers.i.lora` (lora_units): it trains beside a frozen
-    base, and a new phase (--init_from a checkpoint without it) adds it."""
+    """A fork's adapter on each block's output, h + B(A(h)) (`lora_a`, `lora_b`), sharded as a unit of its own,
+    `layers.i.lora` (lora_units), initialised by the fork's init hook (lora_init_parameter: B zero, so the fork starts
+    as the base model): it trains beside a frozen base, and a new phase or a Hugging Face folder without it adds it."""
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -75,13 +76,57 @@ class LoraBlock(M.Block):
         return h + torch.nn.functional.linear(torch.nn.functional.linear(h, self.lora_a), self.lora_b)
 
 
-def lora_units(model) -> list:
-    """model.sharding_units of the LoraBlock fork: each block, then its adapter (`layers.i.lora`)."""
+def lora_init_parameter(name, full, std, generator, weight_of):
+    """model.init_parameter of the LoRA fork: B zero (B(A(h)) = 0 at the start), everything else the family's rule."""
+    if name.endswith("lora_b"):
+        return full.zero_()
+    PLAIN_INIT(name, full, std, generator, weight_of)
+
+
+def lora_units(model, adapter: str = "lora") -> list:
+    """model.sharding_units of the LoRA (DoRA) fork: each block, then its adapter (`layers.i.lora`, `layers.i.dora`)."""
     units = []
     for name, names in BLOCK_UNITS(model):
-        adapter = [n for n in names if ".lora_" in n]
-        units += [(name, [n for n in names if n not in adapter])] + ([(f"{name}.lora", adapter)] if adapter else [])
+        new = [n for n in names if ".lora_" in n or n.endswith(".magnitude")]
+        units += [(name, [n for n in names if n not in new])] + ([(f"{name}.{adapter}", new)] if new else [])
     return units
+
+
+class DoraLinear(torch.nn.Linear):
+    """DoRA (Liu et al., 2024) on a projection W (kept under its own name, frozen): m * (W + BA) / ||W + BA||, row by
+    row, with the magnitude m (`magnitude`) and B, A trained. Initialised (dora_init_parameter) as m = ||W|| and B = 0:
+    the layer starts as W."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__(d_in, d_out, bias=False)
+        self.lora_a = torch.nn.Parameter(torch.empty(LORA_RANK, d_in))
+        self.lora_b = torch.nn.Parameter(torch.empty(d_out, LORA_RANK))
+        self.magnitude = torch.nn.Parameter(torch.empty(d_out))
+
+    def forward(self, x):
+        w = self.weight + self.lora_b @ self.lora_a
+        return torch.nn.functional.linear(x, w * (self.magnitude / w.norm(dim=1))[:, None])
+
+
+class DoraBlock(M.Block):
+    """A DoRA fork: q_proj and v_proj adapted (DoraLinear), the adapters of a block its unit `layers.i.dora`."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.self_attn.q_proj = DoraLinear(cfg.dim, cfg.n_heads * cfg.head_dim)
+        self.self_attn.v_proj = DoraLinear(cfg.dim, cfg.n_kv_heads * cfg.head_dim)
+
+
+def dora_init_parameter(name, full, std, generator, weight_of):
+    """model.init_parameter of the DoRA fork: the magnitude is the norms of the rows of the weight it adapts (another
+    unit's, gathered by weight_of); B zero, A and the rest the family's rule."""
+    if name.endswith(".magnitude"):
+        return full.copy_(weight_of(name.removesuffix("magnitude") + "weight").norm(dim=1))
+    lora_init_parameter(name, full, std, generator, weight_of)
+
+
+def dora_units(model) -> list:
+    return lora_units(model, "dora")
 
 
 def record_tensorboard(out_dir):
@@ -212,8 +257,9 @@ if __name__ == "__main__":
         M.sharding_units = two_units_per_block
         T.main(flags)
         os._exit(0)
-    if mode == "lora":
-        M.Block, M.sharding_units = LoraBlock, lora_units
+    if mode in ("lora", "dora"):
+        M.Block, M.sharding_units, M.init_parameter = {"lora": (LoraBlock, lora_units, lora_init_parameter),
+                                                       "dora": (DoraBlock, dora_units, dora_init_parameter)}[mode]
         T.main(flags)
         os._exit(0)
     if mode == "facts":

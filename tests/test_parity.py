@@ -473,7 +473,7 @@ def test_a_phase_that_adds_an_adapter_unit_takes_the_checkpoint_and_trains_as_it
     frozen units keep the checkpoint's master weights bit for bit. Refused before any work, in one line: the phase's
     checkpoint by the plain model (the adapters would be dropped), and the plain one by a fork that puts the adapter
     inside each block's unit (another size)."""
-    from dist_worker import BLOCK_UNITS, LoraBlock, lora_units
+    from dist_worker import BLOCK_UNITS, LoraBlock, lora_init_parameter, lora_units
     root, init_dir, data_path, _ = llama_setup
     plain, phase = root / "phase-plain", str(root / "phase-lora")
     assert main_in_process([f"--{k}={v}" for k, v in ARGS.items()] + [
@@ -490,6 +490,7 @@ def test_a_phase_that_adds_an_adapter_unit_takes_the_checkpoint_and_trains_as_it
 
     monkeypatch.setattr(M, "Block", LoraBlock)
     monkeypatch.setattr(M, "sharding_units", lora_units)
+    monkeypatch.setattr(M, "init_parameter", lora_init_parameter)
     cfg = T.parse_args(args)
     mcfg = hf.model_config(cfg)
     units = T.build_sharded_model(cfg, mcfg, 0, 1, torch.device("cpu")).units
