@@ -9,11 +9,10 @@ import signal
 import stat
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
-from common import ROOT, hf_model, ours_from_hf, save_hf, small_config
+from common import ROOT, hf_model, ours_from_hf, save_hf, small_config, stand_in_unit
 from test_data import CHATS, TEXTS, hf_tokenizer
 
 import data as D
@@ -210,8 +209,7 @@ def paced_export(tmp_path, monkeypatch, rank: int, rank0_writes: bool = True, fa
     from components import hf
     from components import out_dir as OD
     events = []
-    units = [types.SimpleNamespace(slots=[types.SimpleNamespace(name=f"layers.{i}.w", offset=0, shape=(4,))],
-                                   numel=4, padded_numel=4) for i in range(3)]
+    units = [stand_in_unit(f"layers.{i}", numel=4) for i in range(3)]
 
     def gather(unit):
         events.append(("all-gather", units.index(unit)))
