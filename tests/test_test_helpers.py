@@ -50,7 +50,7 @@ class MixtralBlock(M.Block):
         del self.mlp
         self.block_sparse_moe = SparseMoe(cfg)
 
-    def mlp(self, h):
+    def mlp(self, h):  # what Block.forward calls: the routed MLP, under Mixtral's name for it
         return self.block_sparse_moe(h)
 
 
