@@ -52,12 +52,32 @@ def hf_model(cfg: M.ModelConfig, seed: int = 0, hf_config: dict | None = None):
 
 
 def ours_from_hf(cfg: M.ModelConfig, ref) -> M.Llama:
+    """Our model with `ref`'s weights, read as the trainer reads a Hugging Face folder: the files save_pretrained
+    writes, held to exactly our parameters (hf.check_hf_tensors), each under M.hf_name of its name. Not
+    ref.state_dict(): transformers 5 renames some tensors in memory (each Mixtral layer's experts fused in one)."""
+    from safetensors.torch import load_file
     ours = M.Llama(cfg).float()
-    state = {k.removeprefix("model."): v for k, v in ref.state_dict().items()}
-    if cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)
-    ours.load_state_dict(state, strict=True)
+    with tempfile.TemporaryDirectory(prefix="zero3_hf_") as folder:
+        files = hf.hf_file_of_tensors(save_hf(ref, folder))
+        hf.check_hf_tensors(files, cfg, folder)
+        on_disk = {name: t for path in set(files.values()) for name, t in load_file(path).items()}
+    ours.load_state_dict({name: on_disk[M.hf_name(name)] for name, _ in ours.named_parameters()}, strict=True)
     return ours
+
+
+def stand_in_unit(name: str, numel: int = 6, rank: int = 0, world: int = 1, **fields):
+    """A test's stand-in for one of train.py's units with every field components/checkpoints.py's interface lists and
+    components/hf.py reads (test_test_helpers holds it to them): this rank's shard of `numel` elements (padded to
+    a multiple of `world`), one 1-D parameter `NAME.weight`, zero master weights and AdamW moments; `fields` replace
+    any of them."""
+    from types import SimpleNamespace
+    padded = -(-numel // world) * world
+    shard = padded // world
+    return SimpleNamespace(**{**dict(
+        name=name, numel=numel, padded_numel=padded, shard_numel=shard, shard_start=shard * rank,
+        slots=[SimpleNamespace(name=f"{name}.weight", shape=(numel,), offset=0)], master_shard=torch.zeros(shard),
+        gathered=torch.zeros(padded), optimizer_state={key: torch.zeros(shard) for key in M.OPTIMIZER_STATE},
+        trained=True, optimizer_steps=1), **fields})
 
 
 def learnable_tokens(path: str, vocab_size: int, n: int = 4000, seed: int = 0, eos_id: int | None = None) -> str:

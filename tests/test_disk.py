@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from common import ROOT, free_port, learnable_tokens, read_metrics, run_script, small_config
+from common import ROOT, free_port, learnable_tokens, read_metrics, run_script, small_config, stand_in_unit
 
 from components import checkpoints
 from components import out_dir as OD
@@ -36,11 +36,9 @@ def one_process_group():
 
 
 def tiny_units():
-    """What save_checkpoint reads of train.py's units: a name, sizes, the fp32 slices."""
-    return [SimpleNamespace(name=f"u{i}", numel=6, shard_numel=6, shard_start=0, master_shard=torch.arange(6.0) + i,
-                            optimizer_state={"exp_avg": torch.zeros(6), "exp_avg_sq": torch.ones(6)}, trained=True,
-                            optimizer_steps=1, slots=[SimpleNamespace(name=f"u{i}.w", shape=(6,), offset=0)])
-            for i in range(2)]
+    """Two stand-ins for train.py's units of 6 elements, told apart by their master weights."""
+    return [stand_in_unit(f"u{i}", master_shard=torch.arange(6.0) + i,
+                          optimizer_state={"exp_avg": torch.zeros(6), "exp_avg_sq": torch.ones(6)}) for i in range(2)]
 
 
 def save(out, step, units=None):
@@ -418,7 +416,7 @@ def test_a_new_phase_reads_the_units_a_checkpoint_holds_and_a_resume_refuses_ano
     path = save(tmp_path / "out", 4)
     with open(os.path.join(path, "manifest.json")) as f:
         manifest = json.load(f)
-    units = tiny_units() + [SimpleNamespace(**dict(vars(tiny_units()[0]), name="u2", master_shard=torch.full((6,), 7.0)))]
+    units = tiny_units() + [stand_in_unit("u2", master_shard=torch.full((6,), 7.0))]
     for u in units[:2]:
         u.master_shard.zero_()
     checkpoints.load_checkpoint(path, manifest, units, master_only=True)

@@ -5,12 +5,11 @@ one line on stderr, no traceback; only exit code 2 writes ZERO3_FATAL_FILE."""
 import errno
 import os
 import socket
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from common import learnable_tokens, read_metrics, small_config
+from common import learnable_tokens, read_metrics, small_config, stand_in_unit
 from ranks import run_ranks
 
 import data as D
@@ -185,12 +184,11 @@ def test_metrics_on_a_full_disk_is_one_line_even_when_the_close_fails_too(main_i
 # -- reading a checkpoint: an I/O error is retried, then named; never a rollback ----------------------------------
 
 def units_of(rank: int, world: int = 2):
-    """What save_checkpoint and load_checkpoint use of train.py's units: two units of 6 elements, this rank's half."""
+    """Two stand-ins for train.py's units of 6 elements: this rank's half, told apart by their master weights."""
     n = 6 // world
-    return [SimpleNamespace(name=f"u{i}", numel=6, shard_numel=n, shard_start=n * rank,
-                            master_shard=torch.arange(n * rank, n * rank + n, dtype=torch.float32) + 10 * i,
-                            optimizer_state={"exp_avg": torch.zeros(n), "exp_avg_sq": torch.ones(n)}, trained=True,
-                            optimizer_steps=1, slots=[SimpleNamespace(name=f"u{i}.w", shape=(6,), offset=0)])
+    return [stand_in_unit(f"u{i}", rank=rank, world=world,
+                          master_shard=torch.arange(n * rank, n * rank + n, dtype=torch.float32) + 10 * i,
+                          optimizer_state={"exp_avg": torch.zeros(n), "exp_avg_sq": torch.ones(n)})
             for i in range(2)]
 
 

@@ -18,7 +18,6 @@ from test_data import CHATS, TEXTS, hf_tokenizer
 import data as D
 from tools import prepare as prep
 from tools import export_hf as X
-from components import hf
 
 # Each kind of text the ids must agree on: French, English, chat markup, digits and whitespace runs,
 # symbols, emoji, CJK (byte fallback: not in a 400-piece vocabulary) and control characters.

@@ -1,7 +1,7 @@
 """Training parity: train.py at W = 1, 2, 3, 4 (fp32, gloo) against one process of transformers'
 LlamaForCausalLM + torch.optim.AdamW on the same batches: per-step loss within 1e-5 relative, logged
-grad norm within 1e-4, final weights within 1e-4 relative per tensor (a fork noisier than that: twice its
-oracle's own eager-vs-SDPA distance, check_weights). The data packs several documents
+grad norm within 1e-4, final weights within 1e-4 relative per tensor (a fork noisier than that: under twice its
+oracle's own eager-vs-SDPA distance, within_oracle_noise). The data packs several documents
 into some rows; the oracle runs each document alone, which is what --doc_mask (the default) promises."""
 import functools
 import json
@@ -142,29 +142,48 @@ def llama_setup(tmp_path_factory):
 
 
 def check_against_reference(out, reference, clip=CLIP):
-    ref_losses, ref_norms = reference.losses, reference.norms
     got = read_metrics(out)
     assert [m["step"] for m in got] == list(range(1, STEPS + 1))
-    for m, loss, norm in zip(got, ref_losses, ref_norms):
-        assert math.isclose(m["loss"], loss, rel_tol=1e-5), (m["step"], m["loss"], loss)
-        assert math.isclose(m["grad_norm"], norm, rel_tol=1e-4), (m["step"], m["grad_norm"], norm)
-    assert max(ref_norms) > clip, "the test must exercise clipping"
+    check_steps(got, reference)
+    assert max(reference.norms) > clip, "the test must exercise clipping"
     from transformers import AutoModelForCausalLM
     exported = AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"), dtype=torch.float32).state_dict()
     check_weights(exported, reference)
     return exported
 
 
+def within_oracle_noise(what, distance: float, floor: float, own_distance: Callable[[], float]):
+    """`distance` (relative, ours from the oracle's) under `floor`, or under twice `own_distance()`: the oracle's
+    distance from itself (eager against SDPA attention, Reference.again), run only when the floor is passed. A fork
+    whose arithmetic is noisier than the floor (post-norm blocks, routing that flips on near-ties) is held to its
+    oracle's noise, never to a fixed number below it; a run within the floor passes without it."""
+    if distance >= floor:
+        own = own_distance()
+        assert distance < 2 * own, (*what, distance, own)
+
+
+def scalar_distance(got: float, ref: float) -> float:
+    """math.isclose's relative distance: the difference over the larger magnitude."""
+    return abs(got - ref) / max(abs(got), abs(ref)) if got != ref else 0.0
+
+
+def check_steps(got: list, reference: Reference):
+    """Each step's loss within 1e-5 relative of the oracle's and its grad norm within 1e-4, or within the oracle's
+    noise (within_oracle_noise); `got`: metrics.jsonl's rows."""
+    assert len(got) == len(reference.losses)
+    for i, m in enumerate(got):
+        for key, field, floor in (("loss", "losses", 1e-5), ("grad_norm", "norms", 1e-4)):
+            ref = getattr(reference, field)[i]
+            within_oracle_noise((m["step"], key, m[key], ref), scalar_distance(m[key], ref), floor,
+                                lambda: scalar_distance(getattr(reference.again(), field)[i], ref))
+
+
 def check_weights(state: dict, reference: Reference, floor: float = 1e-4):
-    """Each tensor within `floor` relative of the oracle's, or within twice the oracle's own distance from itself
-    (eager against SDPA attention, run only when needed): a fork whose arithmetic is noisier than 1e-4 (post-norm
-    blocks) is held to its oracle's noise, never to a fixed number below it."""
+    """Each tensor within `floor` relative of the oracle's, or within its noise (within_oracle_noise)."""
     assert set(state) == set(reference.state)
     for name, ref_w in reference.state.items():
-        rel = ((state[name] - ref_w).norm() / ref_w.norm()).item()
-        if rel >= floor:
-            own = ((reference.again().state[name] - ref_w).norm() / ref_w.norm()).item()
-            assert rel < 2 * own, (name, rel, own)
+        within_oracle_noise((name,), ((state[name] - ref_w).norm() / ref_w.norm()).item(), floor,
+                            lambda: ((reference.again().state[name] - ref_w).norm() / ref_w.norm()).item())
 
 
 # Each world size also runs one option that must not change the arithmetic: cross-entropy in chunks that do
@@ -324,6 +343,20 @@ def test_the_weight_tolerance_is_the_oracles_own_noise_above_1e_4():
     for state, reference in (({"w": ones * (1 + 2e-4)}, quiet), ({"w": ones * (1 + 3e-3)}, noisy)):
         with pytest.raises(AssertionError):
             check_weights(state, reference)
+
+
+def test_the_loss_and_grad_norm_tolerances_are_the_oracles_own_noise_above_theirs():
+    """check_steps: each step's loss within 1e-5 relative and grad norm within 1e-4, or under twice the oracle's
+    eager-vs-SDPA distance where that is larger; the oracle's second run happens only past the fixed bound."""
+    def unmeasured():
+        raise AssertionError("the oracle's noise was measured for a run within the fixed bounds")
+    quiet = Reference([4.0], [2.0], {}, lambda: Reference([4.0 * (1 + 1e-7)], [2.0 * (1 + 1e-6)], {}, None))
+    noisy = Reference([4.0], [2.0], {}, lambda: Reference([4.0 * (1 + 1e-3)], [2.0 * (1 + 1e-2)], {}, None))
+    check_steps([dict(step=1, loss=4.0 * (1 + 9e-6), grad_norm=2.0 * (1 - 9e-5))], Reference([4.0], [2.0], {}, unmeasured))
+    check_steps([dict(step=1, loss=4.0 * (1 + 1.5e-3), grad_norm=2.0 * (1 - 1.5e-2))], noisy)
+    for loss, norm, reference in ((1 + 2e-5, 1, quiet), (1, 1 + 2e-4, quiet), (1 + 3e-3, 1, noisy), (1, 1 + 3e-2, noisy)):
+        with pytest.raises(AssertionError):
+            check_steps([dict(step=1, loss=4.0 * loss, grad_norm=2.0 * norm)], reference)
 
 
 def test_without_doc_mask_matches_hf_on_whole_rows(setup):
@@ -499,8 +532,7 @@ def test_a_phase_that_adds_an_adapter_unit_takes_the_checkpoint_and_trains_as_it
                 for unit in units if unit.name.endswith(".lora") for s in unit.slots}
     reference = reference_run(str(plain / "hf"), data_path, doc_mask=True, frozen=lambda step, name: bool(re.search(
         BASE, name)), fork=with_adapters(adapters))
-    for m, loss, norm in zip(read_metrics(phase), reference.losses, reference.norms, strict=True):
-        assert math.isclose(m["loss"], loss, rel_tol=1e-5) and math.isclose(m["grad_norm"], norm, rel_tol=1e-4), m
+    check_steps(read_metrics(phase), reference)
     got = checkpoint_weights(os.path.join(phase, "checkpoints", f"step_{STEPS:08d}"), units)
     check_weights(got, reference)
     saved = checkpoint_weights(ckpt, [u for u in units if not u.name.endswith(".lora")])

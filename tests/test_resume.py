@@ -11,7 +11,7 @@ from dataclasses import fields, replace
 
 import numpy as np
 import pytest
-from common import ROOT, learnable_tokens, read_metrics, small_config, stopped_at
+from common import ROOT, learnable_tokens, read_metrics, small_config, stand_in_unit, stopped_at
 
 import data as D
 from components import checkpoints
@@ -63,8 +63,7 @@ def folder(tmp_path, monkeypatch):
 
 def manifest_of(cfg) -> dict:
     """What checkpoints.checkpoint_manifest writes for `cfg` (one unit), through JSON as a resume reads it."""
-    unit = types.SimpleNamespace(name="u0", numel=6, shard_numel=6, optimizer_state={"exp_avg": None},
-                                 trained=True, optimizer_steps=6, slots=[types.SimpleNamespace(name="u0.w", shape=(6,))])
+    unit = stand_in_unit("u0", optimizer_state={"exp_avg": None}, optimizer_steps=6)
     return json.loads(json.dumps(checkpoints.checkpoint_manifest(cfg, small_config(), checkpoints.unit_records([unit]), 6, 1, None, {})))
 
 
