@@ -15,6 +15,7 @@ from test_data import TEXTS, hf_tokenizer, write_jsonl
 from components import out_dir as OD
 from components import flags
 from tools import prepare as prep
+from tools import tokenizer as TK
 import data as D
 import model as M
 from tools import plan as P
@@ -62,7 +63,7 @@ def test_kv_cache_gives_the_full_forwards_logits():
 
 @pytest.fixture(scope="module")
 def sentencepiece_run(tmp_path_factory):
-    """A data.py sentencepiece tokenizer (Llama 3 header chats, no template), a folder prepared with it, and
+    """A sentencepiece tokenizer of our own (Llama 3 header chats, no template), a folder prepared with it, and
     a tied model of its vocabulary saved as a Hugging Face folder."""
     root = tmp_path_factory.mktemp("sp")
     text = write_jsonl(root / "text.jsonl", [{"text": t} for t in TEXTS * 30])
@@ -91,7 +92,7 @@ def test_sharded_decoding_equals_generate_stops_at_end_ids_and_leaves_nothing_be
     try:
         assert len(sharded.units) == (2 if two_units else 1) * sharded.model.cfg.n_layers + 2
         sampler = S.Sampler(cfg, sharded.model.cfg, 0, 0)
-        tok = sampler.tok
+        tok = TK.Tokenizer(sampler.tokenizer_path)  # the tool's, as the sampler asked it
         assert tok.path == str(r["root"] / "tok.model")  # the tokenizer meta.json records
         # The text is the start of a prepared document; the chat is what prepare writes before a reply.
         assert sampler.prompts[0] == [tok.bos_id] + tok.sp.encode(PROMPTS[0]["text"])
