@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from common import hf_model, learnable_tokens, ours_from_hf, run_train, save_hf, small_config
-from common import live_tensor_bytes
+from common import live_tensor_bytes, read_metrics
 from test_data import TEXTS, hf_tokenizer, write_jsonl
 
 from components import out_dir as OD
@@ -168,6 +168,26 @@ def test_samples_at_each_evaluation_at_w2_equal_generate_on_the_exported_weights
         assert row["ids"] == hf_generate(ref, ids, 12, eos_ids)
         assert row["completion"] == tok.decode(row["ids"][:-1] if row["ids"][-1] in eos_ids else row["ids"])
     assert any(len(row["ids"]) > 1 for row in rows)  # decode steps ran, not only the prefill
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_stops_every_rank_with_one_line(hf_tokenizer_run, tmp_path):
+    """torchrun, W = 2: rank 0 asks tools/tokenizer.py for the prompts' ids and every rank gets its answer, so a
+    chat template that fails on a prompt stops each rank with the same line naming --sample_prompts, before step 1."""
+    r = hf_tokenizer_run
+    init = shutil.copytree(r["init"], tmp_path / "init")
+    config = json.loads((init / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ raise_exception('no chats here') }}"
+    (init / "tokenizer_config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    proc = run_train([f"--init_from={init}", f"--data={r['data']}", f"--sample_prompts={r['prompts']}", "--steps=2",
+                      "--eval_every=1", "--seq_len=16", "--batch_size=4", "--micro_batch_size=2", "--dtype=float32",
+                      f"--out_dir={out}"], nproc=2, check=False)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    expected = (f"error: --sample_prompts: {r['prompts']}: prompt 2: the chat template of {init} failed on this chat "
+                f"(TemplateError: no chats here)")
+    assert 1 <= len(lines) <= 2 and set(lines) == {expected}, proc.stderr[-3000:]  # torchrun may stop one first
+    assert 'train.py", line' not in proc.stderr and read_metrics(str(out)) == []  # no traceback, no step
 
 
 def test_a_resumed_run_keeps_the_samples_of_the_steps_it_has_done(tmp_path):
