@@ -32,8 +32,7 @@ from components import flags, hf, out_dir as OD
 from components import run_data
 
 TOKENIZER_TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "tokenizer.py")
-TOKENIZER_TIMEOUT_S = 300  # prompts take seconds (transformers' import the most); under --timeout_min's default, so
-# a hung tool is rank 0's error line on every rank, not a collective's timeout
+TOKENIZER_TIMEOUT_S = 300  # under --timeout_min's default: a hung tool is rank 0's error line, not a collective's
 
 
 def encode_prompts(tokenizer: str, records: list[dict]) -> dict:
@@ -127,9 +126,8 @@ def shorten(text: str, limit: int = 100) -> str:
 
 
 class Sampler:
-    """--sample_prompts: the prompts as token ids, the ids that end a completion, and samples.jsonl. Made once
-    the process group exists: rank 0's tokenizer answer (encode_prompts) is broadcast to every rank, and a failure
-    stops every rank with the same line."""
+    """--sample_prompts: the prompts as token ids, the ids that end a completion, and samples.jsonl. Made once the
+    group exists: rank 0's encode_prompts answer goes to every rank, so a failure stops each with the same line."""
 
     def __init__(self, cfg, mcfg: M.ModelConfig, rank: int, start_step: int):
         self.rank, self.max_new_tokens = rank, cfg.sample_tokens
