@@ -5,7 +5,9 @@ its meaning). The built-in sample is built by its tool, tools/sample_corpus.py, 
 a run knows only where it lies (SAMPLE_SOURCES, sample_sources, sample_is_built), which the tool reads here."""
 import dataclasses
 import fractions
+import hashlib
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -40,8 +42,9 @@ def open_data(cfg, mcfg):
             raise D.DataError(f"{data.flag}: {data.path} was tokenized with {data.meta['tokenizer']['path']}, --data "
                               f"{first.path} with {first.meta['tokenizer']['path']}: a run needs one tokenizer")
     if first and cfg.init_from and first.meta["tokenizer"]["kind"] == "huggingface":
-        model_tokenizer = os.path.join(cfg.init_from, "tokenizer.json")
-        if os.path.isfile(model_tokenizer) and D.Tokenizer(cfg.init_from).sha256 != first.meta["tokenizer"]["sha256"]:
+        model_tokenizer = pathlib.Path(cfg.init_from, "tokenizer.json")  # hashed as meta.json's SHA-256 is
+        if model_tokenizer.is_file() and (hashlib.sha256(model_tokenizer.read_bytes()).hexdigest()
+                                          != first.meta["tokenizer"]["sha256"]):
             raise D.DataError(f"--data: {first.path} was tokenized with {first.meta['tokenizer']['path']}, whose "
                               f"tokenizer.json differs from {model_tokenizer}")
     return mcfg, mixed_windows(train_data, cfg, mcfg), mixed_windows(eval_data, cfg, mcfg) if eval_data else None

@@ -2,9 +2,11 @@
 greedily (`--sample_tokens` new tokens at most), print them, and append them to OUT_DIR/samples.jsonl.
 
 The prompts: .jsonl, `{"text": ...}` or a chat `{"messages": [...]}`, rendered as the run's tokenizer
-renders them (data.Tokenizer.prompt_ids; the tokenizer is run_data.run_tokenizer's). Every rank reads and
-encodes them itself, and runs every prompt: the sampled ids are broadcast from rank 0 each step so that
-all ranks agree on when to stop (a rank that stopped early would leave the others waiting in a gather).
+(run_data.run_tokenizer's) renders them. The tokenizer is a tool's, tools/tokenizer.py, which the trainer never
+imports: rank 0 asks it once, in a subprocess, for the prompts' ids and the ids that end a completion
+(encode_prompts), and every rank runs rank 0's answer; rank 0 decodes the completions with the tokenizer's own
+library (load_decoder). The sampled ids are broadcast from rank 0 each step so that all ranks agree on when to
+stop (a rank that stopped early would leave the others waiting in a gather).
 
 Generation through the sharded model: each pass over the model (the prompts' prefill, then one new
 token per prompt) gathers every unit once, just before it runs and freed right after, as training's
@@ -16,6 +18,8 @@ is on the training step's path: train.py calls Sampler.sample after an evaluatio
 """
 import json
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -27,14 +31,40 @@ import model as M
 from components import flags, hf, out_dir as OD
 from components import run_data
 
+TOKENIZER_TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools", "tokenizer.py")
+TOKENIZER_TIMEOUT_S = 300  # under --timeout_min's default: a hung tool is rank 0's error line, not a collective's
 
-def end_ids(cfg, mcfg: M.ModelConfig, tok: D.Tokenizer) -> list[int]:
+
+def encode_prompts(tokenizer: str, records: list[dict]) -> dict:
+    """TOKENIZER_TOOL's `prompts` answer for `records` with `tokenizer`: {"prompt_ids", "end_ids", "decoder"}, or
+    {"error": its last line}. The records go as .jsonl on its stdin, the answer comes as JSON on its stdout."""
+    try:
+        proc = subprocess.run([sys.executable, TOKENIZER_TOOL, "prompts", "--tokenizer", tokenizer],
+                              input="".join(json.dumps(r) + "\n" for r in records), text=True, capture_output=True,
+                              timeout=TOKENIZER_TIMEOUT_S)
+        if proc.returncode == 0:
+            return json.loads(proc.stdout)
+        why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1].removeprefix("error: ")
+    except (OSError, subprocess.SubprocessError, ValueError) as e:  # ValueError: JSON that does not parse
+        why = f"{TOKENIZER_TOOL} failed ({type(e).__name__}: {e})"
+    return {"error": why}
+
+
+def load_decoder(kind: str, path: str):
+    """What turns a completion's ids into text, as tools/tokenizer.py's Tokenizer.decode does: sentencepiece's
+    processor for a .model, transformers' tokenizer for a folder (the tool's answer names which)."""
+    if kind == "sentencepiece":
+        import sentencepiece
+        return sentencepiece.SentencePieceProcessor(model_file=path)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def end_ids(cfg, mcfg: M.ModelConfig, tokenizer_end_ids: list[int]) -> list[int]:
     """The ids a completion stops at: the model's end of text (its config, and --init_from's
-    generation_config.json list: Llama 3.1 Instruct ends a reply with <|eot_id|> or <|eom_id|>), the
-    tokenizer's, and <|eot_id|>, which ends a chat turn in data.py's format, when the tokenizer has it."""
-    ids = {mcfg.eos_id, *tok.end_ids()}
-    if tok.kind == "huggingface":  # its eos_token when tok.eos_id is <|end_of_text|> (Llama 3 Instruct: <|eot_id|>)
-        ids.add(tok.hf.eos_token_id)
+    generation_config.json list: Llama 3.1 Instruct ends a reply with <|eot_id|> or <|eom_id|>), and the
+    tokenizer's (Tokenizer.end_ids: its end of text, its eos_token, the markers that close a chat turn)."""
+    ids = {mcfg.eos_id, *tokenizer_end_ids}
     for name in ("config.json", "generation_config.json"):
         eos = (hf.source_json(cfg.init_from, name) or {}).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [eos])
@@ -96,18 +126,25 @@ def shorten(text: str, limit: int = 100) -> str:
 
 
 class Sampler:
-    """--sample_prompts: the prompts as token ids, the ids that end a completion, and samples.jsonl."""
+    """--sample_prompts: the prompts as token ids, the ids that end a completion, and samples.jsonl. Made once the
+    group exists: rank 0's encode_prompts answer goes to every rank, so a failure stops each with the same line."""
 
     def __init__(self, cfg, mcfg: M.ModelConfig, rank: int, start_step: int):
         self.rank, self.max_new_tokens = rank, cfg.sample_tokens
         self.records = flags.read_prompts(cfg.sample_prompts)
-        self.tok = D.Tokenizer(run_data.run_tokenizer(cfg))
-        self.prompts = [self.tok.prompt_ids(r) for r in self.records]
+        self.tokenizer_path = run_data.run_tokenizer(cfg)
+        answer = [encode_prompts(self.tokenizer_path, self.records) if rank == 0 else None]
+        dist.broadcast_object_list(answer, src=0)  # every rank runs the same ids
+        encoded = answer[0]
+        if "error" in encoded:
+            raise D.DataError(f"--sample_prompts: {cfg.sample_prompts}: {encoded['error']}")
+        self.prompts = encoded["prompt_ids"]
         for n, ids in enumerate(self.prompts, 1):
             if max(ids) >= mcfg.vocab_size:
                 raise D.DataError(f"--sample_prompts: {cfg.sample_prompts}: prompt {n} encodes to id {max(ids)} "
-                                  f"with {self.tok.path}, outside the model's vocabulary [0, {mcfg.vocab_size})")
-        self.stop_ids = end_ids(cfg, mcfg, self.tok)
+                                  f"with {self.tokenizer_path}, outside the model's vocabulary [0, {mcfg.vocab_size})")
+        self.stop_ids = end_ids(cfg, mcfg, encoded["end_ids"])
+        self.decoder = load_decoder(*encoded["decoder"]) if rank == 0 else None  # only rank 0 writes the samples
         self.path = os.path.join(cfg.out_dir, "samples.jsonl")
         self.error = ""  # rank 0: why samples.jsonl cannot be written; train.py stops every rank on it
         self.error_cause = None  # the OSError behind it, for processes.exit_code
@@ -124,7 +161,7 @@ class Sampler:
         if self.rank != 0:
             return
         rows = [dict(step=step, prompt=record.get("text", record.get("messages")),
-                     completion=self.tok.decode(ids[:-1] if ids[-1] in self.stop_ids else ids), ids=ids)
+                     completion=self.decoder.decode(ids[:-1] if ids[-1] in self.stop_ids else ids), ids=ids)
                 for record, ids in zip(self.records, completions)]
         try:
             with os.fdopen(OD.open_no_follow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:

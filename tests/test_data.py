@@ -12,6 +12,7 @@ import torch
 from common import ROOT, hf_model, ours_from_hf, read_metrics, run_train, small_config
 
 import data as D
+from tools import tokenizer as TK
 import model as M
 from components import run_data as RD
 
@@ -89,12 +90,12 @@ def documents(folder):
 # -- tokenizers -----------------------------------------------------------------------------------
 
 def test_trained_tokenizer_round_trips_any_utf8_and_keeps_chat_markers_whole(corpus):
-    tok = D.Tokenizer(corpus["sp"])
+    tok = TK.Tokenizer(corpus["sp"])
     text = "Ça coûte 12,50 € — naïve façade, ÆØÅ, 東京, 😀\n\n  indented"
     ids = tok.encode([text], specials=False)[0]
     assert tok.decode(ids) == text
     assert tok.sp.unk_id() not in ids  # byte fallback, never <unk>
-    for marker in D.CHAT_TOKENS:
+    for marker in TK.CHAT_TOKENS:
         assert len(tok.encode([marker], specials=True)[0]) == 1
     first = open(corpus["sp"], "rb").read()
     run_prepare("train-tokenizer", "--input", corpus["text"], corpus["txt"], "--vocab_size", "400", "--out", corpus["sp"])
@@ -108,7 +109,7 @@ def test_prepare_writes_each_document_as_bos_tokens_eos_in_input_order(corpus, t
     out = str(tmp_path / "p")
     run_prepare("prepare", "--input", corpus["text"], corpus["txt"], "--tokenizer", corpus[kind], "--out", out,
                "--shard_tokens", "500")
-    tok = D.Tokenizer(corpus[kind])
+    tok = TK.Tokenizer(corpus[kind])
     expected = []
     for doc in TEXTS * 30 + [open(corpus["txt"], encoding="utf-8").read()]:
         expected += [tok.bos_id, *tok.encode([doc], specials=False)[0], tok.eos_id]
@@ -150,7 +151,7 @@ def test_data_py_prepare_runs_the_tool(corpus, tmp_path):
 def test_chat_masks_cover_exactly_the_assistant_replies(corpus, tmp_path, kind):
     out = str(tmp_path / "chat")
     run_prepare("prepare", "--input", corpus["chat"], "--tokenizer", corpus[kind], "--out", out)
-    tok = D.Tokenizer(corpus[kind])
+    tok = TK.Tokenizer(corpus[kind])
     docs = documents(out)
     assert len(docs) == 2 * 10
     for (tokens, mask), chat in zip(docs, CHATS * 10):
@@ -171,7 +172,7 @@ def test_an_instruct_tokenizer_ends_documents_with_end_of_text_not_eot(corpus, t
     shutil.copytree(corpus["hf"], instruct)
     config = json.load(open(instruct / "tokenizer_config.json"))
     json.dump(dict(config, eos_token="<|eot_id|>"), open(instruct / "tokenizer_config.json", "w"))
-    tok = D.Tokenizer(str(instruct))
+    tok = TK.Tokenizer(str(instruct))
     assert tok.hf.eos_token == "<|eot_id|>" and tok.eos_id == tok.hf.convert_tokens_to_ids("<|end_of_text|>")
     out = str(tmp_path / "chat")
     run_prepare("prepare", "--input", corpus["chat"], "--tokenizer", str(instruct), "--out", out)
@@ -184,7 +185,7 @@ def test_a_literal_special_token_in_a_document_stays_text(corpus, tmp_path):
     out = str(tmp_path / "p")
     run_prepare("prepare", "--input", path, "--tokenizer", corpus["hf"], "--out", out)
     (tokens, _), = documents(out)
-    tok = D.Tokenizer(corpus["hf"])
+    tok = TK.Tokenizer(corpus["hf"])
     assert list(tokens).count(tok.eos_id) == 1 and tok.decode(tokens[1:-1]) == "fin<|end_of_text|>suite <|eot_id|>"
 
 
@@ -228,7 +229,7 @@ def test_skip_bad_skips_and_counts_each_bad_document(corpus, tmp_path):
     meta = json.load(open(os.path.join(out, "meta.json")))
     assert meta["documents"] == 2 and meta["skipped_bad"] == 4  # broken JSON, empty, bad UTF-8, no text
     assert "2 documents" in proc.stderr and "4 bad documents skipped" in proc.stderr
-    tok = D.Tokenizer(corpus["sp"])
+    tok = TK.Tokenizer(corpus["sp"])
     assert [tok.decode(t[1:-1]) for t, _ in documents(out)] == ["good one", "good two"]
 
 
@@ -346,7 +347,7 @@ def test_training_on_a_prepared_folder_takes_its_vocabulary_and_logs_eval_loss(c
     assert [("eval_loss" in m) for m in metrics] == [False, True, True]
     assert all(np.isfinite(m["eval_loss"]) for m in metrics[1:])
     config = json.load(open(os.path.join(out, "hf", "config.json")))
-    tok = D.Tokenizer(corpus["sp"])  # the end ids: EOS, and <|eot_id|> (it closes a chat turn): the export's too
+    tok = TK.Tokenizer(corpus["sp"])  # the end ids: EOS, and <|eot_id|> (it closes a chat turn): the export's too
     assert (config["vocab_size"], config["bos_token_id"], config["eos_token_id"]) == (400, 1, [2, tok.piece_id("<|eot_id|>")])
 
 

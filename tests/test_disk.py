@@ -329,7 +329,7 @@ def test_samples_jsonl_unwritable_is_kept_for_the_stop_not_raised(tmp_path, monk
     os.makedirs(tmp_path / "samples.jsonl")  # what cannot be appended to, whoever runs the test (root too)
     sampler = S.Sampler.__new__(S.Sampler)  # the prompts and tokenizer are not the point here
     sampler.rank, sampler.records, sampler.prompts, sampler.stop_ids = 0, [{"text": "hi"}], [[1, 5]], [2]
-    sampler.max_new_tokens, sampler.tok = 4, SimpleNamespace(decode=lambda ids: "x")
+    sampler.max_new_tokens, sampler.decoder = 4, SimpleNamespace(decode=lambda ids: "x")
     sampler.path, sampler.error = str(tmp_path / "samples.jsonl"), ""
     monkeypatch.setattr(S, "generate", lambda *args: [[1, 5, 7]])
     sampler.sample(None, 3)

@@ -1,6 +1,6 @@
 """--export_hf writes a folder a server loads as is: the weights, config.json and generation_config.json with
 the source's end ids and sampling defaults, the tokenizer (copied from an --init_from folder, or converted
-from a data.py sentencepiece model to the same ids), files with the process's umask, and never a model
+from a sentencepiece model of our own to the same ids), files with the process's umask, and never a model
 that transformers would load as another one (a fork's extra parameter)."""
 import json
 import os
@@ -17,6 +17,7 @@ from test_data import CHATS, TEXTS, hf_tokenizer
 
 import data as D
 from tools import prepare as prep
+from tools import tokenizer as TK
 from tools import export_hf as X
 
 # Each kind of text the ids must agree on: French, English, chat markup, digits and whitespace runs,
@@ -47,7 +48,7 @@ def test_a_sentencepiece_tokenizer_exports_to_the_same_ids(tmp_path):
     corpus.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in TEXTS * 30), encoding="utf-8")
     model = str(tmp_path / "tok.model")
     prep.train_tokenizer([str(corpus)], 400, model)
-    tok = D.Tokenizer(model)
+    tok = TK.Tokenizer(model)
     out = tmp_path / "hf"
     out.mkdir()
     end_ids = X.write_hf_tokenizer(model, tok.sha256, str(out))

@@ -20,6 +20,7 @@ from common import (DIST_WORKER, hf_model, learnable_tokens, read_metrics, run_s
 
 import data as D
 from tools import prepare as prep
+from tools import tokenizer as TK
 import model as M
 from components import checkpoints, hf
 from components.checks import check_run
@@ -272,7 +273,7 @@ def test_qwen3_trains_on_chats_prepared_with_its_own_tokenizer_as_its_oracle(tmp
     folder = published_tokenizers.folder("qwen3")
     if folder is None:
         pytest.skip("the published qwen3 tokenizer could not be fetched (python3 tests/published_tokenizers.py fetch)")
-    tok = D.Tokenizer(folder)
+    tok = TK.Tokenizer(folder)
     chats, data_dir = tmp_path / "chats.jsonl", str(tmp_path / "data")
     chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in QWEN3_CHATS), encoding="utf-8")
     prep.prepare([str(chats)], folder, data_dir, quiet=True)
@@ -297,7 +298,7 @@ def test_qwen3_trains_on_chats_prepared_with_its_own_tokenizer_as_its_oracle(tmp
     with open(os.path.join(out, "hf", "generation_config.json")) as f:
         eos = json.load(f)["eos_token_id"]
     assert im_end in (eos if isinstance(eos, list) else [eos])
-    assert im_end in sample.end_ids(T.TrainConfig(init_from=init_dir), cfg, tok)
+    assert im_end in sample.end_ids(T.TrainConfig(init_from=init_dir), cfg, tok.end_ids())
 
 
 def test_a_pad_token_id_leaves_its_embedding_row_as_transformers_does(tmp_path, main_in_process):

@@ -12,8 +12,8 @@ from common import read_metrics, run_train
 from safetensors.torch import load_file
 from test_data import TEXTS
 
-import data as D
 from tools import prepare as prep
+from tools import tokenizer as TK
 import train as T
 from components.checks import check_run
 
@@ -22,7 +22,7 @@ TINY = ["--model=tiny", "--dtype=float32", "--eval_every=0", "--micro_batch_size
 
 @pytest.fixture(scope="module")
 def phase_one(tmp_path_factory):
-    """Data prepared with a data.py sentencepiece tokenizer; run A: 2 steps at W=2, exported; then A's step-2
+    """Data prepared with a sentencepiece tokenizer of our own; run A: 2 steps at W=2, exported; then A's step-2
     checkpoint converted at W=1 with --from_ckpt given A's --out_dir, and run B: --init_from A's step folder at
     W=1 with --seq_len 32 and a learning rate too small to move any weight (Adam moves a weight by about lr;
     1e-30 is far below a float32 weight's last bit), exported."""
@@ -60,7 +60,7 @@ def test_from_ckpt_names_the_checkpoint_it_read_and_exports_the_tokenizer(phase_
     assert "resumed from" not in phase_one["convert"].stdout
     own, converted = weights(a / "hf"), weights(root / "a_converted")
     assert own.keys() == converted.keys() and all(torch.equal(own[k], converted[k]) for k in own)
-    tok = D.Tokenizer(phase_one["tokenizer"])
+    tok = TK.Tokenizer(phase_one["tokenizer"])
     for folder in (a / "hf", root / "a_converted"):
         config = json.loads((folder / "config.json").read_text())
         generation = json.loads((folder / "generation_config.json").read_text())

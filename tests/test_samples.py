@@ -9,12 +9,13 @@ import shutil
 import pytest
 import torch
 from common import hf_model, learnable_tokens, ours_from_hf, run_train, save_hf, small_config
-from common import live_tensor_bytes
+from common import live_tensor_bytes, read_metrics
 from test_data import TEXTS, hf_tokenizer, write_jsonl
 
 from components import out_dir as OD
 from components import flags
 from tools import prepare as prep
+from tools import tokenizer as TK
 import data as D
 import model as M
 from tools import plan as P
@@ -62,7 +63,7 @@ def test_kv_cache_gives_the_full_forwards_logits():
 
 @pytest.fixture(scope="module")
 def sentencepiece_run(tmp_path_factory):
-    """A data.py sentencepiece tokenizer (Llama 3 header chats, no template), a folder prepared with it, and
+    """A sentencepiece tokenizer of our own (Llama 3 header chats, no template), a folder prepared with it, and
     a tied model of its vocabulary saved as a Hugging Face folder."""
     root = tmp_path_factory.mktemp("sp")
     text = write_jsonl(root / "text.jsonl", [{"text": t} for t in TEXTS * 30])
@@ -91,7 +92,7 @@ def test_sharded_decoding_equals_generate_stops_at_end_ids_and_leaves_nothing_be
     try:
         assert len(sharded.units) == (2 if two_units else 1) * sharded.model.cfg.n_layers + 2
         sampler = S.Sampler(cfg, sharded.model.cfg, 0, 0)
-        tok = sampler.tok
+        tok = TK.Tokenizer(sampler.tokenizer_path)  # the tool's, as the sampler asked it
         assert tok.path == str(r["root"] / "tok.model")  # the tokenizer meta.json records
         # The text is the start of a prepared document; the chat is what prepare writes before a reply.
         assert sampler.prompts[0] == [tok.bos_id] + tok.sp.encode(PROMPTS[0]["text"])
@@ -167,6 +168,26 @@ def test_samples_at_each_evaluation_at_w2_equal_generate_on_the_exported_weights
         assert row["ids"] == hf_generate(ref, ids, 12, eos_ids)
         assert row["completion"] == tok.decode(row["ids"][:-1] if row["ids"][-1] in eos_ids else row["ids"])
     assert any(len(row["ids"]) > 1 for row in rows)  # decode steps ran, not only the prefill
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_stops_every_rank_with_one_line(hf_tokenizer_run, tmp_path):
+    """torchrun, W = 2: rank 0 asks tools/tokenizer.py for the prompts' ids and every rank gets its answer, so a
+    chat template that fails on a prompt stops each rank with the same line naming --sample_prompts, before step 1."""
+    r = hf_tokenizer_run
+    init = shutil.copytree(r["init"], tmp_path / "init")
+    config = json.loads((init / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ raise_exception('no chats here') }}"
+    (init / "tokenizer_config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    proc = run_train([f"--init_from={init}", f"--data={r['data']}", f"--sample_prompts={r['prompts']}", "--steps=2",
+                      "--eval_every=1", "--seq_len=16", "--batch_size=4", "--micro_batch_size=2", "--dtype=float32",
+                      f"--out_dir={out}"], nproc=2, check=False)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    expected = (f"error: --sample_prompts: {r['prompts']}: prompt 2: the chat template of {init} failed on this chat "
+                f"(TemplateError: no chats here)")
+    assert 1 <= len(lines) <= 2 and set(lines) == {expected}, proc.stderr[-3000:]  # torchrun may stop one first
+    assert 'train.py", line' not in proc.stderr and read_metrics(str(out)) == []  # no traceback, no step
 
 
 def test_a_resumed_run_keeps_the_samples_of_the_steps_it_has_done(tmp_path):

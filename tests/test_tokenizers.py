@@ -15,6 +15,7 @@ from common import ROOT
 
 import data as D
 from tools import prepare as prep
+from tools import tokenizer as TK
 import published_tokenizers
 
 # family: (the marker that closes a reply, what follows a plain-text document, whether a text starts with BOS)
@@ -35,11 +36,11 @@ WITH_SYSTEM = [{"role": "system", "content": "Tu es un juriste."}] + MULTI_TURN 
 TEXT = "Le preneur paie le loyer le 1er de chaque mois. The lessee pays 1,250.00 EUR. 😀"
 
 
-def tokenizer(name: str) -> D.Tokenizer:
+def tokenizer(name: str) -> TK.Tokenizer:
     folder = published_tokenizers.folder(name)
     if folder is None:  # outside CI only: published_tokenizers.folder raises under CI
         pytest.skip(f"the published {name} tokenizer could not be fetched (python3 tests/published_tokenizers.py fetch)")
-    return D.Tokenizer(folder)
+    return TK.Tokenizer(folder)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -51,7 +52,7 @@ def chats(name: str) -> list:
     return [ONE_TURN, MULTI_TURN] + ([] if name == "mistral" else [WITH_SYSTEM])
 
 
-def reply_runs(ids: list, targets: list, tok: D.Tokenizer) -> list:
+def reply_runs(ids: list, targets: list, tok: TK.Tokenizer) -> list:
     """The decoded text of each run of consecutive target tokens."""
     runs, current = [], []
     for i, target in zip(ids + [None], targets + [0]):
@@ -202,9 +203,9 @@ def test_plain_text_with_neither_bos_nor_document_end_names_the_flag_to_pass(tmp
         f"after a document with --doc_end TOKEN (or --doc_end none to pack them bare)"], proc.stderr
     assert not os.path.exists(os.path.join(out, "meta.json"))
     meta = prep.prepare([path], tok, out, quiet=True, overwrite=True, doc_end="<|im_start|>")
-    assert meta["doc_end_id"] == D.Tokenizer(tok).piece_id("<|im_start|>") and meta["bos_id"] is None
+    assert meta["doc_end_id"] == TK.Tokenizer(tok).piece_id("<|im_start|>") and meta["bos_id"] is None
     with pytest.raises(D.DataError, match=r"^--doc_end: '<\|nope\|>' is not a token of --tokenizer "):
-        D.Tokenizer(tok, "<|nope|>")
+        TK.Tokenizer(tok, "<|nope|>")
 
 
 # -- folders prepared before document starts were recorded ------------------------------------------------
@@ -238,7 +239,7 @@ def test_a_templates_own_generation_blocks_are_its_targets(tmp_path):
         "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}"
         "{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
         "<|im_end|>\n{% endif %}{% endfor %}"))
-    tok = D.Tokenizer(str(tok_dir))
+    tok = TK.Tokenizer(str(tok_dir))
     for chat in (ONE_TURN, WITH_SYSTEM):
         ids, targets = prep.chat_ids(tok, chat)
         theirs = tok.hf.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)

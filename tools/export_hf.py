@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 import data as D  # noqa: E402
 import model as M  # noqa: E402
+from tools import tokenizer as TK  # noqa: E402
 from components import checkpoints, hf  # noqa: E402
 from components import out_dir as OD  # noqa: E402
 from components.processes import exit_code  # noqa: E402
@@ -60,7 +61,7 @@ def write_hf_tokenizer(path: str, sha256: str, out: str) -> list:
     `sha256`): a Hugging Face tokenizer's files are copied, a sentencepiece model converted. Returns its end ids."""
     if not os.path.exists(path):
         raise D.DataError(f"the tokenizer that prepared --data, {path}, is not there")
-    tok = D.Tokenizer(path)
+    tok = TK.Tokenizer(path)
     if tok.sha256 != sha256:
         raise D.DataError(f"{path} has changed since it prepared --data (another SHA-256)")
     if tok.kind == "huggingface":
@@ -70,7 +71,7 @@ def write_hf_tokenizer(path: str, sha256: str, out: str) -> list:
     return tok.end_ids()
 
 
-def sentencepiece_to_hf(tok: D.Tokenizer, out: str):
+def sentencepiece_to_hf(tok: TK.Tokenizer, out: str):
     """tokenizer.json and tokenizer_config.json for a sentencepiece model, converted by transformers (it needs
     protobuf), with BOS added as prepare adds it and the header format's chat template. A conversion that
     does not encode ENCODING_PROBE as sentencepiece does gives no tokenizer, never a wrong one. The one
@@ -80,7 +81,7 @@ def sentencepiece_to_hf(tok: D.Tokenizer, out: str):
     config = {"tokenizer_class": "TokenizersBackend", "bos_token": sp.id_to_piece(sp.bos_id()),
               "eos_token": sp.id_to_piece(sp.eos_id()), "unk_token": sp.id_to_piece(sp.unk_id()),
               "add_bos_token": True, "add_eos_token": False}
-    if all(tok.piece_id(t) is not None for t in D.CHAT_TOKENS):
+    if all(tok.piece_id(t) is not None for t in TK.CHAT_TOKENS):
         config["chat_template"] = HEADER_FORMAT_TEMPLATE
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copyfile(tok.path, os.path.join(tmp, "tokenizer.model"))

@@ -26,8 +26,9 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: data.py
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: data.py, tools/
 import data as D  # noqa: E402
+from tools import tokenizer as TK  # noqa: E402
 
 
 # -- a tokenizer of your own ----------------------------------------------------------------------------
@@ -49,7 +50,7 @@ def train_tokenizer(inputs: list, vocab_size: int, out: str):
         spm.SentencePieceTrainer.train(
             sentence_iterator=lines(), model_prefix=prefix, vocab_size=vocab_size, model_type="bpe",
             byte_fallback=True, character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-            user_defined_symbols=list(D.CHAT_TOKENS), normalization_rule_name="identity",
+            user_defined_symbols=list(TK.CHAT_TOKENS), normalization_rule_name="identity",
             remove_extra_whitespaces=False, add_dummy_prefix=False, split_digits=True, num_threads=1, minloglevel=2)
     except RuntimeError as e:  # a failed check in sentencepiece's C++
         raise D.DataError(sentencepiece_error(str(e), vocab_size)) from None
@@ -120,7 +121,7 @@ PLACEHOLDER = "\x00{}\x00"  # rendered in message i's place to find where its co
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
-def check_plain_text(tok: D.Tokenizer):
+def check_plain_text(tok: TK.Tokenizer):
     """Packed plain-text documents need a token between them that the model was taught to read as one."""
     if not tok.prefix_ids and tok.doc_end_id is None:
         eos = f"; its eos_token {tok.piece(tok.eos_token_id)!r} closes a chat turn" if tok.eos_token_id is not None else ""
@@ -129,13 +130,13 @@ def check_plain_text(tok: D.Tokenizer):
                           f"after a document with --doc_end TOKEN (or --doc_end none to pack them bare)")
 
 
-def text_ids(tok: D.Tokenizer, texts: list) -> list:
+def text_ids(tok: TK.Tokenizer, texts: list) -> list:
     """Each plain-text document as the family's pretraining saw one: its BOS (if any), tokens, its end (if any)."""
     end = [tok.doc_end_id] if tok.doc_end_id is not None else []
     return [tok.prefix_ids + ids + end for ids in tok.encode(texts, specials=False)]
 
 
-def chat_ids(tok: D.Tokenizer, messages: list) -> tuple[list, list]:
+def chat_ids(tok: TK.Tokenizer, messages: list) -> tuple[list, list]:
     """(ids, targets) of one conversation, rendered whole by its chat template (else the header format) and
     stored as rendered; targets are 1 on each assistant turn's content and the marker that closes it."""
     if not tok.chat_template:
@@ -170,7 +171,7 @@ def chat_ids(tok: D.Tokenizer, messages: list) -> tuple[list, list]:
     return bos + ids, [0] * len(bos) + targets
 
 
-def span_targets(tok: D.Tokenizer, ids: list, starts: list, spans: list, closed: bool) -> list:
+def span_targets(tok: TK.Tokenizer, ids: list, starts: list, spans: list, closed: bool) -> list:
     """1 for each token that starts inside a span, and (`closed`) the markup after it up to and including
     its first control token (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>): what ends the reply is learned."""
     targets = [0] * len(ids)
@@ -186,7 +187,7 @@ def span_targets(tok: D.Tokenizer, ids: list, starts: list, spans: list, closed:
     return targets
 
 
-def content_spans(tok: D.Tokenizer, messages: list, text: str) -> list:
+def content_spans(tok: TK.Tokenizer, messages: list, text: str) -> list:
     """(start, end) of each message's content in the whole rendering `text`, None where it is not there.
     Rendering a placeholder in each message's place gives the markup around the contents exactly (the content
     itself may also occur in the markup: a reply "user"); where the template changes its markup with the
@@ -231,7 +232,7 @@ def trimmed(content: str) -> list:
     return list(dict.fromkeys([content, content.strip(), content.strip("\n"), content.lstrip(), content.rstrip()]))
 
 
-def generation_spans(tok: D.Tokenizer, messages: list, text: str) -> list:
+def generation_spans(tok: TK.Tokenizer, messages: list, text: str) -> list:
     """The character spans of `text` (the rendering) that the template's own {% generation %} blocks mark, as
     transformers finds them for apply_chat_template(return_assistant_tokens_mask=True)."""
     from transformers.utils.chat_template_utils import render_jinja_template
@@ -252,10 +253,10 @@ _worker_tokenizer = None
 
 def _init_worker(tokenizer_path: str, doc_end: str | None):
     global _worker_tokenizer
-    _worker_tokenizer = D.Tokenizer(tokenizer_path, doc_end)
+    _worker_tokenizer = TK.Tokenizer(tokenizer_path, doc_end)
 
 
-def encode_batch(records: list, with_mask: bool, skip_bad: bool, tok: D.Tokenizer | None = None):
+def encode_batch(records: list, with_mask: bool, skip_bad: bool, tok: TK.Tokenizer | None = None):
     """Parse and tokenize a batch of raw records (a worker's job). Returns the documents' tokens (a text as
     text_ids writes it, a chat as chat_ids renders it), their mask when with_mask (a text's tokens
     are all targets, a chat's its assistant replies), each kept document's length, and the counts kept and skipped."""
@@ -387,7 +388,7 @@ def prepare(inputs: list, tokenizer: str, out: str, workers: int = 1, skip_bad: 
             overwrite: bool = False, shard_tokens: int = 100_000_000, quiet: bool = False,
             max_document_mb: float = 64, doc_end: str | None = None) -> dict:
     """Tokenizes `inputs` into shards under `out`, in input order whatever `workers` is; returns meta.json's content."""
-    tok = D.Tokenizer(tokenizer, doc_end)
+    tok = TK.Tokenizer(tokenizer, doc_end)
     if tok.eos_id is None:
         raise D.DataError(f"--tokenizer: {tokenizer} has no end-of-text token (no eos_token and no document end); "
                           f"name one with --doc_end TOKEN")
