@@ -519,14 +519,6 @@ def hf_name(name: str) -> str:
     return name if name.startswith("lm_head.") else "model." + name
 
 
-def hf_tensors(name: str, tensor: torch.Tensor, weight_of) -> dict:
-    """What the export (tools/export_hf.py) writes for parameter `name`, and its check expects: {Hugging Face name:
-    tensor}. A fork's hook (docs/forking.md): an adapter merged into the weight it adapts returns {} for its own
-    parameters and W + B A for the base's (weight_of(name): another parameter's whole tensor); a fork that writes
-    its parameters under names of its own returns those, and the export check then refuses what the family lacks."""
-    return {hf_name(name): tensor}
-
-
 def sharding_units(model: nn.Module) -> list[tuple[str, list[str]]]:
     """(unit name, its parameters' names) in the order they run: embed, layers.0 .. layers.{L-1}, head (the final
     norm and the untied lm_head). train.build_units shards these; the planner and --freeze's check read them. A
@@ -558,7 +550,8 @@ OPTIMIZER_STATE = ("exp_avg", "exp_avg_sq")
 
 # ----------------------------------------------------------------------------------------------
 # A fork's parameters: how one starts when the starting weights lack it (a run from scratch; a unit new to an
-# --init_from checkpoint or Hugging Face folder). hf.init_unit_random calls it on every rank alike: docs/forking.md.
+# --init_from checkpoint or Hugging Face folder; hf.init_unit_random calls it on every rank alike), and what the
+# export writes for it (tools/export_hf.py): docs/forking.md.
 # ----------------------------------------------------------------------------------------------
 
 def init_parameter(name: str, full: torch.Tensor, std: float, generator: torch.Generator, weight_of) -> None:
@@ -568,3 +561,11 @@ def init_parameter(name: str, full: torch.Tensor, std: float, generator: torch.G
     adds `if name.endswith("lora_b"): return full.zero_()`, a DoRA fork its magnitude's
     `full.copy_(weight_of(name.removesuffix("magnitude") + "weight").norm(dim=1))`."""
     full.fill_(1.0) if full.dim() == 1 else full.normal_(0.0, std, generator=generator)
+
+
+def hf_tensors(name: str, tensor: torch.Tensor, weight_of) -> dict:
+    """What the export writes for parameter `name`, and what its check (hf.check_export_tensors) holds against the
+    family's class: {Hugging Face name: tensor}. `weight_of(other)`: another parameter's whole tensor. A fork whose
+    adapter merges into the weight it adapts returns {} for the adapter's parameters and the merged weight for the
+    base's (DoRA: m * (W + B A) / ||W + B A||, row by row); a tensor the family lacks is refused by the check."""
+    return {hf_name(name): tensor}

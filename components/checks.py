@@ -40,7 +40,7 @@ def check_nodes(env=os.environ) -> list[str]:
 def check_resume_mix(cfg) -> list[str]:
     """A resume continues the --data mix its checkpoint was saved with; another mix is refused here, before
     any work (the loader checks again, with each source's windows, when it resumes)."""
-    if cfg.steps == 0 or cfg.from_ckpt:  # a conversion reads no data
+    if cfg.steps == 0:  # a conversion reads no data
         return []
     try:
         candidates = checkpoints.candidates_on_disk(os.path.join(cfg.out_dir, "checkpoints")) if cfg.resume == "auto" else []

@@ -26,20 +26,19 @@ from components.out_dir import CheckpointError
 # The model a run builds, from the files its flags name (components/checks.py and the planner both ask).
 
 def checkpoint_source(cfg) -> str | None:
-    """The checkpoint folder --from_ckpt means, or --init_from when not a Hugging Face folder (checkpoints.find_checkpoint)."""
-    flag, path = ("--from_ckpt", cfg.from_ckpt) if cfg.from_ckpt else ("--init_from", cfg.init_from)
-    if not path or (flag == "--init_from" and os.path.isfile(os.path.join(path, "config.json"))):
+    """The checkpoint folder --init_from means when not a Hugging Face folder (checkpoints.find_checkpoint)."""
+    path = cfg.init_from
+    if not path or os.path.isfile(os.path.join(path, "config.json")):
         return None
     if not os.path.isdir(path):
-        raise CheckpointError(f"{flag}: {path} is not a folder")
+        raise CheckpointError(f"--init_from: {path} is not a folder")
     try:
         found = checkpoints.find_checkpoint(path)
     except CheckpointError as e:
-        raise CheckpointError(f"{flag}: {e}") from None
+        raise CheckpointError(f"--init_from: {e}") from None
     if found is None:
-        neither = "a Hugging Face folder (no config.json) nor " if flag == "--init_from" else ""
-        raise CheckpointError(f"{flag}: {path} is neither {neither}one of our checkpoints (no manifest.json, and no "
-                              f"checkpoints/step_* folder in it)")
+        raise CheckpointError(f"--init_from: {path} is neither a Hugging Face folder (no config.json) nor one of our "
+                              f"checkpoints (no manifest.json, and no checkpoints/step_* folder in it)")
     return found
 
 
@@ -53,12 +52,11 @@ def model_config(cfg) -> M.ModelConfig:
     config.json, or a preset."""
     checkpoint = checkpoint_source(cfg)
     if checkpoint:
-        flag = "--from_ckpt" if cfg.from_ckpt else "--init_from"
         try:
             mcfg = M.ModelConfig(**OD.load_json(os.path.join(checkpoint, "manifest.json"))["model"])
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{flag}: checkpoint {checkpoint}: manifest.json has no readable model ({e})") from None
-        if cfg.model and not cfg.from_ckpt:
+            raise CheckpointError(f"--init_from: checkpoint {checkpoint}: manifest.json has no readable model ({e})") from None
+        if cfg.model:
             preset, saved = asdict(M.PRESETS[cfg.model]()), asdict(mcfg)
             diff = [f"{k} {preset[k]} vs {v}" for k, v in saved.items() if k not in DATA_DECIDES and preset[k] != v]
             if diff:
@@ -75,7 +73,7 @@ def model_config(cfg) -> M.ModelConfig:
 def check_start(cfg) -> tuple:
     """(model config, where the first weights come from, errors): the model the flags name and the files of its
     first weights, read before any work. The weights: None (seeded), {HF tensor name: file} (an --init_from Hugging
-    Face folder), or a checkpoint folder (--from_ckpt, or --init_from one of ours: its manifest and file sizes
+    Face folder), or a checkpoint folder (--init_from one of ours: its manifest and file sizes
     checked here, its SHA-256 as it is read); with --export_hf, what transformers will build from its config."""
     errors, mcfg, weights = [], None, None
     try:
@@ -93,12 +91,12 @@ def check_start(cfg) -> tuple:
         try:
             with torch.device("meta"):
                 numels = M.numels_by_unit(M.Llama(mcfg))
-            checkpoints.check_checkpoint_files(weights, "--from_ckpt" if cfg.from_ckpt else "--init_from", numels)
+            checkpoints.check_checkpoint_files(weights, "--init_from", numels)
         except OD.CheckpointError as e:
             errors.append(str(e))
-    if not errors and weights is not None and cfg.init_from and cfg.steps > 0 and not cfg.from_ckpt:
+    if not errors and weights is not None and cfg.steps > 0:
         errors += check_phase_tokenizer(cfg, weights)
-    if not errors and cfg.init_from and weights is None and not cfg.from_ckpt:
+    if not errors and cfg.init_from and weights is None:
         try:  # headers only: a bad weight file is one line here, not a traceback at load
             weights = hf_file_of_tensors(cfg.init_from)
             check_hf_tensors(weights, mcfg, cfg.init_from)
@@ -315,7 +313,8 @@ def check_hf_tensors(files: dict, mcfg: M.ModelConfig, folder: str):
         units = {unit: [M.hf_name(n) for n in names] for unit, names in M.sharding_units(M.Llama(mcfg))}
     expected = {name for names in units.values() for name in names}
     missing, unexpected = sorted(expected - files.keys()), sorted(files.keys() - expected)
-    family_missing = sorted(family_tensors(folder) & set(missing)) if missing else []
+    config = OD.load_json(os.path.join(folder, "config.json")) if missing else {}
+    family_missing = sorted(family_tensors(config).keys() & set(missing)) if missing else []
     if family_missing:
         raise ValueError(f"--init_from: tensor {family_missing[0]}{more(family_missing)} is missing from the "
                          f"safetensors files in {folder}")
@@ -334,14 +333,14 @@ def check_hf_tensors(files: dict, mcfg: M.ModelConfig, folder: str):
                          f"a plain {mcfg.family} checkpoint{hint}")
 
 
-def family_tensors(folder: str) -> set:
-    """The tensors transformers' class of the family builds from `folder`'s config.json (none of a fork's)."""
+def family_tensors(config: dict) -> dict:
+    """{name: shape} of what save_pretrained writes for transformers' class of the family, built from `config` (a
+    config.json's) on the meta device: the family's tensors, none of a fork's (hf_saved_tensors)."""
     import transformers
-    config = OD.load_json(os.path.join(folder, "config.json"))
     family = M.FAMILIES[config["model_type"]]
     with torch.device("meta"):
         hf = getattr(transformers, family["hf_class"])(getattr(transformers, family["hf_config_class"]).from_dict(config))
-    return set(hf_saved_tensors(hf))
+    return {name: tuple(t.shape) for name, t in hf_saved_tensors(hf).items()}
 
 
 def more(names: list) -> str:
@@ -374,11 +373,7 @@ def load_unit_from_hf(unit, files: dict, open_files: dict):
 def check_export_tensors(config: dict, shapes: dict):
     """What transformers builds from `config` (on the meta device) saves exactly the tensors `shapes` names:
     from_pretrained drops a tensor it does not know with a warning, serving a fork's model as another."""
-    import transformers
-    family = M.FAMILIES[config["model_type"]]
-    with torch.device("meta"):
-        hf = getattr(transformers, family["hf_class"])(getattr(transformers, family["hf_config_class"]).from_dict(config))
-    built = {name: tuple(t.shape) for name, t in hf_saved_tensors(hf).items()}
+    family, built = M.FAMILIES[config["model_type"]], family_tensors(config)
     extra, missing = sorted(shapes.keys() - built.keys()), sorted(built.keys() - shapes.keys())
     reshaped = sorted(n for n in shapes.keys() & built.keys() if tuple(shapes[n]) != built[n])
     where = f"the {family['hf_class']} that transformers builds from the exported config.json"

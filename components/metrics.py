@@ -422,7 +422,7 @@ def startup_line(cfg, sharded, start_step: int) -> str:
             f"attention: {attention_kernel(device, sharded.compute_dtype, cfg.doc_mask)}")
     if cfg.doc_mask:  # the MFU convention (model.flops_per_token): the window's causal count, not each document's
         line += " | MFU counts attention over the whole window (causal), not per document: more than --doc_mask runs"
-    if start_step and not cfg.from_ckpt:  # --from_ckpt: setup names the checkpoint it read
+    if start_step:
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))  # torchrun's, on this node
         line += (f"\nresumed from {os.path.join(cfg.out_dir, 'checkpoints', f'step_{start_step:08d}')} at step "
                  f"{start_step}" + (f" (torchrun restart {restarts} of {os.environ.get('TORCHELASTIC_MAX_RESTARTS')})"

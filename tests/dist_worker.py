@@ -125,6 +125,18 @@ def dora_init_parameter(name, full, std, generator, weight_of):
     lora_init_parameter(name, full, std, generator, weight_of)
 
 
+def dora_hf_tensors(name, tensor, weight_of):
+    """model.hf_tensors of the DoRA fork: each adapted projection merged, m * (W + BA) / ||W + BA|| row by row,
+    under the family's name, so the export is a plain Llama; the adapter's own parameters are written nowhere."""
+    if name.endswith((".lora_a", ".lora_b", ".magnitude")):
+        return {}
+    stem = name.removesuffix("weight")
+    if name.endswith(("q_proj.weight", "v_proj.weight")):
+        merged = tensor + weight_of(stem + "lora_b") @ weight_of(stem + "lora_a")
+        tensor = merged * (weight_of(stem + "magnitude") / merged.norm(dim=1))[:, None]
+    return {M.hf_name(name): tensor}
+
+
 def dora_units(model) -> list:
     return lora_units(model, "dora")
 
@@ -260,6 +272,7 @@ if __name__ == "__main__":
     if mode in ("lora", "dora"):
         M.Block, M.sharding_units, M.init_parameter = {"lora": (LoraBlock, lora_units, lora_init_parameter),
                                                        "dora": (DoraBlock, dora_units, dora_init_parameter)}[mode]
+        M.hf_tensors = dora_hf_tensors if mode == "dora" else M.hf_tensors
         T.main(flags)
         os._exit(0)
     if mode == "facts":

@@ -151,3 +151,33 @@ def test_a_folder_lacking_blocks_of_the_family_or_part_of_a_forks_unit_is_refuse
     save_file(tensors | {"model.layers.1.lora_b": torch.zeros(32, 2)}, str(partial / "model.safetensors"),
               metadata={"format": "pt"})  # a fork's own folder, its adapters whole under their names: taken
     assert hf.check_start(T.parse_args([f"--init_from={partial}", *args]))[2] == []
+
+
+def test_a_dora_forks_export_is_a_plain_llama_that_computes_the_fork(folder, monkeypatch, capsys):
+    """The export hook (model.hf_tensors) of the DoRA fork merges each adapter into the projection it adapts: after
+    two steps at W=2 (B no longer zero), tools/export_hf.py makes a folder LlamaForCausalLM loads as is, whose logits
+    are the fork's, computed from the checkpoint's weights (1e-5). Without the hook the adapter's tensors would be
+    written under their own names, which the export check refuses in one line (from_pretrained would drop them)."""
+    from transformers import LlamaForCausalLM
+    from dist_worker import DoraBlock, dora_hf_tensors, dora_init_parameter, dora_units
+    from tools import export_hf as X
+    out = str(folder["root"] / "dora-export")
+    run_fork("dora", folder, out, 2, "--steps=2", "--lr=1e-2", "--weight_decay=0")
+    capsys.readouterr()
+    assert X.main([out, str(folder["root"] / "unmerged"), "--dtype=float32"]) == 2  # a restart repeats it
+    assert capsys.readouterr().err.splitlines()[-1].startswith(
+        "error: --export_hf: tensor model.layers.0.self_attn.q_proj.lora_a (and 11 more) of this model is not in the "
+        "LlamaForCausalLM that transformers builds from the exported config.json")
+    monkeypatch.setattr(M, "hf_tensors", dora_hf_tensors)
+    assert X.main([out, str(folder["root"] / "merged"), "--dtype=float32"]) == 0
+    fork(monkeypatch, DoraBlock, dora_units, dora_init_parameter)
+    path = os.path.join(out, "checkpoints", "step_00000002")
+    manifest = json.load(open(os.path.join(path, "manifest.json")))
+    reader = X.CheckpointReader(path, manifest, set())
+    ours = M.Llama(M.ModelConfig(**manifest["model"])).float()
+    ours.load_state_dict({name: reader.weight_of(name) for name, _ in ours.named_parameters()})
+    assert reader.weight_of("layers.0.self_attn.q_proj.lora_b").abs().max() > 0  # the adapters trained
+    theirs = LlamaForCausalLM.from_pretrained(str(folder["root"] / "merged"), torch_dtype=torch.float32)
+    tokens = torch.arange(1, 33).view(2, 16) % 97
+    with torch.no_grad():
+        assert torch.allclose(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
