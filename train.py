@@ -818,7 +818,8 @@ def main(argv=None):
         steps = cfg.steps
         log = metrics.MetricsLog(cfg, sharded.model.cfg, sharded.world, sharded.device, sharded.rank, start_step, steps,
                                  agreed["hosts"])
-        sampler = sample.Sampler(cfg, sharded.model.cfg, sharded.rank, start_step) if cfg.sample_prompts and steps else None
+        sampler = (sample.Sampler(cfg, sharded.model.cfg, sharded.rank, start_step, sharded.device)
+                   if cfg.sample_prompts and steps else None)
     except Exception as e:  # a node or its port not up yet, a GPU still held, bad data: one line, exit_code's code
         fail(error_line(e, "while starting"), exit_code(e))
     saving = before_step_one(cfg, sharded, agreed, start_step, steps)

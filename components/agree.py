@@ -83,29 +83,13 @@ FILE_FLAGS = ("init_from", "data", "eval_data", "from_ckpt", "out_dir", "export_
 
 # -- one all-gather of what each rank read ---------------------------------------------------------------
 
-def gather_json(value, device) -> list:
-    """`value` (anything JSON holds) from every rank, in rank order, through two all-gathers: the sizes, then
-    the bytes (JSON, not pickle: nothing a peer sends is ever unpickled)."""
-    world = dist.get_world_size()
-    data = torch.tensor(list(json.dumps(value, sort_keys=True).encode()), dtype=torch.uint8, device=device)
-    sizes = torch.zeros(world, dtype=torch.int64, device=device)
-    OD.all_gather_flat(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
-    longest = int(sizes.max())
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[:data.numel()] = data
-    everyone = torch.zeros(world * longest, dtype=torch.uint8, device=device)
-    OD.all_gather_flat(everyone, padded)
-    rows = everyone.view(world, longest).cpu()
-    return [json.loads(bytes(rows[r, :n].tolist())) for r, n in enumerate(sizes.tolist())]
-
-
 def gather_over_store(store, name: str, value, rank: int, world: int, device) -> list:
     """`value` from every rank, in rank order, through the rendezvous store (processes.rendezvous): a key per rank,
     each rank waiting for all of them for the store's timeout (--timeout_min). No process group, so no NCCL: what
     the ranks read reaches every rank whatever NCCL's state. Without a store (a caller's group: bench/), over the
     group (gather_json). A rank that never sends is named; the line's exit code is 1 (it may come on a restart)."""
     if store is None:
-        return gather_json(value, device)
+        return OD.gather_json(value, device)
     store.set(f"{name}/{rank}", json.dumps(value, sort_keys=True))
     keys = [f"{name}/{r}" for r in range(world)]
     try:
@@ -539,12 +523,12 @@ def resume_candidates(root: str, rank: int, hosts: list[str], device) -> list[st
     """The checkpoints checkpoints.resume tries, the same list on every rank: every rank's view gathered, and gathered
     again every CHECKPOINT_POLL_S while they differ, for at most CHECKPOINT_WAIT_S (counted in rounds, so every
     rank stops looking at the same round)."""
-    views = gather_json(checkpoint_view(root), device)
+    views = OD.gather_json(checkpoint_view(root), device)
     for _ in range(int(CHECKPOINT_WAIT_S / CHECKPOINT_POLL_S)):
         if settled(views):
             break
         time.sleep(CHECKPOINT_POLL_S)
-        views = gather_json(checkpoint_view(root), device)
+        views = OD.gather_json(checkpoint_view(root), device)
     paths, note = agreed_checkpoints(root, views, hosts)
     if note and rank == 0:
         print(f"warning: {note}", file=sys.stderr, flush=True)
@@ -652,7 +636,7 @@ def before_step_one(cfg, sharded, hosts: list[str], planned: dict | None) -> lis
     rank 0). `planned`: the planner's memory figures for the run (planner_figures), or None."""
     device, world = sharded.device, sharded.world
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    unhealthy, health_warnings = decide_health(gather_json(read_health(device), device), hosts)
+    unhealthy, health_warnings = decide_health(OD.gather_json(read_health(device), device), hosts)
     gpu = gpu_now(device)
     lines, problems = [f"warning: {warning}" for warning in health_warnings], []
     if world > 1:
@@ -676,7 +660,7 @@ def before_step_one(cfg, sharded, hosts: list[str], planned: dict | None) -> lis
         if problems:
             answer = (ask_planner(cfg, sharded.model.cfg, world, local_world, gpu["name"], outside[r] / GIB)
                       if sharded.rank == 0 else None)
-            problems[-1] += nearest_fit_words(gather_json(answer, device)[0], outside[r] / GIB)  # rank 0's answer
+            problems[-1] += nearest_fit_words(OD.gather_json(answer, device)[0], outside[r] / GIB)  # rank 0's answer
     for line in lines if sharded.rank == 0 else []:
         print(line, file=sys.stderr if line.startswith("warning") else sys.stdout, flush=True)
     return unhealthy + problems

@@ -30,6 +30,22 @@ import torch.distributed as dist
 # collectives (out_dir's claim, checkpoints, hf's export, metrics, agree) use this one.
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+
+def gather_json(value, device) -> list:
+    """`value` (anything JSON holds) from every rank, in rank order, through two all-gathers: the sizes, then
+    the bytes (JSON, not pickle: nothing a peer sends is ever unpickled)."""
+    world = dist.get_world_size()
+    data = torch.tensor(list(json.dumps(value, sort_keys=True).encode()), dtype=torch.uint8, device=device)
+    sizes = torch.zeros(world, dtype=torch.int64, device=device)
+    all_gather_flat(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+    longest = int(sizes.max())
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    everyone = torch.zeros(world * longest, dtype=torch.uint8, device=device)
+    all_gather_flat(everyone, padded)
+    rows = everyone.view(world, longest).cpu()
+    return [json.loads(bytes(rows[r, :n].tolist())) for r, n in enumerate(sizes.tolist())]
+
 # The collectives of a checkpoint save wait for every rank's file, which can take longer than
 # --timeout_min (53 GB per rank for 70B on 16 GPUs). They run in their own group: gloo, so on the CPU and
 # outside NCCL's watchdog, with --ckpt_timeout_min. Made once per process group by make_group.

@@ -127,15 +127,14 @@ def shorten(text: str, limit: int = 100) -> str:
 
 class Sampler:
     """--sample_prompts: the prompts as token ids, the ids that end a completion, and samples.jsonl. Made once the
-    group exists: rank 0's encode_prompts answer goes to every rank, so a failure stops each with the same line."""
+    group exists: rank 0's encode_prompts answer goes to every rank (as JSON: nothing a peer sends is unpickled), so
+    a failure stops each with the same line."""
 
-    def __init__(self, cfg, mcfg: M.ModelConfig, rank: int, start_step: int):
+    def __init__(self, cfg, mcfg: M.ModelConfig, rank: int, start_step: int, device):
         self.rank, self.max_new_tokens = rank, cfg.sample_tokens
         self.records = flags.read_prompts(cfg.sample_prompts)
         self.tokenizer_path = run_data.run_tokenizer(cfg)
-        answer = [encode_prompts(self.tokenizer_path, self.records) if rank == 0 else None]
-        dist.broadcast_object_list(answer, src=0)  # every rank runs the same ids
-        encoded = answer[0]
+        encoded = OD.gather_json(encode_prompts(self.tokenizer_path, self.records) if rank == 0 else None, device)[0]
         if "error" in encoded:
             raise D.DataError(f"--sample_prompts: {cfg.sample_prompts}: {encoded['error']}")
         self.prompts = encoded["prompt_ids"]

@@ -595,7 +595,7 @@ def test_a_view_that_catches_up_within_the_wait_resumes_from_the_newest(monkeypa
 
 
 def test_facts_travel_as_json_in_rank_order():
-    got = run_ranks(3, lambda rank: agree.gather_json({"rank": rank, "host": "x" * rank}, T.torch.device("cpu")))
+    got = run_ranks(3, lambda rank: OD.gather_json({"rank": rank, "host": "x" * rank}, T.torch.device("cpu")))
     assert got == [[{"rank": r, "host": "x" * r} for r in range(3)]] * 3
 
 

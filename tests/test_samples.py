@@ -91,7 +91,7 @@ def test_sharded_decoding_equals_generate_stops_at_end_ids_and_leaves_nothing_be
     sharded = T.setup(cfg)[0]
     try:
         assert len(sharded.units) == (2 if two_units else 1) * sharded.model.cfg.n_layers + 2
-        sampler = S.Sampler(cfg, sharded.model.cfg, 0, 0)
+        sampler = S.Sampler(cfg, sharded.model.cfg, 0, 0, sharded.device)
         tok = TK.Tokenizer(sampler.tokenizer_path)  # the tool's, as the sampler asked it
         assert tok.path == str(r["root"] / "tok.model")  # the tokenizer meta.json records
         # The text is the start of a prepared document; the chat is what prepare writes before a reply.
