@@ -1123,3 +1123,25 @@ def test_the_planner_runs_a_routed_block_on_its_fixed_shape_path(monkeypatch):
     cos, sin = M.rope_cos_sin(mcfg, torch.arange(8).expand(2, 8), torch.float32)
     block(x, cos, sin).sum().backward()  # the routed path, real tensors
     assert seen[-1] is False
+
+
+def test_a_frozen_unit_executes_no_weight_gradient_and_a_frozen_prefix_no_backward():
+    """--freeze in the step time (issue 52's DoRA trial: a frozen 8B planned the same 5.79 s as a trained one). Per
+    token, a trained parameter executes 6 matmul FLOPs (forward 2, input gradient 2, weight gradient 2), a frozen
+    one after a trained unit 4, a frozen one in a frozen prefix 2 (no backward, so no recompute and no attention
+    backward either). Llama-3-8B, everything but the last block frozen, the untied head included, by hand."""
+    mcfg, world = M.PRESETS["llama3-8b"](), 8
+    flags = dict(model="llama3-8b", nnodes=1, nproc_per_node=world, seq_len=8192, batch_size=8, micro_batch_size=1,
+                 ac="full", doc_mask="false", ce_chunk=0)
+    frozen = config(**flags, freeze=r"model\.(embed_tokens|norm|layers\.([0-9]|[12][0-9]|30))\.|lm_head")
+    block = M.count_params(mcfg)["total"] - M.count_params(mcfg)["embedding"] * 2 - mcfg.dim
+    block //= mcfg.n_layers
+    head = mcfg.vocab_size * mcfg.dim + mcfg.dim  # lm_head and the final norm
+    attention_per_block = 12 * mcfg.n_heads * mcfg.head_dim * 8192
+    t = P.step_time(mcfg, frozen, P.GPUS["h100"], world)
+    # 31 prefix blocks forward only; the last block 6 + its recompute 2; the frozen head forward and input gradient
+    assert t["matmul_flops_per_token"] == 31 * 2 * block + 8 * block + 4 * head
+    assert t["attention_flops_per_token"] == 31 * attention_per_block / 3 + attention_per_block * 4 / 3
+    plain = P.step_time(mcfg, config(**flags), P.GPUS["h100"], world)
+    assert plain["matmul_flops_per_token"] == 32 * 8 * block + 6 * head
+    assert t["compute_s"] < 0.5 * plain["compute_s"]

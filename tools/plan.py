@@ -160,6 +160,23 @@ def executed_flops(mcfg: M.ModelConfig, seq_len: int, ac, chunked_ce: bool) -> t
     return matmul, attention
 
 
+def frozen_flops_skipped(mcfg: M.ModelConfig, cfg) -> tuple[float, list[bool]]:
+    """(matmul FLOPs per token --freeze leaves out of executed_flops' 6 per parameter, each block: runs a backward?).
+    A frozen parameter computes no weight gradient (2 of its 6); a block that trains nothing and whose input needs
+    no gradient (a frozen prefix) runs no backward at all (4 of 6), nor a recompute; the frozen head's weight
+    gradient, and with tied embeddings the embedding's, are not computed either."""
+    frozen = frozen_unit_names(mcfg, cfg)
+    backward = [trained or input_grad for trained, input_grad, _ in block_training(mcfg, cfg)]
+    numels = dict(zip(unit_names(mcfg), unit_numels(mcfg)))
+    skipped = sum(n * (2 if backward[M.block_of(name)] else 4) for name, n in numels.items()
+                  if name in frozen and M.block_of(name) is not None)
+    if "head" in frozen:  # the final norm and the untied lm_head
+        skipped += 2 * numels["head"]
+    if "embed" in frozen and mcfg.tie_embeddings:  # the head's matmul reads the embedding: its weight gradient
+        skipped += 2 * numels["embed"]
+    return skipped, backward
+
+
 def gpu_peak_flops(gpu: dict) -> float:
     """The dense BF16 peak of a GPU of GPUS (metrics.PEAK_BF16_FLOPS, by its CUDA name)."""
     return next(flops for key, flops in metrics.PEAK_BF16_FLOPS if key in gpu["device_name"])
@@ -276,8 +293,11 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
     (docs/planning.md: overlap, offload_overlap); then AdamW, on the GPU or on the CPU with the exposed PCIe copies."""
     peak = gpu_peak_flops(gpu)
     tokens = cfg.micro_batch_size * cfg.seq_len
-    policies = policies_per_block(mcfg, cfg)
+    skipped, backward = frozen_flops_skipped(mcfg, cfg)
+    policies = [p if b else "none" for p, b in zip(policies_per_block(mcfg, cfg), backward)]  # no backward: no recompute
     matmul, attention = executed_flops(mcfg, cfg.seq_len, policies, 0 < cfg.ce_chunk < tokens)
+    matmul -= skipped
+    attention -= 8 * mcfg.n_heads * mcfg.head_dim * cfg.seq_len * backward.count(False)  # backward: 8 of its 12
     attn_eff = ASSUMPTIONS["attention_efficiency"][gpu["family"]]
     compute_s = tokens * (matmul / matmul_efficiency(gpu["family"], mcfg.dim) + attention / attn_eff) / peak
     selective = policies.count("selective")
@@ -326,7 +346,8 @@ def step_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int) -> dict:
                 bound=max(parts, key=parts.get), compute_s=micro_steps * compute_s,
                 comm_s=micro_steps * comm_s, offload_s=micro_steps * offload_s,
                 exposed_s=micro_steps * exposed_s, optimizer_s=optimizer_s,
-                micro_steps=micro_steps, bandwidth_gbps=bandwidth / 1e9, **host)
+                micro_steps=micro_steps, bandwidth_gbps=bandwidth / 1e9, matmul_flops_per_token=matmul,
+                attention_flops_per_token=attention, **host)
 
 
 def sampling_time(mcfg: M.ModelConfig, cfg, gpu: dict, world: int, n_prompts: int, prompt_tokens: int) -> dict:
