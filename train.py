@@ -859,6 +859,7 @@ def start(argv=None):
     # launch.sh starts torchrun with SIGTERM and SIGINT blocked, so that torchrun never acts on them, and the
     # workers inherit the mask: unblocked, they end a worker still starting up, as under a plain torchrun.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGTERM, signal.SIGINT])
+    sys.stderr.reconfigure(line_buffering=True, write_through=False)  # a print one write: ranks' lines never mix
     try:
         cfg = parse_args(argv)
     except ValueError as e:
