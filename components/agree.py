@@ -29,8 +29,8 @@ from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion  # torch's own version comparison (packaging's rules)
 
-import data as D
 import model as M
 from components import checkpoints, checks, run_data
 from components import out_dir as OD
@@ -799,7 +799,7 @@ def launch_settings(out_dir: str, env=os.environ, torch_version: str = torch.__v
             env[name] = value
     default("NCCL_NVLS_ENABLE", "0")
     default("PYTORCH_ALLOC_CONF", "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF")
-    if D.version_tuple(torch_version)[:2] < ALLOC_CONF_ONE_NAME_FROM and env.get("PYTORCH_ALLOC_CONF"):
+    if TorchVersion(torch_version) < ALLOC_CONF_ONE_NAME_FROM and env.get("PYTORCH_ALLOC_CONF"):
         default("PYTORCH_CUDA_ALLOC_CONF", env["PYTORCH_ALLOC_CONF"])
     default("TORCH_FR_BUFFER_SIZE", "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE")
     default("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
