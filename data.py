@@ -16,7 +16,6 @@ import fractions
 import json
 import math
 import os
-import re
 import sys
 
 import numpy as np
@@ -57,11 +56,6 @@ def parse_record(raw: bytes, where: str, is_txt: bool, trains: bool = True) -> d
     if trains and not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
         raise DataError(f"{where}: a chat with no assistant content trains nothing")
     return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
-
-
-def version_tuple(version: str) -> tuple:
-    """(major, minor, patch) of a release's version string (a run's torch, the tokenizer tool's jinja2)."""
-    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
 class TokenData:

@@ -240,7 +240,10 @@ def main() -> int:
               for tied in (False, True)}
     # Both runs share one group: train.main uses a group that exists and leaves it to its maker (a
     # second init_process_group on the same torchrun store would read the first one's stale addresses).
-    T.processes.init_processes(T.parse_args(["--device=cpu"]))
+    cfg = T.parse_args(["--device=cpu"])
+    store, rank, world = T.processes.rendezvous(cfg)  # the group as train.setup makes it, no facts agreed
+    T.processes.make_group(cfg, store, rank, world, T.processes.pick_device(cfg),
+                           [T.agree.host_name()] * world)
     for tied in (False, True):
         rows, ok = run(tied, *inputs[tied])
         failed |= not ok

@@ -29,8 +29,8 @@ from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
+from torch.torch_version import TorchVersion  # torch's own version comparison (packaging's rules)
 
-import data as D
 import model as M
 from components import checkpoints, checks, run_data
 from components import out_dir as OD
@@ -682,9 +682,9 @@ GPU_CHECK_TIMEOUT_S = 180
 
 
 def device_health(device) -> dict:
-    """tools/gpu_check.py's facts of this rank's device (the check matmul, ECC and row remapping, the allocator
-    setting: its device_facts), run with --json in a subprocess, as the planner's figures are (ask_planner). On a
-    CPU none (no GPU to check; ZERO3_GPU_CHECK_ON_CPU=1, which the tests set, runs it there too). A failure is a
+    """tools/gpu_check.py's facts of this rank's device (the check matmul, ECC and row remapping, the allocator setting,
+    what is wrong with it: its device_facts), run with --json in a subprocess, as the planner's figures are (ask_planner).
+    On a CPU none (no GPU to check; ZERO3_GPU_CHECK_ON_CPU=1, which the tests set, runs it there too). A failure is a
     warning, said once by rank 0 with the ranks it names (decide_health), and the run goes on without them."""
     if device.type != "cuda" and not os.environ.get("ZERO3_GPU_CHECK_ON_CPU"):
         return dict(warnings=[])
@@ -732,19 +732,8 @@ def decide_health(health: list[dict], hosts: list[str]) -> tuple[list[str], list
     problems, warnings = [], []
     exclude = lambda r: f"leave the node out (sbatch --exclude={hosts[r]})"  # noqa: E731
     checked = {r: h for r, h in enumerate(health) if "matmul_ms" in h}  # none on a CPU, nor where the check failed
-    for r, h in checked.items():
-        if h["wrong"]:
-            problems.append(f"{who([r], hosts)}: {h['what']}'s check matmul ({h['n']} x {h['n']}, exact integers) gave "
-                            f"a wrong result: the device computes wrongly; {exclude(r)} and have it tested (dcgmi diag)")
-        ecc = h["ecc"] or {}
-        if ecc.get("volatile_uncorrectable"):
-            problems.append(f"{who([r], hosts)}: {h['what']} reports {ecc['volatile_uncorrectable']} uncorrectable ECC "
-                            f"error(s) since the driver loaded (nvidia-smi -q -d ECC): it will crash this run as it did "
-                            f"the last; {exclude(r)} and reset the GPU")
-        if ecc.get("remap_pending") or ecc.get("remap_failed"):
-            state = "a row remapping failed" if ecc.get("remap_failed") else "a row remapping is pending until a reset"
-            problems.append(f"{who([r], hosts)}: {h['what']}: {state} (nvidia-smi -q -d ROW_REMAPPER); {exclude(r)} "
-                            f"and reset the GPU (a failed remapping: replace it)")
+    for r, h in checked.items():  # the tool's words for what is wrong with its device (gpu_check.device_problems)
+        problems += [f"{who([r], hosts)}: {what}; {exclude(r)} and {then}" for what, then in h["problems"]]
     median_ms = statistics.median(h["matmul_ms"] for h in checked.values()) if checked else 0.0
     for r, h in checked.items():
         if h["matmul_ms"] > (1 + HEALTH_SLOWER_FRACTION) * median_ms:
@@ -794,7 +783,7 @@ def launch_settings(out_dir: str, env=os.environ, torch_version: str = torch.__v
             env[name] = value
     default("NCCL_NVLS_ENABLE", "0")
     default("PYTORCH_ALLOC_CONF", "expandable_segments:True", "PYTORCH_CUDA_ALLOC_CONF")
-    if D.version_tuple(torch_version)[:2] < ALLOC_CONF_ONE_NAME_FROM and env.get("PYTORCH_ALLOC_CONF"):
+    if TorchVersion(torch_version) < ALLOC_CONF_ONE_NAME_FROM and env.get("PYTORCH_ALLOC_CONF"):
         default("PYTORCH_CUDA_ALLOC_CONF", env["PYTORCH_ALLOC_CONF"])
     default("TORCH_FR_BUFFER_SIZE", "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE")
     default("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")

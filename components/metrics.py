@@ -346,25 +346,9 @@ class MetricsLog:
 def open_metrics(out_dir: str, start_step: int):
     """metrics.jsonl, keeping the lines of the steps a resumed run has already done (and only those)."""
     path = os.path.join(out_dir, "metrics.jsonl")
-    kept = []
-    if start_step and os.path.isfile(path):
-        with open(path) as f:
-            rows = [(line, parse_metrics_line(line)) for line in f if line.strip()]
-        kept = [line for line, row in rows if row is not None and row["step"] <= start_step]
-    with OD.create_file(path + ".tmp") as f:  # never through a link planted under the name
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
+    kept = OD.keep_rows_up_to(path, start_step)
     elapsed_before = json.loads(kept[-1])["elapsed_s"] if kept else 0.0  # time spent before a restart
     return os.fdopen(OD.open_no_follow(path, os.O_WRONLY | os.O_APPEND), "a"), elapsed_before
-
-
-def parse_metrics_line(line: str):
-    """A metrics.jsonl row, or None for a line torn by a crash or a full disk (only ever the last one)."""
-    try:
-        return json.loads(line)
-    except ValueError:
-        print(f"warning: metrics.jsonl: dropping a torn line ({line.strip()[:60]!r})", file=sys.stderr, flush=True)
-        return None
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 import stat
+import sys
 import time
 
 import torch
@@ -202,6 +203,26 @@ def write_text_atomic(path: str, text: str):
             os.unlink(tmp)
         raise
     fsync_dir(os.path.dirname(path))
+
+
+def keep_rows_up_to(path: str, step: int) -> list[str]:
+    """A resumed run's metrics.jsonl or samples.jsonl keeps the rows of the steps it has already done (step <=
+    `step`), and returns them: the steps after are done again. A line torn by a crash or a full disk (only ever the
+    last one) is dropped, with a warning."""
+    kept = []
+    if step and os.path.isfile(path):
+        with open(path) as f:
+            for line in filter(str.strip, f):
+                try:
+                    if json.loads(line)["step"] <= step:
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError):
+                    print(f"warning: {os.path.basename(path)}: dropping a torn line ({line.strip()[:60]!r})",
+                          file=sys.stderr, flush=True)
+    with create_file(path + ".tmp") as f:  # never through a link planted under the name
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+    return kept
 
 
 def fsync_dir(path: str):

@@ -83,15 +83,6 @@ def make_group(cfg, store, rank: int, world: int, device: torch.device, hosts: l
         one.item()  # on a GPU the all-reduce is queued: this waits for it
 
 
-def init_processes(cfg):
-    """Returns (rank, world, device): the device, the ranks met and the group made, with no facts agreed between
-    (train.setup agrees them in between; bench/ and a few tests want just the group)."""
-    device = pick_device(cfg)
-    store, rank, world = rendezvous(cfg)
-    make_group(cfg, store, rank, world, device, [agree.host_name()] * world)
-    return rank, world, device
-
-
 @contextlib.contextmanager
 def first_contact(cfg, store, rank: int, world: int, backend: str, hosts: list[str]):
     """The block runs under a deadline, --first_contact_s: NCCL's first contact hangs rather than fails when its

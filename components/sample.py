@@ -149,7 +149,7 @@ class Sampler:
         self.error_cause = None  # the OSError behind it, for processes.exit_code
         if rank == 0:
             try:
-                keep_rows_up_to(self.path, start_step)
+                OD.keep_rows_up_to(self.path, start_step)
             except OSError as e:
                 self.error, self.error_cause = OD.unwritable(self.path, e), e
 
@@ -165,26 +165,10 @@ class Sampler:
         try:
             with os.fdopen(OD.open_no_follow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
                 f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        except OSError as e:  # a torn last line is dropped on resume (keep_rows_up_to); `with` closed the file
+        except OSError as e:  # a torn last line is dropped on resume (out_dir.keep_rows_up_to); `with` closed the file
             self.error, self.error_cause = OD.unwritable(self.path, e), e
         print(f"samples at step {step} ({len(rows)} prompts, {time.perf_counter() - t0:.1f} s, {self.path}):", flush=True)
         for row in rows:
             prompt = row["prompt"] if isinstance(row["prompt"], str) else row["prompt"][-1]["content"]
             print(f"  {shorten(prompt)!r} -> {shorten(row['completion'])!r}", flush=True)
 
-
-def keep_rows_up_to(path: str, step: int):
-    """samples.jsonl of a resumed run keeps the evaluations it has already done (step <= `step`): the
-    steps after are sampled again. A line torn by a crash is dropped."""
-    kept = []
-    if step and os.path.isfile(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    if json.loads(line)["step"] <= step:
-                        kept.append(line)
-                except (ValueError, KeyError, TypeError):
-                    pass
-    with OD.create_file(path + ".tmp") as f:  # never through a link planted under the name
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)

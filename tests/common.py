@@ -143,9 +143,19 @@ WARM = []  # the session's warm_start process, started by the first run_script
 WARM_LOCK = threading.Lock()
 
 
+def init_processes(cfg):
+    """Returns (rank, world, device): the device, the ranks met and the group made as train.setup makes them, with no
+    facts agreed between (setup agrees them in between; a test that wants just the group)."""
+    from components import agree, processes
+    device = processes.pick_device(cfg)
+    store, rank, world = processes.rendezvous(cfg)
+    processes.make_group(cfg, store, rank, world, device, [agree.host_name()] * world)
+    return rank, world, device
+
+
 def run_train(args: list[str], nproc: int = 1, env: dict | None = None, timeout: int = 600, check=True):
     """Runs train.py at `nproc` ranks (gloo, CPU) as run_script does and returns its CompletedProcess. One rank is
-    plain `python train.py` (a one-process group, as processes.init_processes makes it)."""
+    plain `python train.py` (a one-process group, as init_processes makes it)."""
     with_built_sample(args)
     proc = run_script(os.path.join(ROOT, "train.py"), args, nproc, env, timeout)
     if check and proc.returncode != 0:

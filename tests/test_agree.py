@@ -327,8 +327,9 @@ def test_ecc_and_row_remapping_are_read_from_nvidia_smi_as_it_prints_them():
 
 
 def health(what="GPU 0", ms=20.0, wrong=False, ecc=None, clock_s=1000.0, meet_s=0.01, warnings=()):
-    return dict(what=what, n=8192, matmul_ms=ms, wrong=wrong, ecc=ecc, clock_s=clock_s, meet_s=meet_s,
-                warnings=list(warnings))
+    facts = dict(what=what, n=8192, matmul_ms=ms, wrong=wrong, ecc=ecc, clock_s=clock_s, meet_s=meet_s,
+                 warnings=list(warnings))
+    return dict(facts, problems=gpu_check.device_problems(facts))  # as tools/gpu_check.py's --json says them
 
 
 def test_a_gpu_that_computes_wrongly_or_reports_uncorrectable_errors_is_a_problem_naming_the_node_to_exclude():

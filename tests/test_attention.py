@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from common import ROOT, hf_model, ours_from_hf, small_config
+from common import ROOT, hf_model, init_processes, ours_from_hf, small_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from components import metrics
@@ -303,7 +303,7 @@ def deterministic_off_after():
 
 
 def test_deterministic_reaches_flash_attn_and_torch(monkeypatch, deterministic_off_after):
-    """--deterministic: processes.init_processes turns torch's deterministic algorithms on and sets cuBLAS's fixed
+    """--deterministic: processes.pick_device (common.init_processes) turns torch's deterministic algorithms on and sets cuBLAS's fixed
     workspace (only where unset), and both flash-attn calls (whole rows, packed documents) get
     deterministic=True; without the flag, False. flash-attn is faked: it records its keyword arguments."""
     import torch.distributed as dist
@@ -329,7 +329,7 @@ def test_deterministic_reaches_flash_attn_and_torch(monkeypatch, deterministic_o
         os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
         if workspace_before:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace_before
-        T.processes.init_processes(T.parse_args(["--deterministic", flag, "--device", "cpu"]))
+        init_processes(T.parse_args(["--deterministic", flag, "--device", "cpu"]))
         dist.destroy_process_group()
         OD.group = None
         assert torch.are_deterministic_algorithms_enabled() == (flag == "true")

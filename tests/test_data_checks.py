@@ -300,7 +300,7 @@ def test_jinja2_with_the_sandbox_fixes_is_required():
     sandbox; releases before 3.1.6 let a template escape it."""
     text = open(os.path.join(ROOT, "requirements.txt")).read()
     floor = re.search(r"^jinja2>=([\d.]+)$", text, re.M)
-    assert floor and D.version_tuple(floor[1]) >= (3, 1, 6), "requirements.txt must ask for jinja2>=3.1.6"
+    assert floor and TK.version_tuple(floor[1]) >= (3, 1, 6), "requirements.txt must ask for jinja2>=3.1.6"
     TK.check_jinja2("3.1.6")
     TK.check_jinja2("3.2.0rc1")
     with pytest.raises(D.DataError, match=r"^chat templates need jinja2 >= 3\.1\.6 \(this is 3\.1\.5, "

@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
-from common import planner_assumptions, small_config
+from common import init_processes, planner_assumptions, small_config
 
 import model as M
 from components import checks
@@ -73,7 +73,7 @@ def test_the_nccl_group_is_bound_to_the_ranks_gpu_so_its_set_up_fails_at_start(m
         monkeypatch.setenv("RANK", "3")
     else:
         monkeypatch.delenv("RANK", raising=False)
-    rank, world, got = T.processes.init_processes(T.parse_args(["--device", device]))
+    rank, world, got = init_processes(T.parse_args(["--device", device]))
     [(backend, kwargs)] = calls
     assert (rank, world) == ((3, 8) if rank_env else (0, 1)) == (kwargs["rank"], kwargs["world_size"])
     kwargs["store"].set("k", "v")  # the store the ranks met in, under the trainer's prefix

@@ -194,9 +194,9 @@ def test_a_resumed_run_keeps_the_samples_of_the_steps_it_has_done(tmp_path):
     path = tmp_path / "samples.jsonl"
     path.write_text("".join(json.dumps(dict(step=s, prompt="p", completion="c", ids=[3])) + "\n" for s in (2, 4, 6))
                     + '{"step": 8, "prom')  # torn by a crash
-    S.keep_rows_up_to(str(path), 4)
+    OD.keep_rows_up_to(str(path), 4)
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [2, 4]
-    S.keep_rows_up_to(str(path), 0)  # a fresh start
+    OD.keep_rows_up_to(str(path), 0)  # a fresh start
     assert path.read_text() == ""
 
 

@@ -130,19 +130,35 @@ def allocator_settings(device) -> dict | None:
 
 def device_facts(device, rank: int) -> dict:
     """What a run's rank says of its device before step 1 (agree.decide_health reads it): the check matmul, ECC and
-    row remapping, the allocator setting in effect (a warning when not). `rank`: the fault hook's (tests/faults.py)."""
+    row remapping, the allocator setting in effect (a warning when not), what is wrong (device_problems). `rank`: the fault hook's (tests/faults.py)."""
     cuda = device.type == "cuda"
     matmul = check_matmul(device, rank)  # CUDA starts here: the allocator's settings are read after it
     note = alloc_conf_warning(os.environ, allocator_settings(device), torch.__version__)
-    return dict(what=f"GPU {device.index}" if cuda else "CPU", name=torch.cuda.get_device_name(device) if cuda else None,
-                **matmul, ecc=gpu_ecc(device), warnings=[note] if note else [])
+    facts = dict(what=f"GPU {device.index}" if cuda else "CPU", name=torch.cuda.get_device_name(device) if cuda else None,
+                 **matmul, ecc=gpu_ecc(device), warnings=[note] if note else [])
+    return dict(facts, problems=device_problems(facts))
+
+
+def device_problems(facts: dict) -> list[list[str]]:
+    """Why the device is not to run on, as [what is wrong, what to do besides leaving its node out] each: a wrong
+    result, uncorrectable ECC errors, a row remapping pending or failed. A run names the rank and the node to leave
+    out before them (agree.decide_health)."""
+    ecc, what, n = facts["ecc"] or {}, facts["what"], facts["n"]
+    problems = [[f"{what}'s check matmul ({n} x {n}, exact integers) gave a wrong result: the device computes wrongly",
+                 "have it tested (dcgmi diag)"]] if facts["wrong"] else []
+    if ecc.get("volatile_uncorrectable"):
+        problems.append([f"{what} reports {ecc['volatile_uncorrectable']} uncorrectable ECC error(s) since the driver "
+                         f"loaded (nvidia-smi -q -d ECC): it will crash this run as it did the last", "reset the GPU"])
+    if ecc.get("remap_pending") or ecc.get("remap_failed"):
+        state = "a row remapping failed" if ecc.get("remap_failed") else "a row remapping is pending until a reset"
+        problems.append([f"{what}: {state} (nvidia-smi -q -d ROW_REMAPPER)", "reset the GPU (a failed remapping: "
+                                                                              "replace it)"])
+    return problems
 
 
 def unhealthy(facts: dict) -> bool:
-    """A device not to run on: a wrong result, uncorrectable ECC errors, a row remapping pending or failed."""
-    ecc = facts["ecc"] or {}
-    return facts["wrong"] or bool(ecc.get("volatile_uncorrectable") or ecc.get("remap_pending")
-                                  or ecc.get("remap_failed"))
+    """A device not to run on (device_problems)."""
+    return bool(device_problems(facts))
 
 
 def device_line(facts: dict) -> str:

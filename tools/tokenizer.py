@@ -171,10 +171,15 @@ def added_around(with_specials: list, plain: list) -> tuple[list, list]:
     return [], []
 
 
+def version_tuple(version: str) -> tuple:
+    """(major, minor, patch) of a release's version string (jinja2's)."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
 def check_jinja2(version: str):
     """Releases of jinja2 before 3.1.6 let a chat template escape the sandbox (CVE-2024-56326, CVE-2025-27516):
     an older one already installed is refused before the first template is rendered rather than trusted."""
-    if D.version_tuple(version) < (3, 1, 6):
+    if version_tuple(version) < (3, 1, 6):
         raise D.DataError(f"chat templates need jinja2 >= 3.1.6 (this is {version}, whose sandbox a "
                         f"template can escape); pip install 'jinja2>=3.1.6'")
 
