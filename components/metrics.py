@@ -79,7 +79,7 @@ def stop_line(step: int, steps: int, stop_signals: list, stop_save_skipped: bool
     """What rank 0 says when a stop request ends the run at `step` (train.main saved it, or kept the save in flight)."""
     name = signal.Signals(stop_signals[0]).name if stop_signals else "a signal"
     if stop_save_skipped:
-        then = (f"; its newest checkpoint is the one just written in the background, so the stop did not "
+        then = ("; its newest checkpoint is the one just written in the background, so the stop did not "
                 f"save again: re-run the same command to continue")
     elif step < steps:
         then = "; re-run the same command to continue"
