@@ -80,7 +80,7 @@ def stop_line(step: int, steps: int, stop_signals: list, stop_save_skipped: bool
     name = signal.Signals(stop_signals[0]).name if stop_signals else "a signal"
     if stop_save_skipped:
         then = ("; its newest checkpoint is the one just written in the background, so the stop did not "
-                f"save again: re-run the same command to continue")
+                "save again: re-run the same command to continue")
     elif step < steps:
         then = "; re-run the same command to continue"
     elif export_hf:  # the export is not part of a stop's lead (docs/operations.md)
