@@ -452,7 +452,10 @@ def export_tool(checkpoint: str, cfg, dtype: torch.dtype, *mode: str) -> tuple[i
 def export_checkpoint(checkpoint: str, cfg, dtype: torch.dtype, rank: int, world: int) -> tuple[int, str]:
     """--export_hf from the checkpoint this run has just written: every rank writes its share of the weight files at
     once (tools/export_hf.py --part: 1/W of the reads and writes each), then rank 0 the rest (--finish). (Exit code,
-    line), the same on every rank: a rank's failure is its own line there, and names it on the others."""
+    line), the same on every rank: a rank's failure is its own line there, and names it on the others. One rank:
+    one process does both."""
+    if world == 1:
+        return export_tool(checkpoint, cfg, dtype, "--written_now")
     code, error = export_tool(checkpoint, cfg, dtype, f"--part={rank}", f"--parts={world}", "--written_now")
     codes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(codes, torch.tensor([code]), group=OD.group)  # gloo, --ckpt_timeout_min: parts take minutes

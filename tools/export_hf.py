@@ -277,7 +277,7 @@ def main(argv=None) -> int:
                                      f"and no checkpoints/step_* folder in it)")
         manifest = OD.load_json(os.path.join(path, "manifest.json"))
         checkpoints.check_checkpoint_files(path, args.flag, {u: s["numel"] for u, s in manifest["units"].items()})
-        if args.part is None and not args.finish:
+        if args.part is None and not args.finish and not args.written_now:
             print(f"read checkpoint {path} (step {manifest['step']})", flush=True)
         note = export(path, args.out, getattr(torch, args.dtype), args.shard_gb, -1 if args.finish else args.part,
                       args.parts, args.written_now)
