@@ -339,7 +339,8 @@ def family_tensors(config: dict) -> dict:
     import transformers
     family = M.FAMILIES[config["model_type"]]
     with torch.device("meta"):
-        hf = getattr(transformers, family["hf_class"])(getattr(transformers, family["hf_config_class"]).from_dict(config))
+        config = getattr(transformers, family["hf_config_class"]).from_dict(json.loads(json.dumps(config)))  # a copy:
+        hf = getattr(transformers, family["hf_class"])(config)  # from_dict writes rope_theta into its rope_scaling
     return {name: tuple(t.shape) for name, t in hf_saved_tensors(hf).items()}
 
 
@@ -465,7 +466,7 @@ def export_checkpoint(checkpoint: str, cfg, dtype: torch.dtype, rank: int, world
                                                                         f"write its part (its line says why)"
     finished = torch.tensor([0])
     if rank == 0:
-        finished[0], error = export_tool(checkpoint, cfg, dtype, "--finish")
+        finished[0], error = export_tool(checkpoint, cfg, dtype, "--finish", "--written_now")
     dist.broadcast(finished, src=0, group=OD.group)
     return finished.item(), error if rank == 0 else "--export_hf: rank 0 could not finish it (its line says why)"
 

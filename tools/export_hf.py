@@ -117,13 +117,16 @@ def export_tokenizer(origin: dict, folder: str) -> tuple[list | None, str]:
     return None, "no tokenizer"
 
 
-def finish_export(folder: str, mcfg: M.ModelConfig, dtype: torch.dtype, origin: dict, shapes: dict) -> str:
+def finish_export(folder: str, mcfg: M.ModelConfig, dtype: torch.dtype, origin: dict, shapes: dict,
+                  check: bool = True) -> str:
     """Everything of an export but the weights: the tokenizer, config.json, generation_config.json (the --init_from
-    folder's, sampling defaults included; else the BOS and end ids) and hf.check_export_tensors. Returns the note."""
+    folder's, sampling defaults included; else the BOS and end ids) and, with `check`, hf.check_export_tensors.
+    Returns the note."""
     end_ids, tokenizer_note = export_tokenizer(origin, folder)
     source = origin.get("hf_folder")
     config = hf.config_to_hf(mcfg, dtype, source=hf.source_json(source, "config.json"), eos_ids=end_ids)
-    hf.check_export_tensors(config, shapes)
+    if check:
+        hf.check_export_tensors(config, shapes)
     generation = hf.source_json(source, "generation_config.json") or {"bos_token_id": config["bos_token_id"],
                                                                       "eos_token_id": config["eos_token_id"]}
     for name, content in (("config.json", config), ("generation_config.json", generation)):
@@ -206,7 +209,7 @@ def write_part(checkpoint: str, manifest: dict, tmp: str, dtype: torch.dtype, sh
         reader.read.clear()
 
 
-def finish(checkpoint: str, manifest: dict, out: str, dtype: torch.dtype, shard_gb: float) -> str:
+def finish(checkpoint: str, manifest: dict, out: str, dtype: torch.dtype, shard_gb: float, check: bool) -> str:
     """The weight files' index (from their headers), finish_export's files, then OUT.partial renamed to OUT.
     Returns the tokenizer note."""
     from safetensors import safe_open
@@ -222,7 +225,8 @@ def finish(checkpoint: str, manifest: dict, out: str, dtype: torch.dtype, shard_
     if len(files) > 1:
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, f, indent=2)
-    note = finish_export(tmp, M.ModelConfig(**manifest["model"]), dtype, hf.export_origin(manifest["train"]), shapes)
+    note = finish_export(tmp, M.ModelConfig(**manifest["model"]), dtype, hf.export_origin(manifest["train"]), shapes,
+                         check)
     if os.path.isdir(out):
         os.rmdir(out)  # an empty folder (a non-empty one is refused first)
     os.replace(tmp, out)  # the folder appears complete or not at all
@@ -235,7 +239,8 @@ def export(checkpoint: str, out: str, dtype: torch.dtype, shard_gb: float, part:
     """OUT from the checkpoint: all of it (`part` None), the weight files of one `part` of `parts` (the ranks of
     the run that saved it write theirs at once), or the rest once they are written (`part` -1, --finish).
     `written_now`: the checkpoint this run has just written and hashed as it wrote it, not hashed again (each
-    part would hash every rank file: 12 B per parameter). Returns the tokenizer note; raises CheckpointError
+    part would hash every rank file: 12 B per parameter), of a model whose export the run checked before step 1
+    (hf.check_export, the same model.hf_tensors): not checked again, which would import transformers. Returns the tokenizer note; raises CheckpointError
     (leaving no OUT.partial, but for a part's)."""
     manifest = OD.load_json(os.path.join(checkpoint, "manifest.json"))
     tmp = out.rstrip("/") + ".partial"
@@ -247,7 +252,7 @@ def export(checkpoint: str, out: str, dtype: torch.dtype, shard_gb: float, part:
         os.makedirs(tmp, exist_ok=part is not None)
         if part != -1:
             write_part(checkpoint, manifest, tmp, dtype, shard_gb, part or 0, parts, verified)
-        return finish(checkpoint, manifest, out, dtype, shard_gb) if part in (None, -1) else ""
+        return finish(checkpoint, manifest, out, dtype, shard_gb, not written_now) if part in (None, -1) else ""
     except (OSError, ValueError) as e:  # ValueError: check_export_tensors (transformers would build another model)
         if part in (None, -1):  # a part's failure leaves the others' files: the next attempt's finish clears them
             shutil.rmtree(tmp, ignore_errors=True)
