@@ -120,7 +120,8 @@ def check_phase_tokenizer(cfg, checkpoint: str) -> list[str]:
 
 def check_export(mcfg: M.ModelConfig) -> list[str]:
     """--export_hf: what transformers builds from this model's config.json must be this model, found now rather
-    than after the training (check_export_tensors on model.hf_tensors' names; tools/export_hf.py checks again)."""
+    than after the training (check_export_tensors on model.hf_tensors' names; the export tool run alone checks
+    again, at the end of this run it does not)."""
     with torch.device("meta"):
         params = dict(M.Llama(mcfg).named_parameters())
     shapes = {hf: tuple(t.shape) for n, p in params.items() for hf, t in M.hf_tensors(n, p, params.get).items()}
