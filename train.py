@@ -979,7 +979,7 @@ def export(cfg, sharded: ShardedModel, step: int, saving):
     if not cfg.export_hf:
         return
     path = checkpoints.save_paths(cfg, step)[2]
-    if not os.path.isfile(os.path.join(path, "manifest.json")):
+    if step == 0:  # decided alike on every rank, not from what each one's view of the filesystem shows
         save(cfg, sharded, saving, step, None, background=False)
     code, error = hf.export_checkpoint(path, cfg, sharded.compute_dtype, sharded.rank, sharded.world)
     if code:
