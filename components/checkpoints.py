@@ -443,7 +443,7 @@ def unless_finished(cfg):
             print(message, flush=True)
         return None
     # A stop request in the last step saved it and skipped the export (train.main's loop): this command, run
-    # again, makes it, as `--from_ckpt CHECKPOINT --export_hf DIR` does: the weights only, at any world size.
+    # again, makes it, as `--from_ckpt CHECKPOINT --export_hf DIR` does: tools/export_hf.py, one process (rank 0's).
     # --init_from goes (the checkpoint's manifest names it, for the export's config and tokenizer: export_origin),
     # and what only training reads (--data, --batch_size against the world size) is not checked
     # (flags.check_config's `trains`). Every rank decides alone, before any collective, from the same files on
@@ -812,7 +812,7 @@ def resume(cfg, mcfg, units, windows, rank, candidates: list[str]) -> tuple[int,
 
 
 # ================================================================================================
-# Phases: a new run from one of our checkpoints' weights (--init_from), or a checkpoint to export (--from_ckpt)
+# Phases: a new run from one of our checkpoints' weights (--init_from); an export reads one itself (tools/export_hf.py)
 # ================================================================================================
 
 def find_checkpoint(path: str) -> str | None:
@@ -885,7 +885,7 @@ def check_checkpoint_files(path: str, flag: str, numels: dict):
 
 def load_weights(path: str, units: list, flag: str) -> dict:
     """The fp32 master shards of the checkpoint `path`, re-sharded for this world size, no optimizer state
-    (--init_from: a new phase; --from_ckpt), agreed by every rank (read_agreed), of the units it holds (check_units
+    (--init_from: a new phase), agreed by every rank (read_agreed), of the units it holds (check_units
     decided before any work which units it may lack). Returns its manifest."""
     try:
         manifest, error, failed = read_agreed(path, None, None, None, units, master_only=True)
